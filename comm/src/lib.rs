@@ -1,0 +1,116 @@
+//! braid-comm: collectives over a group of ranks, behind the [`Comm`] trait.
+//!
+//! A `Comm` is one process group: layers receive the group they communicate over as an
+//! argument (there is no global group). This issue ships [`SingleRank`], the group of
+//! one, with which every parallel layer is exactly its plain counterpart. `LocalComm`
+//! (ranks as threads) and `NcclComm` implement the same trait in a later issue.
+
+use std::fmt;
+
+use braid_kernels::{Shape, Tensor};
+
+/// A communication error, naming the collective, the rank and the group size.
+#[derive(Debug, thiserror::Error)]
+pub enum CommError {
+    #[error("{op} on rank {rank} of {size}: {msg}")]
+    Invalid {
+        op: &'static str,
+        rank: usize,
+        size: usize,
+        msg: String,
+    },
+    #[error(transparent)]
+    Kernel(#[from] braid_kernels::Error),
+}
+
+pub type Result<T, E = CommError> = std::result::Result<T, E>;
+
+/// The collectives of a process group. Tensors are exchanged whole, in rank order;
+/// "along dim 0" means the leading dimension of each rank's tensor.
+///
+/// Every collective used in a forward pass has an adjoint used in the backward:
+/// identity <-> all-reduce, all-gather <-> reduce-scatter, scatter (split) <-> gather.
+pub trait Comm: Send + Sync + fmt::Debug {
+    /// This rank's index in the group, `0..size`.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the group.
+    fn size(&self) -> usize;
+
+    /// `t = sum over ranks of t`, in place.
+    fn all_reduce_sum(&self, t: &mut Tensor) -> Result<()>;
+    /// Concatenation along dim 0 of every rank's `t` (all of one shape), in rank order.
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor>;
+    /// The sum over ranks of `t`, of which this rank keeps the `rank`-th of `size`
+    /// equal slices along dim 0.
+    fn reduce_scatter_sum(&self, t: &Tensor) -> Result<Tensor>;
+    /// Every rank's `t` becomes the `root` rank's.
+    fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<()>;
+    /// Sends `t` to rank `dst`.
+    fn send(&self, t: &Tensor, dst: usize) -> Result<()>;
+    /// Receives a tensor of `shape` from rank `src`.
+    fn recv(&self, shape: &Shape, src: usize) -> Result<Tensor>;
+    /// Ragged all-to-all: `parts[r]` goes to rank `r`; returns what each rank sent
+    /// here, indexed by source rank.
+    fn all_to_all_v(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>>;
+    /// Returns once every rank has called it.
+    fn barrier(&self) -> Result<()>;
+}
+
+/// The group of one rank: every collective is the identity.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SingleRank;
+
+impl SingleRank {
+    fn no_peer(op: &'static str, peer: usize) -> CommError {
+        CommError::Invalid {
+            op,
+            rank: 0,
+            size: 1,
+            msg: format!("rank {peer} does not exist in a group of one"),
+        }
+    }
+}
+
+impl Comm for SingleRank {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn size(&self) -> usize {
+        1
+    }
+    fn all_reduce_sum(&self, _t: &mut Tensor) -> Result<()> {
+        Ok(())
+    }
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
+        Ok(t.try_clone()?)
+    }
+    fn reduce_scatter_sum(&self, t: &Tensor) -> Result<Tensor> {
+        Ok(t.try_clone()?)
+    }
+    fn broadcast(&self, _t: &mut Tensor, root: usize) -> Result<()> {
+        if root != 0 {
+            return Err(Self::no_peer("broadcast", root));
+        }
+        Ok(())
+    }
+    fn send(&self, _t: &Tensor, dst: usize) -> Result<()> {
+        Err(Self::no_peer("send", dst))
+    }
+    fn recv(&self, _shape: &Shape, src: usize) -> Result<Tensor> {
+        Err(Self::no_peer("recv", src))
+    }
+    fn all_to_all_v(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        if parts.len() != 1 {
+            return Err(CommError::Invalid {
+                op: "all_to_all_v",
+                rank: 0,
+                size: 1,
+                msg: format!("expected 1 part (one per rank), got {}", parts.len()),
+            });
+        }
+        Ok(parts)
+    }
+    fn barrier(&self) -> Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,2 @@
+//! Benchmarks of braid-kernels ops (filled in with the ops).
+fn main() {}

@@ -1,0 +1,226 @@
+//! The kernels a device must provide, grouped by family.
+//!
+//! [`crate::ops`] validates every argument (shapes, dtypes, devices) and then calls
+//! these methods on the backend of the inputs' device, so a backend may assume its
+//! inputs are consistent. Each family is its own trait so that each lives in its own
+//! file per backend (`cpu/norm.rs`, later `cuda/norm.rs`); [`Backend`] is all of them.
+//!
+//! Conventions: shapes use the letters of llm.c — `B` batch, `T` tokens, `C` channels,
+//! `NH` query heads, `NKV` key/value heads, `HS` head size, `V` vocab, `N` rows of a
+//! matrix view (all leading dimensions flattened). Backward methods *add* into
+//! parameter grads (`dw`, `db`) and *return* input grads.
+
+use std::fmt;
+
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::ops::activation::Activation;
+use crate::ops::attention::AttentionSpec;
+use crate::ops::conv::Conv1dSpec;
+use crate::ops::matmul::GemmSpec;
+use crate::ops::optim::AdamWSpec;
+use crate::shape::Shape;
+use crate::tensor::{CpuStorage, Tensor};
+
+/// Allocation, host <-> device copies and casts.
+pub trait MemoryKernels {
+    fn zeros(&self, shape: &Shape, dtype: DType) -> Result<Tensor>;
+    fn from_host(&self, data: CpuStorage, shape: Shape) -> Result<Tensor>;
+    fn to_host(&self, t: &Tensor) -> Result<CpuStorage>;
+    /// f32 <-> bf16 (round to nearest even).
+    fn cast(&self, x: &Tensor, dtype: DType) -> Result<Tensor>;
+}
+
+/// Elementwise arithmetic and reductions used by residuals, grad accumulation and
+/// grad clipping.
+pub trait ElementwiseKernels {
+    /// `a + b`, same shapes.
+    fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor>;
+    /// `acc += x`, same shapes.
+    fn add_assign(&self, acc: &mut Tensor, x: &Tensor) -> Result<()>;
+    /// `x *= s`.
+    fn scale_assign(&self, x: &mut Tensor, s: f32) -> Result<()>;
+    /// `sum(x^2)` accumulated in f64, returned to the host (one scalar).
+    fn sum_squares(&self, x: &Tensor) -> Result<f64>;
+}
+
+/// Matrix products.
+pub trait MatmulKernels {
+    /// `c = alpha * op(a) @ op(b) + beta * c`, batched; see [`GemmSpec`].
+    fn gemm(&self, a: &Tensor, b: &Tensor, c: &mut Tensor, spec: &GemmSpec) -> Result<()>;
+    /// `y[n, :] += bias` for every row `n`. y (N, C), bias (C).
+    fn add_bias(&self, y: &mut Tensor, bias: &Tensor) -> Result<()>;
+    /// `dbias += sum_n dy[n, :]`. dy (N, C), dbias (C).
+    fn bias_grad(&self, dy: &Tensor, dbias: &mut Tensor) -> Result<()>;
+}
+
+/// Token embeddings.
+pub trait EmbeddingKernels {
+    /// ids (N) u32, table (V, C) -> (N, C).
+    fn embedding_fwd(&self, ids: &Tensor, table: &Tensor) -> Result<Tensor>;
+    /// dtable[ids[n], :] += dy[n, :]. dy (N, C).
+    fn embedding_bwd(&self, dy: &Tensor, ids: &Tensor, dtable: &mut Tensor) -> Result<()>;
+}
+
+/// LayerNorm and RMSNorm over the last dimension.
+pub trait NormKernels {
+    /// x (N, C), w (C), b (C) -> (y (N, C), mean (N), rstd (N)).
+    fn layer_norm_fwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: Option<&Tensor>,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor, Tensor)>;
+    /// -> dx (N, C); adds into dw, db when given.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_norm_bwd(
+        &self,
+        dy: &Tensor,
+        x: &Tensor,
+        w: &Tensor,
+        mean: &Tensor,
+        rstd: &Tensor,
+        dw: Option<&mut Tensor>,
+        db: Option<&mut Tensor>,
+    ) -> Result<Tensor>;
+    /// x (N, C), w (C) -> (y (N, C), rstd (N)).
+    fn rms_norm_fwd(&self, x: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)>;
+    /// -> dx (N, C); adds into dw when given.
+    fn rms_norm_bwd(
+        &self,
+        dy: &Tensor,
+        x: &Tensor,
+        w: &Tensor,
+        rstd: &Tensor,
+        dw: Option<&mut Tensor>,
+    ) -> Result<Tensor>;
+}
+
+/// Rotary position embedding.
+pub trait RopeKernels {
+    /// x (T, NH, HS), cos/sin (T, R/2) with R <= HS even. Rotates the first R channels
+    /// of every head in the "rotate half" layout (pairs `i` and `i + R/2`), as Hugging
+    /// Face's Llama/Qwen2 do. `inverse` rotates by the negative angle: that is the
+    /// backward (the rotation is orthogonal).
+    fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, inverse: bool) -> Result<Tensor>;
+}
+
+/// Pointwise activations, SwiGLU, softmax.
+pub trait ActivationKernels {
+    fn activation_fwd(&self, x: &Tensor, act: Activation) -> Result<Tensor>;
+    /// dx = dy * act'(x).
+    fn activation_bwd(&self, dy: &Tensor, x: &Tensor, act: Activation) -> Result<Tensor>;
+    /// silu(gate) * up, same shapes.
+    fn swiglu_fwd(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor>;
+    /// -> (dgate, dup).
+    fn swiglu_bwd(&self, dy: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)>;
+    /// Softmax over the last dimension.
+    fn softmax_fwd(&self, x: &Tensor) -> Result<Tensor>;
+    /// dx = y * (dy - sum(dy * y)), per row.
+    fn softmax_bwd(&self, dy: &Tensor, y: &Tensor) -> Result<Tensor>;
+}
+
+/// Scaled-dot-product attention over packed variable-length sequences.
+pub trait AttentionKernels {
+    /// q (T, NH, HS), k/v (T, NKV, HS), `cu_seqlens` = [0, t1, t1 + t2, ..., T]
+    /// -> (out (T, NH, HS), lse (NH, T)): the log-sum-exp of each query row's scores,
+    /// kept for the backward.
+    fn attention_fwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cu_seqlens: &[usize],
+        spec: &AttentionSpec,
+    ) -> Result<(Tensor, Tensor)>;
+    /// -> (dq, dk, dv), shaped like q, k, v.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_bwd(
+        &self,
+        dout: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        cu_seqlens: &[usize],
+        spec: &AttentionSpec,
+    ) -> Result<(Tensor, Tensor, Tensor)>;
+}
+
+/// Softmax cross-entropy, fused forward + backward.
+pub trait LossKernels {
+    /// logits (N, V), targets (N) u32 -> (losses (N), dlogits (N, V)).
+    /// Rows whose target is `ignore_index` get loss 0 and grad 0; the others get
+    /// `-log softmax(logits)[target]` and `grad_scale * (softmax - onehot)`.
+    fn cross_entropy(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        ignore_index: u32,
+        grad_scale: f32,
+    ) -> Result<(Tensor, Tensor)>;
+}
+
+/// Convolution-like ops of the encoder stems.
+pub trait ConvKernels {
+    /// x (B, CI, L), w (CO, CI, K), b (CO) -> (B, CO, LO).
+    fn conv1d_fwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: Option<&Tensor>,
+        spec: &Conv1dSpec,
+    ) -> Result<Tensor>;
+    /// -> dx (B, CI, L); adds into dw, db when given.
+    fn conv1d_bwd(
+        &self,
+        dy: &Tensor,
+        x: &Tensor,
+        w: &Tensor,
+        spec: &Conv1dSpec,
+        dw: Option<&mut Tensor>,
+        db: Option<&mut Tensor>,
+    ) -> Result<Tensor>;
+    /// images (B, C, H, W) -> patches (B, (H/P)*(W/P), C*P*P), rows in raster order,
+    /// each row flattened as (C, P, P) — the order of a PyTorch conv weight, so a
+    /// conv patch-embedding's weight reshaped to (D, C*P*P) is the matching linear.
+    fn patchify(&self, images: &Tensor, patch: usize) -> Result<Tensor>;
+    /// The adjoint of [`ConvKernels::patchify`]: dpatches -> dimages (B, C, H, W).
+    fn unpatchify(&self, dpatches: &Tensor, image_shape: &Shape, patch: usize) -> Result<Tensor>;
+}
+
+/// Optimizer updates, in place.
+pub trait OptimKernels {
+    /// One AdamW step (decoupled weight decay, bias-corrected), as `torch.optim.AdamW`.
+    fn adamw_step(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        m: &mut Tensor,
+        v: &mut Tensor,
+        spec: &AdamWSpec,
+    ) -> Result<()>;
+}
+
+/// Everything a device must implement. CPU: [`crate::cpu::CpuBackend`].
+pub trait Backend:
+    MemoryKernels
+    + ElementwiseKernels
+    + MatmulKernels
+    + EmbeddingKernels
+    + NormKernels
+    + RopeKernels
+    + ActivationKernels
+    + AttentionKernels
+    + LossKernels
+    + ConvKernels
+    + OptimKernels
+    + Send
+    + Sync
+    + fmt::Debug
+{
+    /// A short name for logs ("cpu", "cuda").
+    fn name(&self) -> &'static str;
+}

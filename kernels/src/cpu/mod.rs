@@ -1,0 +1,38 @@
+//! The CPU backend: the f32 reference every other backend is tested against.
+//!
+//! One file per kernel family, each holding `impl <Family>Kernels for CpuBackend`.
+//! Heavy loops run on rayon; matrix products go through the `gemm` crate
+//! ([`matmul::sgemm`]). bf16 tensors are storage only here: ops on them are a dtype
+//! error, cast to f32 first.
+
+mod activation;
+mod attention;
+mod conv;
+mod elementwise;
+mod embedding;
+mod loss;
+pub(crate) mod matmul;
+mod memory;
+mod norm;
+mod optim;
+mod rope;
+
+use crate::backend::Backend;
+
+/// The CPU backend (stateless; threads come from rayon's global pool).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuBackend;
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+}
+
+/// Rows below which splitting work across threads costs more than it saves.
+pub(crate) const PAR_MIN_ELEMS: usize = 1 << 14;
+
+/// Placeholder error of a kernel not written yet (removed once every family lands).
+pub(crate) fn not_yet(op: &'static str) -> crate::Error {
+    crate::Error::invalid(op, "not implemented on the CPU backend yet")
+}

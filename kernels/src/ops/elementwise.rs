@@ -1,0 +1,61 @@
+//! Elementwise arithmetic, reductions and casts.
+
+use super::{same_device, same_float_dtype, same_shape};
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// `a + b` (same shape, same dtype, same device).
+pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    const OP: &str = "add";
+    let dev = same_device(OP, &[("a", a), ("b", b)])?;
+    same_float_dtype(OP, &[("a", a), ("b", b)])?;
+    same_shape(OP, ("a", a), ("b", b))?;
+    dev.backend()?.add(a, b)
+}
+
+/// `acc += x` — how gradients accumulate.
+pub fn add_assign(acc: &mut Tensor, x: &Tensor) -> Result<()> {
+    const OP: &str = "add_assign";
+    let dev = same_device(OP, &[("acc", acc), ("x", x)])?;
+    same_float_dtype(OP, &[("acc", acc), ("x", x)])?;
+    same_shape(OP, ("acc", acc), ("x", x))?;
+    dev.backend()?.add_assign(acc, x)
+}
+
+/// `x *= s` in place.
+pub fn scale_assign(x: &mut Tensor, s: f32) -> Result<()> {
+    same_float_dtype("scale_assign", &[("x", x)])?;
+    x.device().backend()?.scale_assign(x, s)
+}
+
+/// `sum(x^2)`, accumulated in f64 and returned to the host.
+pub fn sum_squares(x: &Tensor) -> Result<f64> {
+    same_float_dtype("sum_squares", &[("x", x)])?;
+    x.device().backend()?.sum_squares(x)
+}
+
+/// The global L2 norm of a set of tensors (the gradients of a model): one f64 per
+/// tensor comes to the host and is summed there, in order, so the result is
+/// deterministic.
+pub fn global_norm<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<f64> {
+    let mut total = 0.0f64;
+    for t in tensors {
+        total += sum_squares(t)?;
+    }
+    Ok(total.sqrt())
+}
+
+/// Converts between f32 and bf16 (round to nearest even); the same dtype is a copy.
+pub fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
+    same_float_dtype("cast", &[("x", x)])?;
+    if !dtype.is_float() {
+        return Err(crate::Error::DType {
+            op: "cast",
+            arg: "dtype",
+            got: dtype,
+            expected: DType::F32,
+        });
+    }
+    x.device().backend()?.cast(x, dtype)
+}

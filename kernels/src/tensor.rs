@@ -1,0 +1,276 @@
+//! `Tensor`: a device buffer + shape + dtype. Host access only through explicit copies.
+
+use std::fmt;
+
+use half::bf16;
+
+use crate::device::Device;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::shape::Shape;
+
+/// The buffer behind a tensor, one variant per device kind.
+///
+/// A CUDA backend adds `Cuda(CudaStorage)` here; every `match` on `Storage` in this
+/// crate then names the place a CUDA code path is needed.
+#[derive(Debug)]
+pub enum Storage {
+    Cpu(CpuStorage),
+}
+
+/// A host buffer: the CPU backend's storage, and the unit of every host <-> device copy.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CpuStorage {
+    F32(Vec<f32>),
+    BF16(Vec<bf16>),
+    U32(Vec<u32>),
+}
+
+impl CpuStorage {
+    pub fn dtype(&self) -> DType {
+        match self {
+            CpuStorage::F32(_) => DType::F32,
+            CpuStorage::BF16(_) => DType::BF16,
+            CpuStorage::U32(_) => DType::U32,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            CpuStorage::F32(v) => v.len(),
+            CpuStorage::BF16(v) => v.len(),
+            CpuStorage::U32(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A dense, contiguous, row-major n-dimensional array on one device.
+///
+/// There are no views and no strides: an op that needs a transpose says so in its
+/// arguments (see [`crate::ops::matmul`]), which keeps every kernel's memory access
+/// explicit and makes each op a single, checkable function.
+pub struct Tensor {
+    storage: Storage,
+    shape: Shape,
+}
+
+impl Tensor {
+    /// Builds a tensor from a storage; the length must match the shape.
+    pub(crate) fn from_storage(storage: Storage, shape: Shape) -> Result<Self> {
+        let len = match &storage {
+            Storage::Cpu(s) => s.len(),
+        };
+        if len != shape.elem_count() {
+            return Err(Error::BufferLen { len, shape });
+        }
+        Ok(Tensor { storage, shape })
+    }
+
+    /// A tensor of zeros.
+    pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Self> {
+        device.backend()?.zeros(&shape.into(), dtype)
+    }
+
+    /// Copies a host buffer to `device` (on CPU the buffer is moved, not copied).
+    pub fn from_host(data: CpuStorage, shape: impl Into<Shape>, device: Device) -> Result<Self> {
+        device.backend()?.from_host(data, shape.into())
+    }
+
+    /// Copies f32 host data to `device`.
+    pub fn from_vec(data: Vec<f32>, shape: impl Into<Shape>, device: Device) -> Result<Self> {
+        Self::from_host(CpuStorage::F32(data), shape, device)
+    }
+
+    /// Copies u32 host data (token ids, targets) to `device`.
+    pub fn from_vec_u32(data: Vec<u32>, shape: impl Into<Shape>, device: Device) -> Result<Self> {
+        Self::from_host(CpuStorage::U32(data), shape, device)
+    }
+
+    /// A tensor filled with `value` (f32).
+    pub fn full(value: f32, shape: impl Into<Shape>, device: Device) -> Result<Self> {
+        let shape = shape.into();
+        Self::from_vec(vec![value; shape.elem_count()], shape, device)
+    }
+
+    /// Normal(0, std) f32 values from `rng`, drawn on the host and copied to `device`.
+    pub fn randn(
+        shape: impl Into<Shape>,
+        std: f32,
+        rng: &mut crate::rng::Rng,
+        device: Device,
+    ) -> Result<Self> {
+        let shape = shape.into();
+        let data = rng.normal_vec(shape.elem_count(), std);
+        Self::from_vec(data, shape, device)
+    }
+
+    /// Explicit copy to the host, as it is stored.
+    pub fn to_host(&self) -> Result<CpuStorage> {
+        self.device().backend()?.to_host(self)
+    }
+
+    /// Explicit copy to the host as f32 (bf16 is widened; u32 is an error).
+    pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
+        match self.to_host()? {
+            CpuStorage::F32(v) => Ok(v),
+            CpuStorage::BF16(v) => Ok(v.iter().map(|x| x.to_f32()).collect()),
+            CpuStorage::U32(_) => Err(Error::DType {
+                op: "to_vec_f32",
+                arg: "self",
+                got: DType::U32,
+                expected: DType::F32,
+            }),
+        }
+    }
+
+    /// Explicit copy to the host of a u32 tensor.
+    pub fn to_vec_u32(&self) -> Result<Vec<u32>> {
+        match self.to_host()? {
+            CpuStorage::U32(v) => Ok(v),
+            other => Err(Error::DType {
+                op: "to_vec_u32",
+                arg: "self",
+                got: other.dtype(),
+                expected: DType::U32,
+            }),
+        }
+    }
+
+    pub fn shape(&self) -> &Shape {
+        &self.shape
+    }
+
+    pub fn dims(&self) -> &[usize] {
+        self.shape.dims()
+    }
+
+    pub fn rank(&self) -> usize {
+        self.shape.rank()
+    }
+
+    pub fn elem_count(&self) -> usize {
+        self.shape.elem_count()
+    }
+
+    pub fn dtype(&self) -> DType {
+        match &self.storage {
+            Storage::Cpu(s) => s.dtype(),
+        }
+    }
+
+    pub fn device(&self) -> Device {
+        match &self.storage {
+            Storage::Cpu(_) => Device::Cpu,
+        }
+    }
+
+    pub fn storage(&self) -> &Storage {
+        &self.storage
+    }
+
+    /// Same data, new shape with the same number of elements (free: no copy).
+    pub fn reshape(self, shape: impl Into<Shape>) -> Result<Self> {
+        let shape = shape.into();
+        if shape.elem_count() != self.shape.elem_count() {
+            return Err(Error::shape(
+                "reshape",
+                format!("cannot reshape {} into {}", self.shape, shape),
+            ));
+        }
+        Ok(Tensor {
+            storage: self.storage,
+            shape,
+        })
+    }
+
+    /// A deep copy on the same device.
+    pub fn try_clone(&self) -> Result<Self> {
+        let storage = match &self.storage {
+            Storage::Cpu(s) => Storage::Cpu(s.clone()),
+        };
+        Ok(Tensor {
+            storage,
+            shape: self.shape.clone(),
+        })
+    }
+
+    /// Sets every element to zero, keeping shape, dtype and device (grad buffers).
+    pub fn zero_(&mut self) -> Result<()> {
+        *self = Tensor::zeros(self.shape.clone(), self.dtype(), self.device())?;
+        Ok(())
+    }
+
+    // ---- backend access (crate-private: layers never touch buffers) ----
+
+    /// The f32 host slice of a CPU tensor; names `op`/`arg` in the error otherwise.
+    pub(crate) fn cpu_f32(&self, op: &'static str, arg: &'static str) -> Result<&[f32]> {
+        match &self.storage {
+            Storage::Cpu(CpuStorage::F32(v)) => Ok(v),
+            Storage::Cpu(other) => Err(Error::DType {
+                op,
+                arg,
+                got: other.dtype(),
+                expected: DType::F32,
+            }),
+        }
+    }
+
+    /// Mutable f32 host slice of a CPU tensor.
+    pub(crate) fn cpu_f32_mut(
+        &mut self,
+        op: &'static str,
+        arg: &'static str,
+    ) -> Result<&mut [f32]> {
+        match &mut self.storage {
+            Storage::Cpu(CpuStorage::F32(v)) => Ok(v),
+            Storage::Cpu(other) => Err(Error::DType {
+                op,
+                arg,
+                got: other.dtype(),
+                expected: DType::F32,
+            }),
+        }
+    }
+
+    /// The u32 host slice of a CPU tensor.
+    pub(crate) fn cpu_u32(&self, op: &'static str, arg: &'static str) -> Result<&[u32]> {
+        match &self.storage {
+            Storage::Cpu(CpuStorage::U32(v)) => Ok(v),
+            Storage::Cpu(other) => Err(Error::DType {
+                op,
+                arg,
+                got: other.dtype(),
+                expected: DType::U32,
+            }),
+        }
+    }
+
+    /// The CPU storage, whatever its dtype.
+    pub(crate) fn cpu_storage(&self, op: &'static str, arg: &'static str) -> Result<&CpuStorage> {
+        let _ = (op, arg); // used once a second storage variant exists
+        match &self.storage {
+            Storage::Cpu(s) => Ok(s),
+        }
+    }
+
+    /// A new CPU tensor from an f32 buffer (length checked).
+    pub(crate) fn cpu_from_f32(data: Vec<f32>, shape: impl Into<Shape>) -> Result<Self> {
+        Self::from_storage(Storage::Cpu(CpuStorage::F32(data)), shape.into())
+    }
+}
+
+impl fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Tensor({}, {}, {})",
+            self.shape,
+            self.dtype(),
+            self.device()
+        )
+    }
+}

@@ -1,0 +1,2 @@
+//! Benchmarks of braid-nn layers (filled in with the layers).
+fn main() {}

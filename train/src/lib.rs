@@ -1,0 +1,1 @@
+//! braid-train: run config, job assembly, pipeline schedules, optimizer, checkpoints and metrics.
