@@ -25,8 +25,8 @@ use crate::tensor::{CpuStorage, Tensor};
 /// Allocation, host <-> device copies and casts.
 pub trait MemoryKernels {
     fn zeros(&self, shape: &Shape, dtype: DType) -> Result<Tensor>;
-    fn from_host(&self, data: CpuStorage, shape: Shape) -> Result<Tensor>;
-    fn to_host(&self, t: &Tensor) -> Result<CpuStorage>;
+    fn copy_from_host(&self, data: CpuStorage, shape: Shape) -> Result<Tensor>;
+    fn copy_to_host(&self, t: &Tensor) -> Result<CpuStorage>;
     /// f32 <-> bf16 (round to nearest even).
     fn cast(&self, x: &Tensor, dtype: DType) -> Result<Tensor>;
 }

@@ -77,7 +77,7 @@ impl Tensor {
 
     /// Copies a host buffer to `device` (on CPU the buffer is moved, not copied).
     pub fn from_host(data: CpuStorage, shape: impl Into<Shape>, device: Device) -> Result<Self> {
-        device.backend()?.from_host(data, shape.into())
+        device.backend()?.copy_from_host(data, shape.into())
     }
 
     /// Copies f32 host data to `device`.
@@ -110,7 +110,7 @@ impl Tensor {
 
     /// Explicit copy to the host, as it is stored.
     pub fn to_host(&self) -> Result<CpuStorage> {
-        self.device().backend()?.to_host(self)
+        self.device().backend()?.copy_to_host(self)
     }
 
     /// Explicit copy to the host as f32 (bf16 is widened; u32 is an error).

@@ -66,7 +66,9 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f32], atol: f32, rtol: f32)
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         let err = (g - w).abs();
         let excess = err - (atol + rtol * w.abs());
-        if !(excess <= 0.0) && worst.is_none_or(|(_, e)| excess > e || e.is_nan()) {
+        // NaN anywhere is a failure, hence the explicit is_nan.
+        let failed = excess > 0.0 || excess.is_nan();
+        if failed && worst.is_none_or(|(_, e)| excess > e || e.is_nan()) {
             worst = Some((i, excess));
         }
     }

@@ -435,6 +435,11 @@ fn linear_errors(dev: Device) -> Result<()> {
         ops::linear_bwd(&z(&[2, 2, 5])?, &x, &w, None, None),
         Err(Error::Shape { .. })
     ));
+    // Same row count, different leading dims: dy does not belong to this x.
+    assert!(matches!(
+        ops::linear_bwd(&z(&[3, 2, 5])?, &x, &w, None, None),
+        Err(Error::Shape { .. })
+    ));
     let mut dw_bad = z(&[4, 5])?;
     assert!(matches!(
         ops::linear_bwd(&dy, &x, &w, Some(&mut dw_bad), None),

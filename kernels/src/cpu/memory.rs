@@ -21,11 +21,11 @@ impl MemoryKernels for CpuBackend {
         Tensor::from_storage(Storage::Cpu(storage), shape.clone())
     }
 
-    fn from_host(&self, data: CpuStorage, shape: Shape) -> Result<Tensor> {
+    fn copy_from_host(&self, data: CpuStorage, shape: Shape) -> Result<Tensor> {
         Tensor::from_storage(Storage::Cpu(data), shape)
     }
 
-    fn to_host(&self, t: &Tensor) -> Result<CpuStorage> {
+    fn copy_to_host(&self, t: &Tensor) -> Result<CpuStorage> {
         Ok(t.cpu_storage("to_host", "t")?.clone())
     }
 

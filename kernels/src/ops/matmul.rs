@@ -203,8 +203,9 @@ pub fn linear_bwd(
     let dtype = same_float_dtype(OP, &[("dy", dy), ("x", x), ("w", w)])?;
     let (rows, k) = rows_and_features(OP, "x", x)?;
     let [n, kw] = w.shape().dims_n::<2>(OP, "w")?;
-    let (dy_rows, dy_n) = rows_and_features(OP, "dy", dy)?;
-    if kw != k || dy_rows != rows || dy_n != n {
+    let (_, dy_n) = rows_and_features(OP, "dy", dy)?;
+    let lead = |t: &Tensor| t.dims()[..t.rank() - 1].to_vec();
+    if kw != k || dy_n != n || lead(dy) != lead(x) {
         return Err(Error::shape(
             OP,
             format!(
