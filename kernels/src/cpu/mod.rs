@@ -31,8 +31,3 @@ impl Backend for CpuBackend {
 
 /// Rows below which splitting work across threads costs more than it saves.
 pub(crate) const PAR_MIN_ELEMS: usize = 1 << 14;
-
-/// Placeholder error of a kernel not written yet (removed once every family lands).
-pub(crate) fn not_yet(op: &'static str) -> crate::Error {
-    crate::Error::invalid(op, "not implemented on the CPU backend yet")
-}
