@@ -129,3 +129,30 @@ macro_rules! test_on_devices {
         )*
     };
 }
+
+/// A rayon pool of `threads` threads, to show a result does not depend on the count.
+pub fn thread_pool(threads: usize) -> Result<rayon::ThreadPool> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| crate::Error::invalid("thread_pool", e.to_string()))
+}
+
+/// Runs `f` on a fresh rayon pool of `threads` threads.
+pub fn in_pool<T: Send>(threads: usize, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+    thread_pool(threads)?.install(f)
+}
+
+/// Asserts that an expression is `Err` matching a pattern, printing what it got.
+#[macro_export]
+macro_rules! assert_err {
+    ($e:expr, $p:pat) => {{
+        let r = $e;
+        assert!(
+            matches!(r, Err($p)),
+            "expected Err({}), got {:?}",
+            stringify!($p),
+            r
+        );
+    }};
+}

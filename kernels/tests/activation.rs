@@ -2,26 +2,16 @@
 //! Taylor series and continued fraction), backward by finite differences, errors,
 //! determinism.
 
+use braid_kernels::assert_err;
 use braid_kernels::ops::activation::erfc;
 use braid_kernels::ops::{
     self, Activation, activation_bwd, activation_fwd, softmax_bwd, softmax_fwd, swiglu_bwd,
     swiglu_fwd,
 };
 use braid_kernels::rng::Rng;
+use braid_kernels::testing::in_pool;
 use braid_kernels::testing::{FdTolerance, assert_close, check_grad, dot};
 use braid_kernels::{DType, Device, Error, Result, Tensor};
-
-macro_rules! assert_err {
-    ($e:expr, $p:pat) => {{
-        let r = $e;
-        assert!(
-            matches!(r, Err($p)),
-            "expected Err({}), got {:?}",
-            stringify!($p),
-            r
-        );
-    }};
-}
 
 const ALL: [Activation; 4] = [
     Activation::GeluTanh,
@@ -32,14 +22,6 @@ const ALL: [Activation; 4] = [
 
 fn tensor(v: &[f32], shape: &[usize], dev: Device) -> Result<Tensor> {
     Tensor::from_vec(v.to_vec(), shape, dev)
-}
-
-fn in_pool<T: Send>(threads: usize, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .map_err(|e| Error::invalid("in_pool", e.to_string()))?
-        .install(f)
 }
 
 /// erf by its Maclaurin series, summed until the terms stop mattering (|x| <= 3,

@@ -3,6 +3,7 @@
 
 use braid_kernels::ops::{self, Conv1dSpec};
 use braid_kernels::rng::Rng;
+use braid_kernels::testing::thread_pool;
 use braid_kernels::testing::{FdTolerance, assert_close, check_grad, dot};
 use braid_kernels::{DType, Device, Error, Result, Shape, Tensor};
 
@@ -391,7 +392,7 @@ fn conv1d_deterministic(dev: Device) -> Result<()> {
         let first = run()?;
         assert_eq!(first, run()?, "two runs differ");
         for threads in [1, 3] {
-            let pool = pool(threads)?;
+            let pool = thread_pool(threads)?;
             assert_eq!(
                 first,
                 pool.install(run)?,
@@ -553,17 +554,9 @@ fn patchify_deterministic(dev: Device) -> Result<()> {
     };
     let first = run()?;
     assert_eq!(first, run()?);
-    let pool = pool(1)?;
+    let pool = thread_pool(1)?;
     assert_eq!(first, pool.install(run)?);
     Ok(())
-}
-
-/// A rayon pool of `threads` threads, to show results do not depend on the count.
-fn pool(threads: usize) -> Result<rayon::ThreadPool> {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .map_err(|e| Error::invalid("test", e.to_string()))
 }
 
 braid_kernels::test_on_devices!(

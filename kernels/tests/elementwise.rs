@@ -5,6 +5,7 @@
 
 use braid_kernels::ops;
 use braid_kernels::rng::Rng;
+use braid_kernels::testing::thread_pool;
 use braid_kernels::testing::{FdTolerance, assert_close, check_grad, dot};
 use braid_kernels::{DType, Device, Error, Result, Tensor};
 
@@ -52,7 +53,7 @@ fn sum_squares_and_global_norm(dev: Device) -> Result<()> {
     assert!((norm - total.sqrt()).abs() <= 1e-12 * total.sqrt());
     assert_eq!(ops::global_norm(std::iter::empty::<&Tensor>())?, 0.0);
     // Deterministic, whatever the thread count (fixed chunks, ordered partial sums).
-    let pool = pool(1)?;
+    let pool = thread_pool(1)?;
     let single = pool.install(|| ops::global_norm(&tensors))?;
     assert_eq!(single.to_bits(), norm.to_bits());
     Ok(())
@@ -299,7 +300,7 @@ fn matmul_deterministic(dev: Device) -> Result<()> {
     let first = run()?;
     assert_eq!(first, run()?);
     for threads in [1, 3] {
-        let pool = pool(threads)?;
+        let pool = thread_pool(threads)?;
         assert_eq!(first, pool.install(run)?, "{threads} threads");
     }
     Ok(())
@@ -456,14 +457,6 @@ fn linear_errors(dev: Device) -> Result<()> {
         Err(Error::DType { .. })
     ));
     Ok(())
-}
-
-/// A rayon pool of `threads` threads, to show results do not depend on the count.
-fn pool(threads: usize) -> Result<rayon::ThreadPool> {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .map_err(|e| Error::invalid("test", e.to_string()))
 }
 
 braid_kernels::test_on_devices!(

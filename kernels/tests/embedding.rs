@@ -1,33 +1,15 @@
 //! Embedding lookup and scatter-add backward: reference, finite differences, `+=` with
 //! repeated ids, out-of-range ids, errors, determinism.
 
+use braid_kernels::assert_err;
 use braid_kernels::ops::{self, embedding_bwd, embedding_fwd};
 use braid_kernels::rng::Rng;
+use braid_kernels::testing::in_pool;
 use braid_kernels::testing::{FdTolerance, assert_close, check_grad, dot};
 use braid_kernels::{DType, Device, Error, Result, Tensor};
 
-macro_rules! assert_err {
-    ($e:expr, $p:pat) => {{
-        let r = $e;
-        assert!(
-            matches!(r, Err($p)),
-            "expected Err({}), got {:?}",
-            stringify!($p),
-            r
-        );
-    }};
-}
-
 fn tensor(v: &[f32], shape: &[usize], dev: Device) -> Result<Tensor> {
     Tensor::from_vec(v.to_vec(), shape, dev)
-}
-
-fn in_pool<T: Send>(threads: usize, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .map_err(|e| Error::invalid("in_pool", e.to_string()))?
-        .install(f)
 }
 
 /// dtable + scatter-add of dy, in f64.

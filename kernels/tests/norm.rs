@@ -1,34 +1,15 @@
 //! LayerNorm and RMSNorm: forward against an f64 reference, backward by finite
 //! differences for x, w and b, `+=` into parameter grads, errors, determinism.
 
+use braid_kernels::assert_err;
 use braid_kernels::ops::{self, layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd};
 use braid_kernels::rng::Rng;
+use braid_kernels::testing::in_pool;
 use braid_kernels::testing::{FdTolerance, assert_close, check_grad, dot};
 use braid_kernels::{DType, Device, Error, Result, Tensor};
 
-macro_rules! assert_err {
-    ($e:expr, $p:pat) => {{
-        let r = $e;
-        assert!(
-            matches!(r, Err($p)),
-            "expected Err({}), got {:?}",
-            stringify!($p),
-            r
-        );
-    }};
-}
-
 fn tensor(v: &[f32], shape: &[usize], dev: Device) -> Result<Tensor> {
     Tensor::from_vec(v.to_vec(), shape, dev)
-}
-
-/// Runs `f` on a rayon pool of `threads` threads.
-fn in_pool<T: Send>(threads: usize, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .map_err(|e| Error::invalid("in_pool", e.to_string()))?
-        .install(f)
 }
 
 /// LayerNorm in f64: (y, mean, rstd).

@@ -4,6 +4,7 @@
 use braid_kernels::ops::{self, AdamWSpec};
 use braid_kernels::rng::Rng;
 use braid_kernels::testing::assert_close;
+use braid_kernels::testing::thread_pool;
 use braid_kernels::{DType, Device, Error, Result, Tensor};
 
 /// Hyperparameters as PyTorch holds them: Python floats (f64) of the decimals written.
@@ -267,17 +268,9 @@ fn adamw_deterministic(dev: Device) -> Result<()> {
     };
     let first = run()?;
     assert_eq!(first, run()?);
-    let pool = pool(1)?;
+    let pool = thread_pool(1)?;
     assert_eq!(first, pool.install(run)?);
     Ok(())
-}
-
-/// A rayon pool of `threads` threads, to show results do not depend on the count.
-fn pool(threads: usize) -> Result<rayon::ThreadPool> {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .map_err(|e| Error::invalid("test", e.to_string()))
 }
 
 braid_kernels::test_on_devices!(
