@@ -1,16 +1,50 @@
 //! Token-embedding lookup and its scatter-add backward.
 //!
-//! OWNER NOTE: validation to be completed (ids u32 rank 1, ids < V reported as Invalid).
+//! Ids may have any rank >= 1 (`(N)` or `(B, T)`): the kernels read them as a flat
+//! `(N)` and the output takes the ids' shape plus the channel dimension. That every id
+//! is `< V` is a property of values in device memory, so it is checked by the kernel
+//! (the CPU one returns [`Error::Invalid`] naming the first bad id, its position and
+//! V); this layer checks everything else.
 
-use crate::error::Result;
+use super::{expect_dtype, expect_shape, same_device, same_float_dtype};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::shape::Shape;
 use crate::tensor::Tensor;
 
-/// ids (N) u32, table (V, C) -> (N, C).
-pub fn embedding_fwd(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
-    table.device().backend()?.embedding_fwd(ids, table)
+/// `ids` must be u32 of rank >= 1; returns the shape of the rows it selects, `ids.dims + [C]`.
+fn out_shape(op: &'static str, ids: &Tensor, c: usize) -> Result<Shape> {
+    expect_dtype(op, DType::U32, &[("ids", ids)])?;
+    if ids.rank() == 0 {
+        return Err(Error::shape(
+            op,
+            "`ids` must have rank >= 1, got a scalar".to_string(),
+        ));
+    }
+    let mut dims = ids.dims().to_vec();
+    dims.push(c);
+    Ok(Shape::new(dims))
 }
 
-/// dtable[ids[n], :] += dy[n, :].
+/// ids (..., ) u32, table (V, C) -> (..., C): row `ids[n]` of the table for every n.
+pub fn embedding_fwd(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
+    const OP: &str = "embedding_fwd";
+    let dev = same_device(OP, &[("table", table), ("ids", ids)])?;
+    same_float_dtype(OP, &[("table", table)])?;
+    let [_, c] = table.shape().dims_n::<2>(OP, "table")?;
+    let shape = out_shape(OP, ids, c)?;
+    let y = dev.backend()?.embedding_fwd(ids, table)?;
+    y.reshape(shape)
+}
+
+/// dtable[ids[n], :] += dy[n, :]; `dy` is `ids.dims + [C]`, `dtable` (V, C). Repeated
+/// ids sum their rows.
 pub fn embedding_bwd(dy: &Tensor, ids: &Tensor, dtable: &mut Tensor) -> Result<()> {
-    dy.device().backend()?.embedding_bwd(dy, ids, dtable)
+    const OP: &str = "embedding_bwd";
+    let dev = same_device(OP, &[("dtable", dtable), ("dy", dy), ("ids", ids)])?;
+    same_float_dtype(OP, &[("dtable", dtable), ("dy", dy)])?;
+    let [_, c] = dtable.shape().dims_n::<2>(OP, "dtable")?;
+    let shape = out_shape(OP, ids, c)?;
+    expect_shape(OP, "dy", dy, &shape)?;
+    dev.backend()?.embedding_bwd(dy, ids, dtable)
 }
