@@ -12,8 +12,8 @@ use braid_comm::SingleRank;
 use braid_kernels::rng::Rng;
 use braid_kernels::{Device, Tensor};
 use braid_nn::{
-    AttentionConfig, AttentionDims, BlockConfig, Init, MlpConfig, MlpKind, NormKind, RopeConfig, SeqInfo,
-    TransformerBlock,
+    AttentionConfig, AttentionDims, BlockConfig, Init, MlpConfig, MlpKind, NormKind, RopeConfig,
+    SeqInfo, TransformerBlock,
 };
 
 const WARMUP: usize = 1;
@@ -35,14 +35,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             causal: true,
             qkv_bias: false,
             o_bias: false,
-            rope: Some(RopeConfig { theta: 1e4, rot_dim: hs }),
+            rope: Some(RopeConfig {
+                theta: 1e4,
+                rot_dim: hs,
+            }),
         },
-        mlp: MlpConfig { c, ff, kind: MlpKind::SwiGlu, bias: false },
+        mlp: MlpConfig {
+            c,
+            ff,
+            kind: MlpKind::SwiGlu,
+            bias: false,
+        },
         norm: NormKind::RmsNorm,
         norm_eps: 1e-6,
     };
     let dev = Device::Cpu;
-    let mut block = TransformerBlock::new(&Init::new(0, dev), "blocks.0", config, Arc::new(SingleRank))?;
+    let mut block =
+        TransformerBlock::new(&Init::new(0, dev), "blocks.0", config, Arc::new(SingleRank))?;
     let x = Tensor::randn([t, c], 1.0, &mut Rng::new(1), dev)?;
     let dy = Tensor::randn([t, c], 1.0, &mut Rng::new(2), dev)?;
 

@@ -1,4 +1,6 @@
 //! Attention and the transformer block: forward against a slow reference,
+// Test code: a failed expectation is a panic by design.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 //! finite-difference grads, packed (varlen) samples, determinism, names, validation
 //! and tensor-parallel equivalence.
 
@@ -11,34 +13,55 @@ use braid_kernels::ops::Activation;
 use braid_kernels::testing::{FdTolerance, assert_close};
 use braid_kernels::{Device, Tensor};
 use braid_nn::{
-    Attention, AttentionConfig, AttentionDims, BlockConfig, MlpConfig, MlpKind, Module, NormKind, RopeConfig,
-    SeqInfo, TransformerBlock,
+    Attention, AttentionConfig, AttentionDims, BlockConfig, MlpConfig, MlpKind, Module, NormKind,
+    RopeConfig, SeqInfo, TransformerBlock,
 };
 use common::*;
 
 fn gqa_rope_causal() -> AttentionConfig {
     AttentionConfig {
-        dims: AttentionDims { c: 8, nh: 4, nkv: 2, hs: 4 },
+        dims: AttentionDims {
+            c: 8,
+            nh: 4,
+            nkv: 2,
+            hs: 4,
+        },
         causal: true,
         qkv_bias: true,
         o_bias: false,
-        rope: Some(RopeConfig { theta: 100.0, rot_dim: 4 }),
+        rope: Some(RopeConfig {
+            theta: 100.0,
+            rot_dim: 4,
+        }),
     }
 }
 
 fn bidirectional_partial_rope() -> AttentionConfig {
     AttentionConfig {
-        dims: AttentionDims { c: 6, nh: 2, nkv: 2, hs: 4 },
+        dims: AttentionDims {
+            c: 6,
+            nh: 2,
+            nkv: 2,
+            hs: 4,
+        },
         causal: false,
         qkv_bias: false,
         o_bias: true,
-        rope: Some(RopeConfig { theta: 10.0, rot_dim: 2 }),
+        rope: Some(RopeConfig {
+            theta: 10.0,
+            rot_dim: 2,
+        }),
     }
 }
 
 fn no_rope_mqa() -> AttentionConfig {
     AttentionConfig {
-        dims: AttentionDims { c: 6, nh: 3, nkv: 1, hs: 2 },
+        dims: AttentionDims {
+            c: 6,
+            nh: 3,
+            nkv: 1,
+            hs: 2,
+        },
         causal: false,
         qkv_bias: true,
         o_bias: true,
@@ -63,9 +86,19 @@ fn lin(x: &[f64], w: &[f32], b: Option<&[f32]>, k: usize) -> Vec<f64> {
 fn reference_attention(a: &Attention, x: &[f32], seq: &SeqInfo) -> TestResult<Vec<f32>> {
     let AttentionDims { c, nh, nkv, hs } = a.config.dims;
     let p = |n: &str| param_host(a, &format!("{}.{n}", a.name)).map(|p| p.0);
-    let opt = |n: &str| if a.config.qkv_bias { p(n).map(Some) } else { Ok(None) };
+    let opt = |n: &str| {
+        if a.config.qkv_bias {
+            p(n).map(Some)
+        } else {
+            Ok(None)
+        }
+    };
     let x: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
-    let (qb, kb, vb) = (opt("q_proj.bias")?, opt("k_proj.bias")?, opt("v_proj.bias")?);
+    let (qb, kb, vb) = (
+        opt("q_proj.bias")?,
+        opt("k_proj.bias")?,
+        opt("v_proj.bias")?,
+    );
     let mut q = lin(&x, &p("q_proj.weight")?, qb.as_deref(), c); // (T, NH * HS)
     let mut k = lin(&x, &p("k_proj.weight")?, kb.as_deref(), c); // (T, NKV * HS)
     let v = lin(&x, &p("v_proj.weight")?, vb.as_deref(), c); // (T, NKV * HS)
@@ -94,10 +127,17 @@ fn reference_attention(a: &Attention, x: &[f32], seq: &SeqInfo) -> TestResult<Ve
         for i in w[0]..w[1] {
             for h in 0..nh {
                 let g = h / (nh / nkv);
-                let keys: Vec<usize> = (w[0]..w[1]).filter(|&j| !a.config.causal || j <= i).collect();
+                let keys: Vec<usize> = (w[0]..w[1])
+                    .filter(|&j| !a.config.causal || j <= i)
+                    .collect();
                 let s: Vec<f64> = keys
                     .iter()
-                    .map(|&j| (0..hs).map(|d| q[(i * nh + h) * hs + d] * k[(j * nkv + g) * hs + d]).sum::<f64>() * scale)
+                    .map(|&j| {
+                        (0..hs)
+                            .map(|d| q[(i * nh + h) * hs + d] * k[(j * nkv + g) * hs + d])
+                            .sum::<f64>()
+                            * scale
+                    })
                     .collect();
                 let m = s.iter().cloned().fold(f64::MIN, f64::max);
                 let z: f64 = s.iter().map(|v| (v - m).exp()).sum();
@@ -110,8 +150,15 @@ fn reference_attention(a: &Attention, x: &[f32], seq: &SeqInfo) -> TestResult<Ve
             }
         }
     }
-    let ob = if a.config.o_bias { Some(p("o_proj.bias")?) } else { None };
-    Ok(lin(&out, &p("o_proj.weight")?, ob.as_deref(), nh * hs).iter().map(|&v| v as f32).collect())
+    let ob = if a.config.o_bias {
+        Some(p("o_proj.bias")?)
+    } else {
+        None
+    };
+    Ok(lin(&out, &p("o_proj.weight")?, ob.as_deref(), nh * hs)
+        .iter()
+        .map(|&v| v as f32)
+        .collect())
 }
 
 fn attention_forward_matches_reference(dev: Device) -> TestResult {
@@ -125,7 +172,13 @@ fn attention_forward_matches_reference(dev: Device) -> TestResult {
         let c = config.dims.c;
         let x = randn(2, seq.num_tokens() * c);
         let (y, _) = a.forward(&tensor(&x, &[seq.num_tokens(), c], dev)?, &seq)?;
-        assert_close("attention forward", &y.to_vec_f32()?, &reference_attention(&a, &x, &seq)?, 1e-5, 1e-4);
+        assert_close(
+            "attention forward",
+            &y.to_vec_f32()?,
+            &reference_attention(&a, &x, &seq)?,
+            1e-5,
+            1e-4,
+        );
     }
     Ok(())
 }
@@ -160,7 +213,12 @@ fn attention_grads(dev: Device) -> TestResult {
 fn ln_gelu() -> BlockConfig {
     BlockConfig {
         attn: bidirectional_partial_rope(),
-        mlp: MlpConfig { c: 6, ff: 8, kind: MlpKind::Gelu(Activation::GeluTanh), bias: true },
+        mlp: MlpConfig {
+            c: 6,
+            ff: 8,
+            kind: MlpKind::Gelu(Activation::GeluTanh),
+            bias: true,
+        },
         norm: NormKind::LayerNorm,
         norm_eps: 1e-5,
     }
@@ -169,7 +227,12 @@ fn ln_gelu() -> BlockConfig {
 fn rms_swiglu() -> BlockConfig {
     BlockConfig {
         attn: gqa_rope_causal(),
-        mlp: MlpConfig { c: 8, ff: 12, kind: MlpKind::SwiGlu, bias: false },
+        mlp: MlpConfig {
+            c: 8,
+            ff: 12,
+            kind: MlpKind::SwiGlu,
+            bias: false,
+        },
         norm: NormKind::RmsNorm,
         norm_eps: 1e-6,
     }
@@ -224,7 +287,13 @@ fn packed_block_equals_separate_samples(dev: Device) -> TestResult {
         assert_close("per-sample dx", &dxs.to_vec_f32()?, &dx[s..e], 1e-6, 1e-5);
     }
     for ((name, g_packed), (_, g_sum)) in packed_grads.iter().zip(grads(&b)?) {
-        assert_close(name, &g_sum.ok_or("grad")?, g_packed.as_ref().ok_or("grad")?, 1e-5, 1e-4);
+        assert_close(
+            name,
+            &g_sum.ok_or("grad")?,
+            g_packed.as_ref().ok_or("grad")?,
+            1e-5,
+            1e-4,
+        );
     }
     Ok(())
 }
@@ -233,8 +302,13 @@ fn packed_block_equals_separate_samples(dev: Device) -> TestResult {
 fn block_is_deterministic(dev: Device) -> TestResult {
     let seq = SeqInfo::packed(&[4, 3]);
     let x = randn(10, 7 * 8);
-    let run = || -> TestResult<(Vec<(String, Vec<f32>)>, Vec<f32>, Vec<f32>)> {
-        let mut b = TransformerBlock::new(&braid_nn::Init::new(11, dev), "blocks.0", rms_swiglu(), single())?;
+    let run = || -> TestResult<(NamedValues, Vec<f32>, Vec<f32>)> {
+        let mut b = TransformerBlock::new(
+            &braid_nn::Init::new(11, dev),
+            "blocks.0",
+            rms_swiglu(),
+            single(),
+        )?;
         let mut params = Vec::new();
         for (n, _) in b.param_shapes() {
             params.push((n.clone(), param_host(&b, &n)?.0));
@@ -268,55 +342,128 @@ fn block_param_names_and_shapes(dev: Device) -> TestResult {
     .map(|(n, s)| (n.to_string(), s))
     .collect();
     assert_eq!(b.param_shapes(), want);
-    assert_eq!(b.num_params(), want.iter().map(|(_, s)| s.iter().product::<usize>()).sum());
+    assert_eq!(
+        b.num_params(),
+        want.iter().map(|(_, s)| s.iter().product::<usize>()).sum()
+    );
     // Rank 1 of 2 holds half the heads and half the hidden units.
-    let tp = TransformerBlock::new(&test_init(1, dev), "blocks.3", rms_swiglu(), Arc::new(EchoRank { rank: 1, size: 2 }))?;
+    let tp = TransformerBlock::new(
+        &test_init(1, dev),
+        "blocks.3",
+        rms_swiglu(),
+        Arc::new(EchoRank { rank: 1, size: 2 }),
+    )?;
     let shapes = tp.param_shapes();
-    assert_eq!(shapes[1], ("blocks.3.self_attn.q_proj.weight".into(), vec![8, 8]));
-    assert_eq!(shapes[3], ("blocks.3.self_attn.k_proj.weight".into(), vec![4, 8]));
-    assert_eq!(shapes[7], ("blocks.3.self_attn.o_proj.weight".into(), vec![8, 8]));
-    assert_eq!(shapes[11], ("blocks.3.mlp.down_proj.weight".into(), vec![8, 6]));
+    assert_eq!(
+        shapes[1],
+        ("blocks.3.self_attn.q_proj.weight".into(), vec![8, 8])
+    );
+    assert_eq!(
+        shapes[3],
+        ("blocks.3.self_attn.k_proj.weight".into(), vec![4, 8])
+    );
+    assert_eq!(
+        shapes[7],
+        ("blocks.3.self_attn.o_proj.weight".into(), vec![8, 8])
+    );
+    assert_eq!(
+        shapes[11],
+        ("blocks.3.mlp.down_proj.weight".into(), vec![8, 6])
+    );
     Ok(())
 }
 
 fn config_errors_say_what_is_wrong(dev: Device) -> TestResult {
     let init = test_init(1, dev);
     let msg = |cfg: AttentionConfig, g: Arc<dyn Comm>| {
-        Attention::new(&init, "attn", cfg, g).map(|_| ()).expect_err("invalid config").to_string()
+        Attention::new(&init, "attn", cfg, g)
+            .map(|_| ())
+            .expect_err("invalid config")
+            .to_string()
     };
     let mut cfg = gqa_rope_causal();
-    cfg.dims = AttentionDims { c: 8, nh: 6, nkv: 4, hs: 4 };
-    assert_eq!(msg(cfg, single()), "invalid AttentionDims: nh = 6 is not a multiple of nkv = 4");
-    cfg.dims = AttentionDims { c: 8, nh: 4, nkv: 1, hs: 4 };
+    cfg.dims = AttentionDims {
+        c: 8,
+        nh: 6,
+        nkv: 4,
+        hs: 4,
+    };
+    assert_eq!(
+        msg(cfg, single()),
+        "invalid AttentionDims: nh = 6 is not a multiple of nkv = 4"
+    );
+    cfg.dims = AttentionDims {
+        c: 8,
+        nh: 4,
+        nkv: 1,
+        hs: 4,
+    };
     assert_eq!(
         msg(cfg, Arc::new(EchoRank { rank: 0, size: 2 })),
         "invalid AttentionDims: nkv = 1 key/value heads cannot be split across a TP group of 2"
     );
-    cfg.dims = AttentionDims { c: 8, nh: 4, nkv: 2, hs: 3 };
-    cfg.rope = Some(RopeConfig { theta: 1e4, rot_dim: 3 });
-    assert_eq!(msg(cfg, single()), "invalid RopeConfig: rot_dim = 3 must be even and > 0");
-    cfg.rope = Some(RopeConfig { theta: 1e4, rot_dim: 4 });
-    assert_eq!(msg(cfg, single()), "invalid RopeConfig: rot_dim = 4 is larger than the head size hs = 3");
+    cfg.dims = AttentionDims {
+        c: 8,
+        nh: 4,
+        nkv: 2,
+        hs: 3,
+    };
+    cfg.rope = Some(RopeConfig {
+        theta: 1e4,
+        rot_dim: 3,
+    });
+    assert_eq!(
+        msg(cfg, single()),
+        "invalid RopeConfig: rot_dim = 3 must be even and > 0"
+    );
+    cfg.rope = Some(RopeConfig {
+        theta: 1e4,
+        rot_dim: 4,
+    });
+    assert_eq!(
+        msg(cfg, single()),
+        "invalid RopeConfig: rot_dim = 4 is larger than the head size hs = 3"
+    );
     cfg.dims.c = 0;
     assert!(msg(cfg, single()).contains("must all be > 0"));
 
     let mut bc = rms_swiglu();
     bc.mlp.c = 6;
-    let err = TransformerBlock::new(&init, "b", bc, single()).map(|_| ()).expect_err("c mismatch");
-    assert_eq!(err.to_string(), "invalid BlockConfig: mlp.c = 6 differs from attn.dims.c = 8");
+    let err = TransformerBlock::new(&init, "b", bc, single())
+        .map(|_| ())
+        .expect_err("c mismatch");
+    assert_eq!(
+        err.to_string(),
+        "invalid BlockConfig: mlp.c = 6 differs from attn.dims.c = 8"
+    );
 
     // Runtime input errors: the offsets must describe exactly the tokens given.
     let a = Attention::new(&init, "blocks.0.self_attn", gqa_rope_causal(), single())?;
     let x = Tensor::zeros([5, 8], braid_kernels::DType::F32, dev)?;
-    let err = a.forward(&x, &SeqInfo::packed(&[2, 2])).map(|_| ()).expect_err("4 != 5 tokens");
+    let err = a
+        .forward(&x, &SeqInfo::packed(&[2, 2]))
+        .map(|_| ())
+        .expect_err("4 != 5 tokens");
     assert_eq!(
         err.to_string(),
         "blocks.0.self_attn: invalid input: SeqInfo: invalid input: cu_seqlens ends at 4 but the input has T = 5 tokens"
     );
-    let bad = SeqInfo { cu_seqlens: vec![0, 3, 2, 5], positions: vec![0; 5] };
+    let bad = SeqInfo {
+        cu_seqlens: vec![0, 3, 2, 5],
+        positions: vec![0; 5],
+    };
     assert!(a.forward(&x, &bad).is_err());
-    let err = a.forward(&Tensor::zeros([5, 7], braid_kernels::DType::F32, dev)?, &SeqInfo::single(5)).map(|_| ());
-    assert!(err.expect_err("C = 7").to_string().contains("x must be (T, C = 8) packed tokens, got shape [5, 7]"));
+    let err = a
+        .forward(
+            &Tensor::zeros([5, 7], braid_kernels::DType::F32, dev)?,
+            &SeqInfo::single(5),
+        )
+        .map(|_| ());
+    assert!(
+        err.expect_err("C = 7")
+            .to_string()
+            .contains("x must be (T, C = 8) packed tokens, got shape [5, 7]")
+    );
     Ok(())
 }
 
@@ -326,7 +473,7 @@ fn block_tp2_matches_single_rank(dev: Device) -> TestResult {
     let seq = SeqInfo::packed(&[3, 4]);
     let x = randn(12, 7 * 8);
     let dy = randn(13, 7 * 8);
-    let run = |g: Arc<dyn Comm>| -> TestResult<(Vec<f32>, Vec<f32>, Vec<(String, Option<Vec<f32>>)>)> {
+    let run = |g: Arc<dyn Comm>| -> TestResult<Outcome> {
         let mut b = TransformerBlock::new(&test_init(14, dev), "blocks.0", rms_swiglu(), g)?;
         let (y, cache) = b.forward(&tensor(&x, &[7, 8], dev)?, &seq)?;
         let dx = b.backward(cache, &tensor(&dy, &[7, 8], dev)?)?;
@@ -338,7 +485,9 @@ fn block_tp2_matches_single_rank(dev: Device) -> TestResult {
             .into_iter()
             .map(|r| s.spawn(|| run(Arc::new(r)).map_err(|e| e.to_string())))
             .collect();
-        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        hs.into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
     });
     let mut q_grad = Vec::new();
     for r in results {
@@ -346,10 +495,22 @@ fn block_tp2_matches_single_rank(dev: Device) -> TestResult {
         assert_close("tp2 block y", &ry, &y, 1e-5, 1e-5);
         assert_close("tp2 block dx", &rdx, &dx, 1e-5, 1e-4);
         // Replicated params (norm weights) get the full grad on every rank.
-        assert_close("tp2 norm grad", rg[0].1.as_ref().ok_or("grad")?, g[0].1.as_ref().ok_or("grad")?, 1e-5, 1e-4);
+        assert_close(
+            "tp2 norm grad",
+            rg[0].1.as_ref().ok_or("grad")?,
+            g[0].1.as_ref().ok_or("grad")?,
+            1e-5,
+            1e-4,
+        );
         q_grad.extend(rg[1].1.clone().ok_or("grad")?);
     }
-    assert_close("tp2 q_proj grad", &q_grad, g[1].1.as_ref().ok_or("grad")?, 1e-5, 1e-4);
+    assert_close(
+        "tp2 q_proj grad",
+        &q_grad,
+        g[1].1.as_ref().ok_or("grad")?,
+        1e-5,
+        1e-4,
+    );
     Ok(())
 }
 

@@ -1,4 +1,6 @@
 //! Embedding, LayerNorm, RMSNorm and the two MLP kinds: finite-difference grads,
+// Test code: a failed expectation is a panic by design.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 //! frozen params, accumulation and tensor-parallel equivalence.
 
 mod common;
@@ -25,7 +27,10 @@ fn embedding_grads(dev: Device) -> TestResult {
     let (_, g) = param_host(&e, "embed_tokens.weight")?;
     let numeric = fd_grad(&table, 1e-2, |tp| {
         let t = Tensor::from_vec(tp.to_vec(), [5, 3], dev)?;
-        Ok(dot(&braid_kernels::ops::embedding_fwd(&ids, &t)?.to_vec_f32()?, &r))
+        Ok(dot(
+            &braid_kernels::ops::embedding_fwd(&ids, &t)?.to_vec_f32()?,
+            &r,
+        ))
     })?;
     assert_close("dembed", &g.ok_or("grad")?, &numeric, 2e-3, 2e-2);
     e.freeze();
@@ -63,24 +68,39 @@ fn norm_grads(dev: Device) -> TestResult {
 
 fn norm_init_and_names(dev: Device) -> TestResult {
     let ln = LayerNorm::new(&test_init(1, dev), "ln", 4, 1e-5, true)?;
-    assert_eq!(ln.param_shapes(), vec![("ln.weight".into(), vec![4]), ("ln.bias".into(), vec![4])]);
+    assert_eq!(
+        ln.param_shapes(),
+        vec![("ln.weight".into(), vec![4]), ("ln.bias".into(), vec![4])]
+    );
     assert_eq!(param_host(&ln, "ln.weight")?.0, vec![1.0; 4]);
     assert_eq!(param_host(&ln, "ln.bias")?.0, vec![0.0; 4]);
     let rms = RmsNorm::new(&test_init(1, dev), "rms", 4, 1e-6)?;
     assert_eq!(rms.param_shapes(), vec![("rms.weight".into(), vec![4])]);
     let err = RmsNorm::new(&test_init(1, dev), "rms", 4, 0.0).expect_err("eps 0");
-    assert!(err.to_string().contains("eps = 0 must be a positive number"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("eps = 0 must be a positive number"),
+        "{err}"
+    );
     Ok(())
 }
 
 fn mlp(dev: Device, kind: MlpKind, bias: bool, group: Arc<dyn Comm>) -> braid_nn::Result<Mlp> {
-    let config = MlpConfig { c: 4, ff: 6, kind, bias };
+    let config = MlpConfig {
+        c: 4,
+        ff: 6,
+        kind,
+        bias,
+    };
     Mlp::new(&test_init(5, dev), "mlp", config, group)
 }
 
 fn mlp_grads(dev: Device) -> TestResult {
     let x = randn(6, 3 * 4);
-    for (kind, bias) in [(MlpKind::Gelu(Activation::GeluTanh), true), (MlpKind::SwiGlu, false)] {
+    for (kind, bias) in [
+        (MlpKind::Gelu(Activation::GeluTanh), true),
+        (MlpKind::SwiGlu, false),
+    ] {
         let mut m = mlp(dev, kind, bias, single())?;
         check_layer(
             &format!("{kind:?}"),
@@ -111,7 +131,12 @@ fn mlp_names(dev: Device) -> TestResult {
             ("mlp.fc2.bias".into(), vec![4]),
         ]
     );
-    let swiglu = mlp(dev, MlpKind::SwiGlu, false, Arc::new(EchoRank { rank: 1, size: 2 }))?;
+    let swiglu = mlp(
+        dev,
+        MlpKind::SwiGlu,
+        false,
+        Arc::new(EchoRank { rank: 1, size: 2 }),
+    )?;
     assert_eq!(
         names(&swiglu),
         vec![
@@ -120,8 +145,17 @@ fn mlp_names(dev: Device) -> TestResult {
             ("mlp.down_proj.weight".into(), vec![4, 3]),
         ]
     );
-    let err = mlp(dev, MlpKind::SwiGlu, false, Arc::new(EchoRank { rank: 0, size: 4 })).expect_err("6 % 4");
-    assert_eq!(err.to_string(), "invalid MlpConfig: ff = 6 is not a multiple of the TP size 4");
+    let err = mlp(
+        dev,
+        MlpKind::SwiGlu,
+        false,
+        Arc::new(EchoRank { rank: 0, size: 4 }),
+    )
+    .expect_err("6 % 4");
+    assert_eq!(
+        err.to_string(),
+        "invalid MlpConfig: ff = 6 is not a multiple of the TP size 4"
+    );
     Ok(())
 }
 
@@ -152,7 +186,7 @@ fn mlp_tp2_matches_single_rank(dev: Device) -> TestResult {
     let x = randn(9, 3 * 4);
     let dy = randn(10, 3 * 4);
     for kind in [MlpKind::SwiGlu, MlpKind::Gelu(Activation::GeluTanh)] {
-        let run = |g: Arc<dyn Comm>| -> TestResult<(Vec<f32>, Vec<f32>, Vec<(String, Option<Vec<f32>>)>)> {
+        let run = |g: Arc<dyn Comm>| -> TestResult<Outcome> {
             let mut m = mlp(dev, kind, true, g)?;
             let (y, c) = m.forward(&tensor(&x, &[3, 4], dev)?)?;
             let dx = m.backward(c, &tensor(&dy, &[3, 4], dev)?)?;
@@ -164,18 +198,30 @@ fn mlp_tp2_matches_single_rank(dev: Device) -> TestResult {
                 .into_iter()
                 .map(|r| s.spawn(|| run(Arc::new(r)).map_err(|e| e.to_string())))
                 .collect();
-            hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+            hs.into_iter()
+                .map(|h| h.join().expect("rank thread"))
+                .collect()
         });
         let mut up_w = Vec::new();
         for r in results {
             let (ry, rdx, rg) = r?;
             assert_close("tp2 mlp y", &ry, &y, 1e-5, 1e-5);
             assert_close("tp2 mlp dx", &rdx, &dx, 1e-5, 1e-5);
-            let i = rg.iter().position(|(n, _)| n.ends_with("up_proj.weight") || n.ends_with("fc1.weight"));
+            let i = rg
+                .iter()
+                .position(|(n, _)| n.ends_with("up_proj.weight") || n.ends_with("fc1.weight"));
             up_w.extend(rg[i.ok_or("up weight")?].1.clone().ok_or("grad")?);
         }
-        let i = g.iter().position(|(n, _)| n.ends_with("up_proj.weight") || n.ends_with("fc1.weight"));
-        assert_close("tp2 up grad", &up_w, g[i.ok_or("up weight")?].1.as_ref().ok_or("grad")?, 1e-6, 1e-6);
+        let i = g
+            .iter()
+            .position(|(n, _)| n.ends_with("up_proj.weight") || n.ends_with("fc1.weight"));
+        assert_close(
+            "tp2 up grad",
+            &up_w,
+            g[i.ok_or("up weight")?].1.as_ref().ok_or("grad")?,
+            1e-6,
+            1e-6,
+        );
     }
     Ok(())
 }

@@ -1,4 +1,6 @@
 //! Linear, Column/RowParallelLinear, the TP comm regions, parameters and init.
+// Test code: a failed expectation is a panic by design.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
@@ -255,19 +257,17 @@ fn tp2_column_row_matches_single_rank(dev: Device) -> TestResult {
     let init = test_init(17, dev);
     let x = randn(18, 3 * 4);
     let dy = randn(19, 3 * 4);
-    let run =
-        |g: Arc<dyn Comm>| -> TestResult<(Vec<f32>, Vec<f32>, Vec<(String, Option<Vec<f32>>)>)> {
-            let mut fc1 =
-                ColumnParallelLinear::new(&init, "fc1", 4, 8, true, false, Arc::clone(&g))?;
-            let mut fc2 = RowParallelLinear::new(&init, "fc2", 8, 4, true, true, g)?;
-            let (h, c1) = fc1.forward(&tensor(&x, &[3, 4], dev)?)?;
-            let (y, c2) = fc2.forward(&h)?;
-            let dh = fc2.backward(c2, &tensor(&dy, &[3, 4], dev)?)?;
-            let dx = fc1.backward(c1, &dh)?;
-            let mut g = grads(&fc1)?;
-            g.extend(grads(&fc2)?);
-            Ok((y.to_vec_f32()?, dx.to_vec_f32()?, g))
-        };
+    let run = |g: Arc<dyn Comm>| -> TestResult<Outcome> {
+        let mut fc1 = ColumnParallelLinear::new(&init, "fc1", 4, 8, true, false, Arc::clone(&g))?;
+        let mut fc2 = RowParallelLinear::new(&init, "fc2", 8, 4, true, true, g)?;
+        let (h, c1) = fc1.forward(&tensor(&x, &[3, 4], dev)?)?;
+        let (y, c2) = fc2.forward(&h)?;
+        let dh = fc2.backward(c2, &tensor(&dy, &[3, 4], dev)?)?;
+        let dx = fc1.backward(c1, &dh)?;
+        let mut g = grads(&fc1)?;
+        g.extend(grads(&fc2)?);
+        Ok((y.to_vec_f32()?, dx.to_vec_f32()?, g))
+    };
     let (y, dx, g) = run(single())?;
     let ranks = ThreadRank::group(2);
     let results: Vec<_> = std::thread::scope(|s| {

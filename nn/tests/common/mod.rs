@@ -1,6 +1,6 @@
 //! Shared test helpers: random inputs, finite-difference checks of a layer's input and
 //! parameter grads, and small `Comm` implementations for tensor-parallel tests.
-#![allow(dead_code)]
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::{Arc, Barrier, Mutex};
 
@@ -11,6 +11,13 @@ use braid_kernels::{Device, Shape, Tensor};
 use braid_nn::{Init, Module};
 
 pub type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
+
+/// (name, grad) of every parameter, None when frozen.
+pub type NamedGrads = Vec<(String, Option<Vec<f32>>)>;
+/// (name, value) of every parameter.
+pub type NamedValues = Vec<(String, Vec<f32>)>;
+/// (output, input grad, param grads) of one forward + backward.
+pub type Outcome = (Vec<f32>, Vec<f32>, NamedGrads);
 
 pub fn single() -> Arc<dyn Comm> {
     Arc::new(SingleRank)
@@ -60,7 +67,7 @@ pub fn set_param<M: Module>(m: &mut M, name: &str, data: &[f32]) -> TestResult<(
 }
 
 /// Every parameter's grad on the host, by name (None when frozen).
-pub fn grads<M: Module>(m: &M) -> TestResult<Vec<(String, Option<Vec<f32>>)>> {
+pub fn grads<M: Module>(m: &M) -> TestResult<NamedGrads> {
     let mut out = Vec::new();
     let mut err = None;
     m.visit_params(&mut |p| {
@@ -82,6 +89,7 @@ pub fn grads<M: Module>(m: &M) -> TestResult<Vec<(String, Option<Vec<f32>>)>> {
 ///
 /// `fwd(m, x)` runs the forward only; `fwd_bwd(m, x, r)` runs forward + backward with
 /// output grad r and returns dx. The grads are zeroed first.
+#[allow(clippy::too_many_arguments)]
 pub fn check_layer<M: Module>(
     what: &str,
     m: &mut M,
