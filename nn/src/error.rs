@@ -1,0 +1,107 @@
+//! The error type of braid-nn: kernel and comm errors wrapped with the layer and step
+//! they came from, plus configuration and input errors that say exactly what is wrong.
+
+/// Result of a braid-nn call.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What went wrong, and where: `context` names the layer (its parameter prefix, e.g.
+/// `blocks.3.self_attn`) and the step (`q_proj forward`, `attention backward`).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A kernel op failed.
+    #[error("{context}: {source}")]
+    Kernel {
+        context: String,
+        #[source]
+        source: braid_kernels::Error,
+    },
+
+    /// A collective failed.
+    #[error("{context}: {source}")]
+    Comm {
+        context: String,
+        #[source]
+        source: braid_comm::CommError,
+    },
+
+    /// A layer configuration that cannot work (`what` is the config type, e.g.
+    /// `AttentionDims`; `msg` says which fields disagree and how).
+    #[error("invalid {what}: {msg}")]
+    Config { what: &'static str, msg: String },
+
+    /// A runtime input that does not fit the layer (token count, sequence offsets).
+    #[error("{context}: invalid input: {msg}")]
+    Input { context: String, msg: String },
+}
+
+impl Error {
+    /// Shorthand for [`Error::Config`].
+    pub fn config(what: &'static str, msg: impl Into<String>) -> Self {
+        Error::Config {
+            what,
+            msg: msg.into(),
+        }
+    }
+
+    /// Shorthand for [`Error::Input`].
+    pub fn input(context: impl Into<String>, msg: impl Into<String>) -> Self {
+        Error::Input {
+            context: context.into(),
+            msg: msg.into(),
+        }
+    }
+}
+
+/// Adds a layer/step context to kernel and comm errors. The context string is only
+/// built when there is an error.
+pub trait Context<T> {
+    /// `layer` is the layer's name (parameter prefix), `step` what it was doing.
+    fn ctx(self, layer: &str, step: &str) -> Result<T>;
+}
+
+fn join(layer: &str, step: &str) -> String {
+    if layer.is_empty() {
+        step.to_string()
+    } else {
+        format!("{layer}: {step}")
+    }
+}
+
+impl<T> Context<T> for std::result::Result<T, braid_kernels::Error> {
+    fn ctx(self, layer: &str, step: &str) -> Result<T> {
+        self.map_err(|source| Error::Kernel {
+            context: join(layer, step),
+            source,
+        })
+    }
+}
+
+impl<T> Context<T> for std::result::Result<T, braid_comm::CommError> {
+    fn ctx(self, layer: &str, step: &str) -> Result<T> {
+        self.map_err(|source| Error::Comm {
+            context: join(layer, step),
+            source,
+        })
+    }
+}
+
+impl<T> Context<T> for Result<T> {
+    /// Prefixes the context of an nn error (a comm region's, say) with the layer's.
+    fn ctx(self, layer: &str, step: &str) -> Result<T> {
+        self.map_err(|e| match e {
+            Error::Kernel { context, source } => Error::Kernel {
+                context: join(layer, &format!("{step}: {context}")),
+                source,
+            },
+            Error::Comm { context, source } => Error::Comm {
+                context: join(layer, &format!("{step}: {context}")),
+                source,
+            },
+            Error::Input { context, msg } => Error::Input {
+                context: join(layer, &format!("{step}: {context}")),
+                msg,
+            },
+            other @ Error::Config { .. } => other,
+        })
+    }
+}

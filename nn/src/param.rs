@@ -1,0 +1,219 @@
+//! Parameters, the `Module` trait that lists them by name, and deterministic,
+//! tensor-parallel-aware initialization.
+
+use braid_kernels::rng::Rng;
+use braid_kernels::{Device, Tensor};
+
+use crate::error::{Context, Error, Result};
+
+/// A named weight and its gradient buffer.
+///
+/// `grad == None` means frozen: backward passes `None` to the ops, so no weight grad
+/// is computed at all (not computed and dropped). Input grads are unaffected.
+#[derive(Debug)]
+pub struct Param {
+    /// Full dotted name, Hugging Face style: `blocks.3.self_attn.q_proj.weight`.
+    pub name: String,
+    /// This rank's value (a shard of the full tensor under tensor parallelism).
+    pub value: Tensor,
+    /// Accumulated gradient, same shape as `value`; `None` when frozen.
+    pub grad: Option<Tensor>,
+}
+
+impl Param {
+    /// A trainable parameter with a zero gradient buffer.
+    pub fn new(name: impl Into<String>, value: Tensor) -> Result<Self> {
+        let name = name.into();
+        let grad = Tensor::zeros(value.shape().clone(), value.dtype(), value.device())
+            .ctx(&name, "allocating grad")?;
+        Ok(Param {
+            name,
+            value,
+            grad: Some(grad),
+        })
+    }
+
+    pub fn is_trainable(&self) -> bool {
+        self.grad.is_some()
+    }
+
+    /// Drops the gradient buffer: backward stops computing this weight's grad.
+    pub fn freeze(&mut self) {
+        self.grad = None;
+    }
+
+    /// Gives a frozen parameter a zero gradient buffer again (no-op when trainable).
+    pub fn unfreeze(&mut self) -> Result<()> {
+        if self.grad.is_none() {
+            let v = &self.value;
+            self.grad = Some(
+                Tensor::zeros(v.shape().clone(), v.dtype(), v.device())
+                    .ctx(&self.name, "allocating grad")?,
+            );
+        }
+        Ok(())
+    }
+
+    /// Sets the gradient to zero (no-op when frozen).
+    pub fn zero_grad(&mut self) -> Result<()> {
+        match &mut self.grad {
+            Some(g) => g.zero_().ctx(&self.name, "zeroing grad"),
+            None => Ok(()),
+        }
+    }
+}
+
+/// A layer or model that owns parameters.
+///
+/// Visiting order is fixed (construction order), so it can index optimizer state and
+/// checkpoints; names are unique within a model.
+pub trait Module {
+    /// Calls `f` on every parameter.
+    fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a Param));
+    /// Calls `f` on every parameter, mutably.
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param));
+
+    /// Sets every gradient to zero (between optimizer steps).
+    fn zero_grads(&mut self) -> Result<()> {
+        let mut res = Ok(());
+        self.visit_params_mut(&mut |p| {
+            if res.is_ok() {
+                res = p.zero_grad();
+            }
+        });
+        res
+    }
+
+    /// Freezes every parameter (an encoder that is not trained).
+    fn freeze(&mut self) {
+        self.visit_params_mut(&mut |p| p.freeze());
+    }
+
+    /// Makes every parameter trainable again, with zero grads.
+    fn unfreeze(&mut self) -> Result<()> {
+        let mut res = Ok(());
+        self.visit_params_mut(&mut |p| {
+            if res.is_ok() {
+                res = p.unfreeze();
+            }
+        });
+        res
+    }
+
+    /// `(name, local shape)` of every parameter, in visiting order.
+    fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let mut out = Vec::new();
+        self.visit_params(&mut |p| out.push((p.name.clone(), p.value.dims().to_vec())));
+        out
+    }
+
+    /// Number of parameter elements held by this rank.
+    fn num_params(&self) -> usize {
+        let mut n = 0;
+        self.visit_params(&mut |p| n += p.value.elem_count());
+        n
+    }
+}
+
+/// Which part of a full parameter this rank holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shard {
+    /// The whole tensor (replicated across the TP group).
+    Full,
+    /// Slice `rank` of `size` equal slices along dimension `dim`.
+    Split {
+        dim: usize,
+        rank: usize,
+        size: usize,
+    },
+}
+
+/// How a parameter is initialized before it is sharded.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum InitKind {
+    /// Normal(0, std).
+    Normal(f32),
+    /// Every element `value` (norm weights 1, biases 0).
+    Constant(f32),
+}
+
+/// Where and how layers create their parameters.
+///
+/// Each parameter is drawn from `Rng::for_name(seed, full_name)` as the FULL
+/// (unsharded) tensor, then this rank's shard is cut from it: the TP ranks together
+/// hold exactly the single-rank weights, and no weight depends on construction order.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Init {
+    pub seed: u64,
+    pub device: Device,
+    /// Standard deviation of linear and embedding weights (GPT-2 / Llama: 0.02).
+    pub std: f32,
+}
+
+impl Init {
+    /// Seed and device; `std` = 0.02.
+    pub fn new(seed: u64, device: Device) -> Self {
+        Init {
+            seed,
+            device,
+            std: 0.02,
+        }
+    }
+
+    /// The same init with another weight std (e.g. a scaled output projection).
+    pub fn with_std(self, std: f32) -> Self {
+        Init { std, ..self }
+    }
+
+    /// Creates the trainable parameter `name` of full shape `full`, keeping `shard`.
+    pub fn param(&self, name: &str, full: &[usize], kind: InitKind, shard: Shard) -> Result<Param> {
+        let n: usize = full.iter().product();
+        let data = match kind {
+            InitKind::Normal(std) => Rng::for_name(self.seed, name).normal_vec(n, std),
+            InitKind::Constant(v) => vec![v; n],
+        };
+        let (data, dims) = cut_shard(name, data, full, shard)?;
+        let value = Tensor::from_vec(data, dims, self.device).ctx(name, "creating parameter")?;
+        Param::new(name, value)
+    }
+}
+
+/// Cuts `shard` out of `data`, a row-major tensor of shape `full`, on the host.
+pub fn cut_shard(
+    name: &str,
+    data: Vec<f32>,
+    full: &[usize],
+    shard: Shard,
+) -> Result<(Vec<f32>, Vec<usize>)> {
+    let (dim, rank, size) = match shard {
+        Shard::Full => return Ok((data, full.to_vec())),
+        Shard::Split { dim, rank, size } => (dim, rank, size),
+    };
+    let Some(&d) = full.get(dim) else {
+        return Err(Error::config(
+            "Shard",
+            format!("{name}: shape {full:?} has no dimension {dim} to split"),
+        ));
+    };
+    if size == 0 || rank >= size || d % size != 0 {
+        return Err(Error::config(
+            "Shard",
+            format!(
+                "{name}: cannot take slice {rank} of {size} of dimension {dim} = {d} of {full:?}"
+            ),
+        ));
+    }
+    // View the tensor as (outer, d, inner) and keep rows [rank * d/size, (rank+1) * d/size)
+    // of the middle axis.
+    let outer: usize = full[..dim].iter().product();
+    let inner: usize = full[dim + 1..].iter().product();
+    let part = d / size;
+    let mut out = Vec::with_capacity(outer * part * inner);
+    for o in 0..outer {
+        let start = (o * d + rank * part) * inner;
+        out.extend_from_slice(&data[start..start + part * inner]);
+    }
+    let mut dims = full.to_vec();
+    dims[dim] = part;
+    Ok((out, dims))
+}

@@ -1,0 +1,190 @@
+//! Tensor-parallel communication regions, each written as an adjoint pair side by side
+//! (Megatron-Core's `mappings.py`): what the forward does, the backward undoes with
+//! the transposed collective.
+//!
+//! | region          | forward                    | backward                   |
+//! |-----------------|----------------------------|----------------------------|
+//! | copy_to_tp      | identity                   | all-reduce (sum)           |
+//! | reduce_from_tp  | all-reduce (sum)           | identity                   |
+//! | scatter_to_tp   | split last dim, keep rank  | all-gather last dim        |
+//! | gather_from_tp  | all-gather last dim        | split last dim, keep rank  |
+//!
+//! The group is always passed in (`&dyn Comm`); with [`braid_comm::SingleRank`] every
+//! region is the identity and costs nothing (no copy).
+//!
+//! `Comm::all_gather` concatenates along dim 0. The last-dim gather and split are done
+//! with a host round trip for now (a row permutation on the host); a device
+//! slice/concat op replaces it when the CUDA backend lands.
+
+use std::ops::Deref;
+
+use braid_comm::Comm;
+use braid_kernels::tensor::CpuStorage;
+use braid_kernels::{Device, Tensor};
+
+use crate::error::{Context, Error, Result};
+
+/// A tensor that is either borrowed (a region that was the identity) or new.
+#[derive(Debug)]
+pub enum MaybeOwned<'a> {
+    Borrowed(&'a Tensor),
+    Owned(Tensor),
+}
+
+impl Deref for MaybeOwned<'_> {
+    type Target = Tensor;
+    fn deref(&self) -> &Tensor {
+        match self {
+            MaybeOwned::Borrowed(t) => t,
+            MaybeOwned::Owned(t) => t,
+        }
+    }
+}
+
+// ---- copy_to_tp: the input of a column-parallel layer -------------------------------
+
+/// Forward of copy_to_tp: identity (every rank already holds the full input).
+pub fn copy_to_tp_fwd<'a>(_group: &dyn Comm, x: &'a Tensor) -> &'a Tensor {
+    x
+}
+
+/// Backward of copy_to_tp: each rank's input grad covers only its output shard, so
+/// the full input grad is their sum.
+pub fn copy_to_tp_bwd(group: &dyn Comm, mut dx: Tensor) -> Result<Tensor> {
+    if group.size() > 1 {
+        group
+            .all_reduce_sum(&mut dx)
+            .ctx("copy_to_tp", "backward all-reduce")?;
+    }
+    Ok(dx)
+}
+
+// ---- reduce_from_tp: the output of a row-parallel layer -----------------------------
+
+/// Forward of reduce_from_tp: the partial products of the ranks are summed.
+pub fn reduce_from_tp_fwd(group: &dyn Comm, mut y: Tensor) -> Result<Tensor> {
+    if group.size() > 1 {
+        group
+            .all_reduce_sum(&mut y)
+            .ctx("reduce_from_tp", "forward all-reduce")?;
+    }
+    Ok(y)
+}
+
+/// Backward of reduce_from_tp: identity (every rank's partial sum got the same grad).
+pub fn reduce_from_tp_bwd<'a>(_group: &dyn Comm, dy: &'a Tensor) -> &'a Tensor {
+    dy
+}
+
+// ---- scatter_to_tp: full input -> this rank's slice of the last dim -----------------
+
+/// Forward of scatter_to_tp: keeps slice `rank` of the last dimension.
+pub fn scatter_to_tp_fwd<'a>(group: &dyn Comm, x: &'a Tensor) -> Result<MaybeOwned<'a>> {
+    if group.size() == 1 {
+        return Ok(MaybeOwned::Borrowed(x));
+    }
+    split_last_dim(x, group.rank(), group.size(), "scatter_to_tp forward").map(MaybeOwned::Owned)
+}
+
+/// Backward of scatter_to_tp: all-gathers the slices' grads along the last dimension.
+pub fn scatter_to_tp_bwd(group: &dyn Comm, dx: Tensor) -> Result<Tensor> {
+    if group.size() == 1 {
+        return Ok(dx);
+    }
+    gather_last_dim(group, &dx, "scatter_to_tp backward")
+}
+
+// ---- gather_from_tp: this rank's slice of the last dim -> full tensor ---------------
+
+/// Forward of gather_from_tp: all-gathers the ranks' slices along the last dimension.
+pub fn gather_from_tp_fwd(group: &dyn Comm, y: Tensor) -> Result<Tensor> {
+    if group.size() == 1 {
+        return Ok(y);
+    }
+    gather_last_dim(group, &y, "gather_from_tp forward")
+}
+
+/// Backward of gather_from_tp: keeps this rank's slice of the last dimension.
+pub fn gather_from_tp_bwd<'a>(group: &dyn Comm, dy: &'a Tensor) -> Result<MaybeOwned<'a>> {
+    if group.size() == 1 {
+        return Ok(MaybeOwned::Borrowed(dy));
+    }
+    split_last_dim(dy, group.rank(), group.size(), "gather_from_tp backward").map(MaybeOwned::Owned)
+}
+
+// ---- host helpers --------------------------------------------------------------------
+
+/// (rows, last) of `t`, erroring on scalars.
+fn rows_last(t: &Tensor, step: &str) -> Result<(usize, usize)> {
+    match t.dims().last() {
+        Some(&c) => Ok((t.shape().rows(), c)),
+        None => Err(Error::input(
+            step,
+            "a scalar has no last dimension to split",
+        )),
+    }
+}
+
+/// Slice `rank` of `size` of the last dimension: (N, C) -> (N, C / size).
+fn split_last_dim(x: &Tensor, rank: usize, size: usize, step: &str) -> Result<Tensor> {
+    let (n, c) = rows_last(x, step)?;
+    if c % size != 0 {
+        return Err(Error::input(
+            step,
+            format!(
+                "last dimension of {} is not a multiple of the TP size {size}",
+                x.shape()
+            ),
+        ));
+    }
+    let part = c / size;
+    let host = x.to_host().ctx(step, "copy to host")?;
+    // (N, C) -> (N, part): row i keeps columns [rank * part, (rank + 1) * part).
+    let idx: Vec<usize> = (0..n)
+        .flat_map(|i| (i * c + rank * part)..(i * c + (rank + 1) * part))
+        .collect();
+    let out = gather_host(host, &idx);
+    let mut dims = x.dims().to_vec();
+    if let Some(l) = dims.last_mut() {
+        *l = part;
+    }
+    to_device(out, dims, x.device(), step)
+}
+
+/// All-gather along the last dimension: (N, C) per rank -> (N, size * C).
+fn gather_last_dim(group: &dyn Comm, x: &Tensor, step: &str) -> Result<Tensor> {
+    let size = group.size();
+    let (n, c) = rows_last(x, step)?;
+    // all_gather stacks along dim 0: (size * N, C) as [rank][row][col].
+    let stacked = group
+        .all_gather(x)
+        .ctx(step, "all-gather")?
+        .to_host()
+        .ctx(step, "copy to host")?;
+    // Transpose the leading (rank, row) axes: [row][rank][col].
+    let idx: Vec<usize> = (0..n)
+        .flat_map(|i| (0..size).flat_map(move |r| ((r * n + i) * c)..((r * n + i + 1) * c)))
+        .collect();
+    let out = gather_host(stacked, &idx);
+    let mut dims = x.dims().to_vec();
+    if let Some(l) = dims.last_mut() {
+        *l = c * size;
+    }
+    to_device(out, dims, x.device(), step)
+}
+
+/// `out[j] = s[idx[j]]` for a host buffer of any dtype (shuffles only move elements).
+fn gather_host(s: CpuStorage, idx: &[usize]) -> CpuStorage {
+    fn pick<T: Copy>(v: &[T], idx: &[usize]) -> Vec<T> {
+        idx.iter().map(|&i| v[i]).collect()
+    }
+    match s {
+        CpuStorage::F32(v) => CpuStorage::F32(pick(&v, idx)),
+        CpuStorage::BF16(v) => CpuStorage::BF16(pick(&v, idx)),
+        CpuStorage::U32(v) => CpuStorage::U32(pick(&v, idx)),
+    }
+}
+
+fn to_device(s: CpuStorage, dims: Vec<usize>, dev: Device, step: &str) -> Result<Tensor> {
+    Tensor::from_host(s, dims, dev).ctx(step, "copy to device")
+}
