@@ -54,6 +54,14 @@ pub trait MatmulKernels {
     fn bias_grad(&self, dy: &Tensor, dbias: &mut Tensor) -> Result<()>;
 }
 
+/// Data movement that changes layout without arithmetic (tensor-parallel regions).
+pub trait LayoutKernels {
+    /// x (A, B, C) -> (B, A, C): swaps the two leading axes, rows of C stay contiguous.
+    fn transpose01(&self, x: &Tensor) -> Result<Tensor>;
+    /// x (N, C) -> (N, len): columns `start .. start + len` of every row.
+    fn narrow_last(&self, x: &Tensor, start: usize, len: usize) -> Result<Tensor>;
+}
+
 /// Token embeddings.
 pub trait EmbeddingKernels {
     /// ids (N) u32, table (V, C) -> (N, C).
@@ -209,6 +217,7 @@ pub trait Backend:
     MemoryKernels
     + ElementwiseKernels
     + MatmulKernels
+    + LayoutKernels
     + EmbeddingKernels
     + NormKernels
     + RopeKernels

@@ -244,20 +244,11 @@ impl RowParallelLinear {
     }
 }
 
-/// `y[n, :] += b` for y (N, C), b (C).
-///
-/// There is no public broadcast-add op; a rank-1 GEMM `y = ones (N, 1) @ b (1, C) + y`
-/// is validated by the op layer and exact (each product is `1 * b`, then one rounding
-/// of `y + b`, as the bias add inside `linear_fwd`).
-pub(crate) fn add_row_bias(y: Tensor, b: &Tensor) -> braid_kernels::Result<Tensor> {
-    let n = y.shape().rows();
-    let c = b.elem_count();
-    let y_dims = y.dims().to_vec();
-    let ones = Tensor::full(1.0, [n, 1], y.device())?; // (N, 1)
-    let b_row = b.try_clone()?.reshape([1, c])?; // (1, C)
-    let mut y = y.reshape([n, c])?; // (N, C)
-    ops::matmul_into(&ones, &b_row, &mut y, false, false, 1.0, 1.0)?;
-    y.reshape(y_dims)
+/// `y[n, :] += b` for y (N, C), b (C): the bias of a row-parallel layer, added once
+/// after the reduction so it is not counted `tp` times.
+pub(crate) fn add_row_bias(mut y: Tensor, b: &Tensor) -> braid_kernels::Result<Tensor> {
+    ops::add_bias(&mut y, b)?;
+    Ok(y)
 }
 
 impl Module for RowParallelLinear {

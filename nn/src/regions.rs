@@ -12,15 +12,14 @@
 //! The group is always passed in (`&dyn Comm`); with [`braid_comm::SingleRank`] every
 //! region is the identity and costs nothing (no copy).
 //!
-//! `Comm::all_gather` concatenates along dim 0. The last-dim gather and split are done
-//! with a host round trip for now (a row permutation on the host); a device
-//! slice/concat op replaces it when the CUDA backend lands.
+//! `Comm::all_gather` concatenates along dim 0; the last-dim gather reorders that with
+//! `ops::transpose01`, and the split is `ops::narrow_last`: both device ops, so no
+//! region reads device memory on the host.
 
 use std::ops::Deref;
 
 use braid_comm::Comm;
-use braid_kernels::tensor::CpuStorage;
-use braid_kernels::{Device, Tensor};
+use braid_kernels::{Tensor, ops};
 
 use crate::error::{Context, Error, Result};
 
@@ -112,7 +111,7 @@ pub fn gather_from_tp_bwd<'a>(group: &dyn Comm, dy: &'a Tensor) -> Result<MaybeO
     split_last_dim(dy, group.rank(), group.size(), "gather_from_tp backward").map(MaybeOwned::Owned)
 }
 
-// ---- host helpers --------------------------------------------------------------------
+// ---- last-dimension split and gather ------------------------------------------------
 
 /// (rows, last) of `t`, erroring on scalars.
 fn rows_last(t: &Tensor, step: &str) -> Result<(usize, usize)> {
@@ -125,9 +124,9 @@ fn rows_last(t: &Tensor, step: &str) -> Result<(usize, usize)> {
     }
 }
 
-/// Slice `rank` of `size` of the last dimension: (N, C) -> (N, C / size).
+/// Slice `rank` of `size` of the last dimension: (..., C) -> (..., C / size).
 fn split_last_dim(x: &Tensor, rank: usize, size: usize, step: &str) -> Result<Tensor> {
-    let (n, c) = rows_last(x, step)?;
+    let (_, c) = rows_last(x, step)?;
     if c % size != 0 {
         return Err(Error::input(
             step,
@@ -138,53 +137,27 @@ fn split_last_dim(x: &Tensor, rank: usize, size: usize, step: &str) -> Result<Te
         ));
     }
     let part = c / size;
-    let host = x.to_host().ctx(step, "copy to host")?;
-    // (N, C) -> (N, part): row i keeps columns [rank * part, (rank + 1) * part).
-    let idx: Vec<usize> = (0..n)
-        .flat_map(|i| (i * c + rank * part)..(i * c + (rank + 1) * part))
-        .collect();
-    let out = gather_host(host, &idx);
-    let mut dims = x.dims().to_vec();
-    if let Some(l) = dims.last_mut() {
-        *l = part;
-    }
-    to_device(out, dims, x.device(), step)
+    ops::narrow_last(x, rank * part, part).ctx(step, "narrow")
 }
 
-/// All-gather along the last dimension: (N, C) per rank -> (N, size * C).
+/// All-gather along the last dimension: (..., C) per rank -> (..., size * C).
 fn gather_last_dim(group: &dyn Comm, x: &Tensor, step: &str) -> Result<Tensor> {
     let size = group.size();
     let (n, c) = rows_last(x, step)?;
-    // all_gather stacks along dim 0: (size * N, C) as [rank][row][col].
+    // all_gather stacks along dim 0: (size * N, C), i.e. (size, N, C).
     let stacked = group
         .all_gather(x)
         .ctx(step, "all-gather")?
-        .to_host()
-        .ctx(step, "copy to host")?;
-    // Transpose the leading (rank, row) axes: [row][rank][col].
-    let idx: Vec<usize> = (0..n)
-        .flat_map(|i| (0..size).flat_map(move |r| ((r * n + i) * c)..((r * n + i + 1) * c)))
-        .collect();
-    let out = gather_host(stacked, &idx);
+        .reshape([size, n, c])
+        .ctx(step, "view as (size, N, C)")?;
+    // (size, N, C) -> (N, size, C) = (N, size * C): rank r's slice lands in columns
+    // r * C .. (r + 1) * C of every row.
+    let rows_first = ops::transpose01(&stacked).ctx(step, "transpose")?;
     let mut dims = x.dims().to_vec();
     if let Some(l) = dims.last_mut() {
         *l = c * size;
     }
-    to_device(out, dims, x.device(), step)
-}
-
-/// `out[j] = s[idx[j]]` for a host buffer of any dtype (shuffles only move elements).
-fn gather_host(s: CpuStorage, idx: &[usize]) -> CpuStorage {
-    fn pick<T: Copy>(v: &[T], idx: &[usize]) -> Vec<T> {
-        idx.iter().map(|&i| v[i]).collect()
-    }
-    match s {
-        CpuStorage::F32(v) => CpuStorage::F32(pick(&v, idx)),
-        CpuStorage::BF16(v) => CpuStorage::BF16(pick(&v, idx)),
-        CpuStorage::U32(v) => CpuStorage::U32(pick(&v, idx)),
-    }
-}
-
-fn to_device(s: CpuStorage, dims: Vec<usize>, dev: Device, step: &str) -> Result<Tensor> {
-    Tensor::from_host(s, dims, dev).ctx(step, "copy to device")
+    rows_first
+        .reshape(dims)
+        .ctx(step, "view as (..., size * C)")
 }

@@ -10,6 +10,7 @@ mod attention;
 mod conv;
 mod elementwise;
 mod embedding;
+mod layout;
 mod loss;
 pub(crate) mod matmul;
 mod memory;

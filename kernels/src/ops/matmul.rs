@@ -259,3 +259,15 @@ pub fn linear_bwd(
     }
     dx.reshape(x.dims().to_vec())
 }
+
+/// `y[n, :] += b` for every row of y (..., C), b (C): a bias added apart from a
+/// product (after a tensor-parallel reduction, say). Its backward is the row sum of
+/// the output grad, as in [`linear_bwd`].
+pub fn add_bias(y: &mut Tensor, b: &Tensor) -> Result<()> {
+    const OP: &str = "add_bias";
+    let dev = same_device(OP, &[("y", y), ("b", b)])?;
+    same_float_dtype(OP, &[("y", y), ("b", b)])?;
+    let (_, c) = rows_and_features(OP, "y", y)?;
+    expect_shape(OP, "b", b, &Shape::new([c]))?;
+    dev.backend()?.add_bias(y, b)
+}

@@ -1,0 +1,49 @@
+//! CPU layout ops: row copies, any dtype.
+
+use super::CpuBackend;
+use crate::backend::LayoutKernels;
+use crate::error::Result;
+use crate::shape::Shape;
+use crate::tensor::{CpuStorage, Storage, Tensor};
+
+/// Builds an output of the same dtype as `s` by copying, for each output row `r`,
+/// `row_len` elements starting at `src_start(r)`.
+fn copy_rows(
+    s: &CpuStorage,
+    rows: usize,
+    row_len: usize,
+    src_start: impl Fn(usize) -> usize,
+) -> CpuStorage {
+    fn go<T: Copy>(v: &[T], rows: usize, row_len: usize, f: &dyn Fn(usize) -> usize) -> Vec<T> {
+        let mut out = Vec::with_capacity(rows * row_len);
+        for r in 0..rows {
+            let s = f(r);
+            out.extend_from_slice(&v[s..s + row_len]);
+        }
+        out
+    }
+    match s {
+        CpuStorage::F32(v) => CpuStorage::F32(go(v, rows, row_len, &src_start)),
+        CpuStorage::BF16(v) => CpuStorage::BF16(go(v, rows, row_len, &src_start)),
+        CpuStorage::U32(v) => CpuStorage::U32(go(v, rows, row_len, &src_start)),
+    }
+}
+
+impl LayoutKernels for CpuBackend {
+    fn transpose01(&self, x: &Tensor) -> Result<Tensor> {
+        const OP: &str = "transpose01";
+        let [a, b, c] = x.shape().dims_n::<3>(OP, "x")?;
+        let s = x.cpu_storage(OP, "x")?; // (A, B, C)
+        // Output row r = (j, i) of (B, A) reads input row (i, j).
+        let out = copy_rows(s, a * b, c, |r| ((r % a) * b + r / a) * c); // (B, A, C)
+        Tensor::from_storage(Storage::Cpu(out), Shape::new([b, a, c]))
+    }
+
+    fn narrow_last(&self, x: &Tensor, start: usize, len: usize) -> Result<Tensor> {
+        let s = x.cpu_storage("narrow_last", "x")?; // (N, C)
+        let c = x.shape().last_dim("narrow_last")?;
+        let n = x.shape().rows();
+        let out = copy_rows(s, n, len, |r| r * c + start); // (N, len)
+        Tensor::from_storage(Storage::Cpu(out), Shape::new([n, len]))
+    }
+}

@@ -1,0 +1,73 @@
+//! Layout ops (transpose01, narrow_last) and add_bias: against index arithmetic, any
+//! dtype, errors.
+
+use braid_kernels::assert_err;
+use braid_kernels::{DType, Device, Error, Result, Tensor, ops};
+
+fn iota(n: usize) -> Vec<f32> {
+    (0..n).map(|i| i as f32).collect()
+}
+
+fn transpose01_matches_indexing(dev: Device) -> Result<()> {
+    let (a, b, c) = (3, 4, 5);
+    let x = Tensor::from_vec(iota(a * b * c), [a, b, c], dev)?;
+    let y = ops::transpose01(&x)?;
+    assert_eq!(y.dims(), &[b, a, c]);
+    let yv = y.to_vec_f32()?;
+    for i in 0..a {
+        for j in 0..b {
+            for k in 0..c {
+                assert_eq!(yv[(j * a + i) * c + k], ((i * b + j) * c + k) as f32);
+            }
+        }
+    }
+    // Its own inverse, and dtype-preserving.
+    assert_eq!(ops::transpose01(&y)?.to_vec_f32()?, iota(a * b * c));
+    let ids = Tensor::from_vec_u32((0..24).collect(), [2, 3, 4], dev)?;
+    let t = ops::transpose01(&ids)?;
+    assert_eq!(t.dtype(), DType::U32);
+    assert_eq!(t.to_vec_u32()?[4..8], [12, 13, 14, 15]);
+    assert_err!(
+        ops::transpose01(&Tensor::from_vec(iota(6), [2, 3], dev)?),
+        Error::Shape { .. }
+    );
+    Ok(())
+}
+
+fn narrow_last_matches_indexing(dev: Device) -> Result<()> {
+    let x = Tensor::from_vec(iota(2 * 3 * 6), [2, 3, 6], dev)?;
+    let y = ops::narrow_last(&x, 2, 3)?;
+    assert_eq!(y.dims(), &[2, 3, 3]);
+    let yv = y.to_vec_f32()?;
+    for r in 0..6 {
+        for k in 0..3 {
+            assert_eq!(yv[r * 3 + k], (r * 6 + 2 + k) as f32);
+        }
+    }
+    assert_eq!(ops::narrow_last(&x, 0, 6)?.to_vec_f32()?, iota(36));
+    assert_eq!(ops::narrow_last(&x, 6, 0)?.dims(), &[2, 3, 0]);
+    assert_err!(ops::narrow_last(&x, 4, 3), Error::Shape { .. });
+    assert_err!(ops::narrow_last(&x, usize::MAX, 2), Error::Shape { .. });
+    Ok(())
+}
+
+fn add_bias_adds_to_every_row(dev: Device) -> Result<()> {
+    let mut y = Tensor::from_vec(iota(2 * 2 * 3), [2, 2, 3], dev)?;
+    let b = Tensor::from_vec(vec![10.0, 20.0, 30.0], [3], dev)?;
+    ops::add_bias(&mut y, &b)?;
+    let want: Vec<f32> = (0..12)
+        .map(|i| i as f32 + [10.0, 20.0, 30.0][i % 3])
+        .collect();
+    assert_eq!(y.to_vec_f32()?, want);
+    let bad = Tensor::from_vec(vec![1.0; 4], [4], dev)?;
+    assert_err!(ops::add_bias(&mut y, &bad), Error::Shape { .. });
+    let h = ops::cast(&b, DType::BF16)?;
+    assert_err!(ops::add_bias(&mut y, &h), Error::DType { .. });
+    Ok(())
+}
+
+braid_kernels::test_on_devices!(
+    transpose01_matches_indexing,
+    narrow_last_matches_indexing,
+    add_bias_adds_to_every_row
+);
