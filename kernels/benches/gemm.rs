@@ -64,6 +64,13 @@ fn main() -> Result<()> {
             g[1],
             g[1] / g[0]
         );
+        if label == "1024^3" {
+            // Machine-readable, for tools/bench_vs_torch.py.
+            println!(
+                "BENCH gemm1024_t1_gflops={:.2} gemm1024_t2_gflops={:.2}",
+                g[0], g[1]
+            );
+        }
     }
     Ok(())
 }

@@ -61,6 +61,8 @@ fn bench_attention() -> Result<()> {
         println!("{name:<12} {ms:>10.2} {:>10.1}", gflops(flop, ms));
     }
     println!();
+    // One machine-readable line for tools/bench_vs_torch.py.
+    println!("BENCH attention_fwd_ms={fwd_ms:.3} attention_bwd_ms={bwd_ms:.3}");
     Ok(())
 }
 

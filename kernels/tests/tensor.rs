@@ -1,5 +1,9 @@
 //! Core types: tensor construction, host copies, devices, shapes, seeded RNG.
 
+// Test bodies are plain functions run by `test_on_devices!`, outside the reach of
+// clippy's allow-unwrap-in-tests.
+#![allow(clippy::unwrap_used)]
+
 use braid_kernels::rng::Rng;
 use braid_kernels::tensor::CpuStorage;
 use braid_kernels::{DType, Device, Error, Result, Shape, Tensor};

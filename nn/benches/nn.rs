@@ -82,7 +82,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "transformer block T={t} ({}x{}) C={c} NH={nh} NKV={nkv} HS={hs} SwiGLU ff={ff} RMSNorm causal RoPE, {} threads",
         lens.len(),
         lens[0],
-        std::thread::available_parallelism().map_or(1, |n| n.get()),
+        rayon::current_num_threads(),
     );
     println!(
         "  forward : {:8.1} ms  {:6.1} GFLOP/s  ({:.2} GFLOP: {:.2} linear + {:.2} attention)",
@@ -102,6 +102,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "  fwd+bwd : {:8.1} ms  {:6.1} GFLOP/s  (median of {RUNS} after {WARMUP} warmup)",
         (fwd + bwd).as_secs_f64() * 1e3,
         gflops(fwd_flops + bwd_flops, fwd + bwd)
+    );
+    // One machine-readable line for tools/bench_vs_torch.py.
+    println!(
+        "BENCH block_fwd_ms={:.3} block_bwd_ms={:.3}",
+        fwd.as_secs_f64() * 1e3,
+        bwd.as_secs_f64() * 1e3
     );
     Ok(())
 }
