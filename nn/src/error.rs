@@ -29,6 +29,24 @@ pub enum Error {
     #[error("invalid {what}: {msg}")]
     Config { what: &'static str, msg: String },
 
+    /// A checkpoint file that cannot be used: the file, the tensor (empty when the
+    /// problem is the file itself) and what is wrong.
+    #[error("{}{}: {msg}", path.display(), if tensor.is_empty() { String::new() } else { format!(", tensor `{tensor}`") })]
+    Weights {
+        path: std::path::PathBuf,
+        tensor: String,
+        msg: String,
+    },
+
+    /// A file-system operation failed.
+    #[error("{}: cannot {op}: {source}", path.display())]
+    Io {
+        path: std::path::PathBuf,
+        op: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+
     /// A runtime input that does not fit the layer (token count, sequence offsets).
     #[error("{context}: invalid input: {msg}")]
     Input { context: String, msg: String },
@@ -40,6 +58,24 @@ impl Error {
         Error::Config {
             what,
             msg: msg.into(),
+        }
+    }
+
+    /// Shorthand for [`Error::Weights`].
+    pub fn weights(path: &std::path::Path, tensor: &str, msg: impl Into<String>) -> Self {
+        Error::Weights {
+            path: path.to_path_buf(),
+            tensor: tensor.to_string(),
+            msg: msg.into(),
+        }
+    }
+
+    /// Shorthand for [`Error::Io`].
+    pub fn io(path: &std::path::Path, op: &'static str, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.to_path_buf(),
+            op,
+            source,
         }
     }
 
@@ -101,7 +137,7 @@ impl<T> Context<T> for Result<T> {
                 context: join(layer, &format!("{step}: {context}")),
                 msg,
             },
-            other @ Error::Config { .. } => other,
+            other @ (Error::Config { .. } | Error::Weights { .. } | Error::Io { .. }) => other,
         })
     }
 }

@@ -17,6 +17,7 @@ pub mod attention;
 pub mod block;
 pub mod embedding;
 pub mod error;
+pub mod hf;
 pub mod linear;
 pub mod mlp;
 pub mod norm;

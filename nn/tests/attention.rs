@@ -344,7 +344,9 @@ fn block_param_names_and_shapes(dev: Device) -> TestResult {
     assert_eq!(b.param_shapes(), want);
     assert_eq!(
         b.num_params(),
-        want.iter().map(|(_, s)| s.iter().product::<usize>()).sum()
+        want.iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum::<usize>()
     );
     // Rank 1 of 2 holds half the heads and half the hidden units.
     let tp = TransformerBlock::new(

@@ -1,0 +1,291 @@
+//! Hugging Face checkpoint directories: memory-mapped safetensors weights (one file or
+//! a sharded `model.safetensors.index.json`), `config.json`, and atomic writing.
+//!
+//! Reading never parses a whole checkpoint into memory: opening maps the files and
+//! reads only their headers; [`WeightFiles::load`] converts one tensor (f32, f16, bf16
+//! or f64 on disk) to an f32 [`Tensor`] on the requested device. Peak memory while
+//! loading a model is therefore its f32 parameters plus one tensor, not twice the
+//! checkpoint.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use braid_kernels::{Device, Tensor};
+use half::{bf16, f16};
+use memmap2::Mmap;
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+
+use crate::error::{Context, Error, Result};
+
+/// Where one tensor's bytes are: shard, dtype, shape, absolute byte range.
+#[derive(Debug, Clone)]
+struct Entry {
+    shard: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    start: usize,
+    end: usize,
+}
+
+/// The weights of a checkpoint: memory-mapped safetensors files and an index of the
+/// tensors they hold.
+#[derive(Debug)]
+pub struct WeightFiles {
+    shards: Vec<(PathBuf, Mmap)>,
+    index: BTreeMap<String, Entry>,
+}
+
+impl WeightFiles {
+    /// Opens the weights of a Hugging Face model directory: `model.safetensors`, or the
+    /// shards listed in `model.safetensors.index.json`.
+    pub fn open_dir(dir: &Path) -> Result<Self> {
+        let single = dir.join("model.safetensors");
+        let index = dir.join("model.safetensors.index.json");
+        if single.is_file() {
+            Self::open_files(&[single])
+        } else if index.is_file() {
+            #[derive(serde::Deserialize)]
+            struct Index {
+                weight_map: HashMap<String, String>,
+            }
+            let idx: Index = read_json(&index)?;
+            let mut files: Vec<String> = idx.weight_map.into_values().collect();
+            files.sort();
+            files.dedup();
+            let paths: Vec<PathBuf> = files.iter().map(|f| dir.join(f)).collect();
+            Self::open_files(&paths)
+        } else {
+            Err(Error::weights(
+                dir,
+                "",
+                "no model.safetensors or model.safetensors.index.json in this directory",
+            ))
+        }
+    }
+
+    /// Opens one or more safetensors files as one set of tensors (names must be unique).
+    pub fn open_files(paths: &[PathBuf]) -> Result<Self> {
+        let mut shards = Vec::with_capacity(paths.len());
+        let mut index = BTreeMap::new();
+        for (i, path) in paths.iter().enumerate() {
+            let file = File::open(path).map_err(|e| Error::io(path, "open", e))?;
+            // SAFETY: the map is read-only and lives as long as `self`. Another process
+            // truncating or rewriting the file while it is mapped would be undefined
+            // behaviour; checkpoints are written to a temporary name and renamed into
+            // place (see `save_safetensors`), so a file being read is never rewritten.
+            let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, "mmap", e))?;
+            let (header_len, meta) = SafeTensors::read_metadata(&mmap)
+                .map_err(|e| Error::weights(path, "", format!("bad safetensors header: {e}")))?;
+            let base = 8 + header_len;
+            for (name, info) in meta.tensors() {
+                let (s, e) = info.data_offsets;
+                if base + e > mmap.len() || s > e {
+                    return Err(Error::weights(
+                        path,
+                        &name,
+                        "byte range past the end of the file",
+                    ));
+                }
+                let entry = Entry {
+                    shard: i,
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                    start: base + s,
+                    end: base + e,
+                };
+                if index.insert(name.clone(), entry).is_some() {
+                    return Err(Error::weights(
+                        path,
+                        &name,
+                        "tensor appears in more than one shard",
+                    ));
+                }
+            }
+            shards.push((path.clone(), mmap));
+        }
+        Ok(WeightFiles { shards, index })
+    }
+
+    /// Names of all tensors, sorted.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.index.keys().map(String::as_str)
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// Shape of a tensor as stored.
+    pub fn shape(&self, name: &str) -> Option<&[usize]> {
+        self.index.get(name).map(|e| e.shape.as_slice())
+    }
+
+    fn entry(&self, name: &str) -> Result<(&Entry, &Path, &[u8])> {
+        let entry = self.index.get(name).ok_or_else(|| {
+            let where_ = self
+                .shards
+                .first()
+                .map_or(Path::new(""), |(p, _)| p.as_path());
+            Error::weights(where_, name, "no such tensor in the checkpoint")
+        })?;
+        let (path, mmap) = &self.shards[entry.shard];
+        Ok((entry, path, &mmap[entry.start..entry.end]))
+    }
+
+    /// Loads a float tensor as f32 on `device`, checking it has `expected` shape.
+    pub fn load(&self, name: &str, expected: &[usize], device: Device) -> Result<Tensor> {
+        let (entry, path, bytes) = self.entry(name)?;
+        if entry.shape != expected {
+            return Err(Error::weights(
+                path,
+                name,
+                format!(
+                    "shape {:?} in the file, the model expects {:?}",
+                    entry.shape, expected
+                ),
+            ));
+        }
+        let data = to_f32(entry.dtype, bytes).ok_or_else(|| {
+            Error::weights(
+                path,
+                name,
+                format!("dtype {:?} is not a float type Braid reads", entry.dtype),
+            )
+        })?;
+        Tensor::from_vec(data, expected.to_vec(), device).ctx(name, "copy to device")
+    }
+
+    /// Loads a float tensor as f32 on `device`, whatever its shape (returned with it).
+    pub fn load_any(&self, name: &str, device: Device) -> Result<Tensor> {
+        let shape = self
+            .index
+            .get(name)
+            .map(|e| e.shape.clone())
+            .unwrap_or_default();
+        self.load(name, &shape, device)
+    }
+
+    /// Loads an integer tensor (i64, i32, u32: token ids) as u32 on `device`.
+    pub fn load_ids(&self, name: &str, device: Device) -> Result<Tensor> {
+        let (entry, path, bytes) = self.entry(name)?;
+        let ids: Option<Vec<i64>> = match entry.dtype {
+            Dtype::I64 => Some(
+                bytes
+                    .chunks_exact(8)
+                    .map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+                    .collect(),
+            ),
+            Dtype::I32 => Some(
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| i64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+                    .collect(),
+            ),
+            Dtype::U32 => Some(
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| i64::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+                    .collect(),
+            ),
+            _ => None,
+        };
+        let ids = ids.ok_or_else(|| {
+            Error::weights(
+                path,
+                name,
+                format!(
+                    "dtype {:?} is not an integer id type (i64, i32, u32)",
+                    entry.dtype
+                ),
+            )
+        })?;
+        let ids: Vec<u32> = ids
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| {
+                u32::try_from(v).map_err(|_| {
+                    Error::weights(path, name, format!("element {i} = {v} is not a valid id"))
+                })
+            })
+            .collect::<Result<_>>()?;
+        Tensor::from_vec_u32(ids, entry.shape.clone(), device).ctx(name, "copy to device")
+    }
+}
+
+/// Decodes little-endian float bytes to f32.
+fn to_f32(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
+    Some(match dtype {
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        Dtype::F64 => bytes
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32)
+            .collect(),
+        _ => return None,
+    })
+}
+
+/// Reads and parses a JSON file (a `config.json`), naming the file on error.
+pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, "read", e))?;
+    serde_json::from_str(&text).map_err(|e| Error::weights(path, "", format!("invalid JSON: {e}")))
+}
+
+/// Writes `bytes` to `path` atomically: a temporary file in the same directory, synced,
+/// then renamed over `path`, so a crash leaves either the old file or the new one.
+pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let file_name = path
+        .file_name()
+        .ok_or_else(|| Error::weights(path, "", "not a file path"))?
+        .to_string_lossy();
+    let tmp = path.with_file_name(format!(".{file_name}.tmp"));
+    write(&tmp)?;
+    File::open(&tmp)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| Error::io(&tmp, "sync", e))?;
+    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, "rename into place", e))
+}
+
+/// Writes a JSON value to `path` atomically (pretty-printed).
+pub fn write_json<T: serde::Serialize>(path: &Path, value: &T) -> Result<()> {
+    write_atomic(path, |tmp| {
+        let text = serde_json::to_string_pretty(value)
+            .map_err(|e| Error::weights(path, "", format!("cannot serialize JSON: {e}")))?;
+        std::fs::write(tmp, text).map_err(|e| Error::io(tmp, "write", e))
+    })
+}
+
+/// Writes named f32 tensors to a safetensors file, atomically. Tensors are copied to
+/// the host one at a time.
+pub fn save_safetensors(path: &Path, tensors: &[(String, &Tensor)]) -> Result<()> {
+    let mut host: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        let v = t.to_vec_f32().ctx(name, "copy to host")?;
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        host.push((name.clone(), t.dims().to_vec(), bytes));
+    }
+    let views = host
+        .iter()
+        .map(|(name, shape, bytes)| {
+            TensorView::new(Dtype::F32, shape.clone(), bytes)
+                .map(|v| (name.clone(), v))
+                .map_err(|e| Error::weights(path, name, format!("cannot build tensor view: {e}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    write_atomic(path, |tmp| {
+        safetensors::serialize_to_file(views, Some(metadata), tmp)
+            .map_err(|e| Error::weights(tmp, "", format!("cannot write safetensors: {e}")))
+    })
+}

@@ -1,0 +1,168 @@
+//! Hugging Face checkpoint IO: safetensors round trip, f16/bf16/i64 decoding, sharded
+//! index, and errors that name the file, the tensor and both shapes.
+
+// Helpers below are plain functions, outside clippy's allow-unwrap-in-tests.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use braid_kernels::{Device, Tensor};
+use braid_nn::hf::{WeightFiles, read_json, save_safetensors, write_json};
+use half::{bf16, f16};
+use safetensors::tensor::{Dtype, TensorView};
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+fn tmpdir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("braid-hf-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Writes raw tensors of any dtype, as another tool would.
+fn write_raw(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (n.to_string(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+#[test]
+fn f32_round_trip_is_exact_and_atomic() -> TestResult {
+    let dir = tmpdir("roundtrip");
+    let a = Tensor::from_vec(vec![1.5, -2.0, 3.25, 1e-7, 0.0, 7.0], [2, 3], Device::Cpu)?;
+    let b = Tensor::from_vec(vec![42.0], [1], Device::Cpu)?;
+    let path = dir.join("model.safetensors");
+    save_safetensors(&path, &[("a.weight".into(), &a), ("b".into(), &b)])?;
+    // Only the final file exists: the temporary was renamed into place.
+    let files: Vec<_> = std::fs::read_dir(&dir)?
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(files, vec![std::ffi::OsString::from("model.safetensors")]);
+    let w = WeightFiles::open_dir(&dir)?;
+    assert_eq!(w.names().collect::<Vec<_>>(), vec!["a.weight", "b"]);
+    assert_eq!(w.shape("a.weight"), Some(&[2usize, 3][..]));
+    assert_eq!(
+        w.load("a.weight", &[2, 3], Device::Cpu)?.to_vec_f32()?,
+        a.to_vec_f32()?
+    );
+    assert_eq!(w.load_any("b", Device::Cpu)?.to_vec_f32()?, vec![42.0]);
+    Ok(())
+}
+
+#[test]
+fn half_precision_and_ids_decode() -> TestResult {
+    let dir = tmpdir("dtypes");
+    let vals = [1.0f32, -0.5, 3.140625, 65280.0]; // exact in both f16 and bf16
+    let bf: Vec<u8> = vals
+        .iter()
+        .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+        .collect();
+    let hf: Vec<u8> = vals
+        .iter()
+        .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+        .collect();
+    let ids: Vec<u8> = [0i64, 5, 151_643]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let neg: Vec<u8> = [-1i64].iter().flat_map(|v| v.to_le_bytes()).collect();
+    write_raw(
+        &dir.join("model.safetensors"),
+        &[
+            ("bf", Dtype::BF16, vec![4], bf),
+            ("hf", Dtype::F16, vec![2, 2], hf),
+            ("input_ids", Dtype::I64, vec![1, 3], ids),
+            ("neg", Dtype::I64, vec![1], neg),
+        ],
+    );
+    let w = WeightFiles::open_dir(&dir)?;
+    assert_eq!(w.load("bf", &[4], Device::Cpu)?.to_vec_f32()?, vals);
+    assert_eq!(w.load("hf", &[2, 2], Device::Cpu)?.to_vec_f32()?, vals);
+    let t = w.load_ids("input_ids", Device::Cpu)?;
+    assert_eq!(t.dims(), &[1, 3]);
+    assert_eq!(t.to_vec_u32()?, vec![0, 5, 151_643]);
+    let e = w.load_ids("neg", Device::Cpu).unwrap_err().to_string();
+    assert!(e.contains("`neg`") && e.contains("-1"), "{e}");
+    let e = w.load_ids("bf", Device::Cpu).unwrap_err().to_string();
+    assert!(e.contains("not an integer id type"), "{e}");
+    let e = w
+        .load("input_ids", &[1, 3], Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not a float type"), "{e}");
+    Ok(())
+}
+
+#[test]
+fn sharded_index_reads_every_shard() -> TestResult {
+    let dir = tmpdir("sharded");
+    let a = Tensor::from_vec(vec![1.0, 2.0], [2], Device::Cpu)?;
+    let b = Tensor::from_vec(vec![3.0, 4.0, 5.0], [3], Device::Cpu)?;
+    save_safetensors(
+        &dir.join("model-00001-of-00002.safetensors"),
+        &[("a".into(), &a)],
+    )?;
+    save_safetensors(
+        &dir.join("model-00002-of-00002.safetensors"),
+        &[("b".into(), &b)],
+    )?;
+    let index = serde_json::json!({
+        "metadata": {"total_size": 20},
+        "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    });
+    write_json(&dir.join("model.safetensors.index.json"), &index)?;
+    let w = WeightFiles::open_dir(&dir)?;
+    assert_eq!(
+        w.load("a", &[2], Device::Cpu)?.to_vec_f32()?,
+        vec![1.0, 2.0]
+    );
+    assert_eq!(
+        w.load("b", &[3], Device::Cpu)?.to_vec_f32()?,
+        vec![3.0, 4.0, 5.0]
+    );
+    let back: HashMap<String, serde_json::Value> =
+        read_json(&dir.join("model.safetensors.index.json"))?;
+    assert!(back.contains_key("weight_map"));
+    Ok(())
+}
+
+#[test]
+fn errors_name_file_tensor_and_shapes() -> TestResult {
+    let dir = tmpdir("errors");
+    let a = Tensor::from_vec(vec![0.0; 6], [2, 3], Device::Cpu)?;
+    save_safetensors(
+        &dir.join("model.safetensors"),
+        &[("layers.0.q_proj.weight".into(), &a)],
+    )?;
+    let w = WeightFiles::open_dir(&dir)?;
+    let e = w
+        .load("layers.0.q_proj.weight", &[3, 2], Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("model.safetensors")
+            && e.contains("layers.0.q_proj.weight")
+            && e.contains("[2, 3]")
+            && e.contains("[3, 2]"),
+        "{e}"
+    );
+    let e = w
+        .load("layers.0.k_proj.weight", &[2, 3], Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("layers.0.k_proj.weight") && e.contains("no such tensor"),
+        "{e}"
+    );
+    let empty = tmpdir("empty");
+    let e = WeightFiles::open_dir(&empty).unwrap_err().to_string();
+    assert!(e.contains("no model.safetensors"), "{e}");
+    std::fs::write(empty.join("model.safetensors"), b"not a safetensors file")?;
+    let e = WeightFiles::open_dir(&empty).unwrap_err().to_string();
+    assert!(e.contains("bad safetensors header"), "{e}");
+    Ok(())
+}
