@@ -60,6 +60,12 @@ pub trait LayoutKernels {
     fn transpose01(&self, x: &Tensor) -> Result<Tensor>;
     /// x (N, C) -> (N, len): columns `start .. start + len` of every row.
     fn narrow_last(&self, x: &Tensor, start: usize, len: usize) -> Result<Tensor>;
+    /// x (N, C), idx (M) u32 -> (M, C): `out[m] = x[idx[m]]`. An index >= N is an
+    /// `Error::Invalid` naming it.
+    fn gather_rows(&self, x: &Tensor, idx: &Tensor) -> Result<Tensor>;
+    /// dst (N, C), idx (M) u32 distinct, src (M, C): `dst[idx[m]] = src[m]`. An index
+    /// >= N or a repeated index is an `Error::Invalid` naming it; `dst` is then unchanged.
+    fn scatter_rows(&self, dst: &mut Tensor, idx: &Tensor, src: &Tensor) -> Result<()>;
 }
 
 /// Token embeddings.

@@ -71,3 +71,63 @@ braid_kernels::test_on_devices!(
     narrow_last_matches_indexing,
     add_bias_adds_to_every_row
 );
+
+fn gather_and_scatter_rows(dev: Device) -> Result<()> {
+    // x (4, 3): row r = [10 r, 10 r + 1, 10 r + 2]
+    let x = Tensor::from_vec(
+        (0..12).map(|k| (10 * (k / 3) + k % 3) as f32).collect(),
+        [4, 3],
+        dev,
+    )?;
+    let idx = Tensor::from_vec_u32(vec![2, 0, 2], [3], dev)?;
+    let g = ops::gather_rows(&x, &idx)?;
+    assert_eq!(g.dims(), &[3, 3]);
+    assert_eq!(
+        g.to_vec_f32()?,
+        vec![20.0, 21.0, 22.0, 0.0, 1.0, 2.0, 20.0, 21.0, 22.0]
+    );
+    // scatter: rows 3 and 1 overwritten, others untouched.
+    let mut dst = x.try_clone()?;
+    let src = Tensor::from_vec(vec![-1.0, -2.0, -3.0, -4.0, -5.0, -6.0], [2, 3], dev)?;
+    ops::scatter_rows(&mut dst, &Tensor::from_vec_u32(vec![3, 1], [2], dev)?, &src)?;
+    assert_eq!(
+        dst.to_vec_f32()?,
+        vec![
+            0.0, 1.0, 2.0, -4.0, -5.0, -6.0, 20.0, 21.0, 22.0, -1.0, -2.0, -3.0
+        ]
+    );
+    // gather after scatter at the same rows returns src: the adjoint pair the
+    // modality scatter uses.
+    let back = ops::gather_rows(&dst, &Tensor::from_vec_u32(vec![3, 1], [2], dev)?)?;
+    assert_eq!(back.to_vec_f32()?, src.to_vec_f32()?);
+    // Errors: out of range, repeated, shapes, dtype; dst unchanged after a failure.
+    let before = dst.to_vec_f32()?;
+    assert_err!(
+        ops::gather_rows(&x, &Tensor::from_vec_u32(vec![4], [1], dev)?),
+        Error::Invalid { .. }
+    );
+    assert_err!(
+        ops::scatter_rows(&mut dst, &Tensor::from_vec_u32(vec![1, 1], [2], dev)?, &src),
+        Error::Invalid { .. }
+    );
+    assert_err!(
+        ops::scatter_rows(&mut dst, &Tensor::from_vec_u32(vec![9, 1], [2], dev)?, &src),
+        Error::Invalid { .. }
+    );
+    assert_eq!(dst.to_vec_f32()?, before);
+    assert_err!(
+        ops::scatter_rows(&mut dst, &Tensor::from_vec_u32(vec![1], [1], dev)?, &src),
+        Error::Shape { .. }
+    );
+    assert_err!(
+        ops::gather_rows(&x, &Tensor::from_vec(vec![0.0], [1], dev)?),
+        Error::DType { .. }
+    );
+    assert_err!(
+        ops::gather_rows(&Tensor::from_vec(vec![0.0; 4], [4], dev)?, &idx),
+        Error::Shape { .. }
+    );
+    Ok(())
+}
+
+braid_kernels::test_on_devices!(gather_and_scatter_rows);

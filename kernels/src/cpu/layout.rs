@@ -2,7 +2,7 @@
 
 use super::CpuBackend;
 use crate::backend::LayoutKernels;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::shape::Shape;
 use crate::tensor::{CpuStorage, Storage, Tensor};
 
@@ -45,5 +45,49 @@ impl LayoutKernels for CpuBackend {
         let n = x.shape().rows();
         let out = copy_rows(s, n, len, |r| r * c + start); // (N, len)
         Tensor::from_storage(Storage::Cpu(out), Shape::new([n, len]))
+    }
+
+    fn gather_rows(&self, x: &Tensor, idx: &Tensor) -> Result<Tensor> {
+        const OP: &str = "gather_rows";
+        let s = x.cpu_storage(OP, "x")?; // (N, C)
+        let [n, c] = x.shape().dims_n::<2>(OP, "x")?;
+        let iv = idx.cpu_u32(OP, "idx")?; // (M)
+        check_rows(OP, iv, n)?;
+        let out = copy_rows(s, iv.len(), c, |m| iv[m] as usize * c); // (M, C)
+        Tensor::from_storage(Storage::Cpu(out), Shape::new([iv.len(), c]))
+    }
+
+    fn scatter_rows(&self, dst: &mut Tensor, idx: &Tensor, src: &Tensor) -> Result<()> {
+        const OP: &str = "scatter_rows";
+        let [n, c] = dst.shape().dims_n::<2>(OP, "dst")?;
+        let iv = idx.cpu_u32(OP, "idx")?; // (M)
+        check_rows(OP, iv, n)?;
+        let mut seen = vec![false; n];
+        for (m, &i) in iv.iter().enumerate() {
+            if std::mem::replace(&mut seen[i as usize], true) {
+                return Err(Error::invalid(
+                    OP,
+                    format!("idx[{m}] = {i} repeats an earlier index: rows must be distinct"),
+                ));
+            }
+        }
+        let dv = dst.cpu_f32_mut(OP, "dst")?; // (N, C)
+        let sv = src.cpu_f32(OP, "src")?; // (M, C)
+        for (m, &i) in iv.iter().enumerate() {
+            let i = i as usize;
+            dv[i * c..(i + 1) * c].copy_from_slice(&sv[m * c..(m + 1) * c]);
+        }
+        Ok(())
+    }
+}
+
+/// Every index must name a row of a tensor with `n` rows.
+fn check_rows(op: &'static str, idx: &[u32], n: usize) -> Result<()> {
+    match idx.iter().enumerate().find(|&(_, &i)| i as usize >= n) {
+        Some((m, &i)) => Err(Error::invalid(
+            op,
+            format!("idx[{m}] = {i} is out of range for {n} rows"),
+        )),
+        None => Ok(()),
     }
 }

@@ -2,7 +2,8 @@
 //! counterparts (transpose01 is its own inverse; narrow_last's adjoint is a zero-pad,
 //! needed only once a layer narrows a tensor it must also differentiate through).
 
-use super::same_device;
+use super::{expect_dtype, same_device};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -37,4 +38,49 @@ pub fn narrow_last(x: &Tensor, start: usize, len: usize) -> Result<Tensor> {
     }
     debug_assert_eq!(out.elem_count(), n * len);
     out.reshape(dims)
+}
+
+/// Checks `idx` is a rank-1 u32 tensor and `x` has rank 2; returns (N, C, M).
+fn rows_and_index(op: &'static str, x: &Tensor, idx: &Tensor) -> Result<(usize, usize, usize)> {
+    same_device(op, &[("x", x), ("idx", idx)])?;
+    expect_dtype(op, DType::U32, &[("idx", idx)])?;
+    let [n, c] = x.shape().dims_n::<2>(op, "x")?;
+    let [m] = idx.shape().dims_n::<1>(op, "idx")?;
+    Ok((n, c, m))
+}
+
+/// Rows of x (N, C) picked by idx (M) u32 -> (M, C). Its adjoint is a scatter-add
+/// (`ops::embedding_bwd`, which is exactly that); together with [`scatter_rows`] it
+/// places modality embeddings into a token sequence and routes their grads back.
+pub fn gather_rows(x: &Tensor, idx: &Tensor) -> Result<Tensor> {
+    rows_and_index("gather_rows", x, idx)?;
+    x.device().backend()?.gather_rows(x, idx)
+}
+
+/// Overwrites rows of dst (N, C): `dst[idx[m]] = src[m]` for distinct idx (M) u32,
+/// src (M, C) of dst's dtype. Backward: `d_src = gather_rows(d_dst, idx)`, and the
+/// overwritten rows of `d_dst` are zeroed (scatter zeros) before flowing further back.
+pub fn scatter_rows(dst: &mut Tensor, idx: &Tensor, src: &Tensor) -> Result<()> {
+    const OP: &str = "scatter_rows";
+    let (_, c, m) = rows_and_index(OP, dst, idx)?;
+    same_device(OP, &[("dst", dst), ("src", src)])?;
+    if src.dtype() != dst.dtype() {
+        return Err(Error::DType {
+            op: OP,
+            arg: "src",
+            got: src.dtype(),
+            expected: dst.dtype(),
+        });
+    }
+    if src.dims() != [m, c] {
+        return Err(Error::shape(
+            OP,
+            format!(
+                "src {} must be (M, C) = [{m}, {c}] for idx of {m} rows into dst {}",
+                src.shape(),
+                dst.shape()
+            ),
+        ));
+    }
+    dst.device().backend()?.scatter_rows(dst, idx, src)
 }
