@@ -186,6 +186,23 @@ impl LlmConfig {
                 self.vocab
             )));
         }
+        // Each family's Hugging Face config can express only its own bias layout, so a
+        // config that validates can always be exported.
+        match self.family {
+            Family::Llama if self.qkv_bias != self.o_bias => {
+                return Err(invalid(format!(
+                    "`qkv_bias` = {} and `o_bias` = {} differ, but a Llama config has one `attention_bias` for q/k/v/o",
+                    self.qkv_bias, self.o_bias
+                )));
+            }
+            Family::Qwen2 if !self.qkv_bias || self.o_bias || self.mlp_bias => {
+                return Err(invalid(format!(
+                    "family qwen2 has biases on q/k/v only: need `qkv_bias` = true, `o_bias` = false, `mlp_bias` = false (got {}, {}, {})",
+                    self.qkv_bias, self.o_bias, self.mlp_bias
+                )));
+            }
+            _ => {}
+        }
         self.validate_rope()
     }
 

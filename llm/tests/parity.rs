@@ -5,6 +5,8 @@
 //!
 //! HF batches (B, T) become B packed rows of T tokens, so these also check packing.
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use braid_kernels::{Device, ops};

@@ -40,8 +40,9 @@ pub fn rel_err(got: &[f32], want: &[f32]) -> f32 {
     diff / scale
 }
 
-/// A tiny Llama-style config (GQA 4/2, head 4) for finite differences and stage tests.
-pub fn tiny_config(tie: bool, qkv_bias: bool) -> LlmConfig {
+/// A tiny Llama-style config (GQA 4/2, head 4) for finite differences and stage tests;
+/// `bias` puts biases on q/k/v/o (Llama's `attention_bias`).
+pub fn tiny_config(tie: bool, bias: bool) -> LlmConfig {
     LlmConfig {
         family: Family::Llama,
         vocab: 11,
@@ -58,8 +59,8 @@ pub fn tiny_config(tie: bool, qkv_bias: bool) -> LlmConfig {
             scaling: RopeScaling::Default,
         },
         tie_embeddings: tie,
-        qkv_bias,
-        o_bias: false,
+        qkv_bias: bias,
+        o_bias: bias,
         mlp_bias: false,
     }
 }
