@@ -285,17 +285,22 @@ impl LlmStage {
             blocks,
             head,
         } = cache;
-        let mut dh = match head {
+        // d hidden (T, C); `None` while it is still `dout` itself (no copy of it).
+        let mut dh: Option<Tensor> = match head {
             Some(HeadCache { norm, xn }) => {
                 let dxn = self.head_backward(&xn, dout)?; // (T, C)
                 let n = self.norm.as_mut().ok_or_else(|| missing("norm"))?;
-                n.backward(norm, &dxn)?
+                Some(n.backward(norm, &dxn)?)
             }
-            None => dout.try_clone().ctx("llm", "output grad")?,
+            None => None,
         };
         for (block, bc) in self.blocks.iter_mut().zip(blocks).rev() {
-            dh = block.backward(bc, &dh)?; // (T, C)
+            dh = Some(block.backward(bc, dh.as_ref().unwrap_or(dout))?); // (T, C)
         }
+        let mut dh = match dh {
+            Some(d) => d,
+            None => dout.try_clone().ctx("llm", "output grad")?,
+        };
         match input {
             InputCache::Hidden => Ok(Some(dh)),
             InputCache::Tokens { ids, positions } => {
