@@ -37,4 +37,4 @@ pub use parallel::{
     ColumnParallelCache, ColumnParallelLinear, RowParallelCache, RowParallelLinear,
 };
 pub use param::{Init, InitKind, Module, Param, Shard};
-pub use rope::{Rope, RopeConfig, SeqInfo};
+pub use rope::{DynamicNtk, Rope, RopeConfig, SeqInfo};

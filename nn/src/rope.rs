@@ -37,11 +37,50 @@ impl RopeConfig {
 /// `inv_freq[i] = theta^(-2i/R)` for i < R/2 (computed in f64, stored in f32 as Hugging
 /// Face does); the angle of token t is `positions[t] * inv_freq[i]` in f32. Scaled
 /// variants (linear, NTK, Llama 3, YaRN) only change `inv_freq` and positions.
+///
+/// A scaled variant built elsewhere (the LLM's config knows Hugging Face's rope types)
+/// enters through [`Rope::from_inv_freq`]: its `inv_freq`, the factor YaRN multiplies
+/// cos and sin by, and for dynamic NTK the rule that recomputes `inv_freq` from the
+/// batch's length.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Rope {
     pub rot_dim: usize,
     /// (R/2)
     pub inv_freq: Vec<f32>,
+    /// cos and sin are multiplied by it (YaRN's `attention_factor`); 1 otherwise.
+    pub attention_factor: f32,
+    /// Dynamic NTK scaling: `inv_freq` is recomputed when a batch is longer than the
+    /// pretraining length.
+    pub dynamic_ntk: Option<DynamicNtk>,
+}
+
+/// Hugging Face's `dynamic` rope type (`_compute_dynamic_ntk_parameters`): for a batch
+/// whose largest position + 1 is `L > max_positions`, the base becomes
+/// `theta * (factor * L / max_positions - (factor - 1))^(R / (R - 2))`; for `L <=
+/// max_positions` the unscaled `inv_freq` is used.
+///
+/// Unlike Hugging Face, whose module caches the longest length seen until a short
+/// batch resets it, this is a function of the batch alone (same result for a batch
+/// whatever ran before), which is what a training step wants.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DynamicNtk {
+    pub theta: f64,
+    pub factor: f64,
+    pub max_positions: usize,
+}
+
+impl DynamicNtk {
+    /// inv_freq (R/2) for a batch of length `seq_len` (> max_positions), computed in f32
+    /// step by step as PyTorch does it there.
+    pub fn inv_freq(&self, rot_dim: usize, seq_len: usize) -> Vec<f32> {
+        let r = rot_dim as f32;
+        let ratio = (self.factor as f32) * seq_len as f32 / self.max_positions as f32
+            - (self.factor as f32 - 1.0);
+        let base = self.theta as f32 * ratio.powf(r / (r - 2.0));
+        (0..rot_dim / 2)
+            .map(|i| 1.0 / base.powf((2 * i) as f32 / r))
+            .collect()
+    }
 }
 
 impl Rope {
@@ -54,20 +93,70 @@ impl Rope {
         Ok(Rope {
             rot_dim: r,
             inv_freq,
+            attention_factor: 1.0,
+            dynamic_ntk: None,
         })
+    }
+
+    /// A rope from precomputed inverse frequencies (R/2 of them, R = 2 * len) and the
+    /// factor cos/sin are multiplied by (1 for all but YaRN).
+    pub fn from_inv_freq(inv_freq: Vec<f32>, attention_factor: f32) -> Result<Self> {
+        let err = |msg: String| Err(Error::config("Rope", msg));
+        if inv_freq.is_empty() {
+            return err("inv_freq is empty: at least one rotated channel pair is needed".into());
+        }
+        if let Some(i) = inv_freq.iter().position(|f| !f.is_finite() || *f < 0.0) {
+            return err(format!(
+                "inv_freq[{i}] = {} must be finite and >= 0",
+                inv_freq[i]
+            ));
+        }
+        if !(attention_factor.is_finite() && attention_factor > 0.0) {
+            return err(format!(
+                "attention_factor = {attention_factor} must be a positive number"
+            ));
+        }
+        Ok(Rope {
+            rot_dim: 2 * inv_freq.len(),
+            inv_freq,
+            attention_factor,
+            dynamic_ntk: None,
+        })
+    }
+
+    /// The same rope with dynamic NTK scaling (see [`DynamicNtk`]).
+    pub fn with_dynamic_ntk(self, ntk: DynamicNtk) -> Self {
+        Rope {
+            dynamic_ntk: Some(ntk),
+            ..self
+        }
+    }
+
+    /// The inverse frequencies used for a batch of largest position + 1 = `seq_len`.
+    pub fn inv_freq_for(&self, seq_len: usize) -> std::borrow::Cow<'_, [f32]> {
+        match &self.dynamic_ntk {
+            Some(ntk) if seq_len > ntk.max_positions => {
+                std::borrow::Cow::Owned(ntk.inv_freq(self.rot_dim, seq_len))
+            }
+            _ => std::borrow::Cow::Borrowed(&self.inv_freq),
+        }
     }
 
     /// (cos, sin), each (T, R/2), for tokens at `positions` (T).
     pub fn tables(&self, positions: &[u32], device: Device) -> Result<(Tensor, Tensor)> {
-        let half = self.inv_freq.len();
+        let seq_len = positions.iter().max().map_or(0, |&p| p as usize + 1);
+        let inv_freq = self.inv_freq_for(seq_len);
+        let half = inv_freq.len();
         let t = positions.len();
+        let a = self.attention_factor;
         let mut cos = Vec::with_capacity(t * half); // (T, R/2)
         let mut sin = Vec::with_capacity(t * half); // (T, R/2)
         for &p in positions {
-            for &f in &self.inv_freq {
+            for &f in inv_freq.iter() {
                 let angle = p as f32 * f;
-                cos.push(angle.cos());
-                sin.push(angle.sin());
+                // `a == 1` multiplies exactly, so unscaled tables are unchanged.
+                cos.push(angle.cos() * a);
+                sin.push(angle.sin() * a);
             }
         }
         let cos = Tensor::from_vec(cos, [t, half], device).ctx("rope", "cos table")?;

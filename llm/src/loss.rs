@@ -1,0 +1,226 @@
+//! Next-token cross-entropy: targets from packed token rows, the mean loss over valid
+//! targets, and the vocab-parallel variant (Megatron's `vocab_parallel_cross_entropy`)
+//! for logits split along the vocabulary across a TP group.
+
+use braid_comm::Comm;
+use braid_kernels::{DType, Tensor, ops};
+use braid_nn::error::Context;
+use braid_nn::{Error, Result, SeqInfo};
+
+/// Target id of a position that has no loss (last token of a sample, prompt tokens,
+/// padding).
+pub const IGNORE_INDEX: u32 = u32::MAX;
+
+/// Next-token targets (T) of packed rows: `targets[t] = ids[t + 1]` when `t + 1` is in
+/// the same sample and is a loss token (`loss_mask[t + 1]`, all when `None`), else
+/// [`IGNORE_INDEX`]. The mask marks the tokens to be predicted (e.g. assistant turns).
+pub fn next_token_targets(
+    ids: &[u32],
+    seq: &SeqInfo,
+    loss_mask: Option<&[bool]>,
+) -> Result<Vec<u32>> {
+    seq.validate(ids.len())?;
+    if let Some(m) = loss_mask
+        && m.len() != ids.len()
+    {
+        return Err(Error::input(
+            "next_token_targets",
+            format!(
+                "loss_mask has {} entries for T = {} tokens",
+                m.len(),
+                ids.len()
+            ),
+        ));
+    }
+    let mut targets = vec![IGNORE_INDEX; ids.len()]; // (T)
+    for w in seq.cu_seqlens.windows(2) {
+        for t in w[0]..w[1].saturating_sub(1) {
+            if loss_mask.is_none_or(|m| m[t + 1]) {
+                targets[t] = ids[t + 1];
+            }
+        }
+    }
+    Ok(targets)
+}
+
+/// The loss of one microbatch and the grad of its logits.
+#[derive(Debug)]
+pub struct LossOutput {
+    /// `loss_sum / normalizer`
+    pub loss: f32,
+    /// Sum of the per-token losses (f64).
+    pub loss_sum: f64,
+    /// Number of targets that are not [`IGNORE_INDEX`].
+    pub n_valid: usize,
+    /// d loss / d logits (T, V), already divided by the normalizer.
+    pub dlogits: Tensor,
+}
+
+/// Mean cross-entropy of logits (T, V) against host `targets` (T), ignoring
+/// [`IGNORE_INDEX`]. `normalizer` is the number of valid targets the mean is over: the
+/// global count across microbatches and data-parallel ranks for an exact mean of a
+/// whole step, `None` for this microbatch's own count. With no valid target the loss
+/// and grad are 0.
+pub fn cross_entropy_loss(
+    logits: &Tensor,
+    targets: &[u32],
+    normalizer: Option<usize>,
+) -> Result<LossOutput> {
+    let n_valid = targets.iter().filter(|&&t| t != IGNORE_INDEX).count();
+    let denom = normalizer.unwrap_or(n_valid);
+    if denom < n_valid {
+        return Err(Error::input(
+            "cross_entropy_loss",
+            format!("normalizer {denom} is smaller than this batch's {n_valid} valid targets"),
+        ));
+    }
+    let scale = if denom == 0 { 0.0 } else { 1.0 / denom as f64 };
+    let tt = Tensor::from_vec_u32(targets.to_vec(), [targets.len()], logits.device())
+        .ctx("cross_entropy_loss", "targets to device")?;
+    let (losses, dlogits) = ops::cross_entropy_fwd_bwd(logits, &tt, IGNORE_INDEX, scale as f32)
+        .ctx("cross_entropy_loss", "forward/backward")?;
+    // The scalar loss comes to the host for logging: T floats, not T x V.
+    let loss_sum: f64 = losses
+        .to_vec_f32()
+        .ctx("cross_entropy_loss", "losses to host")?
+        .iter()
+        .map(|&l| f64::from(l))
+        .sum();
+    Ok(LossOutput {
+        loss: (loss_sum * scale) as f32,
+        loss_sum,
+        n_valid,
+        dlogits,
+    })
+}
+
+/// Cross-entropy of logits split along the vocabulary: this rank holds columns
+/// `vocab_start .. vocab_start + V/tp` of logits (T, V/tp). Returns (losses (T),
+/// dlogits shard (T, V/tp)) equal to [`ops::cross_entropy_fwd_bwd`] on the full logits
+/// (ignore rows: loss 0, grad 0; grads times `grad_scale`).
+///
+/// Megatron's math: the row max, the target logit (held by exactly one rank, 0
+/// elsewhere) and the sum of `exp(x - max)` are reduced over the group; then
+/// `loss = ln(sum) - (x_target - max)` and `dlogits = grad_scale * (softmax - onehot)`
+/// on each shard. A group of one is the fused kernel itself.
+///
+/// The shard math runs on host copies of the shard: [`Comm`] has no max all-reduce and
+/// the kernels no row-max/sum-exp pair yet, so the max is an all-gather of (T) per rank.
+/// This is the reference path (CPU training and tests); a device kernel pair replaces
+/// it for the GPU.
+pub fn vocab_parallel_cross_entropy(
+    group: &dyn Comm,
+    logits: &Tensor,
+    vocab_start: usize,
+    targets: &Tensor,
+    ignore_index: u32,
+    grad_scale: f32,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "vocab_parallel_cross_entropy";
+    let (rank, size) = (group.rank(), group.size());
+    let (t, vl) = match *logits.dims() {
+        [t, vl] if vl > 0 => (t, vl),
+        _ => {
+            return Err(Error::input(
+                OP,
+                format!("logits shard must be (T, V/tp > 0), got {}", logits.shape()),
+            ));
+        }
+    };
+    if vocab_start != rank * vl {
+        return Err(Error::input(
+            OP,
+            format!(
+                "rank {rank} of {size} with a shard of {vl} columns must start at {}, got vocab_start = {vocab_start}",
+                rank * vl
+            ),
+        ));
+    }
+    if targets.dims() != [t] || targets.dtype() != DType::U32 {
+        return Err(Error::input(
+            OP,
+            format!(
+                "targets must be (T = {t}) u32, got {} {}",
+                targets.shape(),
+                targets.dtype()
+            ),
+        ));
+    }
+    if size == 1 {
+        return ops::cross_entropy_fwd_bwd(logits, targets, ignore_index, grad_scale)
+            .ctx(OP, "fused kernel");
+    }
+    let dev = logits.device();
+    let v = vl * size;
+    let tg = targets.to_vec_u32().ctx(OP, "targets to host")?; // (T)
+    if let Some((row, bad)) = tg
+        .iter()
+        .enumerate()
+        .find(|&(_, &x)| x != ignore_index && x as usize >= v)
+    {
+        return Err(Error::input(
+            OP,
+            format!("targets[{row}] = {bad} is out of range for a vocabulary of {v}"),
+        ));
+    }
+    let mut x = logits.to_vec_f32().ctx(OP, "logits to host")?; // (T, V/tp)
+    // 1. Global row max: every rank's local max, gathered, then the max over ranks.
+    let local_max: Vec<f32> = x
+        .chunks_exact(vl)
+        .map(|r| r.iter().copied().fold(f32::NEG_INFINITY, f32::max))
+        .collect(); // (T)
+    let gathered = group
+        .all_gather(&Tensor::from_vec(local_max, [t], dev).ctx(OP, "max")?)
+        .ctx(OP, "all-gather row max")?
+        .to_vec_f32()
+        .ctx(OP, "row max to host")?; // (tp * T)
+    let max: Vec<f32> = (0..t)
+        .map(|i| {
+            (0..size)
+                .map(|r| gathered[r * t + i])
+                .fold(f32::NEG_INFINITY, f32::max)
+        })
+        .collect(); // (T)
+    // 2. x - max, the target logit (only on the rank that holds the target) and the
+    //    local sum of exp, reduced over the group.
+    let mut target_logit = vec![0.0f32; t]; // (T)
+    let mut sum_exp = vec![0.0f32; t]; // (T)
+    for (i, row) in x.chunks_exact_mut(vl).enumerate() {
+        let local = (tg[i] as usize).wrapping_sub(vocab_start);
+        let mut s = 0.0f64;
+        for (j, xi) in row.iter_mut().enumerate() {
+            *xi -= max[i];
+            if j == local {
+                target_logit[i] = *xi;
+            }
+            *xi = xi.exp(); // row now holds exp(x - max)
+            s += f64::from(*xi);
+        }
+        sum_exp[i] = s as f32;
+    }
+    let mut reduced =
+        Tensor::from_vec([target_logit, sum_exp].concat(), [2, t], dev).ctx(OP, "partial sums")?; // (2, T)
+    group
+        .all_reduce_sum(&mut reduced)
+        .ctx(OP, "all-reduce target logit and sum of exp")?;
+    let reduced = reduced.to_vec_f32().ctx(OP, "sums to host")?;
+    let (target_logit, sum_exp) = reduced.split_at(t);
+    // 3. Loss and softmax - onehot on this shard.
+    let mut losses = vec![0.0f32; t]; // (T)
+    for (i, row) in x.chunks_exact_mut(vl).enumerate() {
+        if tg[i] == ignore_index {
+            row.fill(0.0);
+            continue;
+        }
+        losses[i] = sum_exp[i].ln() - target_logit[i];
+        let scale = grad_scale / sum_exp[i];
+        row.iter_mut().for_each(|e| *e *= scale);
+        let local = (tg[i] as usize).wrapping_sub(vocab_start);
+        if local < vl {
+            row[local] -= grad_scale;
+        }
+    }
+    let losses = Tensor::from_vec(losses, [t], dev).ctx(OP, "losses to device")?;
+    let dlogits = Tensor::from_vec(x, [t, vl], dev).ctx(OP, "dlogits to device")?;
+    Ok((losses, dlogits))
+}

@@ -1,0 +1,407 @@
+//! `LlmStage`: a contiguous range of decoder layers, the unit of pipeline parallelism.
+//! The first stage owns the token embedding (and the scatter of modality embeddings),
+//! the last the final norm and the lm_head; the whole model is the one stage that is
+//! both (see [`crate::Llm`]).
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use braid_comm::Comm;
+use braid_kernels::{DType, Tensor, ops};
+use braid_nn::error::Context;
+use braid_nn::norm::RmsNormCache;
+use braid_nn::{
+    AttentionConfig, AttentionDims, BlockCache, BlockConfig, Embedding, Error, Init, Linear,
+    MlpConfig, MlpKind, Module, NormKind, Param, Result, RmsNorm, RopeConfig, SeqInfo,
+    TransformerBlock,
+};
+
+use crate::config::LlmConfig;
+use crate::rope::build_rope;
+
+/// Embeddings of other modalities (image patches, audio frames) that replace the
+/// embeddings of placeholder tokens: row `m` of `embeds` goes to token `positions[m]`.
+#[derive(Debug)]
+pub struct ModalityEmbeds {
+    /// (M) u32, distinct, each < T
+    pub positions: Tensor,
+    /// (M, C)
+    pub embeds: Tensor,
+}
+
+/// What a stage's forward starts from.
+#[derive(Debug)]
+pub enum StageInput<'a> {
+    /// First stage: token ids (T) u32, optionally with modality embeddings scattered in.
+    Tokens {
+        ids: &'a Tensor,
+        modality: Option<&'a ModalityEmbeds>,
+    },
+    /// Hidden states (T, C): the previous stage's output, or on the first stage the
+    /// input embeddings themselves (`inputs_embeds`).
+    Hidden(Tensor),
+}
+
+/// How the stage's input entered, for the backward.
+#[derive(Debug)]
+enum InputCache {
+    Tokens {
+        /// (T) u32
+        ids: Tensor,
+        /// (M) u32 modality rows, if any
+        positions: Option<Tensor>,
+    },
+    Hidden,
+}
+
+/// What the last stage's head needs for the backward.
+#[derive(Debug)]
+struct HeadCache {
+    /// holds the last block's output (T, C)
+    norm: RmsNormCache,
+    /// normed hidden states, lm_head's input (T, C)
+    xn: Tensor,
+}
+
+/// What [`LlmStage::backward`] needs; one per microbatch in flight.
+#[derive(Debug)]
+pub struct StageCache {
+    input: InputCache,
+    blocks: Vec<BlockCache>,
+    head: Option<HeadCache>,
+}
+
+/// Layers `layers` of a decoder, with the embedding when `layers.start == 0` and the
+/// final norm + lm_head when `layers.end == config.layers`.
+///
+/// Parameter names (Braid's; [`crate::hf::hf_name`] maps them to Hugging Face's):
+/// `embed_tokens.weight`, `layers.{i}.…` (nn's block names), `norm.weight`,
+/// `lm_head.weight`. With tied embeddings, a last stage that is not also the first
+/// holds its own copy named `embed_tokens.weight` (Megatron's "word embeddings for
+/// head"): it starts equal to the first stage's, and the trainer must sum the two
+/// copies' grads (all-reduce over the first and last stage) before the optimizer step.
+#[derive(Debug)]
+pub struct LlmStage {
+    pub config: LlmConfig,
+    pub layers: Range<usize>,
+    /// First stage (lookup), and the tied head's weight on the last stage.
+    pub embed_tokens: Option<Embedding>,
+    pub blocks: Vec<TransformerBlock>,
+    /// Last stage.
+    pub norm: Option<RmsNorm>,
+    /// Last stage, untied.
+    pub lm_head: Option<Linear>,
+}
+
+impl LlmStage {
+    /// A stage with weights from `init` (normal(0, init.std), norms 1, biases 0); `group`
+    /// is the tensor-parallel group of the blocks (embedding and head are replicated).
+    pub fn new(
+        config: &LlmConfig,
+        layers: Range<usize>,
+        init: &Init,
+        group: Arc<dyn Comm>,
+    ) -> Result<Self> {
+        config.validate()?;
+        if layers.start >= layers.end || layers.end > config.layers {
+            return Err(Error::config(
+                "LlmStage",
+                format!(
+                    "layers {layers:?} must be a non-empty range within 0..{}",
+                    config.layers
+                ),
+            ));
+        }
+        let first = layers.start == 0;
+        let last = layers.end == config.layers;
+        let c = config.hidden;
+        let embed_tokens = if first || (last && config.tie_embeddings) {
+            Some(Embedding::new(init, "embed_tokens", config.vocab, c)?)
+        } else {
+            None
+        };
+        let block_config = block_config(config);
+        let rope = build_rope(config)?;
+        let mut blocks = Vec::with_capacity(layers.len());
+        for i in layers.clone() {
+            let mut b = TransformerBlock::new(
+                init,
+                &format!("layers.{i}"),
+                block_config,
+                Arc::clone(&group),
+            )?;
+            // The scaled variants' frequencies replace the plain theta^(-2i/HS) table.
+            b.self_attn.rope = Some(rope.clone());
+            blocks.push(b);
+        }
+        let norm = if last {
+            Some(RmsNorm::new(init, "norm", c, config.rms_norm_eps as f32)?)
+        } else {
+            None
+        };
+        let lm_head = if last && !config.tie_embeddings {
+            Some(Linear::new(init, "lm_head", c, config.vocab, false)?)
+        } else {
+            None
+        };
+        Ok(LlmStage {
+            config: config.clone(),
+            layers,
+            embed_tokens,
+            blocks,
+            norm,
+            lm_head,
+        })
+    }
+
+    pub fn is_first(&self) -> bool {
+        self.layers.start == 0
+    }
+
+    pub fn is_last(&self) -> bool {
+        self.layers.end == self.config.layers
+    }
+
+    /// The output of this stage: logits (T, V) on the last stage, hidden states (T, C)
+    /// otherwise.
+    pub fn forward(&self, input: StageInput<'_>, seq: &SeqInfo) -> Result<(Tensor, StageCache)> {
+        let c = self.config.hidden;
+        let (mut h, input_cache) = match input {
+            StageInput::Tokens { ids, modality } => self.embed(ids, modality, seq)?,
+            StageInput::Hidden(h) => {
+                if h.dims() != [seq.num_tokens(), c] {
+                    return Err(Error::input(
+                        "llm",
+                        format!(
+                            "hidden states must be (T = {}, C = {c}), got {}",
+                            seq.num_tokens(),
+                            h.shape()
+                        ),
+                    ));
+                }
+                (h, InputCache::Hidden)
+            }
+        };
+        let mut blocks = Vec::with_capacity(self.blocks.len());
+        for block in &self.blocks {
+            let (y, cache) = block.forward_owned(h, seq)?; // (T, C)
+            blocks.push(cache);
+            h = y;
+        }
+        let (out, head) = match (&self.norm, self.head_weight()) {
+            (Some(norm), Some(w)) => {
+                let (xn, norm_cache) = norm.forward_owned(h)?; // (T, C)
+                let logits = ops::linear_fwd(&xn, &w.value, None).ctx("lm_head", "forward")?; // (T, V)
+                let head = HeadCache {
+                    norm: norm_cache,
+                    xn,
+                };
+                (logits, Some(head))
+            }
+            _ => (h, None),
+        };
+        Ok((
+            out,
+            StageCache {
+                input: input_cache,
+                blocks,
+                head,
+            },
+        ))
+    }
+
+    /// Token embedding (T, C), with modality rows scattered over their placeholders.
+    fn embed(
+        &self,
+        ids: &Tensor,
+        modality: Option<&ModalityEmbeds>,
+        seq: &SeqInfo,
+    ) -> Result<(Tensor, InputCache)> {
+        let embed = match (&self.embed_tokens, self.is_first()) {
+            (Some(e), true) => e,
+            _ => {
+                return Err(Error::input(
+                    "llm",
+                    format!(
+                        "token ids given to the stage of layers {:?}, which has no embedding (pass hidden states)",
+                        self.layers
+                    ),
+                ));
+            }
+        };
+        if ids.dims() != [seq.num_tokens()] || ids.dtype() != DType::U32 {
+            return Err(Error::input(
+                "llm",
+                format!(
+                    "token ids must be (T = {}) u32, got {} {}",
+                    seq.num_tokens(),
+                    ids.shape(),
+                    ids.dtype()
+                ),
+            ));
+        }
+        let (mut h, cache) = embed.forward(ids)?; // (T, C)
+        let positions = match modality {
+            Some(m) => {
+                ops::scatter_rows(&mut h, &m.positions, &m.embeds)
+                    .ctx("llm", "scatter modality embeddings")?;
+                Some(
+                    m.positions
+                        .try_clone()
+                        .ctx("llm", "caching modality positions")?,
+                )
+            }
+            None => None,
+        };
+        Ok((
+            h,
+            InputCache::Tokens {
+                ids: cache.ids,
+                positions,
+            },
+        ))
+    }
+
+    /// The weight lm_head multiplies by: its own, or the (tied) embedding table.
+    fn head_weight(&self) -> Option<&Param> {
+        if !self.is_last() {
+            return None;
+        }
+        match (&self.lm_head, &self.embed_tokens) {
+            (Some(l), _) => Some(&l.weight),
+            (None, Some(e)) => Some(&e.weight),
+            (None, None) => None,
+        }
+    }
+
+    /// Backward of [`Self::forward`] given the grad of its output (dlogits (T, V) on the
+    /// last stage, else d hidden (T, C)). Adds into every trainable parameter's grad and
+    /// returns the grad of the stage's float input: d hidden (T, C) for
+    /// `StageInput::Hidden`, d modality embeds (M, C) for tokens with modality
+    /// embeddings, `None` for plain tokens.
+    pub fn backward(&mut self, cache: StageCache, dout: &Tensor) -> Result<Option<Tensor>> {
+        let StageCache {
+            input,
+            blocks,
+            head,
+        } = cache;
+        // d hidden (T, C); `None` while it is still `dout` itself (no copy of it).
+        let mut dh: Option<Tensor> = match head {
+            Some(HeadCache { norm, xn }) => {
+                let dxn = self.head_backward(&xn, dout)?; // (T, C)
+                let n = self.norm.as_mut().ok_or_else(|| missing("norm"))?;
+                Some(n.backward(norm, &dxn)?)
+            }
+            None => None,
+        };
+        for (block, bc) in self.blocks.iter_mut().zip(blocks).rev() {
+            dh = Some(block.backward(bc, dh.as_ref().unwrap_or(dout))?); // (T, C)
+        }
+        let mut dh = match dh {
+            Some(d) => d,
+            None => dout.try_clone().ctx("llm", "output grad")?,
+        };
+        match input {
+            InputCache::Hidden => Ok(Some(dh)),
+            InputCache::Tokens { ids, positions } => {
+                // Placeholder rows were overwritten in the forward: their grad belongs to
+                // the modality embeddings, not to the placeholder token's embedding.
+                let dmod = match &positions {
+                    Some(pos) => {
+                        let d = ops::gather_rows(&dh, pos).ctx("llm", "modality grad")?; // (M, C)
+                        let zeros = Tensor::zeros(d.shape().clone(), d.dtype(), d.device())
+                            .ctx("llm", "zeros")?;
+                        ops::scatter_rows(&mut dh, pos, &zeros)
+                            .ctx("llm", "zero placeholder grads")?;
+                        Some(d)
+                    }
+                    None => None,
+                };
+                let embed = self
+                    .embed_tokens
+                    .as_mut()
+                    .ok_or_else(|| missing("embed_tokens"))?;
+                embed.backward(braid_nn::EmbeddingCache { ids }, &dh)?;
+                Ok(dmod)
+            }
+        }
+    }
+
+    /// lm_head backward: adds dlogitsᵀ xn into the head weight's grad, returns dxn.
+    fn head_backward(&mut self, xn: &Tensor, dlogits: &Tensor) -> Result<Tensor> {
+        let p = match (&mut self.lm_head, &mut self.embed_tokens) {
+            (Some(l), _) => &mut l.weight,
+            (None, Some(e)) => &mut e.weight,
+            (None, None) => return Err(missing("lm_head")),
+        };
+        let Param { value, grad, .. } = p;
+        ops::linear_bwd(dlogits, xn, value, grad.as_mut(), None).ctx("lm_head", "backward")
+    }
+}
+
+fn missing(what: &str) -> Error {
+    Error::input(
+        "llm",
+        format!("the cache needs `{what}`, which this stage lacks"),
+    )
+}
+
+/// The nn block of a config: pre-norm RMSNorm, causal GQA with RoPE, SwiGLU.
+pub fn block_config(config: &LlmConfig) -> BlockConfig {
+    BlockConfig {
+        attn: AttentionConfig {
+            dims: AttentionDims {
+                c: config.hidden,
+                nh: config.heads,
+                nkv: config.kv_heads,
+                hs: config.head_dim,
+            },
+            causal: true,
+            qkv_bias: config.qkv_bias,
+            o_bias: config.o_bias,
+            rope: Some(RopeConfig {
+                theta: config.rope.theta as f32,
+                rot_dim: config.head_dim,
+            }),
+        },
+        mlp: MlpConfig {
+            c: config.hidden,
+            ff: config.intermediate,
+            kind: MlpKind::SwiGlu,
+            bias: config.mlp_bias,
+        },
+        norm: NormKind::RmsNorm,
+        norm_eps: config.rms_norm_eps as f32,
+    }
+}
+
+impl Module for LlmStage {
+    fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a Param)) {
+        if let Some(e) = &self.embed_tokens {
+            e.visit_params(f);
+        }
+        for b in &self.blocks {
+            b.visit_params(f);
+        }
+        if let Some(n) = &self.norm {
+            n.visit_params(f);
+        }
+        if let Some(l) = &self.lm_head {
+            l.visit_params(f);
+        }
+    }
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+        if let Some(e) = &mut self.embed_tokens {
+            e.visit_params_mut(f);
+        }
+        for b in &mut self.blocks {
+            b.visit_params_mut(f);
+        }
+        if let Some(n) = &mut self.norm {
+            n.visit_params_mut(f);
+        }
+        if let Some(l) = &mut self.lm_head {
+            l.visit_params_mut(f);
+        }
+    }
+}
