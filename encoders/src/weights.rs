@@ -149,6 +149,9 @@ pub fn load_params(
         .collect())
 }
 
+/// Host tensors by name: (shape, row-major data).
+pub type HostTensors = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
+
 /// What [`hf_tensors`] collects from each parameter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Which {
@@ -165,11 +168,12 @@ pub fn hf_tensors(
     map: &NameMap,
     prefix: &str,
     which: Which,
-) -> Result<BTreeMap<String, (Vec<usize>, Vec<f32>)>> {
+) -> Result<HostTensors> {
     let by_braid = map.by_braid();
-    let mut whole: BTreeMap<String, (Vec<usize>, Vec<f32>)> = BTreeMap::new();
-    // Chunks are gathered by index first.
-    let mut chunks: BTreeMap<String, (Vec<usize>, Vec<Option<Vec<f32>>>)> = BTreeMap::new();
+    let mut whole = HostTensors::new();
+    // Chunks are gathered by index first: hf name -> (HF shape, parts by index).
+    type Parts = (Vec<usize>, Vec<Option<Vec<f32>>>);
+    let mut chunks: BTreeMap<String, Parts> = BTreeMap::new();
     let mut res: Result<()> = Ok(());
     model.visit_params(&mut |p| {
         if res.is_err() {

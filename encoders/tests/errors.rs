@@ -2,6 +2,8 @@
 //! wrong shape, bad config values, image size not a multiple of the patch, clips longer
 //! than the position table.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::path::{Path, PathBuf};
@@ -22,11 +24,7 @@ fn tmpdir(name: &str) -> PathBuf {
 
 /// Copies a fixture's config and weights into `dst`, letting `edit` drop or replace
 /// tensors.
-fn copy_case(
-    case: &str,
-    dst: &Path,
-    edit: &dyn Fn(&str, Tensor) -> Option<Tensor>,
-) -> TestResult {
+fn copy_case(case: &str, dst: &Path, edit: &dyn Fn(&str, Tensor) -> Option<Tensor>) -> TestResult {
     std::fs::copy(fixture(case).join("config.json"), dst.join("config.json"))?;
     let w = WeightFiles::open_dir(&fixture(case))?;
     let mut kept = Vec::new();
@@ -45,9 +43,15 @@ fn unknown_architecture(_dev: Device) -> TestResult {
     let e = VisionConfig::from_hf_config(&cfg).unwrap_err();
     let msg = e.to_string();
     assert!(matches!(e, Error::Config { .. }), "{e:?}");
-    assert!(msg.contains("BertModel") && msg.contains("CLIPVisionModel") && msg.contains("SiglipModel"), "{msg}");
+    assert!(
+        msg.contains("BertModel") && msg.contains("CLIPVisionModel") && msg.contains("SiglipModel"),
+        "{msg}"
+    );
     let e = WhisperEncoderConfig::from_hf_config(&cfg).unwrap_err();
-    assert!(e.to_string().contains("WhisperForConditionalGeneration"), "{e}");
+    assert!(
+        e.to_string().contains("WhisperForConditionalGeneration"),
+        "{e}"
+    );
     assert_err!(
         VisionConfig::from_hf_config(&json!({"hidden_size": 8})),
         Error::Config { .. }
@@ -57,8 +61,10 @@ fn unknown_architecture(_dev: Device) -> TestResult {
 
 fn bad_config_values(_dev: Device) -> TestResult {
     let base = || -> Value {
-        serde_json::from_str(&std::fs::read_to_string(fixture("clip_vision").join("config.json")).unwrap())
-            .unwrap()
+        serde_json::from_str(
+            &std::fs::read_to_string(fixture("clip_vision").join("config.json")).unwrap(),
+        )
+        .unwrap()
     };
     let mut c = base();
     c["num_attention_heads"] = json!(7);
@@ -67,7 +73,10 @@ fn bad_config_values(_dev: Device) -> TestResult {
     let mut c = base();
     c["hidden_act"] = json!("relu");
     let e = VisionConfig::from_hf_config(&c).unwrap_err();
-    assert!(e.to_string().contains("hidden_act") && e.to_string().contains("relu"), "{e}");
+    assert!(
+        e.to_string().contains("hidden_act") && e.to_string().contains("relu"),
+        "{e}"
+    );
     let mut c = base();
     c["patch_size"] = json!(5);
     assert_err!(VisionConfig::from_hf_config(&c), Error::Config { .. });
@@ -97,9 +106,15 @@ fn missing_tensor(dev: Device) -> TestResult {
         (!n.starts_with("embeddings.patch")).then_some(t)
     })?;
     let e = VisionEncoder::from_hf_dir(&dir, dev).unwrap_err();
-    assert!(e.to_string().contains("vision_model.embeddings.patch_embedding.weight"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("vision_model.embeddings.patch_embedding.weight"),
+        "{e}"
+    );
     let dir = tmpdir("whisper-missing");
-    copy_case("whisper_encoder", &dir, &|n, t| (n != "encoder.layer_norm.bias").then_some(t))?;
+    copy_case("whisper_encoder", &dir, &|n, t| {
+        (n != "encoder.layer_norm.bias").then_some(t)
+    })?;
     let e = WhisperEncoder::from_hf_dir(&dir, dev).unwrap_err();
     assert!(e.to_string().contains("encoder.layer_norm.bias"), "{e}");
     Ok(())
@@ -117,7 +132,10 @@ fn wrong_shape(dev: Device) -> TestResult {
     })?;
     let e = VisionEncoder::from_hf_dir(&dir, dev).unwrap_err();
     let msg = e.to_string();
-    assert!(msg.contains(name) && msg.contains("[16, 40]") && msg.contains("[17, 40]"), "{msg}");
+    assert!(
+        msg.contains(name) && msg.contains("[16, 40]") && msg.contains("[17, 40]"),
+        "{msg}"
+    );
     // A packed in_proj of the wrong height.
     let dir = tmpdir("shape-inproj");
     copy_case("siglip_vision", &dir, &|n, t| {
@@ -128,7 +146,10 @@ fn wrong_shape(dev: Device) -> TestResult {
         }
     })?;
     let e = VisionEncoder::from_hf_dir(&dir, dev).unwrap_err();
-    assert!(e.to_string().contains("in_proj_weight") && e.to_string().contains("[108, 36]"), "{e}");
+    assert!(
+        e.to_string().contains("in_proj_weight") && e.to_string().contains("[108, 36]"),
+        "{e}"
+    );
     Ok(())
 }
 
@@ -136,7 +157,10 @@ fn bad_images(dev: Device) -> TestResult {
     let model = VisionEncoder::from_hf_dir(&fixture("clip_vision"), dev)?.model; // 24x24, P = 6
     let px = |dims: [usize; 4]| Tensor::from_vec(vec![0.0; dims.iter().product()], dims, dev);
     let e = model.forward(&px([1, 3, 25, 24])?).unwrap_err();
-    assert!(matches!(e, Error::Input { .. }) && e.to_string().contains("multiple of the patch size"), "{e}");
+    assert!(
+        matches!(e, Error::Input { .. }) && e.to_string().contains("multiple of the patch size"),
+        "{e}"
+    );
     let e = model.forward(&px([1, 3, 30, 30])?).unwrap_err();
     assert!(e.to_string().contains("image_size"), "{e}");
     assert_err!(model.forward(&px([1, 4, 24, 24])?), Error::Input { .. });
@@ -153,7 +177,12 @@ fn bad_clips(dev: Device) -> TestResult {
     // 42 frames -> 21 positions > 20.
     let e = model.forward(&[clip(10, 40)?, clip(10, 42)?]).unwrap_err();
     let msg = e.to_string();
-    assert!(matches!(e, Error::Input { .. }) && msg.contains("clip 1") && msg.contains("max_source_positions"), "{msg}");
+    assert!(
+        matches!(e, Error::Input { .. })
+            && msg.contains("clip 1")
+            && msg.contains("max_source_positions"),
+        "{msg}"
+    );
     // 41 frames -> 21 positions, also too long; 40 is the limit.
     assert_err!(model.forward(&[clip(10, 41)?]), Error::Input { .. });
     assert!(model.forward(&[clip(10, 40)?]).is_ok());
@@ -170,7 +199,10 @@ fn unknown_architecture_dir(dev: Device) -> TestResult {
     cfg["architectures"] = json!(["ViTModel"]);
     write_json(&dir.join("config.json"), &cfg)?;
     let e = VisionEncoder::from_hf_dir(&dir, dev).unwrap_err();
-    assert!(e.to_string().contains("ViTModel") && e.to_string().contains("supported"), "{e}");
+    assert!(
+        e.to_string().contains("ViTModel") && e.to_string().contains("supported"),
+        "{e}"
+    );
     assert_err!(WhisperEncoder::from_hf_dir(&dir, dev), Error::Config { .. });
     Ok(())
 }

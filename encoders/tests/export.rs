@@ -7,6 +7,8 @@
 //! with Braid's outputs on the fixture inputs (`braid_outputs.safetensors`), for
 //! `tools/fixtures/check_export_encoders.py` to load with transformers.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::path::PathBuf;
@@ -27,7 +29,9 @@ fn export_dir(case: &str) -> PathBuf {
 }
 
 /// Every tensor of a checkpoint directory, (name, shape, data), sorted.
-fn dir_tensors(dir: &std::path::Path) -> TestResult<Vec<(String, Vec<usize>, Vec<f32>)>> {
+type Named = Vec<(String, Vec<usize>, Vec<f32>)>;
+
+fn dir_tensors(dir: &std::path::Path) -> TestResult<Named> {
     let w = WeightFiles::open_dir(dir)?;
     let mut out = Vec::new();
     for n in w.names() {
@@ -164,6 +168,9 @@ fn export_siglip_vision(dev: Device) -> TestResult {
 fn export_siglip_full(dev: Device) -> TestResult {
     vision_round_trip("siglip_full", dev)
 }
+fn export_unseen_clip(dev: Device) -> TestResult {
+    vision_round_trip("unseen/clip", dev)
+}
 fn export_unseen_siglip(dev: Device) -> TestResult {
     vision_round_trip("unseen/siglip", dev)
 }
@@ -182,6 +189,7 @@ braid_kernels::test_on_devices!(
     export_clip_full_vision,
     export_siglip_vision,
     export_siglip_full,
+    export_unseen_clip,
     export_unseen_siglip,
     export_whisper_encoder,
     export_whisper_short,

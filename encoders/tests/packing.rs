@@ -2,6 +2,8 @@
 //! several clips of different lengths (odd ones too) in one call — outputs, input
 //! grads, and parameter grads (the packed call's = the sum of the single calls').
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use braid_encoders::{VisionEncoder, WhisperEncoder};
@@ -28,7 +30,8 @@ fn images_packed_equal_one_by_one(dev: Device) -> TestResult {
         let px = randn(11, b * img);
         let dl = randn(12, b * s * d);
         let dp = randn(13, b * d);
-        let (out, cache) = model.forward(&Tensor::from_vec(px.clone(), [b, c, side, side], dev)?)?;
+        let (out, cache) =
+            model.forward(&Tensor::from_vec(px.clone(), [b, c, side, side], dev)?)?;
         let last = out.last_hidden_state.to_vec_f32()?;
         let pooled = out.pooler_output.unwrap().to_vec_f32()?;
         let dpx = model
@@ -58,7 +61,11 @@ fn images_packed_equal_one_by_one(dev: Device) -> TestResult {
             let g = model.backward(
                 cache,
                 &Tensor::from_vec(dl[i * s * d..(i + 1) * s * d].to_vec(), [1, s, d], dev)?,
-                Some(&Tensor::from_vec(dp[i * d..(i + 1) * d].to_vec(), [1, d], dev)?),
+                Some(&Tensor::from_vec(
+                    dp[i * d..(i + 1) * d].to_vec(),
+                    [1, d],
+                    dev,
+                )?),
             )?;
             check(
                 &format!("{case} image {i} d pixels"),
@@ -101,7 +108,12 @@ fn clips_packed_equal_one_by_one(dev: Device) -> TestResult {
     for i in 0..frames.len() {
         let (o, cache) = model.forward(&tensors(i..i + 1)?)?;
         let (a, b) = (cu[i] * d, cu[i + 1] * d);
-        check(&format!("clip {i} output"), &o.hidden.to_vec_f32()?, &hidden[a..b], TOL);
+        check(
+            &format!("clip {i} output"),
+            &o.hidden.to_vec_f32()?,
+            &hidden[a..b],
+            TOL,
+        );
         let n = cu[i + 1] - cu[i];
         let g = model.backward(cache, &Tensor::from_vec(dy[a..b].to_vec(), [n, d], dev)?)?;
         check(

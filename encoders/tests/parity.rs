@@ -6,6 +6,8 @@
 //!
 //! Relative error = max |ours - ref| / max(|ref|_inf, 1e-6) over a whole tensor.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use braid_encoders::audio_hf::whisper_name_map;
@@ -21,7 +23,7 @@ const BWD_TOL: f32 = 1e-3;
 /// Compares every grad in the fixture's grads file (except the input's) with ours.
 fn check_grads(
     case: &str,
-    ours: &std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+    ours: &braid_encoders::weights::HostTensors,
     input_grad: &str,
 ) -> TestResult<f32> {
     let refs = read_all(case, "grads")?;

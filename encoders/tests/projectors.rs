@@ -2,6 +2,8 @@
 //! merge, audio frame stacking with zero padding), backward by central finite
 //! differences for the input and every parameter, `+=` accumulation, errors.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use braid_encoders::{AudioProjector, MlpProjector, ProjectorConfig};
@@ -37,12 +39,22 @@ fn host_linear(x: &[f64], w: &[f32], b: &[f32], n_in: usize) -> Vec<f64> {
 
 fn host_mlp<M: Module>(m: &M, l1: &str, l2: &str, x: &[f64], n_in: usize) -> Vec<f64> {
     let p = |n: &str| find_param(m, n).unwrap().value.to_vec_f32().unwrap();
-    let h: Vec<f64> = host_linear(x, &p(&format!("{l1}.weight")), &p(&format!("{l1}.bias")), n_in)
-        .into_iter()
-        .map(gelu)
-        .collect();
+    let h: Vec<f64> = host_linear(
+        x,
+        &p(&format!("{l1}.weight")),
+        &p(&format!("{l1}.bias")),
+        n_in,
+    )
+    .into_iter()
+    .map(gelu)
+    .collect();
     let hidden = p(&format!("{l1}.bias")).len();
-    host_linear(&h, &p(&format!("{l2}.weight")), &p(&format!("{l2}.bias")), hidden)
+    host_linear(
+        &h,
+        &p(&format!("{l2}.weight")),
+        &p(&format!("{l2}.bias")),
+        hidden,
+    )
 }
 
 /// Randomizes every parameter (norm weights/biases included) so every path is tested.
@@ -52,17 +64,23 @@ fn randomize<M: Module>(m: &mut M, seed: u64) -> TestResult {
         .map(|(n, v, _)| (n, v.len()))
         .collect();
     for (i, (n, len)) in names.into_iter().enumerate() {
-        let v: Vec<f32> = randn(seed + i as u64, len).iter().map(|x| 0.5 * x).collect();
+        let v: Vec<f32> = randn(seed + i as u64, len)
+            .iter()
+            .map(|x| 0.5 * x)
+            .collect();
         set_param(m, &n, v)?;
     }
     Ok(())
 }
 
+/// `run(model, x) -> y` on the host.
+type RunFn<M> = dyn Fn(&M, &[f32]) -> TestResult<Vec<f32>>;
+
 /// FD check of dx and of every parameter grad of a module with `run(model, x) -> y`.
 fn fd_module<M: Module>(
     mk: &dyn Fn() -> TestResult<M>,
     x: &[f32],
-    run: &dyn Fn(&M, &[f32]) -> TestResult<Vec<f32>>,
+    run: &RunFn<M>,
     analytic_dx: &[f32],
     analytic: &M,
     r: &[f32],
@@ -112,13 +130,23 @@ fn vision_projector_case(dev: Device, merge: usize, grids: &[(usize, usize)]) ->
     let xs: Vec<f64> = if m == 1 {
         x.iter().map(|&v| f64::from(v)).collect()
     } else {
-        let w = find_param(&p, "proj.ln_q.weight").unwrap().value.to_vec_f32()?;
-        let b = find_param(&p, "proj.ln_q.bias").unwrap().value.to_vec_f32()?;
+        let w = find_param(&p, "proj.ln_q.weight")
+            .unwrap()
+            .value
+            .to_vec_f32()?;
+        let b = find_param(&p, "proj.ln_q.bias")
+            .unwrap()
+            .value
+            .to_vec_f32()?;
         let ln: Vec<f64> = x
             .chunks(d)
             .flat_map(|row| {
                 let mean = row.iter().map(|&v| f64::from(v)).sum::<f64>() / d as f64;
-                let var = row.iter().map(|&v| (f64::from(v) - mean).powi(2)).sum::<f64>() / d as f64;
+                let var = row
+                    .iter()
+                    .map(|&v| (f64::from(v) - mean).powi(2))
+                    .sum::<f64>()
+                    / d as f64;
                 let rstd = 1.0 / (var + 1e-6).sqrt();
                 (0..d)
                     .map(|c| (f64::from(row[c]) - mean) * rstd * f64::from(w[c]) + f64::from(b[c]))
@@ -182,7 +210,14 @@ fn spatial_merge_projector(dev: Device) -> TestResult {
 fn audio_projector(dev: Device) -> TestResult {
     let (d, out, s) = (3, 4, 3);
     let mk = || -> TestResult<AudioProjector> {
-        let mut p = AudioProjector::new(&Init::new(4, dev), "audio_proj", d, out, s, Activation::GeluErf)?;
+        let mut p = AudioProjector::new(
+            &Init::new(4, dev),
+            "audio_proj",
+            d,
+            out,
+            s,
+            Activation::GeluErf,
+        )?;
         randomize(&mut p, 200)?;
         Ok(p)
     };
@@ -205,14 +240,24 @@ fn audio_projector(dev: Device) -> TestResult {
         let len = w[1] - w[0];
         for k in 0..len.div_ceil(s) * s {
             for c in 0..d {
-                stacked.push(if k < len { f64::from(x[(w[0] + k) * d + c]) } else { 0.0 });
+                stacked.push(if k < len {
+                    f64::from(x[(w[0] + k) * d + c])
+                } else {
+                    0.0
+                });
             }
         }
     }
-    let want: Vec<f32> = host_mlp(&p, "audio_proj.linear_1", "audio_proj.linear_2", &stacked, s * d)
-        .into_iter()
-        .map(|v| v as f32)
-        .collect();
+    let want: Vec<f32> = host_mlp(
+        &p,
+        "audio_proj.linear_1",
+        "audio_proj.linear_2",
+        &stacked,
+        s * d,
+    )
+    .into_iter()
+    .map(|v| v as f32)
+    .collect();
     check("audio projector forward vs host", &y, &want, 1e-5);
     let r = randn(8, y.len());
     let dx = p
@@ -239,7 +284,14 @@ fn projector_errors(dev: Device) -> TestResult {
     let x5 = Tensor::from_vec(randn(1, 4 * 5), [4, 5], dev)?;
     braid_kernels::assert_err!(p.forward(&x5, &[(2, 2)]), braid_nn::Error::Input { .. });
     braid_kernels::assert_err!(
-        MlpProjector::new(&Init::new(1, dev), "p", ProjectorConfig { spatial_merge: 0, ..cfg }),
+        MlpProjector::new(
+            &Init::new(1, dev),
+            "p",
+            ProjectorConfig {
+                spatial_merge: 0,
+                ..cfg
+            }
+        ),
         braid_nn::Error::Config { .. }
     );
     let a = AudioProjector::new(&Init::new(1, dev), "a", 4, 3, 2, Activation::GeluErf)?;

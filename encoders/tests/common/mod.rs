@@ -1,7 +1,7 @@
 //! Shared test helpers: fixture paths and readers, error measures, FD checks of modules.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
-use std::collections::BTreeMap;
+use braid_encoders::weights::HostTensors;
 use std::path::PathBuf;
 
 use braid_kernels::rng::Rng;
@@ -17,10 +17,10 @@ pub fn fixture(case: &str) -> PathBuf {
 }
 
 /// Every tensor of `<case>/<file>.safetensors` as (shape, data) on the host.
-pub fn read_all(case: &str, file: &str) -> TestResult<BTreeMap<String, (Vec<usize>, Vec<f32>)>> {
+pub fn read_all(case: &str, file: &str) -> TestResult<HostTensors> {
     let path = fixture(case).join(format!("{file}.safetensors"));
     let w = WeightFiles::open_files(&[path])?;
-    let mut out = BTreeMap::new();
+    let mut out = HostTensors::new();
     for n in w.names() {
         let t = w.load_any(n, Device::Cpu)?;
         out.insert(n.to_string(), (t.dims().to_vec(), t.to_vec_f32()?));
@@ -29,10 +29,7 @@ pub fn read_all(case: &str, file: &str) -> TestResult<BTreeMap<String, (Vec<usiz
 }
 
 /// The (shape, data) of `name` in a read file, or an error naming it.
-pub fn get<'a>(
-    m: &'a BTreeMap<String, (Vec<usize>, Vec<f32>)>,
-    name: &str,
-) -> TestResult<&'a (Vec<usize>, Vec<f32>)> {
+pub fn get<'a>(m: &'a HostTensors, name: &str) -> TestResult<&'a (Vec<usize>, Vec<f32>)> {
     m.get(name)
         .ok_or_else(|| format!("fixture has no tensor {name}").into())
 }
