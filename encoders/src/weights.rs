@@ -1,0 +1,273 @@
+//! Braid name <-> Hugging Face name tables and the one importer/exporter that uses them.
+//!
+//! Each model family builds ONE [`NameMap`] (from its config); import and export both
+//! walk it, so the two directions cannot disagree. An entry also says how the tensor is
+//! laid out on each side ([`Layout`]): the same, the same data under another shape (a
+//! conv weight (D, C, P, P) that Braid keeps as the linear weight (D, C*P*P)), or one
+//! chunk of a tensor HF packs (`nn.MultiheadAttention`'s `in_proj_weight`).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::Path;
+
+use braid_kernels::{Device, Tensor};
+use braid_nn::hf::{WeightFiles, save_safetensors};
+use braid_nn::{Error, Module, Result};
+
+/// How a Braid parameter is stored under its HF name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Same shape.
+    Same,
+    /// Same row-major data under this HF shape.
+    Reshape(Vec<usize>),
+    /// Rows `[index * n, (index + 1) * n)` of an HF tensor that stacks `count` such
+    /// Braid tensors along dimension 0.
+    Chunk { index: usize, count: usize },
+}
+
+/// One line of a family's table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MapEntry {
+    pub braid: String,
+    /// Without the checkpoint's prefix (`vision_model.`, `model.encoder.`, ...).
+    pub hf: String,
+    pub layout: Layout,
+}
+
+/// A family's name table: every Braid parameter exactly once.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NameMap {
+    pub entries: Vec<MapEntry>,
+}
+
+impl NameMap {
+    pub fn push(&mut self, braid: impl Into<String>, hf: impl Into<String>, layout: Layout) {
+        self.entries.push(MapEntry {
+            braid: braid.into(),
+            hf: hf.into(),
+            layout,
+        });
+    }
+
+    /// `{braid}.weight`/`.bias` <-> `{hf}.weight`/`.bias` (a linear or LayerNorm).
+    pub fn push_wb(&mut self, braid: &str, hf: &str, bias: bool) {
+        self.push(
+            format!("{braid}.weight"),
+            format!("{hf}.weight"),
+            Layout::Same,
+        );
+        if bias {
+            self.push(format!("{braid}.bias"), format!("{hf}.bias"), Layout::Same);
+        }
+    }
+
+    /// The HF name of the Braid parameter `braid` (without prefix).
+    pub fn hf_name(&self, braid: &str) -> Option<&str> {
+        self.entries
+            .iter()
+            .find(|e| e.braid == braid)
+            .map(|e| e.hf.as_str())
+    }
+
+    fn by_braid(&self) -> HashMap<&str, &MapEntry> {
+        self.entries.iter().map(|e| (e.braid.as_str(), e)).collect()
+    }
+}
+
+/// The HF shape of a Braid tensor of shape `dims` under `layout`.
+fn hf_shape(layout: &Layout, dims: &[usize]) -> Vec<usize> {
+    match layout {
+        Layout::Same => dims.to_vec(),
+        Layout::Reshape(s) => s.clone(),
+        Layout::Chunk { count, .. } => {
+            let mut s = dims.to_vec();
+            if let Some(d0) = s.first_mut() {
+                *d0 *= count;
+            }
+            s
+        }
+    }
+}
+
+/// Loads every parameter of `model` from `files` (names `prefix + hf`), one tensor at
+/// a time, onto `device`. Returns the checkpoint tensors nothing used (sorted).
+///
+/// A missing tensor or a shape that differs from the model's is an error naming the
+/// file, the tensor and both shapes.
+pub fn load_params(
+    model: &mut dyn Module,
+    map: &NameMap,
+    files: &WeightFiles,
+    prefix: &str,
+    device: Device,
+) -> Result<Vec<String>> {
+    let by_braid = map.by_braid();
+    let mut used = BTreeSet::new();
+    let mut res: Result<()> = Ok(());
+    model.visit_params_mut(&mut |p| {
+        if res.is_err() {
+            return;
+        }
+        res = (|| {
+            let entry = by_braid.get(p.name.as_str()).ok_or_else(|| {
+                Error::config(
+                    "NameMap",
+                    format!("parameter {} has no Hugging Face name", p.name),
+                )
+            })?;
+            let hf = format!("{prefix}{}", entry.hf);
+            let dims = p.value.dims().to_vec();
+            let shape = hf_shape(&entry.layout, &dims);
+            let value = match entry.layout {
+                Layout::Same | Layout::Reshape(_) => {
+                    files.load(&hf, &shape, device)?.reshape(dims.clone())
+                }
+                Layout::Chunk { index, .. } => {
+                    // Slicing happens on the host: the packed tensor is small (3 D x D).
+                    let all = files.load(&hf, &shape, Device::Cpu)?.to_vec_f32();
+                    all.and_then(|all| {
+                        let n: usize = dims.iter().product();
+                        let part = all[index * n..(index + 1) * n].to_vec();
+                        Tensor::from_vec(part, dims.clone(), device)
+                    })
+                }
+            }
+            .map_err(|e| Error::Kernel {
+                context: format!("loading {hf}"),
+                source: e,
+            })?;
+            p.value = value;
+            used.insert(hf);
+            Ok(())
+        })();
+    });
+    res?;
+    Ok(files
+        .names()
+        .filter(|n| !used.contains(*n))
+        .map(str::to_string)
+        .collect())
+}
+
+/// Host tensors by name: (shape, row-major data).
+pub type HostTensors = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
+
+/// What [`hf_tensors`] collects from each parameter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Which {
+    Value,
+    /// The gradient (frozen parameters are left out).
+    Grad,
+}
+
+/// Every parameter's value (or grad) on the host under its HF name (`prefix + hf`) and
+/// HF shape, packed tensors put back together: what export writes, and what parity
+/// tests compare with a reference's grads.
+pub fn hf_tensors(
+    model: &dyn Module,
+    map: &NameMap,
+    prefix: &str,
+    which: Which,
+) -> Result<HostTensors> {
+    let by_braid = map.by_braid();
+    let mut whole = HostTensors::new();
+    // Chunks are gathered by index first: hf name -> (HF shape, parts by index).
+    type Parts = (Vec<usize>, Vec<Option<Vec<f32>>>);
+    let mut chunks: BTreeMap<String, Parts> = BTreeMap::new();
+    let mut res: Result<()> = Ok(());
+    model.visit_params(&mut |p| {
+        if res.is_err() {
+            return;
+        }
+        res = (|| {
+            let entry = by_braid.get(p.name.as_str()).ok_or_else(|| {
+                Error::config(
+                    "NameMap",
+                    format!("parameter {} has no Hugging Face name", p.name),
+                )
+            })?;
+            let t = match which {
+                Which::Value => &p.value,
+                Which::Grad => match &p.grad {
+                    Some(g) => g,
+                    None => return Ok(()),
+                },
+            };
+            let hf = format!("{prefix}{}", entry.hf);
+            let data = t.to_vec_f32().map_err(|e| Error::Kernel {
+                context: format!("copying {} to the host", p.name),
+                source: e,
+            })?;
+            let shape = hf_shape(&entry.layout, p.value.dims());
+            match entry.layout {
+                Layout::Same | Layout::Reshape(_) => {
+                    whole.insert(hf, (shape, data));
+                }
+                Layout::Chunk { index, count } => {
+                    let slot = chunks
+                        .entry(hf)
+                        .or_insert_with(|| (shape, vec![None; count]));
+                    if let Some(s) = slot.1.get_mut(index) {
+                        *s = Some(data);
+                    }
+                }
+            }
+            Ok(())
+        })();
+    });
+    res?;
+    for (hf, (shape, parts)) in chunks {
+        let mut data = Vec::new();
+        for (i, part) in parts.into_iter().enumerate() {
+            let part = part.ok_or_else(|| {
+                Error::config("NameMap", format!("{hf}: chunk {i} has no Braid parameter"))
+            })?;
+            data.extend(part);
+        }
+        whole.insert(hf, (shape, data));
+    }
+    Ok(whole)
+}
+
+/// Writes every parameter of `model` to `path` (safetensors, f32) under its HF name
+/// (`prefix + hf`), packing chunked tensors back together.
+pub fn save_params(model: &dyn Module, map: &NameMap, prefix: &str, path: &Path) -> Result<()> {
+    let tensors = hf_tensors(model, map, prefix, Which::Value)?
+        .into_iter()
+        .map(|(name, (shape, data))| {
+            Tensor::from_vec(data, shape, Device::Cpu)
+                .map(|t| (name.clone(), t))
+                .map_err(|e| Error::Kernel {
+                    context: format!("exporting {name}"),
+                    source: e,
+                })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let list: Vec<(String, &Tensor)> = tensors.iter().map(|(n, t)| (n.clone(), t)).collect();
+    save_safetensors(path, &list)
+}
+
+/// The first of `candidates` under which `probe` (an HF name without prefix) exists in
+/// `files`: how a checkpoint nests the tower (`""`, `"vision_model."`, ...).
+pub fn find_prefix(
+    files: &WeightFiles,
+    dir: &Path,
+    probe: &str,
+    candidates: &[&str],
+) -> Result<String> {
+    candidates
+        .iter()
+        .find(|p| files.contains(&format!("{p}{probe}")))
+        .map(|p| p.to_string())
+        .ok_or_else(|| {
+            let tried: Vec<String> = candidates.iter().map(|p| format!("{p}{probe}")).collect();
+            Error::weights(
+                dir,
+                probe,
+                format!(
+                    "missing tensor: none of {} is in the checkpoint",
+                    tried.join(", ")
+                ),
+            )
+        })
+}
