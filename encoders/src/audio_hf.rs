@@ -66,7 +66,7 @@ impl WhisperEncoder {
         let (config, architecture) = WhisperEncoderConfig::from_hf_config(&cfg)?;
         let files = WeightFiles::open_dir(dir)?;
         let prefix = find_prefix(&files, dir, "conv1.weight", &["encoder.", "model.encoder."])?;
-        let mut model = WhisperEncoder::new(&Init::new(0, device), config)?;
+        let mut model = WhisperEncoder::new(&Init::for_loading(device), config)?;
         let map = whisper_name_map(&model.config);
         let unused = load_params(&mut model, &map, &files, &prefix, device)?;
         Ok(HfImport {

@@ -113,7 +113,7 @@ impl VisionEncoder {
             _ => &["", "vision_model."],
         };
         let prefix = find_prefix(&files, dir, "embeddings.patch_embedding.weight", candidates)?;
-        let mut model = VisionEncoder::new(&Init::new(0, device), hf.config)?;
+        let mut model = VisionEncoder::new(&Init::for_loading(device), hf.config)?;
         let map = vision_name_map(&model.config);
         let unused = load_params(&mut model, &map, &files, &prefix, device)?;
         Ok(HfImport {

@@ -73,7 +73,7 @@ impl Llm {
         let config = LlmConfig::from_hf_config(dir)?;
         let files = WeightFiles::open_dir(dir)?;
         // std 0: no weight is used before it is overwritten.
-        let mut llm = Llm::new(&config, &braid_nn::Init::new(0, device).with_std(0.0))?;
+        let mut llm = Llm::new(&config, &braid_nn::Init::for_loading(device))?;
         let loaded = llm.stage.load_hf(&files)?;
         let used: BTreeSet<&str> = loaded.iter().map(String::as_str).collect();
         let unused = files

@@ -160,6 +160,17 @@ impl Init {
         }
     }
 
+    /// For a model whose weights are about to be loaded from a checkpoint: every
+    /// weight starts at zero (no random draws, which for a 7B model would cost more
+    /// than the load itself), and each is then overwritten one tensor at a time.
+    pub fn for_loading(device: Device) -> Self {
+        Init {
+            seed: 0,
+            device,
+            std: 0.0,
+        }
+    }
+
     /// The same init with another weight std (e.g. a scaled output projection).
     pub fn with_std(self, std: f32) -> Self {
         Init { std, ..self }
@@ -169,6 +180,8 @@ impl Init {
     pub fn param(&self, name: &str, full: &[usize], kind: InitKind, shard: Shard) -> Result<Param> {
         let n: usize = full.iter().product();
         let data = match kind {
+            // std 0 is all zeros: skip the generator (see `for_loading`).
+            InitKind::Normal(std) if std == 0.0 => vec![0.0; n],
             InitKind::Normal(std) => Rng::for_name(self.seed, name).normal_vec(n, std),
             InitKind::Constant(v) => vec![v; n],
         };
