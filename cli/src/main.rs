@@ -1,15 +1,92 @@
-//! The `braid` command. Its subcommands (pack, inspect, plan, train, forward) arrive
-//! with the issues that build them; until then it says so and exits non-zero.
+//! The `braid` command: one subcommand per job (see DESIGN.md, "Who uses it, and how").
+//!
+//! `forward` works today; `pack`, `inspect`, `plan` and `train` arrive with the issues
+//! that build them and, until then, say so and exit with status 2.
 
+mod forward;
+
+use std::path::PathBuf;
 use std::process::ExitCode;
 
-fn main() -> ExitCode {
-    let cmd = std::env::args().nth(1);
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "braid",
+    version,
+    about = "Train multimodal LLMs with a parallel layout per module"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// One forward pass of a Hugging Face checkpoint on CPU in f32, to check a conversion.
+    ///
+    /// Reads `input_ids` (LLMs), `pixel_values` (CLIP/SigLIP vision towers) or
+    /// `input_features` (Whisper encoders) from INPUT and writes `logits` or
+    /// `last_hidden_state` (and `pooler_output` where the model has one) to OUTPUT.
+    Forward {
+        /// Hugging Face model directory (config.json + model.safetensors or a sharded index).
+        #[arg(long)]
+        model: PathBuf,
+        /// safetensors file with the HF-named input.
+        #[arg(long)]
+        input: PathBuf,
+        /// safetensors file to write the outputs to.
+        #[arg(long)]
+        output: PathBuf,
+    },
+    /// Train a run configuration (arrives with the training issue).
+    Train {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+        args: Vec<String>,
+    },
+    /// Pack raw multimodal data into shards (arrives with the data issue).
+    Pack {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+        args: Vec<String>,
+    },
+    /// Statistics of a packed dataset (arrives with the data issue).
+    Inspect {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+        args: Vec<String>,
+    },
+    /// Choose a layout per module (arrives with the balancer issue).
+    Plan {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+        args: Vec<String>,
+    },
+}
+
+fn not_yet(what: &str) -> ExitCode {
     eprintln!(
-        "braid {}: {} is not available yet; this build has the compute core only \
-         (see README.md for what works today)",
-        env!("CARGO_PKG_VERSION"),
-        cmd.map_or_else(|| "training".to_string(), |c| format!("`{c}`")),
+        "braid {}: `{what}` is not available in this build yet; today braid has the compute \
+         core, the models and `braid forward` (see README.md)",
+        env!("CARGO_PKG_VERSION")
     );
     ExitCode::from(2)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Forward {
+            model,
+            input,
+            output,
+        } => match forward::run(&model, &input, &output) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("braid forward: error: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Train { .. } => not_yet("train"),
+        Command::Pack { .. } => not_yet("pack"),
+        Command::Inspect { .. } => not_yet("inspect"),
+        Command::Plan { .. } => not_yet("plan"),
+    }
 }

@@ -181,7 +181,7 @@ impl Init {
         let n: usize = full.iter().product();
         let data = match kind {
             // std 0 is all zeros: skip the generator (see `for_loading`).
-            InitKind::Normal(std) if std == 0.0 => vec![0.0; n],
+            InitKind::Normal(0.0) => vec![0.0; n],
             InitKind::Normal(std) => Rng::for_name(self.seed, name).normal_vec(n, std),
             InitKind::Constant(v) => vec![v; n],
         };
