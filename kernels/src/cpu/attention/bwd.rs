@@ -155,7 +155,7 @@ pub(super) fn backward(
                 };
                 scatter_one(&mut dk, nkv, hs, &tile, tk);
                 scatter_one(&mut dv, nkv, hs, &tile, tv);
-                for (i, blk) in tq.chunks_exact(len * hs).enumerate() {
+                for (i, blk) in tq.chunks_exact((len * hs).max(1)).enumerate() {
                     tile.head = kvh * x.group + i;
                     scatter_one(&mut dq, nh, hs, &tile, blk);
                 }

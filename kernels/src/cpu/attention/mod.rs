@@ -1,28 +1,48 @@
 //! CPU varlen attention, FlashAttention-2 style: blocked over keys with an online softmax.
 //!
-//! Work is cut into tiles of `BQ = 64` queries (or `BK = 64` keys in the dK/dV pass)
-//! of one head of one sequence. A tile walks the key (query) blocks of its sequence
-//! and keeps only `(64, 64)` score/probability blocks and `(64, HS)` accumulators, so
-//! scratch memory is O(64 * (64 + HS)) per running tile — never the O(T^2) of
-//! materialized scores; only outputs (and D, O(NH * T)) scale with T. Causal
-//! tiles stop at the diagonal (fully masked blocks are never computed) and mask only
-//! the diagonal block. 64 x 64 keeps a tile's working set (q, k, v blocks, scores,
-//! accumulator: ~80 KiB at HS = 64) in L2 while giving the GEMM big enough products.
+//! The forward cuts work into tiles of `BQ = 64` queries of one head of one sequence;
+//! a tile walks the 128-key blocks of its sequence and keeps only a (64, 128) score
+//! block and (64, HS) accumulators — never the O(T^2) of materialized scores; only
+//! outputs (and D, O(NH * T)) scale with T. Causal tiles stop at the diagonal (fully
+//! masked blocks are never computed) and mask only the diagonal block.
 //!
-//! Tiles run in parallel on rayon; each computes its output block alone, in a fixed
-//! order, and blocks are then copied into place, so results are bitwise independent
-//! of the thread count. The backward recomputes P from q, k and lse twice: once per
-//! query tile for dQ, once per key tile for dK/dV (which also sums over the query
-//! heads sharing the kv head, in head order) — no atomics, no reductions across tasks.
+//! The backward ([`bwd`]) makes dQ, dK and dV in one pass per (sequence, kv head)
+//! task: 5 block products per (64, 64) block pair, P built once. Tasks that would hold
+//! more than a thread's share of the work (MQA on one sequence, one long sequence
+//! among short ones) are split FA2-style into dQ tiles and dK/dV tiles; both schemes
+//! give bitwise-identical grads (see `bwd`), so the thread count never shows.
 //!
-//! Block products go through [`sgemm`], single-threaded inside a tile. Measured with
-//! `cargo bench -p braid-kernels --bench kernels` on one thread (forward, one causal
-//! sequence, T = 2048, NH = 8, HS = 64): 168-209 ms with sgemm against 464-541 ms
-//! with tight loops over contiguous HS rows (8-lane dot for q·kᵀ, row axpy for p·v).
-//! The loops compile for the baseline x86-64 target (SSE2, no FMA) while `gemm`
-//! picks AVX2/AVX-512 FMA kernels at run time, hence the ~2.7x. The softmax's exp
-//! is [`exp_softmax`], a vectorizable polynomial: libm's scalar `expf` was ~23 % of
-//! the profile.
+//! Tiles and tasks run in parallel on rayon; each computes its own output blocks in a
+//! fixed order, and blocks are then copied into place: results are bitwise independent
+//! of the thread count — no atomics, no reductions across tasks.
+//!
+//! Speed (why the code looks the way it does):
+//! - Block products go through [`kernel::mm`]: register-tiled AVX-512 (6 x 64) or
+//!   AVX2+FMA (6 x 16) kernels that read operands in place, picked at run time, or
+//!   `gemm` elsewhere (aarch64, old x86). `gemm` packs both operands on every call,
+//!   which at 64 x 64 x 64 cost about as much as the product itself.
+//! - Inputs are copied once per call into head-major layouts — q, k, v, dO as
+//!   (H, T, HS), kᵀ and vᵀ as (H, HS, LD) with a padded LD — so every block is a
+//!   contiguous run of rows: blocks whose rows are NH * HS floats (2 KiB) or T floats
+//!   (8 KiB) apart fall in a few L1 sets and thrash.
+//! - Softmax and dS loops ([`exp_softmax`], a branch-free polynomial) are compiled
+//!   per instruction set (`simd_fn!`) so they vectorize 16 (8) lanes wide with FMA;
+//!   results are deterministic per machine, and every level passes the tests.
+//!
+//! Measured, one causal sequence, T = 2048, NH = NKV = 8, HS = 64, on a shared 2-core
+//! AVX-512 VM (`tools/bench_vs_torch.py`, medians of MEDIANS runs; before = the
+//! two-pass `gemm` version):
+//!
+//! | threads | pass | before ms | after ms | PyTorch eager ms |
+//! |---------|------|-----------|----------|------------------|
+//! TABLE
+//!
+//! One thread, CPU time of the `cpu_time` unit test per level (AVX-512 / AVX2 /
+//! portable = `gemm`, itself on AVX-512 here): forward 50 / 86 / 87 ms, backward
+//! 135 / 213 / 166 ms. Steps, backward at one thread: one pass instead of two
+//! (~300 -> ~210 ms), in-place kernels (-> ~160), head-major copies (-> ~130);
+//! forward: kernels and layouts ~145 -> ~68 ms, 128-key blocks, fused exp + sum and
+//! FMA exp -> ~52 ms.
 
 /// `fn $name(simd: Simd, args..)` running the `#[inline(always)]` loop function
 /// `$imp::<true>(args..)` compiled for AVX-512 or AVX2+FMA when `simd` says so (loops

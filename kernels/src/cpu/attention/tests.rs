@@ -152,6 +152,35 @@ fn split_equals_one_pass() {
     }
 }
 
+/// HS = 0 (allowed by validation) runs without panicking, on every level and split.
+#[test]
+fn zero_head_size() {
+    for simd in Simd::available() {
+        for threads in [1, 1000] {
+            let (b, cu) = problem(4, &[3, 0, 2], (2, 1, 0));
+            let h = Host {
+                q: &b[0],
+                k: &b[1],
+                v: &b[2],
+                dims: AttentionDims {
+                    t: 5,
+                    nh: 2,
+                    nkv: 1,
+                    hs: 0,
+                },
+                spec: AttentionSpec {
+                    causal: true,
+                    scale: 1.0,
+                },
+            };
+            let (out, lse) = forward_host(&h, &cu, simd).unwrap();
+            assert!(out.is_empty() && lse.iter().all(|x| x.is_finite()));
+            let (dq, dk, dv) = backward_host(&h, (&[], &[], &lse), &cu, simd, threads).unwrap();
+            assert!(dq.is_empty() && dk.is_empty() && dv.is_empty());
+        }
+    }
+}
+
 /// Process CPU time (user + system) in ms, from /proc/self/stat (10 ms ticks).
 fn cpu_ms() -> f64 {
     let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
