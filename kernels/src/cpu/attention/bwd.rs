@@ -24,6 +24,11 @@ use crate::cpu::matmul::MatRef;
 use crate::error::Result;
 use crate::ops::attention::AttentionDims;
 
+// The two schemes cut key ranges identically only if query and key blocks align:
+// a task's key blocks for query block q0 end at min(q0 + BQ, len), a dK/dV tile's
+// at min(k0 + BK, len).
+const _: () = assert!(BQ == BK);
+
 /// What the backward reads besides q, k, v.
 #[derive(Clone, Copy)]
 struct Grads<'a> {

@@ -29,20 +29,29 @@
 //!   per instruction set (`simd_fn!`) so they vectorize 16 (8) lanes wide with FMA;
 //!   results are deterministic per machine, and every level passes the tests.
 //!
-//! Measured, one causal sequence, T = 2048, NH = NKV = 8, HS = 64, on a shared 2-core
-//! AVX-512 VM (`tools/bench_vs_torch.py`, medians of MEDIANS runs; before = the
-//! two-pass `gemm` version):
+//! Measured, one causal sequence, T = 2048, NH = NKV = 8, HS = 64, ms, on a 2-core
+//! AVX-512 VM shared with other builds (load 3-4: timings vary by up to 2x, and
+//! 2 threads barely beat 1 since the second core was rarely free). "before" = the
+//! two-pass, `gemm`-based version; before/after interleaved, median of 6 runs of
+//! `cargo bench --bench kernels`; torch and "after (vs torch)" from
+//! `tools/bench_vs_torch.py`, median of 3 runs:
 //!
-//! | threads | pass | before ms | after ms | PyTorch eager ms |
-//! |---------|------|-----------|----------|------------------|
-//! TABLE
+//! | threads | pass     | before | after | after (vs torch) | PyTorch eager |
+//! |---------|----------|--------|-------|------------------|---------------|
+//! | 1       | forward  | 115.6  | 71.9  | 65.0             | 54.0          |
+//! | 1       | backward | 346.6  | 115.9 | 135.7            | 136.9         |
+//! | 2       | forward  | 107.1  | 60.6  | 52.1             | 56.0          |
+//! | 2       | backward | 288.0  | 120.7 | 109.8            | 108.6         |
 //!
-//! One thread, CPU time of the `cpu_time` unit test per level (AVX-512 / AVX2 /
-//! portable = `gemm`, itself on AVX-512 here): forward 50 / 86 / 87 ms, backward
-//! 135 / 213 / 166 ms. Steps, backward at one thread: one pass instead of two
-//! (~300 -> ~210 ms), in-place kernels (-> ~160), head-major copies (-> ~130);
-//! forward: kernels and layouts ~145 -> ~68 ms, 128-key blocks, fused exp + sum and
-//! FMA exp -> ~52 ms.
+//! Steps, one thread (CPU time where wall time was too noisy): one-pass backward +
+//! in-place AVX-512 kernel + pre-transposed kᵀ/vᵀ: backward ~300 -> ~157, forward
+//! ~145 -> ~80; head-major copies with padded LD and per-ISA elementwise loops:
+//! backward -> ~130, forward -> ~68; forward 128-key blocks, fused exp + sum, FMA
+//! exp, plain-compare max: forward -> ~52-57 (softmax 13 % -> 6 % of the profile).
+//! Per level (`cpu_time` unit test, CPU ms, forward / backward): AVX-512 50 / 135,
+//! AVX2 86 / 213, portable 87 / 166 — "portable" still gets `gemm`'s AVX-512
+//! kernels on this machine, so it does not show how an AVX2-only CPU fares. The
+//! block products are now ~70 % of the backward, at ~120 GFLOP/s.
 
 /// `fn $name(simd: Simd, args..)` running the `#[inline(always)]` loop function
 /// `$imp::<true>(args..)` compiled for AVX-512 or AVX2+FMA when `simd` says so (loops
