@@ -1,34 +1,120 @@
 //! Attention backward, FlashAttention-2 style: P is rebuilt per block from q, k and
-//! lse; dQ is computed per query tile and dK/dV per key tile, each by one task.
+//! lse, once per (query block, key block) pair.
 //!
 //! With P = exp(S - lse), dO the output grad and D_i = rowsum(dO_i * O_i):
 //! dV = Pᵀ dO, dP = dO Vᵀ, dS = P * (dP - D), dQ = scale * dS K, dK = scale * dSᵀ Q.
+//!
+//! The unit of work is a (sequence, kv head) task: it owns dK/dV of that kv head and
+//! the dQ rows of the query heads of its group, so one pass over its block pairs makes
+//! all three grads with 5 products per pair, no reduction across tasks. A task bigger
+//! than a thread's fair share (e.g. MQA on one sequence) is instead split FA2-style
+//! into dQ tiles (one query block of one head) and dK/dV tiles (one key block), which
+//! recompute P and dP twice but run in parallel. Both schemes make every block of
+//! P and dS from the same calls and add the same products into each grad block in the
+//! same order (dQ over key blocks; dK/dV over heads, then query blocks), so they give
+//! bitwise-identical results: which one a task uses — it depends on the thread
+//! count — never shows in the output.
 
 use rayon::prelude::*;
 
-use super::{BK, BQ, Qkv, Tile, dot, exp_softmax, head_rows, head_rows_t, scatter, scores, tiles};
-use crate::cpu::matmul::{MatRef, sgemm};
+use super::kernel::{Simd, mm};
+use super::{BK, BQ, Qkv, Tile, dot, exp_softmax, head_cols, head_rows, scatter_one, scores};
+use super::{tiles, to_heads};
+use crate::cpu::matmul::MatRef;
 use crate::error::Result;
 use crate::ops::attention::AttentionDims;
+
+// The two schemes cut key ranges identically only if query and key blocks align:
+// a task's key blocks for query block q0 end at min(q0 + BQ, len), a dK/dV tile's
+// at min(k0 + BK, len).
+const _: () = assert!(BQ == BK);
 
 /// What the backward reads besides q, k, v.
 #[derive(Clone, Copy)]
 struct Grads<'a> {
-    /// (T, NH, HS) grad of the output.
+    /// (NH, T, HS) grad of the output, head-major.
     dout: &'a [f32],
     /// (NH, T) log-sum-exp of the forward.
     lse: &'a [f32],
     /// (NH, T) D = rowsum(dout * out).
     dsum: &'a [f32],
+    /// (NKV, HS, LD) v transposed per head.
+    vt: &'a [f32],
 }
 
+/// One unit of parallel work.
+enum Work {
+    /// All grads of kv head `kvh` of the sequence at `seq` of `len` tokens.
+    Task { seq: usize, len: usize, kvh: usize },
+    /// dQ of one query tile.
+    Dq(Tile),
+    /// dK/dV of one key tile.
+    Dkv(Tile),
+}
+
+/// Its result.
+enum Done {
+    /// dq (group, len, HS) of the group's query heads, dk and dv (len, HS).
+    Task(Vec<f32>, Vec<f32>, Vec<f32>),
+    /// (bq, HS)
+    Dq(Vec<f32>),
+    /// dk, dv (bk, HS)
+    Dkv(Vec<f32>, Vec<f32>),
+}
+
+/// Score pairs a head of a `len`-token sequence computes: the cost unit of a task.
+fn pairs(len: usize, causal: bool) -> usize {
+    if causal {
+        len * (len + 1) / 2
+    } else {
+        len * len
+    }
+}
+
+/// The work list: a task per (sequence, kv head), split into tiles where one task
+/// would hold more than `1 / threads` of all the work.
+fn plan(x: &Qkv<'_>, cu_seqlens: &[usize], threads: usize) -> Vec<Work> {
+    let nkv = x.dims.nkv;
+    let causal = x.spec.causal;
+    let lens = || cu_seqlens.windows(2).map(|w| (w[0], w[1] - w[0]));
+    let total: usize = lens().map(|(_, len)| pairs(len, causal) * nkv).sum();
+    let mut work = Vec::new();
+    for (seq, len) in lens() {
+        if len == 0 {
+            continue;
+        }
+        let split = threads > 1 && pairs(len, causal) * threads > total;
+        for kvh in 0..nkv {
+            if !split {
+                work.push(Work::Task { seq, len, kvh });
+                continue;
+            }
+            let one = [seq, seq + len];
+            for h in kvh * x.group..(kvh + 1) * x.group {
+                for mut tile in tiles(&one, 1, BQ) {
+                    tile.head = h;
+                    work.push(Work::Dq(tile));
+                }
+            }
+            for mut tile in tiles(&one, 1, BK) {
+                tile.head = kvh;
+                work.push(Work::Dkv(tile));
+            }
+        }
+    }
+    work
+}
+
+/// `vt` (NKV, HS, LD), `dout` and `out` (T, NH, HS), `lse` (NH, T)
 /// -> (dq (T, NH, HS), dk (T, NKV, HS), dv (T, NKV, HS)).
 pub(super) fn backward(
     x: &Qkv<'_>,
+    vt: &[f32],
     dout: &[f32],
     out: &[f32],
     lse: &[f32],
     cu_seqlens: &[usize],
+    threads: usize,
 ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
     let AttentionDims { t, nh, nkv, hs } = x.dims;
     let mut dq = vec![0.0f32; t * nh * hs]; // (T, NH, HS)
@@ -37,7 +123,7 @@ pub(super) fn backward(
     if t == 0 {
         return Ok((dq, dk, dv));
     }
-    // D (NH, T): one row per head, computed once and shared by both passes.
+    // D (NH, T): one row per head, computed once and shared by every task.
     let mut dsum = vec![0.0f32; nh * t];
     dsum.par_chunks_mut(t).enumerate().for_each(|(h, row)| {
         for (ti, d) in row.iter_mut().enumerate() {
@@ -45,29 +131,81 @@ pub(super) fn backward(
             *d = dot(&dout[o..o + hs], &out[o..o + hs]);
         }
     });
+    let dout = to_heads(dout, t, nh, hs); // (NH, T, HS)
     let g = Grads {
-        dout,
+        dout: &dout,
         lse,
         dsum: &dsum,
+        vt,
     };
 
-    let q_tiles = tiles(cu_seqlens, nh, BQ);
-    let dq_blocks: Vec<Vec<f32>> = q_tiles
+    let work = plan(x, cu_seqlens, threads);
+    let done: Vec<Done> = work
         .par_iter()
-        .map(|tile| dq_tile(x, &g, tile))
+        .map(|w| match *w {
+            Work::Task { seq, len, kvh } => task(x, &g, seq, len, kvh),
+            Work::Dq(ref tile) => dq_tile(x, &g, tile).map(Done::Dq),
+            Work::Dkv(ref tile) => dkv_tile(x, &g, tile).map(|(k, v)| Done::Dkv(k, v)),
+        })
         .collect::<Result<_>>()?;
-    scatter(&mut dq, nh, hs, &q_tiles, &dq_blocks);
-    drop(dq_blocks);
-
-    let kv_tiles = tiles(cu_seqlens, nkv, BK);
-    let dkv_blocks: Vec<(Vec<f32>, Vec<f32>)> = kv_tiles
-        .par_iter()
-        .map(|tile| dkv_tile(x, &g, tile))
-        .collect::<Result<_>>()?;
-    let (dk_blocks, dv_blocks): (Vec<_>, Vec<_>) = dkv_blocks.into_iter().unzip();
-    scatter(&mut dk, nkv, hs, &kv_tiles, &dk_blocks);
-    scatter(&mut dv, nkv, hs, &kv_tiles, &dv_blocks);
+    for (w, d) in work.iter().zip(&done) {
+        match (w, d) {
+            (&Work::Task { seq, len, kvh }, Done::Task(tq, tk, tv)) => {
+                let mut tile = Tile {
+                    seq,
+                    len,
+                    head: kvh,
+                    r0: 0,
+                    r1: len,
+                };
+                scatter_one(&mut dk, nkv, hs, &tile, tk);
+                scatter_one(&mut dv, nkv, hs, &tile, tv);
+                for (i, blk) in tq.chunks_exact((len * hs).max(1)).enumerate() {
+                    tile.head = kvh * x.group + i;
+                    scatter_one(&mut dq, nh, hs, &tile, blk);
+                }
+            }
+            (Work::Dq(tile), Done::Dq(b)) => scatter_one(&mut dq, nh, hs, tile, b),
+            (Work::Dkv(tile), Done::Dkv(bk, bv)) => {
+                scatter_one(&mut dk, nkv, hs, tile, bk);
+                scatter_one(&mut dv, nkv, hs, tile, bv);
+            }
+            _ => {}
+        }
+    }
     Ok((dq, dk, dv))
+}
+
+// `ds_rows(simd, ..)`: [`ds_rows_imp`] for the given instruction set.
+simd_fn!(ds_rows => ds_rows_imp(
+    p: &mut [f32],
+    dp: &mut [f32],
+    bk: usize,
+    lse: &[f32],
+    dsum: &[f32],
+));
+
+/// p <- P = exp(s - lse) and dp <- dS = P * (dp - D) for rows of `bk` columns.
+#[inline(always)]
+fn ds_rows_imp<const FMA: bool>(
+    p: &mut [f32],
+    dp: &mut [f32],
+    bk: usize,
+    lse: &[f32],
+    dsum: &[f32],
+) {
+    for (((pr, dsr), &m), &d) in p
+        .chunks_exact_mut(bk)
+        .zip(dp.chunks_exact_mut(bk))
+        .zip(lse)
+        .zip(dsum)
+    {
+        // Masked scores are -inf: exp gives exactly 0.
+        for (pv, ds) in pr.iter_mut().zip(dsr.iter_mut()) {
+            *pv = exp_softmax::<FMA>(*pv - m);
+            *ds = *pv * (*ds - d);
+        }
+    }
 }
 
 /// p (bq, bk) = exp(scores - lse) for query head `h`; then dp (bq, bk) = dO Vᵀ and
@@ -83,38 +221,130 @@ fn block_grads(
     (q0, bq): (usize, usize),
     (k0, bk): (usize, usize),
 ) -> Result<()> {
-    let AttentionDims { t, nh, nkv, hs } = x.dims;
+    let AttentionDims { t, hs, .. } = x.dims;
     let row0 = h * t + seq + q0;
     let (lse, dsum) = (&g.lse[row0..row0 + bq], &g.dsum[row0..row0 + bq]);
     scores(x, p, seq, h, (q0, bq), (k0, bk))?;
-    for (row, &m) in p.chunks_exact_mut(bk).zip(lse) {
-        // Masked scores are -inf: exp gives exactly 0.
-        row.iter_mut().for_each(|s| *s = exp_softmax(*s - m));
-    }
     // dp (bq, bk) = dO_blk (bq, HS) @ v_blkᵀ (HS, bk)
-    sgemm(
+    mm(
+        x.simd,
         bq,
         bk,
         hs,
-        head_rows(g.dout, seq + q0, h, nh, hs),
-        head_rows_t(x.v, seq + k0, h / x.group, nkv, hs),
+        head_rows(g.dout, seq + q0, h, t, hs),
+        head_cols(g.vt, seq + k0, h / x.group, t, hs),
         dp,
         bk,
         1.0,
         0.0,
-        1,
     )?;
-    for ((dsr, pr), &d) in dp.chunks_exact_mut(bk).zip(p.chunks_exact(bk)).zip(dsum) {
-        dsr.iter_mut()
-            .zip(pr)
-            .for_each(|(ds, &pv)| *ds = pv * (*ds - d));
-    }
+    ds_rows(x.simd, p, dp, bk, lse, dsum);
     Ok(())
+}
+
+/// dq (bq, HS, row stride `dq_rs`) += scale * ds (bq, bk) @ k_blk (bk, HS).
+#[allow(clippy::too_many_arguments)]
+fn add_dq(
+    x: &Qkv<'_>,
+    dq: &mut [f32],
+    ds: &[f32],
+    seq: usize,
+    kvh: usize,
+    bq: usize,
+    (k0, bk): (usize, usize),
+) -> Result<()> {
+    let AttentionDims { t, hs, .. } = x.dims;
+    mm(
+        x.simd,
+        bq,
+        hs,
+        bk,
+        MatRef::new(ds, bk, false),
+        head_rows(x.k, seq + k0, kvh, t, hs),
+        dq,
+        hs,
+        x.spec.scale,
+        1.0,
+    )
+}
+
+/// dv (bk, HS) += pᵀ @ dO_blk and dk (bk, HS) += scale * dsᵀ @ q_blk, for the query
+/// rows `q0..q0 + bq` of head `h`.
+#[allow(clippy::too_many_arguments)]
+fn add_dkv(
+    x: &Qkv<'_>,
+    g: &Grads<'_>,
+    (dk, dv): (&mut [f32], &mut [f32]),
+    (p, ds): (&[f32], &[f32]),
+    seq: usize,
+    h: usize,
+    (q0, bq): (usize, usize),
+    bk: usize,
+) -> Result<()> {
+    let AttentionDims { t, hs, .. } = x.dims;
+    // dv (bk, HS) += pᵀ (bk, bq) @ dO_blk (bq, HS)
+    mm(
+        x.simd,
+        bk,
+        hs,
+        bq,
+        MatRef::new(p, bk, true),
+        head_rows(g.dout, seq + q0, h, t, hs),
+        dv,
+        hs,
+        1.0,
+        1.0,
+    )?;
+    // dk (bk, HS) += scale * dsᵀ (bk, bq) @ q_blk (bq, HS)
+    mm(
+        x.simd,
+        bk,
+        hs,
+        bq,
+        MatRef::new(ds, bk, true),
+        head_rows(x.q, seq + q0, h, t, hs),
+        dk,
+        hs,
+        x.spec.scale,
+        1.0,
+    )
+}
+
+/// One (sequence, kv head) task: every block pair once, in the order (head, query
+/// block, key block). -> Done::Task.
+fn task(x: &Qkv<'_>, g: &Grads<'_>, seq: usize, len: usize, kvh: usize) -> Result<Done> {
+    let hs = x.dims.hs;
+    let mut dq = vec![0.0f32; x.group * len * hs]; // (group, len, HS)
+    let mut dk = vec![0.0f32; len * hs]; // (len, HS)
+    let mut dv = vec![0.0f32; len * hs]; // (len, HS)
+    let mut p = vec![0.0f32; BQ * BK]; // (bq, bk)
+    let mut ds = vec![0.0f32; BQ * BK]; // (bq, bk)
+    for (i, h) in (kvh * x.group..(kvh + 1) * x.group).enumerate() {
+        for q0 in (0..len).step_by(BQ) {
+            let q1 = (q0 + BQ).min(len);
+            let bq = q1 - q0;
+            let kend = if x.spec.causal { q1 } else { len };
+            let dq_blk = &mut dq[(i * len + q0) * hs..(i * len + q1) * hs];
+            for k0 in (0..kend).step_by(BK) {
+                // Always a full key tile's rows (or the sequence's last ones), as in
+                // dkv_tile, so the blocks match the split scheme's bitwise.
+                let bk = BK.min(kend - k0);
+                let (p, ds) = (&mut p[..bq * bk], &mut ds[..bq * bk]);
+                block_grads(x, g, p, ds, seq, h, (q0, bq), (k0, bk))?;
+                add_dq(x, dq_blk, ds, seq, kvh, bq, (k0, bk))?;
+                let (dk_blk, dv_blk) = (
+                    &mut dk[k0 * hs..(k0 + bk) * hs],
+                    &mut dv[k0 * hs..(k0 + bk) * hs],
+                );
+                add_dkv(x, g, (dk_blk, dv_blk), (p, ds), seq, h, (q0, bq), bk)?;
+            }
+        }
+    }
+    Ok(Done::Task(dq, dk, dv))
 }
 
 /// One query tile -> dq block (bq, HS), summing over the key blocks in order.
 fn dq_tile(x: &Qkv<'_>, g: &Grads<'_>, tile: &Tile) -> Result<Vec<f32>> {
-    let AttentionDims { nkv, hs, .. } = x.dims;
     let Tile {
         seq,
         len,
@@ -124,26 +354,14 @@ fn dq_tile(x: &Qkv<'_>, g: &Grads<'_>, tile: &Tile) -> Result<Vec<f32>> {
     } = *tile;
     let bq = q1 - q0;
     let kend = if x.spec.causal { q1 } else { len };
-    let mut dq = vec![0.0f32; bq * hs]; // (bq, HS)
+    let mut dq = vec![0.0f32; bq * x.dims.hs]; // (bq, HS)
     let mut p = vec![0.0f32; bq * BK]; // (bq, bk)
     let mut ds = vec![0.0f32; bq * BK]; // (bq, bk)
     for k0 in (0..kend).step_by(BK) {
         let bk = BK.min(kend - k0);
         let (p, ds) = (&mut p[..bq * bk], &mut ds[..bq * bk]);
         block_grads(x, g, p, ds, seq, h, (q0, bq), (k0, bk))?;
-        // dq (bq, HS) += scale * ds (bq, bk) @ k_blk (bk, HS)
-        sgemm(
-            bq,
-            hs,
-            bk,
-            MatRef::new(ds, bk, false),
-            head_rows(x.k, seq + k0, h / x.group, nkv, hs),
-            &mut dq,
-            hs,
-            x.spec.scale,
-            1.0,
-            1,
-        )?;
+        add_dq(x, &mut dq, ds, seq, h / x.group, bq, (k0, bk))?;
     }
     Ok(dq)
 }
@@ -151,7 +369,7 @@ fn dq_tile(x: &Qkv<'_>, g: &Grads<'_>, tile: &Tile) -> Result<Vec<f32>> {
 /// One key tile of kv head `tile.head` -> (dk block (bk, HS), dv block (bk, HS)),
 /// summing over the query heads of its group, then over query blocks, in order.
 fn dkv_tile(x: &Qkv<'_>, g: &Grads<'_>, tile: &Tile) -> Result<(Vec<f32>, Vec<f32>)> {
-    let AttentionDims { nh, hs, .. } = x.dims;
+    let hs = x.dims.hs;
     let Tile {
         seq,
         len,
@@ -171,32 +389,7 @@ fn dkv_tile(x: &Qkv<'_>, g: &Grads<'_>, tile: &Tile) -> Result<(Vec<f32>, Vec<f3
             let bq = BQ.min(len - q0);
             let (p, ds) = (&mut p[..bq * bk], &mut ds[..bq * bk]);
             block_grads(x, g, p, ds, seq, h, (q0, bq), (k0, bk))?;
-            // dv (bk, HS) += pᵀ (bk, bq) @ dO_blk (bq, HS)
-            sgemm(
-                bk,
-                hs,
-                bq,
-                MatRef::new(p, bk, true),
-                head_rows(g.dout, seq + q0, h, nh, hs),
-                &mut dv,
-                hs,
-                1.0,
-                1.0,
-                1,
-            )?;
-            // dk (bk, HS) += scale * dsᵀ (bk, bq) @ q_blk (bq, HS)
-            sgemm(
-                bk,
-                hs,
-                bq,
-                MatRef::new(ds, bk, true),
-                head_rows(x.q, seq + q0, h, nh, hs),
-                &mut dk,
-                hs,
-                x.spec.scale,
-                1.0,
-                1,
-            )?;
+            add_dkv(x, g, (&mut dk, &mut dv), (p, ds), seq, h, (q0, bq), bk)?;
         }
     }
     Ok((dk, dv))

@@ -2,8 +2,13 @@
 
 use rayon::prelude::*;
 
-use super::{BK, Qkv, Tile, exp_softmax, head_rows, max8, scatter, scores, sum8, tiles};
-use crate::cpu::matmul::{MatRef, sgemm};
+use super::kernel::{Simd, mm};
+use super::{Qkv, Tile, exp_softmax, head_rows, max16, scatter, scores, tiles};
+
+/// Keys per block. Larger than the backward's 64: the per-row work of a step (max,
+/// rescale) is then spread over more keys.
+const BK: usize = 128;
+use crate::cpu::matmul::MatRef;
 use crate::error::Result;
 use crate::ops::attention::AttentionDims;
 
@@ -26,9 +31,69 @@ pub(super) fn forward(x: &Qkv<'_>, cu_seqlens: &[usize]) -> Result<(Vec<f32>, Ve
     Ok((out, lse))
 }
 
+// `softmax_step(simd, ..)`: [`softmax_step_imp`] for the given instruction set.
+simd_fn!(softmax_step => softmax_step_imp(
+    s: &mut [f32],
+    bk: usize,
+    m: &mut [f32],
+    l: &mut [f32],
+    acc: &mut [f32],
+));
+
+/// One online-softmax step over a block of scores `s` (bq, bk): turns them into
+/// exp(s - m_new) in place and rescales the running sums `l` (bq) and the
+/// accumulator rows `acc` (bq, HS) to the new running max `m` (bq).
+#[inline(always)]
+fn softmax_step_imp<const FMA: bool>(
+    s: &mut [f32],
+    bk: usize,
+    m: &mut [f32],
+    l: &mut [f32],
+    acc: &mut [f32],
+) {
+    let hs = acc.len() / m.len().max(1);
+    for (r, row) in s.chunks_exact_mut(bk).enumerate() {
+        let m_new = m[r].max(max16(row));
+        if m_new == f32::NEG_INFINITY {
+            // Every key so far is hidden from this row: nothing to add yet.
+            row.fill(0.0);
+            continue;
+        }
+        // exp(-inf) = 0 on the first block, where acc and l are still 0.
+        let corr = exp_softmax::<FMA>(m[r] - m_new);
+        l[r] = l[r] * corr + exp_sum::<FMA>(row, m_new);
+        if corr != 1.0 {
+            acc[r * hs..(r + 1) * hs]
+                .iter_mut()
+                .for_each(|a| *a *= corr);
+        }
+        m[r] = m_new;
+    }
+}
+
+/// row <- exp(row - m) (every entry <= 0 after the shift); returns its sum, taken
+/// in 16 lanes (fixed order -> deterministic).
+#[inline(always)]
+fn exp_sum<const FMA: bool>(row: &mut [f32], m: f32) -> f32 {
+    let mut acc = [0.0f32; 16];
+    let mut chunks = row.chunks_exact_mut(16);
+    for c in &mut chunks {
+        for (x, a) in c.iter_mut().zip(&mut acc) {
+            *x = exp_softmax::<FMA>(*x - m);
+            *a += *x;
+        }
+    }
+    let mut tail = 0.0f32;
+    for x in chunks.into_remainder() {
+        *x = exp_softmax::<FMA>(*x - m);
+        tail += *x;
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
 /// One query tile -> (out block (bq, HS), lse block (bq)).
 fn forward_tile(x: &Qkv<'_>, tile: &Tile) -> Result<(Vec<f32>, Vec<f32>)> {
-    let AttentionDims { nkv, hs, .. } = x.dims;
+    let AttentionDims { t, hs, .. } = x.dims;
     let Tile {
         seq,
         len,
@@ -48,36 +113,19 @@ fn forward_tile(x: &Qkv<'_>, tile: &Tile) -> Result<(Vec<f32>, Vec<f32>)> {
         let bk = BK.min(kend - k0);
         let s = &mut s[..bq * bk];
         scores(x, s, seq, h, (q0, bq), (k0, bk))?;
-        for (r, row) in s.chunks_exact_mut(bk).enumerate() {
-            let m_new = m[r].max(max8(row));
-            if m_new == f32::NEG_INFINITY {
-                // Every key so far is hidden from this row: nothing to add yet.
-                row.fill(0.0);
-                continue;
-            }
-            // exp(-inf) = 0 on the first block, where acc and l are still 0.
-            let corr = (m[r] - m_new).exp();
-            row.iter_mut().for_each(|p| *p = exp_softmax(*p - m_new));
-            l[r] = l[r] * corr + sum8(row);
-            if corr != 1.0 {
-                acc[r * hs..(r + 1) * hs]
-                    .iter_mut()
-                    .for_each(|a| *a *= corr);
-            }
-            m[r] = m_new;
-        }
+        softmax_step(x.simd, s, bk, &mut m, &mut l, &mut acc);
         // acc (bq, HS) += p (bq, bk) @ v_blk (bk, HS)
-        sgemm(
+        mm(
+            x.simd,
             bq,
             hs,
             bk,
             MatRef::new(s, bk, false),
-            head_rows(x.v, seq + k0, kvh, nkv, hs),
+            head_rows(x.v, seq + k0, kvh, t, hs),
             &mut acc,
             hs,
             1.0,
             1.0,
-            1,
         )?;
     }
     // Every row sees at least one key (itself when causal), so l > 0.
