@@ -121,7 +121,7 @@ impl VisionConfig {
         positive(W, "image_size", self.image_size)?;
         positive(W, "patch_size", self.patch_size)?;
         check_eps(W, self.layer_norm_eps)?;
-        if self.hidden_size % self.num_heads != 0 {
+        if !self.hidden_size.is_multiple_of(self.num_heads) {
             return Err(Error::config(
                 W,
                 format!(
@@ -130,7 +130,7 @@ impl VisionConfig {
                 ),
             ));
         }
-        if self.image_size % self.patch_size != 0 {
+        if !self.image_size.is_multiple_of(self.patch_size) {
             return Err(Error::config(
                 W,
                 format!(
@@ -194,7 +194,7 @@ impl WhisperEncoderConfig {
         positive(W, "encoder_ffn_dim", self.encoder_ffn_dim)?;
         positive(W, "max_source_positions", self.max_source_positions)?;
         check_eps(W, self.layer_norm_eps)?;
-        if self.d_model % self.encoder_attention_heads != 0 {
+        if !self.d_model.is_multiple_of(self.encoder_attention_heads) {
             return Err(Error::config(
                 W,
                 format!(

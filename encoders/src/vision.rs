@@ -350,13 +350,13 @@ impl VisionEncoder {
                 ),
             ));
         }
-        if let Some(dp) = d_pooled {
-            if dp.dims() != [b, d] {
-                return Err(Error::input(
-                    "vision backward",
-                    format!("d_pooled {} must be (B, D) = [{b}, {d}]", dp.shape()),
-                ));
-            }
+        if let Some(dp) = d_pooled
+            && dp.dims() != [b, d]
+        {
+            return Err(Error::input(
+                "vision backward",
+                format!("d_pooled {} must be (B, D) = [{b}, {d}]", dp.shape()),
+            ));
         }
         let mut dx = d_last
             .try_clone()

@@ -146,10 +146,10 @@ impl VisionEncoder {
             "attention_dropout": 0.0,
             "dtype": "float32",
         });
-        if c.family == VisionFamily::Siglip {
-            if let Some(o) = v.as_object_mut() {
-                o.insert("vision_use_head".into(), json!(c.use_head));
-            }
+        if c.family == VisionFamily::Siglip
+            && let Some(o) = v.as_object_mut()
+        {
+            o.insert("vision_use_head".into(), json!(c.use_head));
         }
         v
     }

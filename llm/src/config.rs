@@ -162,13 +162,13 @@ impl LlmConfig {
                 return Err(invalid(format!("`{key}` = 0: must be >= 1")));
             }
         }
-        if self.heads % self.kv_heads != 0 {
+        if !self.heads.is_multiple_of(self.kv_heads) {
             return Err(invalid(format!(
                 "`kv_heads` = {} must divide `heads` = {} (each key/value head serves heads / kv_heads query heads)",
                 self.kv_heads, self.heads
             )));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(invalid(format!(
                 "`head_dim` = {} must be even: RoPE rotates channel pairs (i, i + head_dim/2)",
                 self.head_dim

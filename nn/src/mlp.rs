@@ -38,7 +38,7 @@ impl MlpConfig {
         if self.c == 0 || self.ff == 0 {
             return err(format!("c = {} and ff = {} must be > 0", self.c, self.ff));
         }
-        if tp == 0 || self.ff % tp != 0 {
+        if tp == 0 || !self.ff.is_multiple_of(tp) {
             return err(format!(
                 "ff = {} is not a multiple of the TP size {tp}",
                 self.ff

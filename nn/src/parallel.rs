@@ -19,7 +19,7 @@ use crate::regions::{
 
 /// `size`-way split of `n` (`what` names it in the error).
 pub(crate) fn split_evenly(what: &'static str, name: &str, n: usize, size: usize) -> Result<usize> {
-    if size == 0 || n % size != 0 {
+    if size == 0 || !n.is_multiple_of(size) {
         return Err(Error::config(
             what,
             format!("{name}: {n} features cannot be split evenly across a TP group of {size}"),

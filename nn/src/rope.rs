@@ -19,7 +19,7 @@ impl RopeConfig {
         if !(self.theta > 0.0 && self.theta.is_finite()) {
             return err(format!("theta = {} must be a positive number", self.theta));
         }
-        if self.rot_dim == 0 || self.rot_dim % 2 != 0 {
+        if self.rot_dim == 0 || !self.rot_dim.is_multiple_of(2) {
             return err(format!("rot_dim = {} must be even and > 0", self.rot_dim));
         }
         if self.rot_dim > hs {

@@ -99,7 +99,7 @@ fn col2im(d: &Conv1dDims, dcol: &[f32], dxb: &mut [f32]) {
 /// The patch size, re-checked against H and W (the ops layer already did) because the
 /// copies below index whole patches.
 fn patch_size(op: &'static str, h: usize, w: usize, patch: usize) -> Result<usize> {
-    if patch == 0 || h % patch != 0 || w % patch != 0 {
+    if patch == 0 || !h.is_multiple_of(patch) || !w.is_multiple_of(patch) {
         return Err(Error::shape(
             op,
             format!("H = {h}, W = {w} are not multiples of the patch size {patch}"),

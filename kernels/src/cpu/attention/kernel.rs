@@ -108,10 +108,8 @@ pub(super) fn mm(
 }
 
 // AVX-512 intrinsics and `target_feature(enable = "avx512f")` are stable since Rust
-// 1.89; the workspace's `rust-version` (1.85) predates that while the toolchain in
-// use is 1.95. The workspace MSRV should move to 1.89.
+// 1.89, the workspace's `rust-version`.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::incompatible_msrv)]
 mod avx512 {
     use std::arch::x86_64::*;
 

@@ -60,9 +60,8 @@
 macro_rules! simd_fn {
     ($name:ident => $imp:ident ( $($arg:ident : $ty:ty),* $(,)? )) => {
         fn $name(simd: Simd, $($arg: $ty),*) {
-            // Needs Rust >= 1.89, see `kernel::avx512`.
+            // `avx512f` as a target feature: Rust >= 1.89 (the workspace MSRV).
             #[cfg(target_arch = "x86_64")]
-            #[allow(clippy::incompatible_msrv)]
             #[target_feature(enable = "avx512f")]
             fn avx512($($arg: $ty),*) {
                 $imp::<true>($($arg),*)
@@ -178,7 +177,11 @@ fn to_heads(x: &[f32], t: usize, heads: usize, hs: usize) -> Vec<f32> {
 /// rows start 64 B-aligned but never a multiple of 4 KiB apart (same L1 set).
 fn padded(t: usize) -> usize {
     let ld = t.next_multiple_of(16);
-    if (ld / 16) % 2 == 0 { ld + 16 } else { ld }
+    if (ld / 16).is_multiple_of(2) {
+        ld + 16
+    } else {
+        ld
+    }
 }
 
 /// (T, H, HS) -> (H, HS, LD): each head transposed once, so that the block products
