@@ -5,6 +5,8 @@
 //! one, with which every parallel layer is exactly its plain counterpart. `LocalComm`
 //! (ranks as threads) and `NcclComm` implement the same trait in a later issue.
 
+pub mod testing;
+
 use std::fmt;
 
 use braid_kernels::{Shape, Tensor};

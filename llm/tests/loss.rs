@@ -7,6 +7,7 @@
 mod common;
 
 use braid_comm::SingleRank;
+use braid_comm::testing::ThreadRank;
 use braid_kernels::rng::Rng;
 use braid_kernels::testing::assert_close;
 use braid_kernels::{Device, Tensor, ops};
@@ -14,7 +15,7 @@ use braid_llm::{
     IGNORE_INDEX, Llm, cross_entropy_loss, next_token_targets, vocab_parallel_cross_entropy,
 };
 use braid_nn::{Init, SeqInfo};
-use common::{TestResult, ThreadRank, tiny_config};
+use common::{TestResult, tiny_config};
 
 const IG: u32 = IGNORE_INDEX;
 

@@ -3,10 +3,8 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
-use std::sync::{Arc, Barrier, Mutex};
 
-use braid_comm::{Comm, CommError};
-use braid_kernels::{Shape, Tensor};
+use braid_kernels::Tensor;
 use braid_llm::{Family, LlmConfig, RopeScaling, RopeSpec};
 use braid_nn::Module;
 
@@ -94,98 +92,4 @@ pub fn set_param<M: Module>(m: &mut M, name: &str, data: &[f32]) {
         }
     });
     assert!(found, "no parameter {name}");
-}
-
-fn unsupported(op: &'static str) -> CommError {
-    CommError::Invalid {
-        op,
-        rank: 0,
-        size: 0,
-        msg: "not supported by this test comm".into(),
-    }
-}
-
-/// Ranks as threads (f32, CPU): all-reduce sums in rank order, all-gather stacks along
-/// dim 0. The minimal part of nn's test comm, until braid-comm's `LocalComm` lands.
-#[derive(Debug)]
-pub struct ThreadRank {
-    rank: usize,
-    size: usize,
-    slots: Arc<Mutex<Vec<Option<Vec<f32>>>>>,
-    barrier: Arc<Barrier>,
-}
-
-impl ThreadRank {
-    /// The `size` ranks of one group.
-    pub fn group(size: usize) -> Vec<ThreadRank> {
-        let slots = Arc::new(Mutex::new(vec![None; size]));
-        let barrier = Arc::new(Barrier::new(size));
-        (0..size)
-            .map(|rank| ThreadRank {
-                rank,
-                size,
-                slots: Arc::clone(&slots),
-                barrier: Arc::clone(&barrier),
-            })
-            .collect()
-    }
-
-    /// Every rank's `data`, in rank order.
-    fn exchange(&self, data: Vec<f32>) -> Vec<Vec<f32>> {
-        self.slots.lock().unwrap()[self.rank] = Some(data);
-        self.barrier.wait();
-        let all = self
-            .slots
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|s| s.clone().unwrap())
-            .collect();
-        // Nobody overwrites a slot before every rank has read them all.
-        self.barrier.wait();
-        all
-    }
-}
-
-impl Comm for ThreadRank {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-    fn size(&self) -> usize {
-        self.size
-    }
-    fn all_reduce_sum(&self, t: &mut Tensor) -> braid_comm::Result<()> {
-        let all = self.exchange(t.to_vec_f32()?);
-        let mut sum = all[0].clone();
-        for v in &all[1..] {
-            sum.iter_mut().zip(v).for_each(|(s, x)| *s += x);
-        }
-        *t = Tensor::from_vec(sum, t.shape().clone(), t.device())?;
-        Ok(())
-    }
-    fn all_gather(&self, t: &Tensor) -> braid_comm::Result<Tensor> {
-        let all = self.exchange(t.to_vec_f32()?);
-        let mut dims = t.dims().to_vec();
-        dims[0] *= self.size;
-        Ok(Tensor::from_vec(all.concat(), dims, t.device())?)
-    }
-    fn reduce_scatter_sum(&self, _t: &Tensor) -> braid_comm::Result<Tensor> {
-        Err(unsupported("reduce_scatter_sum"))
-    }
-    fn broadcast(&self, _t: &mut Tensor, _root: usize) -> braid_comm::Result<()> {
-        Err(unsupported("broadcast"))
-    }
-    fn send(&self, _t: &Tensor, _dst: usize) -> braid_comm::Result<()> {
-        Err(unsupported("send"))
-    }
-    fn recv(&self, _shape: &Shape, _src: usize) -> braid_comm::Result<Tensor> {
-        Err(unsupported("recv"))
-    }
-    fn all_to_all_v(&self, _parts: Vec<Tensor>) -> braid_comm::Result<Vec<Tensor>> {
-        Err(unsupported("all_to_all_v"))
-    }
-    fn barrier(&self) -> braid_comm::Result<()> {
-        self.barrier.wait();
-        Ok(())
-    }
 }
