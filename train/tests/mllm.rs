@@ -16,6 +16,8 @@ use braid_train::{
 };
 
 type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
+/// (name, grad) of every parameter, `None` when frozen.
+type Grads = Vec<(String, Option<Vec<f32>>)>;
 
 fn kerr(e: impl std::fmt::Display) -> braid_kernels::Error {
     braid_kernels::Error::invalid("fd", e.to_string())
@@ -230,9 +232,15 @@ fn end_to_end_finite_differences(dev: Device) -> TestResult {
             l
         })?;
     }
-    let want: Vec<String> = ["audio", "audio_projector", "llm", "vision", "vision_projector"]
-        .map(String::from)
-        .into();
+    let want: Vec<String> = [
+        "audio",
+        "audio_projector",
+        "llm",
+        "vision",
+        "vision_projector",
+    ]
+    .map(String::from)
+    .into();
     assert_eq!(modules_seen.into_iter().collect::<Vec<_>>(), want);
 
     // Inputs: every pixel would be 192 forwards; a sample of each input suffices.
@@ -264,7 +272,7 @@ fn end_to_end_finite_differences(dev: Device) -> TestResult {
 }
 
 /// Loss and every (name, grad) after one forward/backward of a fresh model with `f`.
-fn run(dev: Device, f: Freeze) -> TestResult<(MllmLoss, Vec<(String, Option<Vec<f32>>)>, Mllm)> {
+fn run(dev: Device, f: Freeze) -> TestResult<(MllmLoss, Grads, Mllm)> {
     let mut m = Mllm::new(tiny_config(), &init(dev))?;
     m.apply_freeze(f)?;
     let b = batch(&inputs(), dev)?;
@@ -318,7 +326,13 @@ fn freeze_semantics(dev: Device) -> TestResult {
             llm: true,
             ..Freeze::default()
         },
-        Freeze::from_names(&["vision", "audio", "vision_projector", "audio_projector", "llm"])?,
+        Freeze::from_names(&[
+            "vision",
+            "audio",
+            "vision_projector",
+            "audio_projector",
+            "llm",
+        ])?,
     ];
     for f in cases {
         let (loss, g, _) = run(dev, f)?;
@@ -462,7 +476,10 @@ fn validation_errors(dev: Device) -> TestResult {
     );
     let mut cfg = tiny_config();
     cfg.audio_projector.as_mut().unwrap().out_dim = 8;
-    config_err(cfg.validate(), &["audio_projector.out_dim = 8", "llm.hidden = 16"]);
+    config_err(
+        cfg.validate(),
+        &["audio_projector.out_dim = 8", "llm.hidden = 16"],
+    );
     let mut cfg = tiny_config();
     cfg.vision_projector.as_mut().unwrap().spatial_merge = 3;
     config_err(cfg.validate(), &["spatial_merge = 3", "= 4"]);
@@ -476,7 +493,7 @@ fn validation_errors(dev: Device) -> TestResult {
 /// config round-trips through serde; names are prefixed and unique, and `into_parts`
 /// gives each part its own names back.
 fn determinism_and_names(dev: Device) -> TestResult {
-    let once = |threads: usize| -> TestResult<(u32, Vec<(String, Option<Vec<f32>>)>)> {
+    let once = |threads: usize| -> TestResult<(u32, Grads)> {
         let r = in_pool(threads, || {
             run(dev, Freeze::default())
                 .map(|(l, g, _)| (l.loss.to_bits(), g))
