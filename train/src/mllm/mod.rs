@@ -1,0 +1,403 @@
+//! `Mllm`: a vision encoder and an audio encoder (each optional), their projectors and
+//! the LLM, trained as one model on packed rows of text with images and clips.
+//!
+//! Forward: images -> vision encoder -> patch tokens -> vision projector; clips ->
+//! audio encoder -> frames -> audio projector; the projected rows are scattered over
+//! their placeholder tokens of the packed text (one [`ModalityEmbeds`]: the image rows
+//! first, image by image, then the clip rows, clip by clip), the LLM runs, and the
+//! cross-entropy is taken on the target tokens only (mean over valid targets).
+//!
+//! Backward runs the whole way back, except what cannot change a trainable weight: a
+//! frozen module gets no weight grad (its params have no grad buffer); a branch whose
+//! encoder AND projector are frozen does not run backward at all, and its caches are
+//! dropped at the end of the forward, so its activations are not held either; the
+//! projector alone being trainable runs the projector's backward but not the encoder's;
+//! with everything frozen the LLM backward is skipped too. Which modules are trainable
+//! is read at forward time.
+
+mod batch;
+mod build;
+mod config;
+
+pub use batch::MllmBatch;
+pub use build::MllmParts;
+pub use config::{AudioProjectorConfig, Freeze, MllmConfig, VisionProjectorConfig};
+
+use braid_encoders::projector::{AudioProjectorCache, ProjectorCache};
+use braid_encoders::{
+    AudioCache, AudioProjector, MlpProjector, VisionCache, VisionEncoder, WhisperEncoder,
+};
+use braid_kernels::{DType, Device, Tensor, ops};
+use braid_llm::{Llm, ModalityEmbeds, StageCache, cross_entropy_loss};
+use braid_nn::error::Context;
+use braid_nn::{Error, Module, Param, Result};
+
+/// Name prefixes of the five modules' parameters (`vision.encoder.layers.0...`,
+/// `llm.layers.0...`), in the order [`Module::visit_params`] lists them.
+pub const VISION: &str = "vision.";
+pub const VISION_PROJECTOR: &str = "vision_projector.";
+pub const AUDIO: &str = "audio.";
+pub const AUDIO_PROJECTOR: &str = "audio_projector.";
+pub const LLM: &str = "llm.";
+
+/// The model. Parameter names are the parts' own names behind a module prefix
+/// ([`VISION`], [`VISION_PROJECTOR`], [`AUDIO`], [`AUDIO_PROJECTOR`], [`LLM`]); use
+/// [`Mllm::into_parts`] to get the parts back with their own names (e.g. to export
+/// each to Hugging Face).
+#[derive(Debug)]
+pub struct Mllm {
+    pub config: MllmConfig,
+    pub vision: Option<VisionEncoder>,
+    pub vision_projector: Option<MlpProjector>,
+    pub audio: Option<WhisperEncoder>,
+    pub audio_projector: Option<AudioProjector>,
+    pub llm: Llm,
+}
+
+/// The loss of one forward, on the host.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MllmLoss {
+    /// `loss_sum / normalizer` (by default the number of valid targets).
+    pub loss: f32,
+    /// Sum of the per-token losses.
+    pub loss_sum: f64,
+    /// Targets that are not `IGNORE_INDEX`.
+    pub n_valid: usize,
+}
+
+/// Grads of the batch's float inputs, present when that encoder ran backward.
+#[derive(Debug, Default)]
+pub struct InputGrads {
+    /// (B_img, C, H, W)
+    pub pixel_values: Option<Tensor>,
+    /// one (n_mels, F_j) per clip
+    pub clips: Option<Vec<Tensor>>,
+}
+
+/// The vision branch's backward state; absent when encoder and projector are frozen.
+#[derive(Debug)]
+struct VisionBranch {
+    /// B_img, S tokens per image out of the encoder
+    b: usize,
+    s: usize,
+    /// (B*N) u32 patch-token rows of the (B*S, D) encoder output (CLIP: without the
+    /// class tokens); `None` when every token is a patch token.
+    patch_rows: Option<Tensor>,
+    /// `None` when the encoder is frozen: its backward is skipped.
+    encoder: Option<VisionCache>,
+    projector: ProjectorCache,
+}
+
+/// The audio branch's backward state; absent when encoder and projector are frozen.
+#[derive(Debug)]
+struct AudioBranch {
+    encoder: Option<AudioCache>,
+    projector: AudioProjectorCache,
+}
+
+/// What [`Mllm::backward`] needs.
+#[derive(Debug)]
+pub struct MllmCache {
+    /// LLM activations and d loss / d logits (T, V); `None` when nothing is trainable.
+    llm: Option<(StageCache, Tensor)>,
+    vision: Option<VisionBranch>,
+    audio: Option<AudioBranch>,
+    /// Modality rows from images (the first `g_v` rows) and from clips (the next `g_a`).
+    g_v: usize,
+    g_a: usize,
+}
+
+impl MllmCache {
+    /// Whether backward will run anything at all.
+    pub fn runs_backward(&self) -> bool {
+        self.llm.is_some()
+    }
+    /// Whether the vision encoder's activations were kept (it will run backward).
+    pub fn holds_vision_encoder(&self) -> bool {
+        self.vision.as_ref().is_some_and(|b| b.encoder.is_some())
+    }
+    /// Whether the audio encoder's activations were kept (it will run backward).
+    pub fn holds_audio_encoder(&self) -> bool {
+        self.audio.as_ref().is_some_and(|b| b.encoder.is_some())
+    }
+}
+
+/// Whether any parameter of `m` has a grad buffer.
+fn trainable<M: Module + ?Sized>(m: &M) -> bool {
+    let mut any = false;
+    m.visit_params(&mut |p| any |= p.is_trainable());
+    any
+}
+
+fn ids(v: Vec<u32>, dev: Device) -> Result<Tensor> {
+    let n = v.len();
+    Tensor::from_vec_u32(v, [n], dev).ctx("mllm", "index tensor")
+}
+
+/// Rows `start .. start + n` of x (M, C), without a copy when that is all of x.
+fn rows(x: &Tensor, start: usize, n: usize) -> Result<Option<Tensor>> {
+    if start == 0 && n == x.dims()[0] {
+        return Ok(None);
+    }
+    let idx = ids((start as u32..(start + n) as u32).collect(), x.device())?;
+    Ok(Some(
+        ops::gather_rows(x, &idx).ctx("mllm", "modality rows")?,
+    ))
+}
+
+fn missing(what: &str) -> Error {
+    Error::input(
+        "mllm",
+        format!("the cache needs `{what}`, which this model lacks"),
+    )
+}
+
+impl Mllm {
+    /// Forward and loss, the mean over the batch's valid targets.
+    pub fn forward(&self, batch: &MllmBatch) -> Result<(MllmLoss, MllmCache)> {
+        self.forward_normalized(batch, None)
+    }
+
+    /// Forward and loss `loss_sum / normalizer` (`None`: the batch's valid targets;
+    /// the step's global count gives an exact mean over microbatches and ranks).
+    pub fn forward_normalized(
+        &self,
+        batch: &MllmBatch,
+        normalizer: Option<usize>,
+    ) -> Result<(MllmLoss, MllmCache)> {
+        batch.validate(&self.config)?;
+        let dev = batch.ids.device();
+        let c = self.config.llm.hidden;
+        let (yv, vision) = match &batch.images {
+            Some(px) => {
+                let (y, b) = self.vision_forward(px)?;
+                (Some(y), b)
+            }
+            None => (None, None),
+        };
+        let (ya, audio) = if batch.clips.is_empty() {
+            (None, None)
+        } else {
+            let (y, b) = self.audio_forward(&batch.clips)?;
+            (Some(y), b)
+        };
+        let g_v = yv.as_ref().map_or(0, |y| y.dims()[0]);
+        let g_a = ya.as_ref().map_or(0, |y| y.dims()[0]);
+        let m = g_v + g_a;
+        if m != batch.num_modality_tokens() {
+            return Err(Error::input(
+                "mllm",
+                format!(
+                    "the projectors gave {g_v} image + {g_a} audio rows for {} placeholder positions",
+                    batch.num_modality_tokens()
+                ),
+            ));
+        }
+        // One (M, C) block: image rows, then clip rows; positions in the same order.
+        let embeds = match (yv, ya) {
+            (None, None) => None,
+            (Some(y), None) | (None, Some(y)) => Some(y),
+            (Some(v), Some(a)) => {
+                let mut all = Tensor::zeros(vec![m, c], DType::F32, dev).ctx("mllm", "zeros")?; // (M, C)
+                let iv = ids((0..g_v as u32).collect(), dev)?;
+                let ia = ids((g_v as u32..m as u32).collect(), dev)?;
+                ops::scatter_rows(&mut all, &iv, &v).ctx("mllm", "image rows")?;
+                ops::scatter_rows(&mut all, &ia, &a).ctx("mllm", "clip rows")?;
+                Some(all)
+            }
+        };
+        let modality = match embeds {
+            Some(embeds) => {
+                let pos: Vec<u32> = batch
+                    .image_positions
+                    .iter()
+                    .chain(&batch.clip_positions)
+                    .flatten()
+                    .copied()
+                    .collect(); // (M)
+                Some(ModalityEmbeds {
+                    positions: ids(pos, dev)?,
+                    embeds,
+                })
+            }
+            None => None,
+        };
+        let (logits, llm_cache) = self
+            .llm
+            .forward(&batch.ids, &batch.seq, modality.as_ref())?; // (T, V)
+        let out = cross_entropy_loss(&logits, &batch.targets, normalizer)?;
+        drop(logits);
+        let loss = MllmLoss {
+            loss: out.loss,
+            loss_sum: out.loss_sum,
+            n_valid: out.n_valid,
+        };
+        let needs_backward = trainable(&self.llm) || vision.is_some() || audio.is_some();
+        let cache = MllmCache {
+            llm: needs_backward.then_some((llm_cache, out.dlogits)),
+            vision,
+            audio,
+            g_v,
+            g_a,
+        };
+        Ok((loss, cache))
+    }
+
+    /// pixel_values (B, C, H, W) -> projected rows (B * tokens_per_image, C) and the
+    /// branch's backward state when something in it is trainable.
+    fn vision_forward(&self, px: &Tensor) -> Result<(Tensor, Option<VisionBranch>)> {
+        let (Some(enc), Some(proj)) = (&self.vision, &self.vision_projector) else {
+            return Err(missing("vision"));
+        };
+        let cfg = &enc.config;
+        let (enc_train, proj_train) = (trainable(enc), trainable(proj));
+        let (out, enc_cache) = enc.forward(px)?;
+        let &[b, s, d] = out.last_hidden_state.dims() else {
+            return Err(Error::input("mllm", "vision output is not (B, S, D)"));
+        };
+        let n = cfg.num_patches();
+        let last = out
+            .last_hidden_state
+            .reshape([b * s, d])
+            .ctx("mllm", "vision features")?; // (B*S, D)
+        // CLIP's class token (first of each image) is not an image token.
+        let (feats, patch_rows) = if s == n {
+            (last, None)
+        } else {
+            let off = s - n;
+            let r: Vec<u32> = (0..b)
+                .flat_map(|i| (0..n).map(move |j| (i * s + off + j) as u32))
+                .collect();
+            let r = ids(r, px.device())?;
+            let f = ops::gather_rows(&last, &r).ctx("mllm", "patch tokens")?; // (B*N, D)
+            (f, Some(r))
+        };
+        let g = cfg.image_size / cfg.patch_size;
+        let (y, projector) = proj.forward(&feats, &vec![(g, g); b])?; // (B*N/m², C)
+        let branch = (enc_train || proj_train).then(|| VisionBranch {
+            b,
+            s,
+            patch_rows,
+            encoder: enc_train.then_some(enc_cache),
+            projector,
+        });
+        Ok((y, branch))
+    }
+
+    /// clips -> projected rows (sum of tokens_per_clip, C) and the branch's backward
+    /// state when something in it is trainable.
+    fn audio_forward(&self, clips: &[Tensor]) -> Result<(Tensor, Option<AudioBranch>)> {
+        let (Some(enc), Some(proj)) = (&self.audio, &self.audio_projector) else {
+            return Err(missing("audio"));
+        };
+        let (enc_train, proj_train) = (trainable(enc), trainable(proj));
+        let (out, enc_cache) = enc.forward(clips)?; // hidden (T_a, D)
+        let (y, projector) = proj.forward(&out.hidden, &out.cu_seqlens)?; // (G_a, C)
+        let branch = (enc_train || proj_train).then(|| AudioBranch {
+            encoder: enc_train.then_some(enc_cache),
+            projector,
+        });
+        Ok((y, branch))
+    }
+
+    /// Adds the grad of the forward's loss into every trainable parameter's grad and
+    /// returns the grads of the pixel values and clips whose encoder ran backward.
+    pub fn backward(&mut self, cache: MllmCache) -> Result<InputGrads> {
+        let MllmCache {
+            llm,
+            vision,
+            audio,
+            g_v,
+            g_a,
+        } = cache;
+        let mut grads = InputGrads::default();
+        let Some((llm_cache, dlogits)) = llm else {
+            return Ok(grads);
+        };
+        let dmod = self.llm.backward(llm_cache, &dlogits)?; // (M, C)
+        drop(dlogits);
+        if vision.is_none() && audio.is_none() {
+            return Ok(grads);
+        }
+        let dmod = dmod.ok_or_else(|| missing("modality grads"))?;
+        if let Some(vb) = vision {
+            let part = rows(&dmod, 0, g_v)?;
+            grads.pixel_values = self.vision_backward(vb, part.as_ref().unwrap_or(&dmod))?;
+        }
+        if let Some(ab) = audio {
+            let part = rows(&dmod, g_v, g_a)?;
+            grads.clips = self.audio_backward(ab, part.as_ref().unwrap_or(&dmod))?;
+        }
+        Ok(grads)
+    }
+
+    /// dy (B * tokens_per_image, C) -> d pixel_values, when the encoder is trainable.
+    fn vision_backward(&mut self, vb: VisionBranch, dy: &Tensor) -> Result<Option<Tensor>> {
+        let (Some(enc), Some(proj)) = (&mut self.vision, &mut self.vision_projector) else {
+            return Err(missing("vision"));
+        };
+        let dfeat = proj.backward(vb.projector, dy)?; // (B*N, D)
+        let Some(ec) = vb.encoder else {
+            return Ok(None);
+        };
+        let (b, s) = (vb.b, vb.s);
+        let d = enc.config.hidden_size;
+        let dlast = match &vb.patch_rows {
+            None => dfeat,
+            Some(r) => {
+                // Class tokens feed no image token: their rows stay zero.
+                let mut dl =
+                    Tensor::zeros(vec![b * s, d], DType::F32, dy.device()).ctx("mllm", "zeros")?; // (B*S, D)
+                ops::scatter_rows(&mut dl, r, &dfeat).ctx("mllm", "patch token grads")?;
+                dl
+            }
+        };
+        let dlast = dlast.reshape([b, s, d]).ctx("mllm", "vision grads")?; // (B, S, D)
+        Ok(Some(enc.backward(ec, &dlast, None)?))
+    }
+
+    /// dy (G_a, C) -> d clips, when the encoder is trainable.
+    fn audio_backward(&mut self, ab: AudioBranch, dy: &Tensor) -> Result<Option<Vec<Tensor>>> {
+        let (Some(enc), Some(proj)) = (&mut self.audio, &mut self.audio_projector) else {
+            return Err(missing("audio"));
+        };
+        let dh = proj.backward(ab.projector, dy)?; // (T_a, D)
+        match ab.encoder {
+            Some(ec) => Ok(Some(enc.backward(ec, &dh)?)),
+            None => Ok(None),
+        }
+    }
+}
+
+impl Module for Mllm {
+    fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a Param)) {
+        if let Some(m) = &self.vision {
+            m.visit_params(f);
+        }
+        if let Some(m) = &self.vision_projector {
+            m.visit_params(f);
+        }
+        if let Some(m) = &self.audio {
+            m.visit_params(f);
+        }
+        if let Some(m) = &self.audio_projector {
+            m.visit_params(f);
+        }
+        self.llm.visit_params(f);
+    }
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+        if let Some(m) = &mut self.vision {
+            m.visit_params_mut(f);
+        }
+        if let Some(m) = &mut self.vision_projector {
+            m.visit_params_mut(f);
+        }
+        if let Some(m) = &mut self.audio {
+            m.visit_params_mut(f);
+        }
+        if let Some(m) = &mut self.audio_projector {
+            m.visit_params_mut(f);
+        }
+        self.llm.visit_params_mut(f);
+    }
+}
