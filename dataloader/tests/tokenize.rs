@@ -342,6 +342,23 @@ fn text_encoding_to_a_placeholder_id_is_rejected() {
         ),
         "{err}"
     );
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "message 0: text encodes to the image placeholder token id {}",
+            tok.token_id("<think>").unwrap()
+        )
+    );
+    // Same for a default system prompt, caught when the template is compiled.
+    let with_system = ChatTemplate {
+        default_system: Some("<think>".into()),
+        ..template
+    };
+    let err = CompiledTemplate::new(&with_system, &tok).unwrap_err();
+    assert!(
+        matches!(&err, TokenizeError::Template(m) if m.starts_with("default_system encodes to the image placeholder")),
+        "{err}"
+    );
 }
 
 #[test]

@@ -160,6 +160,8 @@ pub struct CompiledTemplate<'t> {
     audio: std::result::Result<MediaIds, String>,
     /// Placeholder and marker ids: message text must not encode to any of them.
     reserved: Vec<(u32, &'static str)>,
+    /// Ids of `template.default_system`.
+    default_system: Option<Vec<u32>>,
 }
 
 /// `text` with the tokenizer's special tokens split out (leftmost, longest match) and the
@@ -185,6 +187,27 @@ fn encode_template(
         }
     }
     ids.extend(tok.encode(&text[plain_start..])?);
+    Ok(ids)
+}
+
+/// Message `message`'s `text` encoded as plain text, refused when it contains a
+/// `reserved` id (a placeholder or marker: it would corrupt the spans).
+fn check_text(
+    tok: &dyn Tokenizer,
+    reserved: &[(u32, &'static str)],
+    text: &str,
+    message: usize,
+) -> Result<Vec<u32>> {
+    let ids = tok.encode(text).map_err(|e| match e {
+        TokenizeError::Library { reason, .. } => TokenizeError::Library {
+            what: format!("message {message}"),
+            reason,
+        },
+        e => e,
+    })?;
+    if let Some(&(id, what)) = reserved.iter().find(|(r, _)| ids.contains(r)) {
+        return Err(TokenizeError::ReservedTokenInText { message, what, id });
+    }
     Ok(ids)
 }
 
@@ -241,26 +264,18 @@ impl<'t> CompiledTemplate<'t> {
         let image = media_ids(tokenizer, "image", template.image.as_ref());
         let audio = media_ids(tokenizer, "audio", template.audio.as_ref());
         let mut reserved = Vec::new();
-        for (m, name) in [(&image, "image"), (&audio, "audio")] {
+        for (m, pad, marker) in [
+            (&image, "image placeholder", "image marker"),
+            (&audio, "audio placeholder", "audio marker"),
+        ] {
             if let Ok(m) = m {
-                reserved.push((
-                    m.pad,
-                    if name == "image" {
-                        "image placeholder"
-                    } else {
-                        "audio placeholder"
-                    },
-                ));
-                for id in [m.begin, m.end].into_iter().flatten() {
-                    reserved.push((
-                        id,
-                        if name == "image" {
-                            "image marker"
-                        } else {
-                            "audio marker"
-                        },
-                    ));
-                }
+                reserved.push((m.pad, pad));
+                reserved.extend(
+                    [m.begin, m.end]
+                        .into_iter()
+                        .flatten()
+                        .map(|id| (id, marker)),
+                );
             }
         }
         if let (Ok(i), Ok(a)) = (&image, &audio)
@@ -271,7 +286,19 @@ impl<'t> CompiledTemplate<'t> {
                 i.pad
             )));
         }
+        let default_system = match &template.default_system {
+            Some(text) => Some(
+                check_text(tokenizer, &reserved, text, 0).map_err(|e| match e {
+                    TokenizeError::ReservedTokenInText { what, id, .. } => TokenizeError::Template(
+                        format!("default_system encodes to the {what} token id {id}"),
+                    ),
+                    e => e,
+                })?,
+            ),
+            None => None,
+        };
         Ok(CompiledTemplate {
+            default_system,
             tokenizer,
             system: role(&template.system)?,
             user: role(&template.user)?,
@@ -349,10 +376,12 @@ impl<'t> CompiledTemplate<'t> {
             b.push(&[bos], false);
         }
         if messages[0].role != Role::System
-            && let Some(system) = &self.template.default_system
+            && let Some(text) = &self.default_system
         {
-            let default = Message::text(Role::System, system.clone());
-            self.turn(&mut b, usize::MAX, &default, counts)?;
+            let ids = &self.system;
+            for part in [&ids.prefix, text, &ids.suffix, &ids.separator] {
+                b.push(part, all);
+            }
         }
         for (i, m) in messages.iter().enumerate() {
             self.turn(&mut b, i, m, counts)?;
@@ -389,7 +418,7 @@ impl<'t> CompiledTemplate<'t> {
         Ok(out)
     }
 
-    /// One message (`index` usize::MAX: the default system prompt).
+    /// Message `index`.
     fn turn(
         &self,
         b: &mut Builder,
@@ -404,20 +433,7 @@ impl<'t> CompiledTemplate<'t> {
         for part in &m.parts {
             match part {
                 Part::Text(text) => {
-                    let t = self.tokenizer.encode(text).map_err(|e| match e {
-                        TokenizeError::Encode { reason, .. } => TokenizeError::Encode {
-                            what: format!("message {index}"),
-                            reason,
-                        },
-                        e => e,
-                    })?;
-                    if let Some(&(id, what)) = self.reserved.iter().find(|(r, _)| t.contains(r)) {
-                        return Err(TokenizeError::ReservedTokenInText {
-                            message: index,
-                            what,
-                            id,
-                        });
-                    }
+                    let t = check_text(self.tokenizer, &self.reserved, text, index)?;
                     b.push(&t, train);
                 }
                 &Part::Image(k) => self.media(b, index, Modality::Image, k, &counts.images, all)?,

@@ -86,7 +86,7 @@ impl HfTokenizer {
 
 impl Tokenizer for HfTokenizer {
     fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let err = |reason: String| TokenizeError::Encode {
+        let err = |reason: String| TokenizeError::Library {
             what: format!("{} bytes of text", text.len()),
             reason,
         };
@@ -114,7 +114,7 @@ impl Tokenizer for HfTokenizer {
         }
         self.inner
             .decode(ids, false)
-            .map_err(|e| TokenizeError::Encode {
+            .map_err(|e| TokenizeError::Library {
                 what: format!("decode of {} ids", ids.len()),
                 reason: e.to_string(),
             })

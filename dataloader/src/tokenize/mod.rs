@@ -30,8 +30,8 @@ use std::str::FromStr;
 pub enum TokenizeError {
     #[error("tokenizer {path}: {reason}")]
     Load { path: String, reason: String },
-    #[error("tokenizer failed to encode {what}: {reason}")]
-    Encode { what: String, reason: String },
+    #[error("the tokenizer failed on {what}: {reason}")]
+    Library { what: String, reason: String },
     #[error("token id {id} is outside the vocabulary (size {vocab_size})")]
     InvalidId { id: u32, vocab_size: usize },
     #[error("chat template: {0}")]
