@@ -367,6 +367,15 @@ fn degenerate_inputs() {
             tokens: 7
         }]
     );
+    // A row too long for the length bitset (ordered-map path) packs the same way.
+    let metas: Vec<SampleMeta> = (1..40).map(|i| SampleMeta::text(i * 1_000_003)).collect();
+    let big = PackConfig {
+        max_seq_len: 1 << 25,
+        ..cfg(16)
+    };
+    let out = pack(&metas, &big).unwrap();
+    check_invariants(&metas, &big, &out);
+    assert!(out.stats.fill > 0.9);
     // Bad configs are errors, not panics.
     assert!(Packer::new(cfg(0)).is_err());
     assert!(

@@ -72,7 +72,7 @@ impl Default for PackConfig {
             max_seq_len: 4096,
             on_overflow: OnOverflow::Truncate,
             window: 10_000,
-            search_budget: 256,
+            search_budget: 64,
             balance: true,
             balance_rounds: 4,
             cost: CostModelConfig::default(),
@@ -299,7 +299,7 @@ impl Packer {
         Ok(Packer {
             cap,
             tol: cap / 1000,
-            pool: Pool::default(),
+            pool: Pool::new(cap),
             pending: Vec::new(),
             pending_samples: 0,
             packs: Vec::new(),

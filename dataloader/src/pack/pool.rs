@@ -22,18 +22,102 @@ use super::bfd::{Bin, Item};
 #[derive(Debug, Default)]
 pub(crate) struct Pool {
     by_len: BTreeMap<u32, VecDeque<Item>>,
+    /// Which lengths are present, when the row is short enough for a bitset (<= 2^24): makes the
+    /// search's "longest length <= x" a couple of word scans instead of a tree walk.
+    bits: Option<LenBits>,
     /// Arrival order: index -> length.
     arrival: BTreeMap<usize, u32>,
     len: usize,
 }
 
+/// Two-level bitset over lengths `0..=cap`.
+#[derive(Debug)]
+struct LenBits {
+    words: Vec<u64>,
+    /// Bit w set iff `words[w] != 0`.
+    summary: Vec<u64>,
+}
+
+impl LenBits {
+    fn new(cap: u32) -> Self {
+        let n = (cap as usize >> 6) + 1;
+        LenBits {
+            words: vec![0; n],
+            summary: vec![0; (n >> 6) + 1],
+        }
+    }
+
+    fn set(&mut self, l: u32, on: bool) {
+        let w = l as usize >> 6;
+        if let Some(word) = self.words.get_mut(w) {
+            if on {
+                *word |= 1 << (l & 63);
+            } else {
+                *word &= !(1 << (l & 63));
+            }
+            let nonempty = *word != 0;
+            if let Some(s) = self.summary.get_mut(w >> 6) {
+                if nonempty {
+                    *s |= 1 << (w & 63);
+                } else {
+                    *s &= !(1 << (w & 63));
+                }
+            }
+        }
+    }
+
+    /// Highest set bit `<= x` in `v` (a slice of words), searching word `i = x >> 6` down.
+    fn highest_le(v: &[u64], x: usize) -> Option<usize> {
+        let mut i = (x >> 6).min(v.len().checked_sub(1)?);
+        let mut mask = if i == x >> 6 {
+            u64::MAX >> (63 - (x & 63))
+        } else {
+            u64::MAX
+        };
+        loop {
+            let m = v.get(i)? & mask;
+            if m != 0 {
+                return Some((i << 6) + 63 - m.leading_zeros() as usize);
+            }
+            i = i.checked_sub(1)?;
+            mask = u64::MAX;
+        }
+    }
+
+    /// Highest present length `<= x`.
+    fn pred(&self, x: u32) -> Option<u32> {
+        let x = (x as usize).min((self.words.len() << 6) - 1);
+        let w = x >> 6;
+        let in_word = self.words.get(w)? & (u64::MAX >> (63 - (x & 63)));
+        if in_word != 0 {
+            return Some(((w << 6) + 63 - in_word.leading_zeros() as usize) as u32);
+        }
+        let w2 = Self::highest_le(&self.summary, w.checked_sub(1)?)?;
+        let m = *self.words.get(w2)?;
+        (m != 0).then(|| ((w2 << 6) + 63 - m.leading_zeros() as usize) as u32)
+    }
+}
+
 impl Pool {
+    pub(crate) fn new(cap: u32) -> Self {
+        Pool {
+            bits: (cap <= 1 << 24).then(|| LenBits::new(cap)),
+            ..Pool::default()
+        }
+    }
+
     pub(crate) fn len(&self) -> usize {
         self.len
     }
 
     pub(crate) fn insert(&mut self, it: Item) {
-        self.by_len.entry(it.len).or_default().push_back(it);
+        let q = self.by_len.entry(it.len).or_default();
+        q.push_back(it);
+        if q.len() == 1
+            && let Some(b) = &mut self.bits
+        {
+            b.set(it.len, true);
+        }
         self.arrival.insert(it.index, it.len);
         self.len += 1;
     }
@@ -44,6 +128,9 @@ impl Pool {
         let it = q.pop_front();
         if q.is_empty() {
             self.by_len.remove(&l);
+            if let Some(b) = &mut self.bits {
+                b.set(l, false);
+            }
         }
         if let Some(it) = &it {
             self.arrival.remove(&it.index);
@@ -63,8 +150,12 @@ impl Pool {
             if x < floor {
                 return None;
             }
-            let (&l, q) = self.by_len.range(floor..=x).next_back()?;
-            if q.len() > chosen.iter().filter(|&&c| c == l).count() {
+            let l = match &self.bits {
+                Some(b) => b.pred(x).filter(|&l| l >= floor)?,
+                None => *self.by_len.range(floor..=x).next_back()?.0,
+            };
+            let used = chosen.iter().filter(|&&c| c == l).count();
+            if used == 0 || self.count(l) > used {
                 return Some(l);
             }
             x = l.checked_sub(1)?;
@@ -191,5 +282,35 @@ impl Pool {
         }
         debug_assert!(best.iter().all(|&l| self.count(l) > 0));
         (best_gap, best)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LenBits;
+
+    /// The two-level bitset's predecessor against a linear scan, over random sets and caps.
+    #[test]
+    fn len_bits_pred_matches_scan() {
+        let mut state = 12345u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for cap in [1u32, 63, 64, 65, 4095, 4096, 70_000] {
+            let mut b = LenBits::new(cap);
+            let mut present = vec![false; cap as usize + 1];
+            for _ in 0..400 {
+                let l = (next() % (cap as u64 + 1)) as u32;
+                let on = next() % 3 != 0;
+                b.set(l, on);
+                present[l as usize] = on;
+                let x = (next() % (cap as u64 + 70)) as u32;
+                let want = (0..=x.min(cap)).rev().find(|&i| present[i as usize]);
+                assert_eq!(b.pred(x), want, "cap {cap} x {x}");
+            }
+        }
     }
 }
