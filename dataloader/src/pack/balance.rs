@@ -4,12 +4,28 @@
 //! Objective: `F = sum_p (v_p / mean_v)^2 + (a_p / mean_a)^2` over packs (vision and audio loads,
 //! each normalized by its mean so the two modalities weigh alike; an absent modality drops out).
 //! With the totals fixed, lower `F` means lower variance. Each round sorts packs by one modality's
-//! load and pairs the k-th heaviest with the k-th lightest; for each pair it tries every move of one
-//! sample, every 1-for-1 swap and every 2-for-1 / 1-for-2 swap and applies the best one that lowers
-//! `F` and raises neither pack's max load in either modality (so the global max never grows).
-//! Cost per round: O(P log P) for the sort plus O(k^3) per pair, k = samples per pack (~5).
+//! load and pairs the k-th heaviest with the k-th lightest (then the next few lightest, until one
+//! exchange applies); for each pair it tries every exchange of up to two samples each way (moves
+//! included) and applies the best one that keeps both packs within capacity, lowers `F` and raises
+//! neither pack's max load in either modality (so the global max never grows).
+//! Cost per round: O(P log P) for the sort plus O(k^4) per pair, k = samples per pack (~5).
 
 use super::bfd::{Bin, Item};
+
+/// Light packs tried for each heavy one.
+const PARTNERS: usize = 4;
+
+/// Two-sample subsets are tried only in packs of at most this many samples.
+const PAIRS_UP_TO: usize = 16;
+
+/// Up to two samples of one pack (positions), with their summed length and loads.
+#[derive(Clone, Copy, Debug, Default)]
+struct Subset {
+    idx: [Option<usize>; 2],
+    len: u32,
+    vision: f64,
+    audio: f64,
+}
 
 /// Candidate exchange: samples at these positions of P go to Q and vice versa.
 #[derive(Clone, Copy, Debug, Default)]
@@ -50,11 +66,17 @@ pub(crate) fn balance(bins: &mut [Bin], cap: u32, rounds: usize) {
             let load = |b: &Bin| if vision { b.vision } else { b.audio };
             order.sort_by(|&i, &j| load(&bins[j]).total_cmp(&load(&bins[i])).then(i.cmp(&j)));
             for k in 0..n / 2 {
-                let (p, q) = (order[k], order[n - 1 - k]);
-                if load(&bins[p]) <= load(&bins[q]) {
-                    break;
+                // The k-th heaviest against the k-th lightest, then a few of the next lightest.
+                for j in 0..PARTNERS.min(n / 2 - k) {
+                    let (p, q) = (order[k], order[n - 1 - k - j]);
+                    if load(&bins[p]) <= load(&bins[q]) {
+                        break;
+                    }
+                    if improve_pair(bins, p, q, cap, wv, wa) {
+                        improved = true;
+                        break;
+                    }
                 }
-                improved |= improve_pair(bins, p, q, cap, wv, wa);
             }
         }
         if !improved {
@@ -72,68 +94,73 @@ fn improve_pair(bins: &mut [Bin], p: usize, q: usize, cap: u32, wv: f64, wa: f64
     let eps = 1e-9 * f0.max(f64::MIN_POSITIVE);
     let max_v = bp.vision.max(bq.vision) * (1.0 + 1e-12);
     let max_a = bp.audio.max(bq.audio) * (1.0 + 1e-12);
-    let mut best: Option<(f64, Exchange)> = None;
-    let mut consider = |ex: Exchange| {
-        let sum = |b: &Bin, idx: &[Option<usize>; 2]| {
-            idx.iter()
-                .flatten()
-                .filter_map(|&i| b.items.get(i))
-                .fold((0u32, 0.0, 0.0), |(l, v, a), it| {
-                    (l + it.len, v + it.vision, a + it.audio)
-                })
-        };
-        let (lp, vp, ap) = sum(bp, &ex.from_p);
-        let (lq, vq, aq) = sum(bq, &ex.from_q);
-        let tp = bp.tokens - lp + lq;
-        let tq = bq.tokens - lq + lp;
-        let moved_all = ex.from_p.iter().flatten().count() == bp.items.len();
-        if tp > cap || tq > cap || moved_all {
-            return;
-        }
-        let (nvp, nap) = (bp.vision - vp + vq, bp.audio - ap + aq);
-        let (nvq, naq) = (bq.vision - vq + vp, bq.audio - aq + ap);
-        if nvp.max(nvq) > max_v || nap.max(naq) > max_a {
-            return;
-        }
-        let delta = f(nvp, nap) + f(nvq, naq) - f0;
-        if delta < -eps && best.as_ref().is_none_or(|(d, _)| delta < *d) {
-            best = Some((delta, ex));
-        }
-    };
-    let (np, nq) = (bp.items.len(), bq.items.len());
-    for x in 0..np {
-        // Move x from P to Q.
-        consider(Exchange {
-            from_p: [Some(x), None],
-            from_q: [None, None],
-        });
-        for y in 0..nq {
-            consider(Exchange {
-                from_p: [Some(x), None],
-                from_q: [Some(y), None],
+    // Every subset of size <= 2 of each pack (the empty one included: a plain move), with its
+    // length and loads; Q's sorted by length so that only the exchanges that fit both packs,
+    // `lq` in `[lp - room_q, lp + room_p]`, are visited: a narrow window when packs are full.
+    let subsets = |b: &Bin| {
+        let k = b.items.len();
+        let mut v: Vec<Subset> = vec![Subset::default()];
+        for (x, ix) in b.items.iter().enumerate() {
+            v.push(Subset {
+                idx: [Some(x), None],
+                len: ix.len,
+                vision: ix.vision,
+                audio: ix.audio,
             });
-            for y2 in y + 1..nq {
-                consider(Exchange {
-                    from_p: [Some(x), None],
-                    from_q: [Some(y), Some(y2)],
+            for (x2, ix2) in b
+                .items
+                .iter()
+                .enumerate()
+                .skip(x + 1)
+                .take_while(|_| k <= PAIRS_UP_TO)
+            {
+                v.push(Subset {
+                    idx: [Some(x), Some(x2)],
+                    len: ix.len + ix2.len,
+                    vision: ix.vision + ix2.vision,
+                    audio: ix.audio + ix2.audio,
                 });
             }
         }
-        for x2 in x + 1..np {
-            for y in 0..nq {
-                consider(Exchange {
-                    from_p: [Some(x), Some(x2)],
-                    from_q: [Some(y), None],
-                });
+        v
+    };
+    let sp = subsets(bp);
+    let mut sq = subsets(bq);
+    sq.sort_by_key(|s| s.len);
+    let (room_p, room_q) = (cap.saturating_sub(bp.tokens), cap.saturating_sub(bq.tokens));
+    let mut best: Option<(f64, Exchange)> = None;
+    for a in &sp {
+        // Moving every sample out of P would leave an empty pack.
+        let moved = a.idx.iter().flatten().count();
+        let lo = a.len.saturating_sub(room_q);
+        let hi = a.len.saturating_add(room_p);
+        let start = sq.partition_point(|s| s.len < lo);
+        for b in sq[start..].iter().take_while(|s| s.len <= hi) {
+            if (moved == 0 && b.idx[0].is_none()) || moved == bp.items.len() {
+                continue;
+            }
+            let (nvp, nap) = (
+                bp.vision - a.vision + b.vision,
+                bp.audio - a.audio + b.audio,
+            );
+            let (nvq, naq) = (
+                bq.vision - b.vision + a.vision,
+                bq.audio - b.audio + a.audio,
+            );
+            if nvp.max(nvq) > max_v || nap.max(naq) > max_a {
+                continue;
+            }
+            let delta = f(nvp, nap) + f(nvq, naq) - f0;
+            if delta < -eps && best.as_ref().is_none_or(|(d, _)| delta < *d) {
+                best = Some((
+                    delta,
+                    Exchange {
+                        from_p: a.idx,
+                        from_q: b.idx,
+                    },
+                ));
             }
         }
-    }
-    for y in 0..nq {
-        // Move y from Q to P (helps when the light pack holds a sample that is heavy in the other modality).
-        consider(Exchange {
-            from_p: [None, None],
-            from_q: [Some(y), None],
-        });
     }
     let Some((_, ex)) = best else {
         return false;

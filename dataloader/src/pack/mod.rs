@@ -72,7 +72,7 @@ impl Default for PackConfig {
             max_seq_len: 4096,
             on_overflow: OnOverflow::Truncate,
             window: 10_000,
-            search_budget: 64,
+            search_budget: 256,
             balance: true,
             balance_rounds: 4,
             cost: CostModelConfig::default(),
