@@ -1,3 +1,5 @@
 //! braid-dataloader: readers, media decoding, tokenization, per-sample cost metadata, packing, Parquet shards, the resumable loader.
 
+pub mod cost;
+pub mod pack;
 pub mod tokenize;
