@@ -11,9 +11,13 @@
 //!
 //! Corrupt-input policy (a choice, made here once): a container or codec error anywhere in the
 //! stream rejects the clip with the reason, rather than keeping the decodable prefix. A corrupt
-//! packet usually means audible garbage, and a truncated file whose header declares more frames
-//! than decode is rejected as `Truncated`: training data is better without a silently cut clip.
-//! A stream with no declared length that ends cleanly is accepted as it is.
+//! packet usually means audible garbage, and a truncated file (its header declares more frames
+//! than decode, or the data ends inside a packet) is rejected as `Truncated`: training data is
+//! better without a silently cut clip. Exceptions, by necessity: a stream with no declared length
+//! that ends on a packet boundary is indistinguishable from a short one and is accepted, and an
+//! MP3 whose length is only estimated (no Xing/VBRI tag) is held to 90% of the estimate.
+//! A panic inside symphonia (it documents that malformed streams may panic) is caught and
+//! reported as `Corrupt`; the default panic hook still prints it to stderr.
 
 use std::collections::HashMap;
 use std::io::Cursor;
@@ -150,12 +154,8 @@ pub enum AudioError {
     Unsupported { name: String, reason: String },
     #[error("{name}: corrupt audio: {reason}")]
     Corrupt { name: String, reason: String },
-    #[error("{name}: truncated: the header declares {declared} frames, only {decoded} decode")]
-    Truncated {
-        name: String,
-        declared: u64,
-        decoded: u64,
-    },
+    #[error("{name}: truncated: {detail}")]
+    Truncated { name: String, detail: String },
     #[error("{name}: {what} {value} is out of range ({range})")]
     BadFormat {
         name: String,
@@ -381,6 +381,13 @@ fn decode_mono(bytes: &[u8], name: &str, cfg: &AudioConfig) -> Result<Decoded, A
                 name: name.into(),
                 reason: sym_reason(&e),
             },
+            // Some readers scan to the end at open time (OGG looks for the last granule).
+            SymError::IoError(ref io) if io.kind() == std::io::ErrorKind::UnexpectedEof => {
+                AudioError::Truncated {
+                    name: name.into(),
+                    detail: "the stream ends while its header or index is read".into(),
+                }
+            }
             _ => corrupt(format!("while reading the header: {}", sym_reason(&e))),
         })?;
 
@@ -439,7 +446,7 @@ fn decode_mono(bytes: &[u8], name: &str, cfg: &AudioConfig) -> Result<Decoded, A
 
     // ---- decode, downmixing to mono as we go ----
     let mut mono: Vec<f32> = Vec::new(); // (frames,)
-    let mut scratch: Vec<f32> = Vec::new(); // (frames_in_packet, C) interleaved
+    let mut planes: Vec<Vec<f32>> = Vec::new(); // (C, frames_in_packet)
     let mut rate: Option<u32> = None;
     let mut channels = 0usize;
     let mut budget = u64::MAX; // source frames allowed, known once the rate is
@@ -452,14 +459,11 @@ fn decode_mono(bytes: &[u8], name: &str, cfg: &AudioConfig) -> Result<Decoded, A
             Ok(None) => break,
             Err(SymError::IoError(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
                 // The stream ended inside a packet or a chunk header: cut short.
-                if decoded_frames == 0 {
-                    return Err(corrupt(format!("no complete packet before the end: {e}")));
-                }
-                let declared = declared_frames.unwrap_or(decoded_frames + 1);
                 return Err(AudioError::Truncated {
                     name: name.into(),
-                    declared: declared.max(decoded_frames + 1),
-                    decoded: decoded_frames,
+                    detail: format!(
+                        "the stream ends inside packet {packet_no} ({decoded_frames} frames decoded before it): {e}"
+                    ),
                 });
             }
             Err(SymError::ResetRequired) => {
@@ -506,7 +510,8 @@ fn decode_mono(bytes: &[u8], name: &str, cfg: &AudioConfig) -> Result<Decoded, A
         if frames == 0 {
             continue;
         }
-        buf.copy_to_vec_interleaved(&mut scratch);
+        // Planar copy (symphonia's native layout), converted to f32 in [-1, 1].
+        buf.copy_to_vecs_planar(&mut planes);
         // Keep only what the budget allows (Truncate), or stop at the first frame over (Reject).
         let room = budget.saturating_sub(decoded_frames);
         let take = (frames as u64).min(room) as usize;
@@ -521,20 +526,25 @@ fn decode_mono(bytes: &[u8], name: &str, cfg: &AudioConfig) -> Result<Decoded, A
             }
             truncated_to_budget = true;
         }
-        downmix_into(&scratch, c, take, &mut mono);
+        downmix_into(&planes, take, &mut mono);
         decoded_frames += take as u64;
         if truncated_to_budget {
             break;
         }
     }
 
-    let rate = match rate {
-        Some(r) => r,
-        None => return Err(AudioError::NoSamples { name: name.into() }),
-    };
     if mono.is_empty() {
-        return Err(AudioError::NoSamples { name: name.into() });
+        return Err(match declared_frames {
+            Some(d) if d > 0 => AudioError::Truncated {
+                name: name.into(),
+                detail: format!("the header declares {d} frames, none decode"),
+            },
+            _ => AudioError::NoSamples { name: name.into() },
+        });
     }
+    let Some(rate) = rate else {
+        return Err(AudioError::NoSamples { name: name.into() });
+    };
     // A header that declares more frames than decode means the data was cut. WAV, FLAC and
     // Vorbis declare the exact count; an MP3 without a Xing/VBRI tag gets an estimate from the
     // first 16 frames and the file size (trailing tags count), so it is only held to 90%.
@@ -544,8 +554,9 @@ fn decode_mono(bytes: &[u8], name: &str, cfg: &AudioConfig) -> Result<Decoded, A
         if decoded_frames + slack < declared {
             return Err(AudioError::Truncated {
                 name: name.into(),
-                declared,
-                decoded: decoded_frames,
+                detail: format!(
+                    "the header declares {declared} frames, only {decoded_frames} decode"
+                ),
             });
         }
     }
@@ -555,19 +566,28 @@ fn decode_mono(bytes: &[u8], name: &str, cfg: &AudioConfig) -> Result<Decoded, A
     Ok(Decoded { mono, rate })
 }
 
-/// Mean of the channels of the first `frames` frames of `interleaved` (frames, C), appended.
-fn downmix_into(interleaved: &[f32], c: usize, frames: usize, out: &mut Vec<f32>) {
-    if c == 1 {
-        out.extend_from_slice(&interleaved[..frames.min(interleaved.len())]);
+/// Appends the mean of the channels' first `frames` samples: plane 0 copied, the others
+/// added in order (contiguous loops the compiler vectorises), then one scale.
+fn downmix_into(planes: &[Vec<f32>], frames: usize, out: &mut Vec<f32>) {
+    let start = out.len();
+    let Some((first, rest)) = planes.split_first() else {
+        return;
+    };
+    let frames = planes.iter().map(|p| p.len()).fold(frames, usize::min);
+    out.extend_from_slice(&first[..frames]);
+    if rest.is_empty() {
         return;
     }
-    let inv = 1.0 / c as f32;
-    out.extend(
-        interleaved
-            .chunks_exact(c)
-            .take(frames)
-            .map(|f| f.iter().sum::<f32>() * inv),
-    );
+    let dst = &mut out[start..];
+    for p in rest {
+        for (d, &v) in dst.iter_mut().zip(&p[..frames]) {
+            *d += v;
+        }
+    }
+    let inv = 1.0 / planes.len() as f32;
+    for d in dst.iter_mut() {
+        *d *= inv;
+    }
 }
 
 fn check_rate(rate: u32, name: &str) -> Result<(), AudioError> {

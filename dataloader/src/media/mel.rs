@@ -168,7 +168,9 @@ impl MelExtractor {
             for (m, band) in self.bands.iter().enumerate() {
                 let bins = &self.power[band.start..band.start + band.weights.len()];
                 let e: f32 = bins.iter().zip(&band.weights).map(|(p, w)| p * w).sum();
-                let v = e.max(MEL_FLOOR).log10();
+                // log10 as ln * log10(e): glibc's logf is ~2x faster than its log10f, and the
+                // two agree to an ulp or two (far below the reference tolerance).
+                let v = e.max(MEL_FLOOR).ln() * std::f32::consts::LOG10_E;
                 max = max.max(v);
                 out[m * frames + t] = v;
             }
