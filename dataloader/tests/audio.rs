@@ -513,6 +513,34 @@ fn absurd_rates_and_channel_counts_are_rejected() {
 }
 
 #[test]
+fn extreme_but_accepted_rates_resample() {
+    // The ends of SOURCE_RATE_RANGE, and rates with no useful common factor with 16 kHz
+    // (the sinc path at ratios 16 and 1/48): 0.25 s each.
+    let mut dec = AudioDecoder::new(cfg()).unwrap();
+    for rate in [1_000u32, 1_001, 7_919, 767_999, 768_000] {
+        let n = rate as usize / 4;
+        let x = sine(rate as f64 / 10.0, rate, n, 0.5);
+        let got = dec
+            .decode(&wav(Fmt::F32, rate, 1, &x), "edge.wav")
+            .unwrap_or_else(|e| panic!("{rate}: {e}"));
+        let want = (n as u64 * 16_000).div_ceil(rate as u64) as i64;
+        assert!(
+            (got.len() as i64 - want).abs() <= 1,
+            "{rate}: {} vs {want}",
+            got.len()
+        );
+        assert!(got.iter().all(|v| v.is_finite() && v.abs() < 1.0), "{rate}");
+    }
+}
+
+#[test]
+fn decoders_move_to_worker_threads() {
+    fn send<T: Send>() {}
+    send::<AudioDecoder>();
+    send::<MelExtractor>();
+}
+
+#[test]
 fn config_is_strict_and_validated() {
     let c: AudioConfig = serde_json::from_str(r#"{"n_mels": 128, "on_long": "truncate"}"#).unwrap();
     assert_eq!(c.n_mels, 128);
