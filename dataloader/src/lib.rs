@@ -1,5 +1,6 @@
 //! braid-dataloader: readers, media decoding, tokenization, per-sample cost metadata, packing, Parquet shards, the resumable loader.
 
 pub mod cost;
+pub mod media;
 pub mod pack;
 pub mod tokenize;
