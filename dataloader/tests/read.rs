@@ -1,6 +1,8 @@
 //! Input readers: each format on a small mixed corpus built here, every bad case a reject with a
 //! reason, every good sample through.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -508,7 +510,8 @@ fn parquet_caption_layout_written_by_the_crate() {
         Field::new("path", DataType::Utf8, true),
     ]);
     let mut image = StructBuilder::from_fields(media_fields.clone(), 8);
-    let rows: [(Option<&[u8]>, Option<&str>, bool); 7] = [
+    type Row<'a> = (Option<&'a [u8]>, Option<&'a str>, bool); // (bytes, path, struct valid)
+    let rows: [Row; 7] = [
         (Some(b"inline-0"), Some("orig.png"), true), // 0: inline, path is a name
         (None, Some("side.png"), true),              // 1: path only, inside the folder
         (None, Some("../secret.png"), true),         // 2: escaping
@@ -596,10 +599,14 @@ fn parquet_caption_layout_written_by_the_crate() {
         open(&path, &wrong).err().unwrap(),
         ReadError::Config(_)
     ));
+    // Not Parquet at all: a reject, like a garbage tar shard.
     fs::write(ds.join("junk.parquet"), b"PAR1 not really").unwrap();
+    let (good, bad) = read_all(&ds.join("junk.parquet"), &cfg);
+    assert!(good.is_empty());
+    expect_reject(&bad, "junk.parquet", "not a readable Parquet file");
     assert!(matches!(
-        open(&ds.join("junk.parquet"), &cfg).err().unwrap(),
-        ReadError::Invalid { .. }
+        open(&ds.join("absent.parquet"), &cfg).err().unwrap(),
+        ReadError::Open { .. }
     ));
 }
 
@@ -676,4 +683,78 @@ fn parquet_written_by_hf_datasets_chat() {
 fn reject_display_names_source_and_id() {
     let r = Reject::new(Some("x1".into()), "a.jsonl:3", "missing file");
     assert_eq!(r.to_string(), "a.jsonl:3 (id \"x1\"): missing file");
+}
+
+/// Every truncation and some corruptions of an HF file: rejects or a fatal `ReadError`, never a panic.
+#[test]
+fn parquet_truncations_and_corruptions_never_panic() {
+    let tmp = tempfile::tempdir().unwrap();
+    let full = fs::read(fixture("hf_chat.parquet")).unwrap();
+    let mut cfg = ReadConfig::new(Format::Parquet);
+    cfg.parquet = ParquetColumns {
+        messages: Some("messages".into()),
+        image: Some("images".into()),
+        ..ParquetColumns::default()
+    };
+    let path = tmp.path().join("x.parquet");
+    let mut outcomes = [0usize; 3]; // fatal (none expected), some rejects, clean
+    for cut in (0..full.len()).step_by(61) {
+        for mode in 0..3 {
+            let mut bytes = full.clone();
+            match mode {
+                0 => bytes.truncate(cut),
+                // Corrupt the data pages, keep the footer readable.
+                1 => bytes
+                    .iter_mut()
+                    .skip(4 + cut % 1000)
+                    .take(40)
+                    .for_each(|x| *x ^= 0x5a),
+                // Corrupt the footer (Thrift metadata), keep its length and magic.
+                _ => {
+                    let at = full.len() - 8 - 1 - (cut % 600);
+                    bytes[at] ^= 0x5a;
+                    bytes[at.saturating_sub(17)] = bytes[at.saturating_sub(17)].wrapping_add(1);
+                }
+            }
+            fs::write(&path, &bytes).unwrap();
+            match open(&path, &cfg) {
+                Err(_) => outcomes[0] += 1,
+                Ok(it) => {
+                    let items: Vec<_> = it.collect();
+                    assert!(items.len() <= 3, "{items:?}");
+                    outcomes[if items.iter().any(|i| i.is_err()) {
+                        1
+                    } else {
+                        2
+                    }] += 1;
+                }
+            }
+        }
+    }
+    assert!(outcomes[0] == 0 && outcomes[1] > 0, "{outcomes:?}");
+}
+
+#[test]
+fn llava_element_limit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let el = |id: &str, n: usize| {
+        format!(
+            r#"{{"id": "{id}", "conversations": [{{"from": "human", "value": "{}"}}]}}"#,
+            "y".repeat(n)
+        )
+    };
+    let path = tmp.path().join("l.json");
+    fs::write(
+        &path,
+        format!("[{}, {}, {}]", el("a", 10), el("big", 5000), el("c", 10)),
+    )
+    .unwrap();
+    let mut cfg = ReadConfig::new(Format::Llava);
+    cfg.limits = Limits {
+        max_record_bytes: 1000,
+        ..Limits::default()
+    };
+    let (good, bad) = read_all(&path, &cfg);
+    assert_eq!(ids(&good), ["a", "c"]);
+    expect_reject(&bad, "l.json[1]", "longer than 1000 bytes");
 }

@@ -11,7 +11,9 @@
 //!
 //! Memory: only the mapped columns are decoded (a projection), `batch_rows` rows at a time,
 //! row group after row group; the reader holds one page per column plus one batch. Files are
-//! checked (footer, columns, types) by `open` and reopened one at a time while iterating.
+//! checked (footer, columns, types) by `open` and reopened one at a time while iterating. A
+//! column mapping that does not fit a file is a fatal `ReadError::Config`; a file that is not
+//! Parquet, or whose pages are corrupt, is a reject (the rest of that file is skipped).
 //! pyarrow writes snappy by default, hence the `snap` feature next to `zstd`.
 
 use std::collections::VecDeque;
@@ -146,10 +148,16 @@ fn open_file(
     let mut roots = Vec::new();
     for (key, name) in cols.mapped() {
         let (i, field) = schema.column_with_name(name).ok_or_else(|| {
-            ReadError::invalid(path, format!("no column {name:?} (mapped as `{key}`)"))
+            ReadError::Config(format!(
+                "{}: no column {name:?} (mapped as `{key}`)",
+                path.display()
+            ))
         })?;
         check_type(key, field.data_type()).map_err(|why| {
-            ReadError::invalid(path, format!("column {name:?} (mapped as `{key}`) {why}"))
+            ReadError::Config(format!(
+                "{}: column {name:?} (mapped as `{key}`) {why}",
+                path.display()
+            ))
         })?;
         roots.push(i);
     }
@@ -169,8 +177,13 @@ pub(crate) fn open(
     cols.validate()?;
     // Every file's footer and mapping is checked now; each is reopened when its turn comes,
     // so a folder of many files holds one open reader.
+    // A file that is not Parquet at all is a reject when its turn comes, like a garbage tar
+    // shard; a mapping that does not fit a file (`Config`) and an unopenable path are fatal.
     for f in &files {
-        open_file(f, cols, batch_rows)?;
+        match open_file(f, cols, batch_rows) {
+            Ok(_) | Err(ReadError::Invalid { .. }) => {}
+            Err(e) => return Err(e),
+        }
     }
     let cols = cols.clone();
     Ok(Box::new(files.into_iter().flat_map(

@@ -147,8 +147,7 @@ fn read_shard(
     };
     let mut seen: HashSet<String> = HashSet::new();
     let mut group: Option<Group> = None;
-    let mut members = 0usize;
-    for entry in entries {
+    for (members, entry) in entries.enumerate() {
         let mut entry = match entry {
             Ok(e) => e,
             Err(e) => {
@@ -167,7 +166,6 @@ fn read_shard(
                 return send(Err(Reject::new(None, name, why)));
             }
         };
-        members += 1;
         let entry_type = entry.header().entry_type();
         if entry_type.is_dir() {
             continue;
