@@ -3,4 +3,5 @@
 pub mod cost;
 pub mod media;
 pub mod pack;
+pub mod read;
 pub mod tokenize;

@@ -1,0 +1,342 @@
+//! JSONL chat manifests (one record a line), and the chat-`messages` conversion that WebDataset
+//! `.json` members and Parquet `messages` columns share.
+//!
+//! Memory: one line at a time, capped at `Limits::max_record_bytes`; a longer line is skipped
+//! to its newline without being held and becomes a reject.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io::{self, BufRead, BufReader};
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+use super::paths::DatasetRoot;
+use super::sample::{Media, MediaBytes, RawMessage, RawPart, RawSample, Reject, Role};
+use super::{ReadError, SampleIter};
+
+/// Where `{"type": "image"|"audio"}` parts get their media from.
+pub(crate) enum MediaSource<'a> {
+    /// `{"type": "image", "path": "rel/path.png"}`, resolved inside the root (JSONL).
+    Paths(&'a DatasetRoot),
+    /// The record's media in order (tar members, Parquet media columns): each part takes the
+    /// next item of its kind; a `path` field, if any, is only a name.
+    Queue {
+        images: VecDeque<Media>,
+        audios: VecDeque<Media>,
+    },
+}
+
+impl MediaSource<'_> {
+    fn take(&mut self, image: bool, part: &Map<String, Value>, at: &str) -> Result<Media, String> {
+        let kind = if image { "image" } else { "audio" };
+        match self {
+            MediaSource::Paths(root) => {
+                let rel = match part.get("path") {
+                    Some(Value::String(s)) => s,
+                    Some(Value::Null) | None => {
+                        return Err(format!("{at}: {kind} part without a \"path\""));
+                    }
+                    Some(other) => {
+                        return Err(format!(
+                            "{at}: \"path\" must be a string, got {}",
+                            kind_of(other)
+                        ));
+                    }
+                };
+                let path = root.resolve(rel).map_err(|why| format!("{at}: {why}"))?;
+                Ok(Media {
+                    bytes: MediaBytes::Path(path),
+                    name: rel.clone(),
+                })
+            }
+            MediaSource::Queue { images, audios } => {
+                let queue = if image { images } else { audios };
+                queue.pop_front().ok_or_else(|| {
+                    format!("{at}: {kind} part (placeholder) without an {kind} to fill it")
+                })
+            }
+        }
+    }
+
+    /// After all parts: every queued media item must have been placed.
+    fn finish(self) -> Result<(), String> {
+        if let MediaSource::Queue { images, audios } = self {
+            if !images.is_empty() {
+                return Err(format!(
+                    "{} image(s) without a placeholder ({{\"type\": \"image\"}} part)",
+                    images.len()
+                ));
+            }
+            if !audios.is_empty() {
+                return Err(format!(
+                    "{} audio clip(s) without a placeholder ({{\"type\": \"audio\"}} part)",
+                    audios.len()
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn kind_of(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// The record's `id`: a string, or an integer written in decimal. `Ok(None)` when absent.
+pub(crate) fn record_id(record: &Map<String, Value>) -> Result<Option<String>, String> {
+    match record.get("id") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(Value::Number(n)) if n.is_i64() || n.is_u64() => Ok(Some(n.to_string())),
+        Some(other) => Err(format!(
+            "\"id\" must be a string or an integer, got {}",
+            kind_of(other)
+        )),
+    }
+}
+
+/// Converts a chat `messages` list: `[{"role", "content": "text" | [{"type": "text", "text"} |
+/// {"type": "image"|"audio", ...}]}]`. Null-valued keys count as absent and unknown keys are
+/// ignored, because Parquet structs carry every field of the union on every part.
+pub(crate) fn messages_from_json(
+    messages: &Value,
+    mut media: MediaSource<'_>,
+) -> Result<Vec<RawMessage>, String> {
+    let list = match messages {
+        Value::Array(list) => list,
+        other => {
+            return Err(format!(
+                "\"messages\" must be an array, got {}",
+                kind_of(other)
+            ));
+        }
+    };
+    if list.is_empty() {
+        return Err("\"messages\" is empty".into());
+    }
+    let mut out = Vec::with_capacity(list.len());
+    for (i, m) in list.iter().enumerate() {
+        let at = format!("messages[{i}]");
+        let Value::Object(m) = m else {
+            return Err(format!("{at} must be an object, got {}", kind_of(m)));
+        };
+        let role = match m.get("role") {
+            Some(Value::String(r)) => Role::from_chat(r).ok_or_else(|| {
+                format!(
+                    "{at}.role: unknown role {r:?} (expected \"user\", \"assistant\" or \"system\")"
+                )
+            })?,
+            None | Some(Value::Null) => return Err(format!("{at} has no \"role\"")),
+            Some(other) => {
+                return Err(format!(
+                    "{at}.role must be a string, got {}",
+                    kind_of(other)
+                ));
+            }
+        };
+        let parts = match m.get("content") {
+            Some(Value::String(s)) => vec![RawPart::Text(s.clone())],
+            Some(Value::Array(items)) => {
+                let mut parts = Vec::with_capacity(items.len());
+                for (j, p) in items.iter().enumerate() {
+                    let at = format!("{at}.content[{j}]");
+                    let Value::Object(p) = p else {
+                        return Err(format!("{at} must be an object, got {}", kind_of(p)));
+                    };
+                    let part = match p.get("type") {
+                        Some(Value::String(t)) if t == "text" => match p.get("text") {
+                            Some(Value::String(s)) => RawPart::Text(s.clone()),
+                            None | Some(Value::Null) => {
+                                return Err(format!("{at}: text part without \"text\""));
+                            }
+                            Some(other) => {
+                                return Err(format!(
+                                    "{at}.text must be a string, got {}",
+                                    kind_of(other)
+                                ));
+                            }
+                        },
+                        Some(Value::String(t)) if t == "image" => {
+                            RawPart::Image(media.take(true, p, &at)?)
+                        }
+                        Some(Value::String(t)) if t == "audio" => {
+                            RawPart::Audio(media.take(false, p, &at)?)
+                        }
+                        Some(Value::String(t)) => {
+                            return Err(format!(
+                                "{at}: unknown part type {t:?} (expected \"text\", \"image\" or \"audio\")"
+                            ));
+                        }
+                        None | Some(Value::Null) => return Err(format!("{at} has no \"type\"")),
+                        Some(other) => {
+                            return Err(format!(
+                                "{at}.type must be a string, got {}",
+                                kind_of(other)
+                            ));
+                        }
+                    };
+                    parts.push(part);
+                }
+                parts
+            }
+            None | Some(Value::Null) => return Err(format!("{at} has no \"content\"")),
+            Some(other) => {
+                return Err(format!(
+                    "{at}.content must be a string or an array, got {}",
+                    kind_of(other)
+                ));
+            }
+        };
+        out.push(RawMessage { role, parts });
+    }
+    media.finish()?;
+    Ok(out)
+}
+
+/// Reads one line into `buf` (newline and a trailing `\r` removed), holding at most `max`
+/// bytes. `Ok(None)` at end of file; `Ok(Some(true))` when the line was longer than `max`
+/// (then `buf` is empty and the line was skipped).
+pub(crate) fn read_line_bounded(
+    r: &mut impl BufRead,
+    buf: &mut Vec<u8>,
+    max: usize,
+) -> io::Result<Option<bool>> {
+    buf.clear();
+    let mut too_long = false;
+    let mut any = false;
+    loop {
+        let avail = match r.fill_buf() {
+            Ok(a) => a,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if avail.is_empty() {
+            return Ok(any.then_some(too_long));
+        }
+        any = true;
+        let (chunk, used, done) = match avail.iter().position(|&b| b == b'\n') {
+            Some(i) => (&avail[..i], i + 1, true),
+            None => (avail, avail.len(), false),
+        };
+        if !too_long {
+            if buf.len() + chunk.len() > max {
+                too_long = true;
+                buf.clear();
+            } else {
+                buf.extend_from_slice(chunk);
+            }
+        }
+        r.consume(used);
+        if done {
+            if buf.last() == Some(&b'\r') {
+                buf.pop();
+            }
+            return Ok(Some(too_long));
+        }
+    }
+}
+
+/// Opens one JSONL manifest. Media paths resolve against the manifest's folder.
+pub(crate) fn open(path: &Path, max_record_bytes: usize) -> Result<SampleIter, ReadError> {
+    let file = File::open(path).map_err(|e| ReadError::open(path, e))?;
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let root = DatasetRoot::new(dir).map_err(|e| ReadError::open(dir, e))?;
+    Ok(Box::new(JsonlReader {
+        name: path.display().to_string(),
+        reader: BufReader::with_capacity(1 << 16, file),
+        root,
+        line: 0,
+        buf: Vec::new(),
+        max_record_bytes,
+        done: false,
+    }))
+}
+
+struct JsonlReader {
+    name: String,
+    reader: BufReader<File>,
+    root: DatasetRoot,
+    /// 1-based number of the last line read.
+    line: u64,
+    buf: Vec<u8>,
+    max_record_bytes: usize,
+    done: bool,
+}
+
+impl Iterator for JsonlReader {
+    type Item = Result<RawSample, Reject>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        while !self.done {
+            let read = read_line_bounded(&mut self.reader, &mut self.buf, self.max_record_bytes);
+            self.line += 1;
+            let source = format!("{}:{}", self.name, self.line);
+            match read {
+                Ok(None) => self.done = true,
+                Err(e) => {
+                    // A failing disk mid-file: report once, give up on this file only.
+                    self.done = true;
+                    return Some(Err(Reject::new(
+                        None,
+                        source,
+                        format!("read error, rest of the file skipped: {e}"),
+                    )));
+                }
+                Ok(Some(true)) => {
+                    let why = format!("line longer than {} bytes", self.max_record_bytes);
+                    return Some(Err(Reject::new(None, source, why)));
+                }
+                Ok(Some(false)) => {
+                    if self.buf.iter().all(u8::is_ascii_whitespace) {
+                        continue;
+                    }
+                    return Some(parse_record(&self.buf, source, &self.root));
+                }
+            }
+        }
+        None
+    }
+}
+
+fn parse_record(line: &[u8], source: String, root: &DatasetRoot) -> Result<RawSample, Reject> {
+    if let Err(e) = std::str::from_utf8(line) {
+        return Err(Reject::new(
+            None,
+            source,
+            format!("invalid UTF-8 at byte {}", e.valid_up_to()),
+        ));
+    }
+    let value: Value = match serde_json::from_slice(line) {
+        Ok(v) => v,
+        Err(e) => return Err(Reject::new(None, source, format!("malformed JSON: {e}"))),
+    };
+    let Value::Object(record) = value else {
+        return Err(Reject::new(
+            None,
+            source,
+            format!("record must be a JSON object, got {}", kind_of(&value)),
+        ));
+    };
+    let id = record_id(&record).map_err(|why| Reject::new(None, source.clone(), why))?;
+    let reject = |why: String| Reject::new(id.clone(), source.clone(), why);
+    let messages = record
+        .get("messages")
+        .ok_or_else(|| reject("no \"messages\" field".into()))?;
+    let messages = messages_from_json(messages, MediaSource::Paths(root)).map_err(reject)?;
+    Ok(RawSample {
+        id: id.unwrap_or_else(|| source.clone()),
+        source,
+        messages,
+    })
+}

@@ -1,0 +1,201 @@
+//! Input readers for `braid pack`: JSONL chat manifests, LLaVA JSON, WebDataset tars and Hugging Face Parquet.
+//!
+//! Every reader is an iterator of `Result<RawSample, Reject>`: a bad record (malformed JSON,
+//! a path escaping the dataset root, a missing file, a placeholder without an image, ...) is a
+//! `Reject` with its source and reason, and the iteration goes on. Only an input that cannot be
+//! opened at all (missing file, not a JSON array, Parquet columns absent from the file) is a
+//! fatal `ReadError`, reported by `open` before any record is read. Failures in the middle of a
+//! file (a read error, a truncated tar, a corrupt Parquet page) reject the rest of that file
+//! and the reader moves on to the next one.
+//!
+//! Memory is bounded by one record, never by the input: JSONL reads a line at a time, LLaVA
+//! scans its top-level array element by element, WebDataset streams a tar member group at a
+//! time (plus the set of keys seen, to refuse split groups), Parquet decodes `batch_rows` rows
+//! of the mapped columns at a time. Each module doc states its bound.
+
+pub mod jsonl;
+pub mod llava;
+pub mod parquet;
+pub mod paths;
+pub mod sample;
+pub mod wds;
+
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+pub use self::parquet::ParquetColumns;
+pub use sample::{Media, MediaBytes, RawMessage, RawPart, RawSample, Reject, Role};
+
+/// What every reader yields.
+pub type SampleIter = Box<dyn Iterator<Item = Result<RawSample, Reject>> + Send>;
+
+/// `--format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Format {
+    Jsonl,
+    Llava,
+    Wds,
+    Parquet,
+}
+
+impl FromStr for Format {
+    type Err = ReadError;
+
+    fn from_str(s: &str) -> Result<Format, ReadError> {
+        match s {
+            "jsonl" => Ok(Format::Jsonl),
+            "llava" => Ok(Format::Llava),
+            "wds" | "webdataset" => Ok(Format::Wds),
+            "parquet" => Ok(Format::Parquet),
+            _ => Err(ReadError::Config(format!(
+                "unknown input format {s:?} (expected jsonl, llava, wds or parquet)"
+            ))),
+        }
+    }
+}
+
+/// Caps that keep one hostile record from taking the memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// A JSONL line or a LLaVA array element (bytes).
+    pub max_record_bytes: usize,
+    /// A tar member (bytes); larger members reject their sample unread.
+    pub max_member_bytes: u64,
+    /// Rows decoded at once from a Parquet file.
+    pub parquet_batch_rows: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            max_record_bytes: 16 << 20,
+            max_member_bytes: 64 << 20,
+            parquet_batch_rows: 64,
+        }
+    }
+}
+
+/// Everything `open` needs besides the input path.
+#[derive(Debug, Clone)]
+pub struct ReadConfig {
+    pub format: Format,
+    /// LLaVA only: the folder `image` paths are relative to; the JSON file's folder when `None`.
+    pub image_root: Option<PathBuf>,
+    /// Parquet only: which columns hold what.
+    pub parquet: ParquetColumns,
+    pub limits: Limits,
+}
+
+impl ReadConfig {
+    pub fn new(format: Format) -> ReadConfig {
+        ReadConfig {
+            format,
+            image_root: None,
+            parquet: ParquetColumns::default(),
+            limits: Limits::default(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error("cannot open input {path}: {source}")]
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("input {path}: {reason}")]
+    Invalid { path: PathBuf, reason: String },
+    #[error("input {path}: no {ext} files in the folder")]
+    Empty { path: PathBuf, ext: &'static str },
+    #[error("read config: {0}")]
+    Config(String),
+}
+
+impl ReadError {
+    pub(crate) fn open(path: &Path, source: std::io::Error) -> ReadError {
+        ReadError::Open {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+
+    pub(crate) fn invalid(path: &Path, reason: impl Into<String>) -> ReadError {
+        ReadError::Invalid {
+            path: path.to_path_buf(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// Opens `input` (a file, or a folder whose files with the format's extension are read in name
+/// order) and returns the record iterator. Every file is opened and checked here, so a missing
+/// or unreadable input fails before any sample is produced.
+pub fn open(input: &Path, cfg: &ReadConfig) -> Result<SampleIter, ReadError> {
+    let lim = cfg.limits;
+    if lim.max_record_bytes == 0 || lim.max_member_bytes == 0 || lim.parquet_batch_rows == 0 {
+        return Err(ReadError::Config(format!(
+            "limits must be positive: {lim:?}"
+        )));
+    }
+    match cfg.format {
+        Format::Jsonl => {
+            let files = input_files(input, "jsonl")?;
+            // Checked now, opened one at a time: a folder of many manifests holds one buffer.
+            for f in &files {
+                std::fs::File::open(f).map_err(|e| ReadError::open(f, e))?;
+            }
+            Ok(Box::new(files.into_iter().flat_map(
+                move |f| -> SampleIter {
+                    match jsonl::open(&f, lim.max_record_bytes) {
+                        Ok(records) => records,
+                        Err(e) => Box::new(std::iter::once(Err(Reject::new(
+                            None,
+                            f.display().to_string(),
+                            e.to_string(),
+                        )))),
+                    }
+                },
+            )))
+        }
+        Format::Llava => {
+            if input.is_dir() {
+                return Err(ReadError::invalid(
+                    input,
+                    "LLaVA input must be one JSON file, not a folder",
+                ));
+            }
+            llava::open(input, cfg.image_root.as_deref(), lim.max_record_bytes)
+        }
+        Format::Wds => wds::open(input_files(input, "tar")?, lim.max_member_bytes),
+        Format::Parquet => parquet::open(
+            input_files(input, "parquet")?,
+            &cfg.parquet,
+            lim.parquet_batch_rows,
+        ),
+    }
+}
+
+/// `input` itself, or the files directly inside it ending in `.ext`, sorted by name.
+fn input_files(input: &Path, ext: &'static str) -> Result<Vec<PathBuf>, ReadError> {
+    let meta = std::fs::metadata(input).map_err(|e| ReadError::open(input, e))?;
+    if !meta.is_dir() {
+        return Ok(vec![input.to_path_buf()]);
+    }
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(input).map_err(|e| ReadError::open(input, e))? {
+        let path = entry.map_err(|e| ReadError::open(input, e))?.path();
+        if path.is_file() && path.extension().is_some_and(|e| e == ext) {
+            files.push(path);
+        }
+    }
+    if files.is_empty() {
+        return Err(ReadError::Empty {
+            path: input.to_path_buf(),
+            ext,
+        });
+    }
+    files.sort();
+    Ok(files)
+}
