@@ -309,26 +309,36 @@ impl Iterator for JsonlReader {
     }
 }
 
-fn parse_record(line: &[u8], source: String, root: &DatasetRoot) -> Result<RawSample, Reject> {
-    if let Err(e) = std::str::from_utf8(line) {
-        return Err(Reject::new(
-            None,
-            source,
-            format!("invalid UTF-8 at byte {}", e.valid_up_to()),
-        ));
+/// Parses one JSON record (a JSONL line, a LLaVA array element) into its object and id.
+/// `what` names it in errors ("record", "element"); `utf8_where` follows the byte
+/// offset of an invalid UTF-8 sequence (e.g. " of the element").
+pub(crate) fn parse_object(
+    bytes: &[u8],
+    source: &str,
+    what: &str,
+    utf8_where: &str,
+) -> Result<(Map<String, Value>, Option<String>), Reject> {
+    let reject = |why: String| Reject::new(None, source.to_string(), why);
+    if let Err(e) = std::str::from_utf8(bytes) {
+        return Err(reject(format!(
+            "invalid UTF-8 at byte {}{utf8_where}",
+            e.valid_up_to()
+        )));
     }
-    let value: Value = match serde_json::from_slice(line) {
-        Ok(v) => v,
-        Err(e) => return Err(Reject::new(None, source, format!("malformed JSON: {e}"))),
-    };
+    let value: Value =
+        serde_json::from_slice(bytes).map_err(|e| reject(format!("malformed JSON: {e}")))?;
     let Value::Object(record) = value else {
-        return Err(Reject::new(
-            None,
-            source,
-            format!("record must be a JSON object, got {}", kind_of(&value)),
-        ));
+        return Err(reject(format!(
+            "{what} must be a JSON object, got {}",
+            kind_of(&value)
+        )));
     };
-    let id = record_id(&record).map_err(|why| Reject::new(None, source.clone(), why))?;
+    let id = record_id(&record).map_err(reject)?;
+    Ok((record, id))
+}
+
+fn parse_record(line: &[u8], source: String, root: &DatasetRoot) -> Result<RawSample, Reject> {
+    let (record, id) = parse_object(line, &source, "record", "")?;
     let reject = |why: String| Reject::new(id.clone(), source.clone(), why);
     let messages = record
         .get("messages")

@@ -17,7 +17,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::jsonl::{kind_of, record_id};
+use super::jsonl::{kind_of, parse_object};
 use super::paths::DatasetRoot;
 use super::sample::{Media, MediaBytes, RawMessage, RawPart, RawSample, Reject, Role};
 use super::{ReadError, SampleIter};
@@ -253,25 +253,7 @@ impl LlavaReader {
 }
 
 fn parse_element(bytes: &[u8], source: String, root: &DatasetRoot) -> Result<RawSample, Reject> {
-    if let Err(e) = std::str::from_utf8(bytes) {
-        return Err(Reject::new(
-            None,
-            source,
-            format!("invalid UTF-8 at byte {} of the element", e.valid_up_to()),
-        ));
-    }
-    let value: Value = match serde_json::from_slice(bytes) {
-        Ok(v) => v,
-        Err(e) => return Err(Reject::new(None, source, format!("malformed JSON: {e}"))),
-    };
-    let Value::Object(record) = value else {
-        return Err(Reject::new(
-            None,
-            source,
-            format!("element must be a JSON object, got {}", kind_of(&value)),
-        ));
-    };
-    let id = record_id(&record).map_err(|why| Reject::new(None, source.clone(), why))?;
+    let (record, id) = parse_object(bytes, &source, "element", " of the element")?;
     let reject = |why: String| Reject::new(id.clone(), source.clone(), why);
     if record.get("video").is_some_and(|v| !v.is_null()) {
         return Err(reject("video samples are not supported".into()));
