@@ -113,3 +113,19 @@ impl Comm for ThreadRank {
         Ok(())
     }
 }
+
+/// Runs `f` once per rank of a fresh group of `size`, each rank on its own thread, and
+/// returns the results in rank order. A rank that panics re-raises its panic here.
+pub fn run_on_ranks<T: Send>(size: usize, f: impl Fn(ThreadRank) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let f = &f;
+        let handles: Vec<_> = ThreadRank::group(size)
+            .into_iter()
+            .map(|rank| s.spawn(move || f(rank)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    })
+}

@@ -193,15 +193,7 @@ fn mlp_tp2_matches_single_rank(dev: Device) -> TestResult {
             Ok((y.to_vec_f32()?, dx.to_vec_f32()?, grads(&m)?))
         };
         let (y, dx, g) = run(single())?;
-        let results: Vec<_> = std::thread::scope(|s| {
-            let hs: Vec<_> = ThreadRank::group(2)
-                .into_iter()
-                .map(|r| s.spawn(|| run(Arc::new(r)).map_err(|e| e.to_string())))
-                .collect();
-            hs.into_iter()
-                .map(|h| h.join().expect("rank thread"))
-                .collect()
-        });
+        let results = run_on_ranks(2, |r| run(Arc::new(r)).map_err(|e| e.to_string()));
         let mut up_w = Vec::new();
         for r in results {
             let (ry, rdx, rg) = r?;

@@ -269,17 +269,7 @@ fn tp2_column_row_matches_single_rank(dev: Device) -> TestResult {
         Ok((y.to_vec_f32()?, dx.to_vec_f32()?, g))
     };
     let (y, dx, g) = run(single())?;
-    let ranks = ThreadRank::group(2);
-    let results: Vec<_> = std::thread::scope(|s| {
-        let handles: Vec<_> = ranks
-            .into_iter()
-            .map(|r| s.spawn(|| run(Arc::new(r)).map_err(|e| e.to_string())))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank thread"))
-            .collect()
-    });
+    let results = run_on_ranks(2, |r| run(Arc::new(r)).map_err(|e| e.to_string()));
     let mut fc1_w = Vec::new();
     for r in results {
         let (ry, rdx, rg) = r?;

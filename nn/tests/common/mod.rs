@@ -197,4 +197,4 @@ fn unsupported(op: &'static str) -> CommError {
     }
 }
 
-pub use braid_comm::testing::ThreadRank;
+pub use braid_comm::testing::run_on_ranks;
