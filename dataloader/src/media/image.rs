@@ -209,6 +209,24 @@ pub enum ImageError {
     Config(String),
 }
 
+impl ImageError {
+    /// Short name of the reason, for reject counts.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ImageError::Empty { .. } => "empty",
+            ImageError::TooManyBytes { .. } => "too_many_bytes",
+            ImageError::UnknownFormat { .. } => "unknown_format",
+            ImageError::UnsupportedFormat { .. } => "unsupported_format",
+            ImageError::ZeroSize { .. } => "zero_size",
+            ImageError::TooManyPixels { .. } => "too_many_pixels",
+            ImageError::Decode { .. } => "corrupt",
+            ImageError::Truncated { .. } => "truncated",
+            ImageError::Resize { .. } => "resize",
+            ImageError::Config(_) => "config",
+        }
+    }
+}
+
 /// The formats we decode; anything else `image::guess_format` recognises is rejected by name.
 fn accepted_format(f: ImageFormat) -> Option<&'static str> {
     match f {
@@ -355,6 +373,54 @@ pub fn decode_image(bytes: &[u8], name: &str, cfg: &ImageConfig) -> Result<Pixel
     let img =
         DynamicImage::from_decoder(decoder).map_err(|source| decode_err(name, format, source))?;
     preprocess_rgb8(to_rgb8(img), w, h, name, cfg)
+}
+
+/// Decodes and resizes (+ crops) like [`decode_image`] but stops before normalizing: packed RGB8
+/// (size, size, 3). `braid pack` stores this, so the loader only normalizes ([`normalize_rgb8`]).
+pub fn decode_resized_rgb8(
+    bytes: &[u8],
+    name: &str,
+    cfg: &ImageConfig,
+) -> Result<Vec<u8>, ImageError> {
+    cfg.validate()?;
+    let (decoder, format, w, h) = open_decoder(bytes, name, cfg.max_pixels, cfg.max_bytes)?;
+    let img =
+        DynamicImage::from_decoder(decoder).map_err(|source| decode_err(name, format, source))?;
+    let rgb = to_rgb8(img);
+    if w == 0 || h == 0 {
+        return Err(ImageError::ZeroSize {
+            name: name.into(),
+            format,
+            w,
+            h,
+        });
+    }
+    resize_rgb8(rgb, w, h, cfg).map_err(|reason| ImageError::Resize {
+        name: name.into(),
+        w,
+        h,
+        size: cfg.size,
+        reason,
+    })
+}
+
+/// Normalizes packed RGB8 (size, size, 3), as [`decode_resized_rgb8`] returns, into (3, size, size).
+pub fn normalize_rgb8(rgb: &[u8], name: &str, cfg: &ImageConfig) -> Result<Pixels, ImageError> {
+    let n = cfg.size * cfg.size * 3;
+    if rgb.len() != n {
+        return Err(ImageError::Resize {
+            name: name.into(),
+            w: cfg.size as u32,
+            h: cfg.size as u32,
+            size: cfg.size,
+            reason: format!(
+                "stored RGB8 buffer holds {} bytes, {s}x{s}x3 needs {n}",
+                rgb.len(),
+                s = cfg.size
+            ),
+        });
+    }
+    Ok(normalize(rgb, cfg))
 }
 
 /// Resize (+ crop) and normalize an already decoded packed RGB8 image (h, w, 3) per `cfg`.

@@ -363,6 +363,11 @@ impl Packer {
         admission
     }
 
+    /// Samples pushed so far: the index the next `push` gets.
+    pub fn samples_seen(&self) -> usize {
+        self.stats.samples
+    }
+
     /// Takes the packs completed so far (in emission order).
     pub fn drain_packs(&mut self) -> Vec<Pack> {
         std::mem::take(&mut self.packs)

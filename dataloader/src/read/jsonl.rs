@@ -129,7 +129,7 @@ pub(crate) fn messages_from_json(
             return Err(format!("{at} must be an object, got {}", kind_of(m)));
         };
         let role = match m.get("role") {
-            Some(Value::String(r)) => Role::from_chat(r).ok_or_else(|| {
+            Some(Value::String(r)) => r.parse::<Role>().map_err(|_| {
                 format!(
                     "{at}.role: unknown role {r:?} (expected \"user\", \"assistant\" or \"system\")"
                 )

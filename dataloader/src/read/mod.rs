@@ -30,7 +30,7 @@ pub use sample::{Media, MediaBytes, RawMessage, RawPart, RawSample, Reject, Role
 pub type SampleIter = Box<dyn Iterator<Item = Result<RawSample, Reject>> + Send>;
 
 /// `--format`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Format {
     Jsonl,

@@ -35,7 +35,7 @@ use super::{ReadError, SampleIter};
 
 /// Which column holds what. Exactly one of `text` (caption layout) and `messages` (chat
 /// layout) must be set; `prompt` goes with `text` only.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ParquetColumns {
     /// A string or integer column; without it a sample's id is its source (`file.parquet:row`).

@@ -3,33 +3,9 @@
 use std::fmt;
 use std::path::PathBuf;
 
-/// Who speaks a message. Every input format maps its own role names onto these three.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Role {
-    System,
-    User,
-    Assistant,
-}
-
-impl Role {
-    /// The chat-format name (`"system"`, `"user"`, `"assistant"`); `None` for anything else.
-    pub fn from_chat(name: &str) -> Option<Role> {
-        match name {
-            "system" => Some(Role::System),
-            "user" => Some(Role::User),
-            "assistant" => Some(Role::Assistant),
-            _ => None,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::System => "system",
-            Role::User => "user",
-            Role::Assistant => "assistant",
-        }
-    }
-}
+/// Who speaks a message: the tokenizer's role. Every input format maps its own role names
+/// (`human`/`gpt`, ...) onto it.
+pub use crate::tokenize::Role;
 
 /// Where a media item's encoded bytes are. Decoding is not the reader's job.
 #[derive(Clone, PartialEq, Eq)]

@@ -1,0 +1,359 @@
+//! `braid pack` as a library call: read -> decode + tokenize (parallel, order kept) -> pack ->
+//! shards, `rejects.jsonl` and `dataset.json` (written last, atomically).
+//!
+//! Bad samples never stop the job: each becomes one line of `rejects.jsonl`. The job fails only
+//! when the input cannot be opened, the output cannot be written, or nothing valid remains.
+//! Memory: one chunk of raw samples (a few per thread) plus the packer's window of token ids;
+//! media bytes of samples waiting in the window sit in a staging file (`shard::Staging`).
+//! The output is a pure function of the input and the config: the thread count changes nothing.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use rayon::prelude::*;
+use sha2::{Digest, Sha256};
+
+use crate::config::{ConfigError, DataConfig};
+use crate::dataset::{
+    BalanceInfo, DATASET_JSON, DatasetError, DatasetInfo, FORMAT_VERSION, REJECTS_JSONL,
+    TokenizerInfo,
+};
+use crate::pack::{Admission, Packer};
+use crate::prepare::{Prepared, Preparer, SampleReject, Stage};
+use crate::read::{self, Format, ReadError};
+use crate::shard::{ShardError, ShardWriter, Staging};
+use crate::tokenize::{ByteTokenizer, HfTokenizer, TokenizeError, Tokenizer};
+
+/// Why `braid pack` stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum PackJobError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("cannot read the input: {0}")]
+    Input(#[from] ReadError),
+    #[error("tokenizer: {0}")]
+    Tokenizer(#[from] TokenizeError),
+    #[error("output {path}: {reason}")]
+    Output { path: String, reason: String },
+    #[error(transparent)]
+    Shard(#[from] ShardError),
+    #[error(transparent)]
+    Dataset(#[from] DatasetError),
+    #[error(
+        "nothing valid to pack: all {samples} input samples were rejected (see {rejects})"
+    )]
+    NothingValid { samples: u64, rejects: String },
+}
+
+fn out_err(path: &Path, e: impl std::fmt::Display) -> PackJobError {
+    PackJobError::Output {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    }
+}
+
+/// Counters reported while packing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PackProgress {
+    pub read: u64,
+    pub packed: u64,
+    pub rejected: u64,
+    pub packs: u64,
+    pub shards: u64,
+}
+
+/// What to pack and where.
+#[derive(Clone, Debug)]
+pub struct PackJob {
+    pub input: PathBuf,
+    pub format: Format,
+    pub output: PathBuf,
+    pub config: DataConfig,
+    /// Replace an existing dataset in `output`.
+    pub overwrite: bool,
+}
+
+/// The tokenizer named by the config, and what `dataset.json` says about it.
+pub fn load_tokenizer(
+    cfg: &DataConfig,
+) -> Result<(Box<dyn Tokenizer>, TokenizerInfo), PackJobError> {
+    match &cfg.tokenizer.path {
+        None => {
+            let t = ByteTokenizer::new();
+            let info = TokenizerInfo {
+                kind: "byte".into(),
+                path: None,
+                sha256: None,
+                vocab_size: t.vocab_size(),
+            };
+            Ok((Box::new(t), info))
+        }
+        Some(p) => {
+            let bytes = std::fs::read(p).map_err(|e| TokenizeError::Load {
+                path: p.display().to_string(),
+                reason: e.to_string(),
+            })?;
+            let t = HfTokenizer::from_bytes(&bytes, &p.display().to_string())?;
+            let info = TokenizerInfo {
+                kind: "hf".into(),
+                path: Some(p.display().to_string()),
+                sha256: Some(crate::shard::hex(&Sha256::digest(&bytes))),
+                vocab_size: t.vocab_size(),
+            };
+            Ok((Box::new(t), info))
+        }
+    }
+}
+
+/// Prepares `output`: created if missing; an existing dataset is replaced only with
+/// `overwrite`; any other non-empty folder is refused (nothing of the user's is deleted).
+fn prepare_output(out: &Path, overwrite: bool) -> Result<(), PackJobError> {
+    if out.exists() {
+        let entries: Vec<PathBuf> = std::fs::read_dir(out)
+            .map_err(|e| out_err(out, e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .collect();
+        if entries.is_empty() {
+            return Ok(());
+        }
+        let ours = |p: &Path| {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            name == DATASET_JSON
+                || name == REJECTS_JSONL
+                || name.starts_with(".staging")
+                || name.starts_with(".dataset.json")
+                || (name.starts_with("shard-") && (name.ends_with(".parquet") || name.ends_with(".tmp")))
+        };
+        if !entries.iter().all(|p| ours(p)) {
+            return Err(out_err(
+                out,
+                "exists and holds files that are not a braid dataset; choose an empty folder",
+            ));
+        }
+        if !overwrite {
+            return Err(out_err(
+                out,
+                "already holds a packed dataset; pass --overwrite to replace it",
+            ));
+        }
+        for p in entries {
+            std::fs::remove_file(&p).map_err(|e| out_err(&p, e))?;
+        }
+        return Ok(());
+    }
+    std::fs::create_dir_all(out).map_err(|e| out_err(out, e))
+}
+
+/// Runs the job; `progress` is called after every chunk.
+pub fn run_pack(
+    job: &PackJob,
+    progress: &mut dyn FnMut(&PackProgress),
+) -> Result<DatasetInfo, PackJobError> {
+    let started = Instant::now();
+    let cfg = &job.config;
+    cfg.validate()?;
+    let (tokenizer, tok_info) = load_tokenizer(cfg)?;
+    let preparer = Preparer::new(cfg, tokenizer.as_ref())?;
+    let records = read::open(&job.input, &cfg.read_config(job.format))?;
+    prepare_output(&job.output, job.overwrite)?;
+    let threads = match cfg.shards.threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| out_err(&job.output, format!("thread pool: {e}")))?;
+
+    let rejects_path = job.output.join(REJECTS_JSONL);
+    let mut rejects = Rejects::create(&rejects_path)?;
+    let mut staging = Staging::create(&job.output.join(".staging.bin"))?;
+    let mut writer = ShardWriter::new(&job.output, &cfg.shards, &cfg.pack.cost)?;
+    let mut packer = Packer::new(cfg.pack.clone()).map_err(ConfigError::from)?;
+    let mut p = PackProgress::default();
+    let mut next_pack = 0u64;
+    let mut counts = MediaCounts::default();
+
+    let chunk_len = 16 * threads;
+    let mut records = records.peekable();
+    while records.peek().is_some() {
+        let chunk: Vec<_> = records.by_ref().take(chunk_len).collect();
+        p.read += chunk.len() as u64;
+        let prepared: Vec<Result<Prepared, SampleReject>> = pool.install(|| {
+            chunk
+                .into_par_iter()
+                .map_init(
+                    || preparer.audio_decoder(),
+                    |dec, r| match (r, dec) {
+                        (Err(rej), _) => Err(SampleReject::read(rej)),
+                        (Ok(raw), Ok(dec)) => preparer.prepare(raw, dec),
+                        (Ok(raw), Err(e)) => Err(SampleReject {
+                            id: Some(raw.id),
+                            source: raw.source,
+                            stage: Stage::Media,
+                            kind: "config".into(),
+                            reason: e.to_string(),
+                        }),
+                    },
+                )
+                .collect()
+        });
+        for r in prepared {
+            match r {
+                Err(rej) => rejects.push(&rej)?,
+                Ok(mut s) => {
+                    let index = packer.samples_seen();
+                    match packer.push(&s.meta) {
+                        Admission::Rejected(reason) => rejects.push(&SampleReject {
+                            id: Some(s.id),
+                            source: s.source,
+                            stage: Stage::Pack,
+                            kind: reason.kind().into(),
+                            reason: reason.to_string(),
+                        })?,
+                        admission => {
+                            if let Admission::Truncated(t) = admission {
+                                s.truncate_to(&t);
+                            }
+                            counts.add(&s);
+                            staging.put(index, s)?;
+                        }
+                    }
+                }
+            }
+        }
+        for pack in packer.drain_packs() {
+            let samples = pack
+                .samples
+                .iter()
+                .map(|&i| staging.take(i))
+                .collect::<Result<Vec<_>, _>>()?;
+            writer.write_pack(next_pack, samples)?;
+            next_pack += 1;
+        }
+        p.rejected = rejects.total;
+        p.packed = counts.samples;
+        p.packs = next_pack;
+        p.shards = writer.shards().len() as u64;
+        progress(&p);
+    }
+    let out = packer.finish();
+    for pack in &out.packs {
+        let samples = pack
+            .samples
+            .iter()
+            .map(|&i| staging.take(i))
+            .collect::<Result<Vec<_>, _>>()?;
+        writer.write_pack(next_pack, samples)?;
+        next_pack += 1;
+    }
+    let shards = writer.finish()?;
+    staging.remove()?;
+    rejects.finish()?;
+    p.packs = next_pack;
+    p.shards = shards.len() as u64;
+    progress(&p);
+    if next_pack == 0 {
+        return Err(PackJobError::NothingValid {
+            samples: p.read,
+            rejects: rejects_path.display().to_string(),
+        });
+    }
+    let st = &out.stats;
+    let mut by_stage: BTreeMap<String, u64> = BTreeMap::new();
+    for (k, v) in &rejects.by_kind {
+        let stage = k.split('/').next().unwrap_or(k).to_string();
+        *by_stage.entry(stage).or_default() += v;
+    }
+    let info = DatasetInfo {
+        format_version: FORMAT_VERSION,
+        created_by: format!("braid {}", env!("CARGO_PKG_VERSION")),
+        input: job.input.display().to_string(),
+        input_format: format!("{:?}", job.format).to_lowercase(),
+        samples: p.read,
+        packed_samples: st.packed_samples as u64,
+        rejected: rejects.total,
+        rejected_by_stage: by_stage,
+        rejected_by_kind: rejects.by_kind.clone(),
+        truncated: st.truncated as u64,
+        packs: st.packs as u64,
+        max_seq_len: st.max_seq_len as u64,
+        tokens: st.tokens,
+        fill: st.fill,
+        images: counts.images,
+        audio_clips: counts.audio,
+        histograms: st.histograms.clone(),
+        balance: BalanceInfo {
+            vision: st.vision,
+            audio: st.audio,
+        },
+        shards,
+        tokenizer: tok_info,
+        settings: cfg.clone(),
+        elapsed_s: started.elapsed().as_secs_f64(),
+    };
+    if info.packed_samples + info.rejected != info.samples {
+        return Err(out_err(
+            &job.output,
+            format!(
+                "internal count mismatch: {} packed + {} rejected != {} read",
+                info.packed_samples, info.rejected, info.samples
+            ),
+        ));
+    }
+    info.write(&job.output)?;
+    Ok(info)
+}
+
+#[derive(Default)]
+struct MediaCounts {
+    samples: u64,
+    images: u64,
+    audio: u64,
+}
+
+impl MediaCounts {
+    fn add(&mut self, s: &Prepared) {
+        self.samples += 1;
+        self.images += s.images.len() as u64;
+        self.audio += s.audio.len() as u64;
+    }
+}
+
+/// `rejects.jsonl`, written as rejects come, and the counts per `stage/kind`.
+struct Rejects {
+    path: PathBuf,
+    out: BufWriter<File>,
+    total: u64,
+    by_kind: BTreeMap<String, u64>,
+}
+
+impl Rejects {
+    fn create(path: &Path) -> Result<Rejects, PackJobError> {
+        let f = File::create(path).map_err(|e| out_err(path, e))?;
+        Ok(Rejects {
+            path: path.to_path_buf(),
+            out: BufWriter::new(f),
+            total: 0,
+            by_kind: BTreeMap::new(),
+        })
+    }
+
+    fn push(&mut self, r: &SampleReject) -> Result<(), PackJobError> {
+        let stage = serde_json::to_value(r.stage)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default();
+        *self.by_kind.entry(format!("{stage}/{}", r.kind)).or_default() += 1;
+        self.total += 1;
+        let line = serde_json::to_string(r).map_err(|e| out_err(&self.path, e))?;
+        writeln!(self.out, "{line}").map_err(|e| out_err(&self.path, e))
+    }
+
+    fn finish(&mut self) -> Result<(), PackJobError> {
+        self.out.flush().map_err(|e| out_err(&self.path, e))
+    }
+}
