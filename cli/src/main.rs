@@ -4,6 +4,7 @@
 //! that build them and, until then, say so and exit with status 2.
 
 mod forward;
+mod plot;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
