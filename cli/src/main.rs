@@ -1,9 +1,11 @@
 //! The `braid` command: one subcommand per job (see DESIGN.md, "Who uses it, and how").
 //!
-//! `forward` works today; `pack`, `inspect`, `plan` and `train` arrive with the issues
+//! `forward`, `pack` and `inspect` work today; `plan` and `train` arrive with the issues
 //! that build them and, until then, say so and exit with status 2.
 
 mod forward;
+mod inspect;
+mod pack;
 mod plot;
 
 use std::path::PathBuf;
@@ -45,16 +47,11 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
         args: Vec<String>,
     },
-    /// Pack raw multimodal data into shards (arrives with the data issue).
-    Pack {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
-        args: Vec<String>,
-    },
-    /// Statistics of a packed dataset (arrives with the data issue).
-    Inspect {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
-        args: Vec<String>,
-    },
+    /// Pack raw multimodal data (JSONL chat, LLaVA, WebDataset, Parquet) into validated,
+    /// tokenized, length-annotated Parquet shards; bad samples go to rejects.jsonl.
+    Pack(pack::PackArgs),
+    /// Statistics of a packed dataset; `--plots DIR` writes the histograms as PNG.
+    Inspect(inspect::InspectArgs),
     /// Choose a layout per module (arrives with the balancer issue).
     Plan {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
@@ -65,7 +62,7 @@ enum Command {
 fn not_yet(what: &str) -> ExitCode {
     eprintln!(
         "braid {}: `{what}` is not available in this build yet; today braid has the compute \
-         core, the models and `braid forward` (see README.md)",
+         core, the models, `braid pack`, `braid inspect` and `braid forward` (see README.md)",
         env!("CARGO_PKG_VERSION")
     );
     ExitCode::from(2)
@@ -86,8 +83,8 @@ fn main() -> ExitCode {
             }
         },
         Command::Train { .. } => not_yet("train"),
-        Command::Pack { .. } => not_yet("pack"),
-        Command::Inspect { .. } => not_yet("inspect"),
+        Command::Pack(args) => ExitCode::from(pack::run(args)),
+        Command::Inspect(args) => ExitCode::from(inspect::run(args)),
         Command::Plan { .. } => not_yet("plan"),
     }
 }

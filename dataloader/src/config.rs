@@ -159,8 +159,14 @@ impl VisionSpec {
 
     /// LLM placeholder tokens of one image.
     pub fn llm_tokens(&self) -> Result<usize, ConfigError> {
-        vision_tokens(self.size, self.size, self.patch, self.merge, self.class_token)
-            .map_err(|e| invalid("image", e.to_string()))
+        vision_tokens(
+            self.size,
+            self.size,
+            self.patch,
+            self.merge,
+            self.class_token,
+        )
+        .map_err(|e| invalid("image", e.to_string()))
     }
 
     /// The metadata of one image at LLM position `offset`.
@@ -306,7 +312,10 @@ impl DataConfig {
         self.pack.validate()?;
         let s = &self.shards;
         if s.max_shard_mib == 0 || s.row_group_mib == 0 {
-            return Err(invalid("shards.max_shard_mib/row_group_mib", "must be >= 1"));
+            return Err(invalid(
+                "shards.max_shard_mib/row_group_mib",
+                "must be >= 1",
+            ));
         }
         if !(1..=22).contains(&s.zstd_level) {
             return Err(invalid(
@@ -324,10 +333,7 @@ impl DataConfig {
             image_root: self.input.image_root.clone(),
             parquet: self.input.parquet.clone(),
             limits: Limits {
-                max_member_bytes: self
-                    .image
-                    .max_bytes
-                    .max(self.audio.decode.max_bytes as u64),
+                max_member_bytes: self.image.max_bytes.max(self.audio.decode.max_bytes as u64),
                 ..Limits::default()
             },
         }

@@ -42,9 +42,7 @@ pub enum PackJobError {
     Shard(#[from] ShardError),
     #[error(transparent)]
     Dataset(#[from] DatasetError),
-    #[error(
-        "nothing valid to pack: all {samples} input samples were rejected (see {rejects})"
-    )]
+    #[error("nothing valid to pack: all {samples} input samples were rejected (see {rejects})")]
     NothingValid { samples: u64, rejects: String },
 }
 
@@ -125,7 +123,8 @@ fn prepare_output(out: &Path, overwrite: bool) -> Result<(), PackJobError> {
                 || name == REJECTS_JSONL
                 || name.starts_with(".staging")
                 || name.starts_with(".dataset.json")
-                || (name.starts_with("shard-") && (name.ends_with(".parquet") || name.ends_with(".tmp")))
+                || (name.starts_with("shard-")
+                    && (name.ends_with(".parquet") || name.ends_with(".tmp")))
         };
         if !entries.iter().all(|p| ours(p)) {
             return Err(out_err(
@@ -347,7 +346,10 @@ impl Rejects {
             .ok()
             .and_then(|v| v.as_str().map(str::to_string))
             .unwrap_or_default();
-        *self.by_kind.entry(format!("{stage}/{}", r.kind)).or_default() += 1;
+        *self
+            .by_kind
+            .entry(format!("{stage}/{}", r.kind))
+            .or_default() += 1;
         self.total += 1;
         let line = serde_json::to_string(r).map_err(|e| out_err(&self.path, e))?;
         writeln!(self.out, "{line}").map_err(|e| out_err(&self.path, e))

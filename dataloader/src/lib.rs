@@ -4,6 +4,7 @@ pub mod config;
 pub mod cost;
 pub mod dataset;
 pub mod job;
+pub mod loader;
 pub mod media;
 pub mod pack;
 pub mod prepare;

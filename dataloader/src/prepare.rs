@@ -139,7 +139,12 @@ impl Prepared {
 
     /// Bytes this sample takes in memory (for bounded buffers).
     pub fn heap_bytes(&self) -> usize {
-        let media: usize = self.images.iter().chain(&self.audio).map(|m| m.data.len()).sum();
+        let media: usize = self
+            .images
+            .iter()
+            .chain(&self.audio)
+            .map(|m| m.data.len())
+            .sum();
         self.tokens.ids.len() * 5 + media + self.id.len() + self.source.len()
     }
 }
@@ -226,7 +231,9 @@ impl<'t> Preparer<'t> {
                         .map_err(|(k, r)| reject(Stage::Media, k, r))?;
                         clip_samples.push(pcm.len());
                         let (encoding, data) = match self.media {
-                            MediaStorage::Preprocessed => (MediaEncoding::PcmS16le, to_pcm_s16(&pcm)),
+                            MediaStorage::Preprocessed => {
+                                (MediaEncoding::PcmS16le, to_pcm_s16(&pcm))
+                            }
                             MediaStorage::Original => (MediaEncoding::Encoded, bytes),
                         };
                         parts.push(Part::Audio(audio.len()));
@@ -279,15 +286,24 @@ impl<'t> Preparer<'t> {
         for (k, &(start, len)) in t.image_spans.iter().enumerate() {
             let m = self.vision.meta(start as u32).map_err(|e| e.to_string())?;
             if m.llm_tokens as usize != len {
-                return Err(format!("image {k}: span of {len} tokens, expected {}", m.llm_tokens));
+                return Err(format!(
+                    "image {k}: span of {len} tokens, expected {}",
+                    m.llm_tokens
+                ));
             }
             images.push(m);
         }
         let mut audio = Vec::with_capacity(t.audio_spans.len());
         for (k, (&(start, len), &n)) in t.audio_spans.iter().zip(clip_samples).enumerate() {
-            let m = self.audio.meta(n, start as u32).map_err(|e| e.to_string())?;
+            let m = self
+                .audio
+                .meta(n, start as u32)
+                .map_err(|e| e.to_string())?;
             if m.llm_tokens as usize != len {
-                return Err(format!("clip {k}: span of {len} tokens, expected {}", m.llm_tokens));
+                return Err(format!(
+                    "clip {k}: span of {len} tokens, expected {}",
+                    m.llm_tokens
+                ));
             }
             audio.push(m);
         }

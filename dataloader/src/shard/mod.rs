@@ -110,7 +110,11 @@ pub fn schema() -> SchemaRef {
         Field::new("id", DataType::Utf8, false),
         Field::new("source", DataType::Utf8, false),
         Field::new("ids", DataType::List(list_item(DataType::UInt32)), false),
-        Field::new("loss_mask", DataType::List(list_item(DataType::UInt8)), false),
+        Field::new(
+            "loss_mask",
+            DataType::List(list_item(DataType::UInt8)),
+            false,
+        ),
         u32_field("text_tokens"),
         u32_field("llm_len"),
         Field::new(

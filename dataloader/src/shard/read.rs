@@ -5,8 +5,8 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use arrow_array::{
-    Array, BinaryArray, Float64Array, ListArray, RecordBatch, StringArray, StructArray,
-    UInt8Array, UInt32Array, UInt64Array,
+    Array, BinaryArray, Float64Array, ListArray, RecordBatch, StringArray, StructArray, UInt8Array,
+    UInt32Array, UInt64Array,
 };
 use parquet::arrow::ProjectionMask;
 use parquet::arrow::arrow_reader::{
@@ -179,7 +179,11 @@ fn missing(path: &Path, col: &str) -> ShardError {
     ShardError::invalid(path, format!("not a braid shard: no column `{col}`"))
 }
 
-fn column<'a, T: 'static>(path: &Path, b: &'a RecordBatch, name: &str) -> Result<&'a T, ShardError> {
+fn column<'a, T: 'static>(
+    path: &Path,
+    b: &'a RecordBatch,
+    name: &str,
+) -> Result<&'a T, ShardError> {
     b.column_by_name(name)
         .ok_or_else(|| missing(path, name))?
         .as_any()
@@ -225,7 +229,10 @@ fn index_batch(
         if n > 0 && p as usize == n - 1 {
             let last = &mut packs[n - 1];
             if last.shard != shard || last.row_group != row_group {
-                return Err(ShardError::invalid(path, format!("pack {p} straddles row groups")));
+                return Err(ShardError::invalid(
+                    path,
+                    format!("pack {p} straddles row groups"),
+                ));
             }
             last.samples += 1;
             last.tokens += u64::from(len.value(i));
@@ -251,7 +258,11 @@ fn index_batch(
 }
 
 /// Decodes full rows.
-fn decode_rows(path: &Path, b: &RecordBatch, out: &mut Vec<StoredSample>) -> Result<(), ShardError> {
+fn decode_rows(
+    path: &Path,
+    b: &RecordBatch,
+    out: &mut Vec<StoredSample>,
+) -> Result<(), ShardError> {
     let pack = column::<UInt64Array>(path, b, "pack")?;
     let id = column::<StringArray>(path, b, "id")?;
     let source = column::<StringArray>(path, b, "source")?;
@@ -295,10 +306,17 @@ fn decode_rows(path: &Path, b: &RecordBatch, out: &mut Vec<StoredSample>) -> Res
             cost: cost_at(&c, i),
         };
         let n = sample.ids.len();
-        if sample.meta.llm_len != len.value(i) || n != len.value(i) as usize || sample.loss_mask.len() != n {
+        if sample.meta.llm_len != len.value(i)
+            || n != len.value(i) as usize
+            || sample.loss_mask.len() != n
+        {
             return Err(ShardError::invalid(
                 path,
-                format!("sample {:?}: lengths disagree (ids {n}, llm_len {})", sample.id, len.value(i)),
+                format!(
+                    "sample {:?}: lengths disagree (ids {n}, llm_len {})",
+                    sample.id,
+                    len.value(i)
+                ),
             ));
         }
         sample
@@ -310,13 +328,21 @@ fn decode_rows(path: &Path, b: &RecordBatch, out: &mut Vec<StoredSample>) -> Res
     Ok(())
 }
 
-fn downcast<'a, T: 'static>(path: &Path, a: &'a dyn Array, what: &str) -> Result<&'a T, ShardError> {
+fn downcast<'a, T: 'static>(
+    path: &Path,
+    a: &'a dyn Array,
+    what: &str,
+) -> Result<&'a T, ShardError> {
     a.as_any()
         .downcast_ref::<T>()
         .ok_or_else(|| ShardError::invalid(path, format!("`{what}` has the wrong type")))
 }
 
-fn u32_field<'a>(path: &Path, s: &'a StructArray, name: &str) -> Result<&'a UInt32Array, ShardError> {
+fn u32_field<'a>(
+    path: &Path,
+    s: &'a StructArray,
+    name: &str,
+) -> Result<&'a UInt32Array, ShardError> {
     let col = s.column_by_name(name).ok_or_else(|| missing(path, name))?;
     downcast::<UInt32Array>(path, col.as_ref(), name)
 }
@@ -330,11 +356,17 @@ fn media<M>(
     meta: impl Fn(&StructArray, usize) -> Result<M, ShardError>,
 ) -> Result<MediaRows<M>, ShardError> {
     let s = downcast::<StructArray>(path, list, "media")?;
-    let name = s.column_by_name("name").ok_or_else(|| missing(path, "name"))?;
+    let name = s
+        .column_by_name("name")
+        .ok_or_else(|| missing(path, "name"))?;
     let name = downcast::<StringArray>(path, name.as_ref(), "name")?;
-    let enc = s.column_by_name("encoding").ok_or_else(|| missing(path, "encoding"))?;
+    let enc = s
+        .column_by_name("encoding")
+        .ok_or_else(|| missing(path, "encoding"))?;
     let enc = downcast::<StringArray>(path, enc.as_ref(), "encoding")?;
-    let data = s.column_by_name("data").ok_or_else(|| missing(path, "data"))?;
+    let data = s
+        .column_by_name("data")
+        .ok_or_else(|| missing(path, "data"))?;
     let data = downcast::<BinaryArray>(path, data.as_ref(), "data")?;
     let mut items = Vec::with_capacity(s.len());
     let mut metas = Vec::with_capacity(s.len());

@@ -270,7 +270,10 @@ impl ShardWriter {
             .into_inner()
             .map_err(|e| ShardError::parquet(&tmp, e))?;
         sink.flush().map_err(|e| ShardError::io(&tmp, e))?;
-        let file = sink.inner.into_inner().map_err(|e| ShardError::io(&tmp, e.error()))?;
+        let file = sink
+            .inner
+            .into_inner()
+            .map_err(|e| ShardError::io(&tmp, e.error()))?;
         file.sync_all().map_err(|e| ShardError::io(&tmp, e))?;
         let dst = self.dir.join(&shard.file);
         std::fs::rename(&tmp, &dst).map_err(|e| ShardError::io(&dst, e))?;
@@ -329,7 +332,9 @@ impl ShardWriter {
             |c| c.audio.attention,
         ];
         for f in terms {
-            cols.push(Arc::new(Float64Array::from_iter_values(costs.iter().map(f))));
+            cols.push(Arc::new(Float64Array::from_iter_values(
+                costs.iter().map(f),
+            )));
         }
         RecordBatch::try_new(self.schema.clone(), cols)
             .map_err(|e| ShardError::invalid(&self.dir, format!("building a record batch: {e}")))
@@ -341,7 +346,9 @@ impl ShardWriter {
             .flat_map(|(_, s)| s.images.iter().zip(&s.meta.images))
             .collect();
         let u32s = |f: fn(&crate::cost::ImageMeta) -> u32| -> ArrayRef {
-            Arc::new(UInt32Array::from_iter_values(items.iter().map(|(_, m)| f(m))))
+            Arc::new(UInt32Array::from_iter_values(
+                items.iter().map(|(_, m)| f(m)),
+            ))
         };
         let mut cols = media_columns(items.iter().map(|(m, _)| *m));
         cols.push(u32s(|m| m.patches));
@@ -362,7 +369,9 @@ impl ShardWriter {
             .flat_map(|(_, s)| s.audio.iter().zip(&s.meta.audio))
             .collect();
         let u32s = |f: fn(&crate::cost::AudioMeta) -> u32| -> ArrayRef {
-            Arc::new(UInt32Array::from_iter_values(items.iter().map(|(_, m)| f(m))))
+            Arc::new(UInt32Array::from_iter_values(
+                items.iter().map(|(_, m)| f(m)),
+            ))
         };
         let mut cols = media_columns(items.iter().map(|(m, _)| *m));
         cols.push(u32s(|m| m.mel_frames));

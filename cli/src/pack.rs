@@ -1,0 +1,189 @@
+//! `braid pack`: raw multimodal data -> validated, tokenized, packed Parquet shards.
+//!
+//! Flags override the data config (`--config DATA.toml`); the resolved config is stored in
+//! `dataset.json`. Exit status: 0 when a dataset was written (rejects or not), 1 when nothing
+//! valid remained or the input/output could not be used, 2 for usage errors.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use braid_dataloader::config::{DataConfig, MediaStorage};
+use braid_dataloader::dataset::DatasetInfo;
+use braid_dataloader::job::{PackJob, PackProgress, run_pack};
+use braid_dataloader::read::Format;
+use clap::Args;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+#[derive(Debug, Args)]
+pub struct PackArgs {
+    /// Input file or folder (overrides `[input] path`).
+    #[arg(long)]
+    input: Option<PathBuf>,
+    /// jsonl, llava, wds or parquet (overrides `[input] format`).
+    #[arg(long)]
+    format: Option<String>,
+    /// Output folder for the shards, dataset.json and rejects.jsonl.
+    #[arg(long)]
+    output: PathBuf,
+    /// A Hugging Face tokenizer.json (default: the byte-level tokenizer).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Tokens per packed row (overrides `[pack] max_seq_len`).
+    #[arg(long)]
+    max_seq_len: Option<usize>,
+    /// LLaVA: folder the `image` paths are relative to.
+    #[arg(long)]
+    image_root: Option<PathBuf>,
+    /// Data config (TOML): input, tokenizer, template, image, audio, pack, shards.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Keep the original media bytes instead of preprocessed pixels and PCM.
+    #[arg(long)]
+    keep_original_media: bool,
+    /// Decoding threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Replace a dataset already in the output folder.
+    #[arg(long)]
+    overwrite: bool,
+}
+
+/// Builds the job from the flags and the config file.
+fn job(a: PackArgs) -> Result<PackJob, String> {
+    let mut cfg = match &a.config {
+        Some(p) => DataConfig::from_file(p).map_err(|e| e.to_string())?,
+        None => DataConfig::default(),
+    };
+    if let Some(t) = a.tokenizer {
+        cfg.tokenizer.path = Some(t);
+    }
+    if let Some(n) = a.max_seq_len {
+        cfg.pack.max_seq_len = n;
+    }
+    if let Some(r) = a.image_root {
+        cfg.input.image_root = Some(r);
+    }
+    if a.keep_original_media {
+        cfg.shards.media = MediaStorage::Original;
+    }
+    if let Some(t) = a.threads {
+        cfg.shards.threads = t;
+    }
+    let input = a
+        .input
+        .or_else(|| cfg.input.path.clone())
+        .ok_or("no input: pass --input PATH or set [input] path in the config")?;
+    let format = match a.format {
+        Some(f) => f.parse::<Format>().map_err(|e| e.to_string())?,
+        None => cfg
+            .input
+            .format
+            .ok_or("no format: pass --format jsonl|llava|wds|parquet or set [input] format")?,
+    };
+    cfg.input.path = Some(input.clone());
+    cfg.input.format = Some(format);
+    Ok(PackJob {
+        input,
+        format,
+        output: a.output,
+        config: cfg,
+        overwrite: a.overwrite,
+    })
+}
+
+pub fn run(args: PackArgs) -> u8 {
+    let job = match job(args) {
+        Ok(j) => j,
+        Err(e) => {
+            eprintln!("braid pack: {e}");
+            return 2;
+        }
+    };
+    let bar = ProgressBar::new_spinner();
+    if !console_is_tty() {
+        bar.set_draw_target(ProgressDrawTarget::hidden());
+    }
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+    );
+    bar.enable_steady_tick(Duration::from_millis(200));
+    let started = Instant::now();
+    let mut last_log = Instant::now();
+    let tty = console_is_tty();
+    let mut on_progress = |p: &PackProgress| {
+        let rate = p.read as f64 / started.elapsed().as_secs_f64().max(1e-9);
+        let msg = format!(
+            "read {} | packed {} | rejected {} | packs {} | shards {} | {rate:.0} samples/s",
+            p.read, p.packed, p.rejected, p.packs, p.shards
+        );
+        if tty {
+            bar.set_message(msg);
+        } else if last_log.elapsed() > Duration::from_secs(10) {
+            eprintln!("braid pack: {msg}");
+            last_log = Instant::now();
+        }
+    };
+    let result = run_pack(&job, &mut on_progress);
+    bar.finish_and_clear();
+    match result {
+        Ok(info) => {
+            print_summary(&info, &job.output.display().to_string());
+            0
+        }
+        Err(e) => {
+            eprintln!("braid pack: error: {e}");
+            1
+        }
+    }
+}
+
+fn console_is_tty() -> bool {
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal()
+}
+
+/// The final summary (also what `braid inspect` starts with).
+pub fn print_summary(info: &DatasetInfo, dir: &str) {
+    println!("dataset {dir}");
+    println!(
+        "  samples   {} read, {} packed ({} truncated), {} rejected",
+        info.samples, info.packed_samples, info.truncated, info.rejected
+    );
+    for (kind, n) in &info.rejected_by_kind {
+        println!("    rejected {kind}: {n}");
+    }
+    println!(
+        "  media     {} images, {} audio clips",
+        info.images, info.audio_clips
+    );
+    println!(
+        "  packs     {} rows of {} tokens, {} tokens, fill {:.2}%",
+        info.packs,
+        info.max_seq_len,
+        info.tokens,
+        100.0 * info.fill
+    );
+    let b = &info.balance;
+    if b.vision.before.mean > 0.0 {
+        println!(
+            "  vision load per pack max/mean {:.3} -> {:.3} after balancing",
+            b.vision.before.max_over_mean, b.vision.after.max_over_mean
+        );
+    }
+    if b.audio.before.mean > 0.0 {
+        println!(
+            "  audio  load per pack max/mean {:.3} -> {:.3} after balancing",
+            b.audio.before.max_over_mean, b.audio.after.max_over_mean
+        );
+    }
+    let bytes: u64 = info.shards.iter().map(|s| s.bytes).sum();
+    println!(
+        "  shards    {} files, {:.1} MiB; tokenizer {} (vocab {})",
+        info.shards.len(),
+        bytes as f64 / (1 << 20) as f64,
+        info.tokenizer.kind,
+        info.tokenizer.vocab_size
+    );
+    println!("  took      {:.1} s", info.elapsed_s);
+}
