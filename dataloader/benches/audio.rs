@@ -19,49 +19,15 @@ use std::time::Instant;
 use braid_dataloader::media::audio::{AudioConfig, AudioDecoder};
 use braid_dataloader::media::mel::MelExtractor;
 
-const RATE: u32 = 44_100;
-const SECONDS: usize = 10;
+mod support;
+
+use support::{RATE, SECONDS, make_wav};
 
 fn env_usize(key: &str, default: usize) -> usize {
     std::env::var(key)
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
-}
-
-/// A 10 s stereo clip: a few drifting tones plus noise, different per clip.
-fn make_wav(seed: u64) -> Vec<u8> {
-    let n = RATE as usize * SECONDS;
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut data = Vec::with_capacity(n * 4);
-    for i in 0..n {
-        let t = i as f64 / RATE as f64;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let noise = (x >> 40) as f64 / (1u64 << 24) as f64 - 0.5;
-        let f = 200.0 + 50.0 * seed as f64 + 30.0 * t;
-        let l = 0.3 * (2.0 * std::f64::consts::PI * f * t).sin() + 0.05 * noise;
-        let r = 0.3 * (2.0 * std::f64::consts::PI * 1.5 * f * t).sin() - 0.05 * noise;
-        for v in [l, r] {
-            data.extend_from_slice(&((v * 32767.0) as i16).to_le_bytes());
-        }
-    }
-    let mut w = Vec::with_capacity(44 + data.len());
-    w.extend_from_slice(b"RIFF");
-    w.extend_from_slice(&(36 + data.len() as u32).to_le_bytes());
-    w.extend_from_slice(b"WAVEfmt ");
-    w.extend_from_slice(&16u32.to_le_bytes());
-    w.extend_from_slice(&1u16.to_le_bytes()); // PCM
-    w.extend_from_slice(&2u16.to_le_bytes()); // channels
-    w.extend_from_slice(&RATE.to_le_bytes());
-    w.extend_from_slice(&(RATE * 4).to_le_bytes());
-    w.extend_from_slice(&4u16.to_le_bytes());
-    w.extend_from_slice(&16u16.to_le_bytes());
-    w.extend_from_slice(b"data");
-    w.extend_from_slice(&(data.len() as u32).to_le_bytes());
-    w.extend_from_slice(&data);
-    w
 }
 
 /// This thread's CPU time in seconds (Linux schedstat, ns resolution); None elsewhere.

@@ -11,55 +11,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use braid_dataloader::media::image::{ImageConfig, decode_image, preprocess_rgb8, to_rgb8};
-use image::{ImageBuffer, Rgb};
+mod support;
 
-/// Photo-like content: smooth illumination, a few shapes, fine texture and sensor-like noise (JPEG decode cost
-/// grows with entropy; flat synthetic images would flatter both decoders).
-fn photo(seed: u64, w: u32, h: u32) -> ImageBuffer<Rgb<u8>, Vec<u8>> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut rnd = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        s
-    };
-    let shapes: Vec<(f32, f32, f32, [f32; 3])> = (0..6)
-        .map(|_| {
-            let r = rnd();
-            let (cx, cy) = ((r % u64::from(w)) as f32, ((r >> 20) % u64::from(h)) as f32);
-            let rad = 20.0 + ((r >> 40) % 120) as f32;
-            let c = rnd();
-            (
-                cx,
-                cy,
-                rad,
-                [
-                    (c & 255) as f32,
-                    ((c >> 8) & 255) as f32,
-                    ((c >> 16) & 255) as f32,
-                ],
-            )
-        })
-        .collect();
-    let phase = (rnd() % 100) as f32;
-    ImageBuffer::from_fn(w, h, |x, y| {
-        let (xf, yf) = (x as f32, y as f32);
-        let mut px = [
-            90.0 + 80.0 * (xf / w as f32) + 20.0 * ((xf + phase) / 9.0).sin(),
-            70.0 + 100.0 * (yf / h as f32) + 15.0 * (yf / 7.0).cos(),
-            120.0 + 40.0 * ((xf + yf) / 50.0).sin(),
-        ];
-        for &(cx, cy, rad, col) in &shapes {
-            if (xf - cx).powi(2) + (yf - cy).powi(2) < rad * rad {
-                px = col;
-            }
-        }
-        let n = rnd();
-        Rgb(std::array::from_fn(|c| {
-            (px[c] + ((n >> (8 * c)) & 15) as f32 - 7.5).clamp(0.0, 255.0) as u8
-        }))
-    })
-}
+use support::photo;
 
 fn arg(args: &[String], name: &str) -> Option<String> {
     args.iter()
