@@ -3,6 +3,7 @@
 //! `forward` works today; `pack`, `inspect`, `plan` and `train` arrive with the issues
 //! that build them and, until then, say so and exit with status 2.
 
+mod demo;
 mod forward;
 
 use std::path::PathBuf;
@@ -39,6 +40,8 @@ enum Command {
         #[arg(long)]
         output: PathBuf,
     },
+    /// Write a small multimodal demo dataset (shapes and tones) to train on.
+    DemoData(demo::DemoArgs),
     /// Train a run configuration (arrives with the training issue).
     Train {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
@@ -84,6 +87,7 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::DemoData(args) => demo::run(&args),
         Command::Train { .. } => not_yet("train"),
         Command::Pack { .. } => not_yet("pack"),
         Command::Inspect { .. } => not_yet("inspect"),
