@@ -3,6 +3,7 @@
 //! `forward`, `pack` and `inspect` work today; `plan` and `train` arrive with the issues
 //! that build them and, until then, say so and exit with status 2.
 
+mod demo;
 mod forward;
 mod inspect;
 mod pack;
@@ -42,6 +43,8 @@ enum Command {
         #[arg(long)]
         output: PathBuf,
     },
+    /// Write a small multimodal demo dataset (shapes and tones) to train on.
+    DemoData(demo::DemoArgs),
     /// Train a run configuration (arrives with the training issue).
     Train {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
@@ -82,6 +85,7 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::DemoData(args) => demo::run(&args),
         Command::Train { .. } => not_yet("train"),
         Command::Pack(args) => ExitCode::from(pack::run(args)),
         Command::Inspect(args) => ExitCode::from(inspect::run(args)),

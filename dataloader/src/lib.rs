@@ -3,6 +3,7 @@
 pub mod config;
 pub mod cost;
 pub mod dataset;
+pub mod demo;
 pub mod job;
 pub mod loader;
 pub mod media;
