@@ -25,7 +25,10 @@ use braid_dataloader::read::Format;
 use support::{make_wav, photo};
 
 fn env_usize(key: &str, default: usize) -> usize {
-    std::env::var(key).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(key)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 /// CPU seconds of this process (user + system), from /proc/self/stat.
@@ -36,7 +39,11 @@ fn process_cpu_s() -> f64 {
     // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
     let rest = s.rsplit(')').next().unwrap_or("");
     let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = |i: usize| f.get(i).and_then(|x| x.parse::<f64>().ok()).unwrap_or(f64::NAN);
+    let ticks = |i: usize| {
+        f.get(i)
+            .and_then(|x| x.parse::<f64>().ok())
+            .unwrap_or(f64::NAN)
+    };
     (ticks(11) + ticks(12)) / 100.0
 }
 
@@ -77,12 +84,20 @@ fn pack(input: &Path, out: &Path) -> (f64, f64) {
     let info = run_pack(&job, &mut |_| {}).expect("pack");
     let (wall, cpu) = (t.elapsed().as_secs_f64(), process_cpu_s() - c);
     assert_eq!(info.rejected, 0);
-    (info.packed_samples as f64 / wall, info.packed_samples as f64 / cpu)
+    (
+        info.packed_samples as f64 / wall,
+        info.packed_samples as f64 / cpu,
+    )
 }
 
 /// (items per wall second, items per CPU second) of one epoch, median over `reps`.
 fn load(dir: &Path, reps: usize, audio: bool) -> (f64, f64) {
-    let cfg = LoaderConfig { workers: 1, batch_rows: 1, prefetch: 2, ..LoaderConfig::default() };
+    let cfg = LoaderConfig {
+        workers: 1,
+        batch_rows: 1,
+        prefetch: 2,
+        ..LoaderConfig::default()
+    };
     let (mut wall, mut cpu) = (Vec::new(), Vec::new());
     for _ in 0..reps {
         let (t, c) = (Instant::now(), process_cpu_s());
@@ -138,7 +153,10 @@ fn main() {
     }
     let img_manifest = manifest(&dir, "images", &images, "image");
     let clip_manifest = manifest(&dir, "audio", &clips, "audio");
-    println!("loader bench: {} ({n_img} JPEG 640x480 -> CLIP 224; {n_clip} x 10 s 44.1 kHz stereo WAV -> 80-bin log-mel)", dir.display());
+    println!(
+        "loader bench: {} ({n_img} JPEG 640x480 -> CLIP 224; {n_clip} x 10 s 44.1 kHz stereo WAV -> 80-bin log-mel)",
+        dir.display()
+    );
 
     let (pw, pc) = pack(&img_manifest, &dir.join("packed-images"));
     println!("braid pack (1 thread), images: {pw:8.1} samples/s wall, {pc:8.1} samples/CPU-s");
@@ -152,7 +170,9 @@ fn main() {
     println!("BRAID_LOADER images {ic:.3} audio {cc:.3}");
 
     let Ok(python) = std::env::var("BRAID_BENCH_PYTHON") else {
-        println!("(set BRAID_BENCH_PYTHON=/path/to/python to run tools/bench_loader_py.py alongside)");
+        println!(
+            "(set BRAID_BENCH_PYTHON=/path/to/python to run tools/bench_loader_py.py alongside)"
+        );
         return;
     };
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tools/bench_loader_py.py");
@@ -165,7 +185,10 @@ fn main() {
         .expect("run python");
     let stdout = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
-        println!("python bench failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+        println!(
+            "python bench failed:\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         return;
     }
     for line in stdout.lines() {

@@ -88,4 +88,3 @@ pub fn make_wav(seed: u64) -> Vec<u8> {
     w.extend_from_slice(&data);
     w
 }
-
