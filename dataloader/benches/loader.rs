@@ -12,6 +12,8 @@
 //! one decode worker: the loader's producer and consumer threads are counted too. Medians over
 //! the repetitions (each a full epoch of a fresh loader).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use std::path::{Path, PathBuf};

@@ -1,5 +1,6 @@
 //! The loader: exact resume from any position, data-parallel split, epoch order, and
 //! batch contents against the stored samples.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -236,7 +236,7 @@ fn index_batch(
             }
             last.samples += 1;
             last.tokens += u64::from(len.value(i));
-            last.cost = last.cost + cost;
+            last.cost += cost;
         } else if p as usize == n {
             packs.push(PackEntry {
                 shard,

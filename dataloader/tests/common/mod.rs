@@ -1,6 +1,6 @@
 //! Corpus writers shared by the pack-job and loader tests: real PNG/JPEG/WAV files and
 //! manifests in every input format, plus one sample of every bad case `braid pack` must reject.
-#![allow(dead_code)]
+#![allow(dead_code, clippy::unwrap_used)]
 
 use std::fs;
 use std::path::{Path, PathBuf};
