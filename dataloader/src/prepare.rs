@@ -46,13 +46,13 @@ pub struct SampleReject {
 }
 
 impl SampleReject {
-    /// A reader's reject.
+    /// A reader's reject, its kind read off the reader's message.
     pub fn read(r: Reject) -> SampleReject {
         SampleReject {
             id: r.id,
             source: r.source,
             stage: Stage::Read,
-            kind: "invalid_record".into(),
+            kind: read_kind(&r.reason).into(),
             reason: r.reason,
         }
     }
@@ -370,6 +370,27 @@ pub fn from_pcm_s16(bytes: &[u8]) -> Vec<f32> {
         .chunks_exact(2)
         .map(|b| f32::from(i16::from_le_bytes([b[0], b[1]])) / 32767.0)
         .collect()
+}
+
+/// Short name of a reader's reject, for counts: the readers' messages are the source of truth
+/// (read/*.rs), this only groups them; anything unrecognised counts as `invalid_record`.
+fn read_kind(reason: &str) -> &'static str {
+    const KINDS: [(&str, &str); 10] = [
+        ("malformed JSON", "malformed_json"),
+        ("UTF-8", "invalid_utf8"),
+        ("missing file", "missing_file"),
+        ("(symlink)", "path_escape"),
+        ("escapes the dataset root", "path_escape"),
+        ("is absolute", "path_escape"),
+        ("absolute name", "path_escape"),
+        ("'..' component", "path_escape"),
+        ("without an image", "placeholder_mismatch"),
+        ("placeholder", "placeholder_mismatch"),
+    ];
+    KINDS
+        .iter()
+        .find(|(needle, _)| reason.contains(needle))
+        .map_or("invalid_record", |(_, kind)| kind)
 }
 
 /// Short name of a tokenization failure, for reject counts.

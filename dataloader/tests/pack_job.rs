@@ -216,7 +216,11 @@ fn llava_wds_and_parquet_pack() {
         (info.packed_samples, info.images, info.audio_clips),
         (10, 5, 5)
     );
-    assert_eq!(info.rejected, 1);
+    assert_eq!(
+        info.rejected_by_kind.get("read/path_escape"),
+        Some(&1),
+        "{info:?}"
+    );
 
     // Parquet exported by Hugging Face `datasets` (tests/fixtures/read, see read.rs).
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/read/hf_chat.parquet");
