@@ -21,7 +21,7 @@ use crate::dataset::{
     BalanceInfo, DATASET_JSON, DatasetError, DatasetInfo, FORMAT_VERSION, REJECTS_JSONL,
     TokenizerInfo,
 };
-use crate::pack::{Admission, Packer};
+use crate::pack::{Admission, Pack, Packer};
 use crate::prepare::{Prepared, Preparer, SampleReject, Stage};
 use crate::read::{self, Format, ReadError};
 use crate::shard::{ShardError, ShardWriter, Staging};
@@ -224,15 +224,12 @@ pub fn run_pack(
                 }
             }
         }
-        for pack in packer.drain_packs() {
-            let samples = pack
-                .samples
-                .iter()
-                .map(|&i| staging.take(i))
-                .collect::<Result<Vec<_>, _>>()?;
-            writer.write_pack(next_pack, samples)?;
-            next_pack += 1;
-        }
+        write_packs(
+            &packer.drain_packs(),
+            &mut staging,
+            &mut writer,
+            &mut next_pack,
+        )?;
         p.rejected = rejects.total;
         p.packed = counts.samples;
         p.packs = next_pack;
@@ -240,15 +237,7 @@ pub fn run_pack(
         progress(&p);
     }
     let out = packer.finish();
-    for pack in &out.packs {
-        let samples = pack
-            .samples
-            .iter()
-            .map(|&i| staging.take(i))
-            .collect::<Result<Vec<_>, _>>()?;
-        writer.write_pack(next_pack, samples)?;
-        next_pack += 1;
-    }
+    write_packs(&out.packs, &mut staging, &mut writer, &mut next_pack)?;
     let shards = writer.finish()?;
     staging.remove()?;
     rejects.finish()?;
@@ -305,6 +294,25 @@ pub fn run_pack(
     }
     info.write(&job.output)?;
     Ok(info)
+}
+
+/// Moves the samples of `packs` from the staging file into the shards, numbering the packs.
+fn write_packs(
+    packs: &[Pack],
+    staging: &mut Staging,
+    writer: &mut ShardWriter,
+    next_pack: &mut u64,
+) -> Result<(), PackJobError> {
+    for pack in packs {
+        let samples = pack
+            .samples
+            .iter()
+            .map(|&i| staging.take(i))
+            .collect::<Result<Vec<_>, _>>()?;
+        writer.write_pack(*next_pack, samples)?;
+        *next_pack += 1;
+    }
+    Ok(())
 }
 
 #[derive(Default)]
