@@ -230,3 +230,43 @@ fn rows_match_the_stored_samples_and_the_media_decoders() {
     eprintln!("mel(f32) vs mel(s16): max {worst:.2e}, mean {mean:.2e}");
     assert!(worst < 2e-2 && mean < 1e-3, "max {worst}, mean {mean}");
 }
+
+#[test]
+fn original_media_mode_gives_the_same_pixels_and_near_mels() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (manifest, _) = jsonl_good(&tmp.path().join("data"), 12);
+    let mut cfg = test_config();
+    cfg.pack.max_seq_len = 256;
+    let pre = tmp.path().join("pre");
+    pack(&manifest, Format::Jsonl, &pre, &cfg);
+    cfg.shards.media = braid_dataloader::config::MediaStorage::Original;
+    let orig = tmp.path().join("orig");
+    pack(&manifest, Format::Jsonl, &orig, &cfg);
+    let c = LoaderConfig {
+        shuffle: false,
+        batch_rows: 1,
+        ..cfg(1)
+    };
+    let mut a = Loader::open(&pre, &c, 0, 1, None).unwrap();
+    let mut b = Loader::open(&orig, &c, 0, 1, None).unwrap();
+    assert_eq!(a.batches_per_epoch(), b.batches_per_epoch());
+    for _ in 0..a.batches_per_epoch() {
+        let (x, y) = (a.next_batch().unwrap(), b.next_batch().unwrap());
+        for (r, s) in x.rows.iter().zip(&y.rows) {
+            assert_eq!(r.ids, s.ids);
+            for (i, j) in r.images.iter().zip(&s.images) {
+                assert_eq!(i.pixels, j.pixels);
+            }
+            for (i, j) in r.audio.iter().zip(&s.audio) {
+                assert_eq!(i.frames, j.frames);
+                let worst = i
+                    .mel
+                    .iter()
+                    .zip(&j.mel)
+                    .map(|(p, q)| (p - q).abs())
+                    .fold(0f32, f32::max);
+                assert!(worst < 2e-2, "{worst}");
+            }
+        }
+    }
+}
