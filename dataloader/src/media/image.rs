@@ -4,7 +4,7 @@
 //! convert to RGB (transparency composited onto white, exactly as `transformers.image_transforms.convert_to_rgb`),
 //! resize in 8 bits with PIL's convolution filters (fast_image_resize implements the same kernels and the same
 //! support scaling when downsampling), center crop, rescale by 1/255 and normalize, with the same f32 arithmetic,
-//! so the output differs from Python only where the two 8-bit resamplers round differently (see tests/image.rs).
+//! so the output differs from Python only where the two 8-bit resamplers round differently (see tests/image_reference.rs).
 //!
 //! Hostile input: the encoded size is bounded (`max_bytes`), the format is guessed from the bytes (never the file
 //! name), and the header's dimensions are checked against `max_pixels` BEFORE any pixel buffer is allocated.

@@ -15,7 +15,7 @@
 //! frame is one of those two. Frames 0 .. L/160 - 2 are otherwise identical.
 //!
 //! Precision: f32 FFT (realfft) and f32 accumulation against numpy's f64; the reference test
-//! (tests/audio.rs) holds the difference under 1e-4 absolute on the scaled output (observed
+//! (tests/audio_mel.rs) holds the difference under 1e-4 absolute on the scaled output (observed
 //! <= 4e-5); transformers' own torch (f32) path differs from its numpy path by up to 6e-5.
 
 use std::cell::RefCell;

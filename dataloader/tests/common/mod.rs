@@ -1,6 +1,12 @@
 //! Corpus writers shared by the pack-job and loader tests: real PNG/JPEG/WAV files and
 //! manifests in every input format, plus one sample of every bad case `braid pack` must reject.
+//! The `*_util` submodules hold the helpers of the image, audio, reader and tokenizer tests.
 #![allow(dead_code, clippy::unwrap_used)]
+
+pub mod audio_util;
+pub mod image_util;
+pub mod read_util;
+pub mod tokenize_util;
 
 use std::fs;
 use std::path::{Path, PathBuf};
