@@ -235,13 +235,13 @@ fn rows_match_the_stored_samples_and_the_media_decoders() {
 fn original_media_mode_gives_the_same_pixels_and_near_mels() {
     let tmp = tempfile::tempdir().unwrap();
     let (manifest, _) = jsonl_good(&tmp.path().join("data"), 12);
-    let mut cfg = test_config();
-    cfg.pack.max_seq_len = 256;
+    let mut data = test_config();
+    data.pack.max_seq_len = 256;
     let pre = tmp.path().join("pre");
-    pack(&manifest, Format::Jsonl, &pre, &cfg);
-    cfg.shards.media = braid_dataloader::config::MediaStorage::Original;
+    pack(&manifest, Format::Jsonl, &pre, &data);
+    data.shards.media = braid_dataloader::config::MediaStorage::Original;
     let orig = tmp.path().join("orig");
-    pack(&manifest, Format::Jsonl, &orig, &cfg);
+    pack(&manifest, Format::Jsonl, &orig, &data);
     let c = LoaderConfig {
         shuffle: false,
         batch_rows: 1,
