@@ -10,7 +10,10 @@ Pipelines (each produces what Braid's loader yields: CLIP-224 normalized (3, 224
                                crop, rescale + normalize in numpy (tools/bench_image_py.py's `preprocess`):
                                what a user without a packed dataset runs every epoch.
   raw_files/librosa+whisper_fe audio: librosa.load(sr=16000) (soundfile + soxr) + WhisperFeatureExtractor
-                               (padding="do_not_pad"), tools/bench_audio_py.py's pipeline.
+                               (padding="do_not_pad", torch STFT), tools/bench_audio_py.py's pipeline.
+  raw_files/librosa+librosa_mel audio: librosa.load(sr=16000) + librosa.feature.melspectrogram (n_fft 400,
+                               hop 160, 80 Slaney mels, reflect padding) + Whisper's log10 / clamp / scaling:
+                               the "librosa-style mel" pipeline the issue names.
   same_shards/pyarrow+numpy    images: read Braid's shards with pyarrow, the stored (224, 224, 3) RGB8 ->
                                normalize in numpy -> CHW: the same work Braid's loader does.
   same_shards/pyarrow+whisper_fe audio: read the shards, stored 16 kHz s16 PCM -> float32 ->
@@ -122,6 +125,22 @@ def main():
 
         r = timed(raw_audio, args.reps)
         print(f"RESULT raw_files/librosa+whisper_fe audio {r[0]:.3f} {r[1]:.3f}")
+
+        def librosa_mel(x):
+            s = librosa.feature.melspectrogram(
+                y=x, sr=16000, n_fft=400, hop_length=160, n_mels=80, power=2.0, center=True,
+                pad_mode="reflect", norm="slaney", htk=False, fmin=0.0, fmax=8000.0)
+            m = np.log10(np.maximum(s[:, :-1], 1e-10))
+            return (np.maximum(m, m.max() - 8.0) + 4.0) / 4.0
+
+        def raw_audio_librosa():
+            for p in clips:
+                x, _ = librosa.load(p, sr=16000, mono=True)
+                librosa_mel(x)
+            return len(clips)
+
+        r = timed(raw_audio_librosa, args.reps)
+        print(f"RESULT raw_files/librosa+librosa_mel audio {r[0]:.3f} {r[1]:.3f}")
     except ImportError:
         print("librosa not installed: skipping the raw-file audio pipeline")
 
