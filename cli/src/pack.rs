@@ -99,8 +99,9 @@ pub fn run(args: PackArgs) -> u8 {
             return 2;
         }
     };
+    let tty = console_is_tty();
     let bar = ProgressBar::new_spinner();
-    if !console_is_tty() {
+    if !tty {
         bar.set_draw_target(ProgressDrawTarget::hidden());
     }
     bar.set_style(
@@ -110,7 +111,6 @@ pub fn run(args: PackArgs) -> u8 {
     bar.enable_steady_tick(Duration::from_millis(200));
     let started = Instant::now();
     let mut last_log = Instant::now();
-    let tty = console_is_tty();
     let mut on_progress = |p: &PackProgress| {
         let rate = p.read as f64 / started.elapsed().as_secs_f64().max(1e-9);
         let msg = format!(

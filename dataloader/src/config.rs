@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cost::{AudioMeta, ImageMeta};
 use crate::media::audio::{AudioConfig, AudioError};
-use crate::media::image::{Filter, ImageConfig, ImageError, Resize};
+use crate::media::image::{Filter, ImageConfig, ImageError};
 use crate::media::mel::MelExtractor;
 use crate::pack::{PackConfig, PackError};
 use crate::read::{Format, Limits, ParquetColumns, ReadConfig};
@@ -154,7 +154,7 @@ impl VisionSpec {
     /// Vision-encoder sequence length of one image (patches plus CLIP's class token).
     pub fn encoder_tokens(&self) -> usize {
         let side = self.size / self.patch.max(1);
-        side * side + usize::from(self.image_config().resize == Resize::ShortestEdgeCrop)
+        side * side + usize::from(self.preset == ImagePreset::Clip)
     }
 
     /// LLM placeholder tokens of one image.

@@ -143,7 +143,6 @@ impl DatasetInfo {
     /// Recomputes every shard's SHA-256; the error names the first shard that differs.
     pub fn verify_checksums(&self, dir: &Path) -> Result<(), DatasetError> {
         use sha2::{Digest, Sha256};
-        use std::io::Read;
         for s in &self.shards {
             let path = dir.join(&s.file);
             let bad = |reason: String| DatasetError::Invalid {
@@ -152,14 +151,7 @@ impl DatasetInfo {
             };
             let mut f = std::fs::File::open(&path).map_err(|e| bad(e.to_string()))?;
             let mut h = Sha256::new();
-            let mut buf = vec![0u8; 1 << 20];
-            loop {
-                let n = f.read(&mut buf).map_err(|e| bad(e.to_string()))?;
-                if n == 0 {
-                    break;
-                }
-                h.update(&buf[..n]);
-            }
+            std::io::copy(&mut f, &mut h).map_err(|e| bad(e.to_string()))?;
             let got = crate::shard::hex(&h.finalize());
             if got != s.sha256 {
                 return Err(bad(format!(

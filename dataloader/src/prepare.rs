@@ -33,6 +33,17 @@ pub enum Stage {
     Pack,
 }
 
+impl Stage {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stage::Read => "read",
+            Stage::Media => "media",
+            Stage::Tokenize => "tokenize",
+            Stage::Pack => "pack",
+        }
+    }
+}
+
 /// One line of `rejects.jsonl`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SampleReject {
@@ -199,7 +210,7 @@ impl<'t> Preparer<'t> {
                 match p {
                     RawPart::Text(t) => parts.push(Part::Text(t.clone())),
                     RawPart::Image(media) => {
-                        let (bytes, _) = self
+                        let bytes = self
                             .load(media, self.image.max_bytes)
                             .map_err(|(k, r)| reject(Stage::Media, k, r))?;
                         let rgb = guarded(&media.name, || {
@@ -220,7 +231,7 @@ impl<'t> Preparer<'t> {
                     }
                     RawPart::Audio(media) => {
                         let max = self.audio.decode.max_bytes as u64;
-                        let (bytes, _) = self
+                        let bytes = self
                             .load(media, max)
                             .map_err(|(k, r)| reject(Stage::Media, k, r))?;
                         let pcm = guarded(&media.name, || {
@@ -321,9 +332,9 @@ impl<'t> Preparer<'t> {
 
     /// The item's bytes: a file (size checked before reading, read through a limit in case it
     /// grows) or the inline bytes.
-    fn load(&self, media: &Media, max: u64) -> Result<(Vec<u8>, u64), (&'static str, String)> {
+    fn load(&self, media: &Media, max: u64) -> Result<Vec<u8>, (&'static str, String)> {
         match &media.bytes {
-            MediaBytes::Inline(b) => Ok((b.clone(), b.len() as u64)),
+            MediaBytes::Inline(b) => Ok(b.clone()),
             MediaBytes::Path(p) => {
                 let io = |e: std::io::Error| ("missing_file", format!("{}: {e}", media.name));
                 let f = std::fs::File::open(p).map_err(io)?;
@@ -338,7 +349,7 @@ impl<'t> Preparer<'t> {
                     let msg = format!("{}: grew past the limit of {max} bytes", media.name);
                     return Err(("too_many_bytes", msg));
                 }
-                Ok((buf, len))
+                Ok(buf)
             }
         }
     }

@@ -368,11 +368,8 @@ pub fn image_dims(bytes: &[u8], name: &str, cfg: &ImageConfig) -> Result<(u32, u
 /// Decodes an encoded image (JPEG, PNG, WebP, GIF first frame, BMP; format from the bytes) into normalized
 /// (3, size, size) pixels per `cfg`. `name` (file, tar member, row id) only labels errors.
 pub fn decode_image(bytes: &[u8], name: &str, cfg: &ImageConfig) -> Result<Pixels, ImageError> {
-    cfg.validate()?;
-    let (decoder, format, w, h) = open_decoder(bytes, name, cfg.max_pixels, cfg.max_bytes)?;
-    let img =
-        DynamicImage::from_decoder(decoder).map_err(|source| decode_err(name, format, source))?;
-    preprocess_rgb8(to_rgb8(img), w, h, name, cfg)
+    let rgb = decode_resized_rgb8(bytes, name, cfg)?;
+    Ok(normalize(&rgb, cfg))
 }
 
 /// Decodes and resizes (+ crops) like [`decode_image`] but stops before normalizing: packed RGB8
@@ -386,16 +383,8 @@ pub fn decode_resized_rgb8(
     let (decoder, format, w, h) = open_decoder(bytes, name, cfg.max_pixels, cfg.max_bytes)?;
     let img =
         DynamicImage::from_decoder(decoder).map_err(|source| decode_err(name, format, source))?;
-    let rgb = to_rgb8(img);
-    if w == 0 || h == 0 {
-        return Err(ImageError::ZeroSize {
-            name: name.into(),
-            format,
-            w,
-            h,
-        });
-    }
-    resize_rgb8(rgb, w, h, cfg).map_err(|reason| ImageError::Resize {
+    // `open_decoder` refused zero-sized images.
+    resize_rgb8(to_rgb8(img), w, h, cfg).map_err(|reason| ImageError::Resize {
         name: name.into(),
         w,
         h,

@@ -12,7 +12,7 @@ use arrow_array::{
     UInt8Array, UInt32Array, UInt64Array,
 };
 use arrow_buffer::OffsetBuffer;
-use arrow_schema::{DataType, SchemaRef};
+use arrow_schema::{DataType, Fields, SchemaRef};
 use parquet::arrow::ArrowWriter;
 use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::properties::WriterProperties;
@@ -20,7 +20,7 @@ use sha2::{Digest, Sha256};
 
 use super::{ShardError, ShardInfo, audio_fields, image_fields, list_item, schema};
 use crate::config::ShardConfig;
-use crate::cost::CostModelConfig;
+use crate::cost::{AudioMeta, CostModelConfig, ImageMeta};
 use crate::prepare::{Prepared, StoredMedia};
 
 /// Media bytes of samples admitted to the packer but not yet in a pack, kept on disk so the
@@ -341,51 +341,59 @@ impl ShardWriter {
     }
 
     fn images(&self, rows: &[(u64, Prepared)]) -> Result<ListArray, ShardError> {
-        let items: Vec<(&StoredMedia, &crate::cost::ImageMeta)> = rows
-            .iter()
-            .flat_map(|(_, s)| s.images.iter().zip(&s.meta.images))
-            .collect();
-        let u32s = |f: fn(&crate::cost::ImageMeta) -> u32| -> ArrayRef {
-            Arc::new(UInt32Array::from_iter_values(
-                items.iter().map(|(_, m)| f(m)),
-            ))
-        };
-        let mut cols = media_columns(items.iter().map(|(m, _)| *m));
-        cols.push(u32s(|m| m.patches));
-        cols.push(u32s(|m| m.llm_tokens));
-        cols.push(u32s(|m| m.llm_offset));
-        let values = StructArray::try_new(image_fields(), cols, None)
-            .map_err(|e| ShardError::invalid(&self.dir, format!("images column: {e}")))?;
-        Ok(list(
-            rows.iter().map(|(_, s)| s.images.len()),
-            Arc::new(values),
-            DataType::Struct(image_fields()),
-        ))
+        let meta: [fn(&ImageMeta) -> u32; 3] = [|m| m.patches, |m| m.llm_tokens, |m| m.llm_offset];
+        self.media_list(rows, image_items, &meta, image_fields(), "images")
     }
 
     fn audio(&self, rows: &[(u64, Prepared)]) -> Result<ListArray, ShardError> {
-        let items: Vec<(&StoredMedia, &crate::cost::AudioMeta)> = rows
+        let meta: [fn(&AudioMeta) -> u32; 4] = [
+            |m| m.mel_frames,
+            |m| m.encoder_frames,
+            |m| m.llm_tokens,
+            |m| m.llm_offset,
+        ];
+        self.media_list(rows, audio_items, &meta, audio_fields(), "audio")
+    }
+
+    /// A `list<struct{name, encoding, data, <meta u32 columns>}>` column: one list per row, one
+    /// struct per item, the u32 columns read from each item's metadata `M` in `fields` order.
+    fn media_list<M>(
+        &self,
+        rows: &[(u64, Prepared)],
+        per_row: fn(&Prepared) -> (&[StoredMedia], &[M]),
+        meta: &[fn(&M) -> u32],
+        fields: Fields,
+        column: &str,
+    ) -> Result<ListArray, ShardError> {
+        let items: Vec<(&StoredMedia, &M)> = rows
             .iter()
-            .flat_map(|(_, s)| s.audio.iter().zip(&s.meta.audio))
+            .flat_map(|(_, s)| {
+                let (media, metas) = per_row(s);
+                media.iter().zip(metas)
+            })
             .collect();
-        let u32s = |f: fn(&crate::cost::AudioMeta) -> u32| -> ArrayRef {
-            Arc::new(UInt32Array::from_iter_values(
-                items.iter().map(|(_, m)| f(m)),
-            ))
-        };
         let mut cols = media_columns(items.iter().map(|(m, _)| *m));
-        cols.push(u32s(|m| m.mel_frames));
-        cols.push(u32s(|m| m.encoder_frames));
-        cols.push(u32s(|m| m.llm_tokens));
-        cols.push(u32s(|m| m.llm_offset));
-        let values = StructArray::try_new(audio_fields(), cols, None)
-            .map_err(|e| ShardError::invalid(&self.dir, format!("audio column: {e}")))?;
+        for f in meta {
+            cols.push(Arc::new(UInt32Array::from_iter_values(
+                items.iter().map(|(_, m)| f(m)),
+            )));
+        }
+        let values = StructArray::try_new(fields.clone(), cols, None)
+            .map_err(|e| ShardError::invalid(&self.dir, format!("{column} column: {e}")))?;
         Ok(list(
-            rows.iter().map(|(_, s)| s.audio.len()),
+            rows.iter().map(|(_, s)| per_row(s).0.len()),
             Arc::new(values),
-            DataType::Struct(audio_fields()),
+            DataType::Struct(fields),
         ))
     }
+}
+
+fn image_items(s: &Prepared) -> (&[StoredMedia], &[ImageMeta]) {
+    (&s.images, &s.meta.images)
+}
+
+fn audio_items(s: &Prepared) -> (&[StoredMedia], &[AudioMeta]) {
+    (&s.audio, &s.meta.audio)
 }
 
 /// `name`, `encoding`, `data` columns of media items.

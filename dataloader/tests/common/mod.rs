@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 
 use braid_dataloader::config::DataConfig;
 use braid_dataloader::dataset::DatasetInfo;
+use braid_dataloader::demo::encode_wav;
 use braid_dataloader::job::{PackJob, run_pack};
 use braid_dataloader::read::Format;
 use serde_json::{Value, json};
@@ -42,31 +43,13 @@ pub fn jpeg(w: u32, h: u32, seed: u32) -> Vec<u8> {
 /// 16-bit mono PCM WAV of a `hz` tone.
 pub fn wav(seconds: f32, rate: u32, hz: f32) -> Vec<u8> {
     let n = (seconds * rate as f32) as usize;
-    let mut data = Vec::with_capacity(n * 2);
-    for i in 0..n {
-        let v = (0.3 * (2.0 * std::f32::consts::PI * hz * i as f32 / rate as f32).sin() * 32767.0)
-            as i16;
-        data.extend_from_slice(&v.to_le_bytes());
-    }
-    wav_header(rate, data.len() as u32, data)
-}
-
-pub fn wav_header(rate: u32, data_len: u32, data: Vec<u8>) -> Vec<u8> {
-    let mut out = Vec::new();
-    out.extend_from_slice(b"RIFF");
-    out.extend_from_slice(&(36 + data_len).to_le_bytes());
-    out.extend_from_slice(b"WAVEfmt ");
-    out.extend_from_slice(&16u32.to_le_bytes());
-    out.extend_from_slice(&1u16.to_le_bytes());
-    out.extend_from_slice(&1u16.to_le_bytes());
-    out.extend_from_slice(&rate.to_le_bytes());
-    out.extend_from_slice(&(rate * 2).to_le_bytes());
-    out.extend_from_slice(&2u16.to_le_bytes());
-    out.extend_from_slice(&16u16.to_le_bytes());
-    out.extend_from_slice(b"data");
-    out.extend_from_slice(&data_len.to_le_bytes());
-    out.extend_from_slice(&data);
-    out
+    let samples: Vec<i16> = (0..n)
+        .map(|i| {
+            (0.3 * (2.0 * std::f32::consts::PI * hz * i as f32 / rate as f32).sin() * 32767.0)
+                as i16
+        })
+        .collect();
+    encode_wav(&samples, rate)
 }
 
 /// CRC-32 (IEEE), as PNG chunks carry it.
@@ -167,7 +150,7 @@ pub fn append_bad_cases(dir: &Path, manifest: &Path) -> Vec<String> {
         b"RIFF\x10\x00\x00\x00WAVEjunkjunkjunk",
     )
     .unwrap();
-    fs::write(m.join("zero.wav"), wav_header(16_000, 0, Vec::new())).unwrap();
+    fs::write(m.join("zero.wav"), encode_wav(&[], 16_000)).unwrap();
     fs::write(m.join("empty.png"), b"").unwrap();
     // A PNG header claiming 100000 x 100000 pixels: the bomb check must fire before decoding.
     let mut bomb = good_png.clone();
