@@ -1,13 +1,13 @@
 //! The `braid` command: one subcommand per job (see DESIGN.md, "Who uses it, and how").
 //!
-//! `forward`, `pack` and `inspect` work today; `plan` and `train` arrive with the issues
-//! that build them and, until then, say so and exit with status 2.
+//! `plan` arrives with the balancer issue and, until then, says so and exits with status 2.
 
 mod demo;
 mod forward;
 mod inspect;
 mod pack;
 mod plot;
+mod train;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -45,11 +45,9 @@ enum Command {
     },
     /// Write a small multimodal demo dataset (shapes and tones) to train on.
     DemoData(demo::DemoArgs),
-    /// Train a run configuration (arrives with the training issue).
-    Train {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
-        args: Vec<String>,
-    },
+    /// Train a run config (default: the CPU demo, configs/demo.toml): progress, metrics.jsonl,
+    /// checkpoints, held-out eval, Hugging Face export.
+    Train(train::TrainArgs),
     /// Pack raw multimodal data (JSONL chat, LLaVA, WebDataset, Parquet) into validated,
     /// tokenized, length-annotated Parquet shards; bad samples go to rejects.jsonl.
     Pack(pack::PackArgs),
@@ -65,7 +63,7 @@ enum Command {
 fn not_yet(what: &str) -> ExitCode {
     eprintln!(
         "braid {}: `{what}` is not available in this build yet; today braid has the compute \
-         core, the models, `braid pack`, `braid inspect` and `braid forward` (see README.md)",
+         core, the models, `braid train`, `braid pack`, `braid inspect` and `braid forward` (see README.md)",
         env!("CARGO_PKG_VERSION")
     );
     ExitCode::from(2)
@@ -86,7 +84,7 @@ fn main() -> ExitCode {
             }
         },
         Command::DemoData(args) => demo::run(&args),
-        Command::Train { .. } => not_yet("train"),
+        Command::Train(args) => train::run(args),
         Command::Pack(args) => ExitCode::from(pack::run(args)),
         Command::Inspect(args) => ExitCode::from(inspect::run(args)),
         Command::Plan { .. } => not_yet("plan"),

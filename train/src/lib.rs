@@ -1,11 +1,28 @@
-//! braid-train: run config, job assembly, pipeline schedules, optimizer, checkpoints and metrics.
+//! braid-train: run config, job assembly, optimizer, checkpoints, metrics and the loop.
 //!
 //! - [`mllm`]: the multimodal model (encoders, projectors, LLM) as one trainable unit,
 //!   with its batch type, per-module freezing and the end-to-end forward/backward.
+//! - [`config`]: the run config (`RUN.toml` + `--set`), validated before anything runs.
+//! - [`trainer`]: set-up, the step, checkpoints, evaluation, export.
+//! - [`optim`], [`checkpoint`], [`metrics`], [`eval`], [`data`]: the parts it uses.
 
+pub mod assemble;
+pub mod checkpoint;
+pub mod config;
+pub mod data;
+pub mod error;
+pub mod eval;
+pub mod export;
+pub mod metrics;
 pub mod mllm;
+pub mod optim;
+pub mod resume;
+pub mod trainer;
 
+pub use config::RunConfig;
+pub use error::TrainError;
 pub use mllm::{
     AudioProjectorConfig, Freeze, InputGrads, Mllm, MllmBatch, MllmCache, MllmConfig, MllmLoss,
     MllmParts, VisionProjectorConfig,
 };
+pub use trainer::{Observer, Quiet, RunInfo, RunSummary, Trainer};

@@ -95,6 +95,15 @@ struct AudioBranch {
     projector: AudioProjectorCache,
 }
 
+/// The modality block of one forward and the branches' backward state.
+struct Embedded {
+    modality: Option<ModalityEmbeds>,
+    vision: Option<VisionBranch>,
+    audio: Option<AudioBranch>,
+    g_v: usize,
+    g_a: usize,
+}
+
 /// What [`Mllm::backward`] needs.
 #[derive(Debug)]
 pub struct MllmCache {
@@ -134,6 +143,18 @@ fn ids(v: Vec<u32>, dev: Device) -> Result<Tensor> {
     Tensor::from_vec_u32(v, [n], dev).ctx("mllm", "index tensor")
 }
 
+/// (M) u32: every image's placeholder positions, then every clip's, in block order.
+fn placeholder_positions(batch: &MllmBatch) -> Result<Tensor> {
+    let pos: Vec<u32> = batch
+        .image_positions
+        .iter()
+        .chain(&batch.clip_positions)
+        .flatten()
+        .copied()
+        .collect();
+    ids(pos, batch.ids.device())
+}
+
 /// Rows `start .. start + n` of x (M, C), without a copy when that is all of x.
 fn rows(x: &Tensor, start: usize, n: usize) -> Result<Option<Tensor>> {
     if start == 0 && n == x.dims()[0] {
@@ -166,6 +187,58 @@ impl Mllm {
         normalizer: Option<usize>,
     ) -> Result<(MllmLoss, MllmCache)> {
         batch.validate(&self.config)?;
+        let Embedded {
+            modality,
+            vision,
+            audio,
+            g_v,
+            g_a,
+        } = self.embed_modalities(batch, false)?;
+        let (logits, llm_cache) = self
+            .llm
+            .forward(&batch.ids, &batch.seq, modality.as_ref())?; // (T, V)
+        let out = cross_entropy_loss(&logits, &batch.targets, normalizer)?;
+        drop(logits);
+        let loss = MllmLoss {
+            loss: out.loss,
+            loss_sum: out.loss_sum,
+            n_valid: out.n_valid,
+        };
+        let needs_backward = trainable(&self.llm) || vision.is_some() || audio.is_some();
+        let cache = MllmCache {
+            llm: needs_backward.then_some((llm_cache, out.dlogits)),
+            vision,
+            audio,
+            g_v,
+            g_a,
+        };
+        Ok((loss, cache))
+    }
+
+    /// Encoders and projectors over the batch's images and clips, as one (M, C) block
+    /// for the placeholder positions (image rows, then clip rows). `zeroed`: the block is
+    /// all zeros and the encoders do not run (the text-only ablation of evaluation).
+    fn embed_modalities(&self, batch: &MllmBatch, zeroed: bool) -> Result<Embedded> {
+        if zeroed {
+            let m = batch.num_modality_tokens();
+            let dev = batch.ids.device();
+            let modality = if m == 0 {
+                None
+            } else {
+                Some(ModalityEmbeds {
+                    positions: placeholder_positions(batch)?,
+                    embeds: Tensor::zeros(vec![m, self.config.llm.hidden], DType::F32, dev)
+                        .ctx("mllm", "zeros")?, // (M, C)
+                })
+            };
+            return Ok(Embedded {
+                modality,
+                vision: None,
+                audio: None,
+                g_v: 0,
+                g_a: 0,
+            });
+        }
         let dev = batch.ids.device();
         let c = self.config.llm.hidden;
         let (yv, vision) = match &batch.images {
@@ -207,40 +280,29 @@ impl Mllm {
             }
         };
         let modality = match embeds {
-            Some(embeds) => {
-                let pos: Vec<u32> = batch
-                    .image_positions
-                    .iter()
-                    .chain(&batch.clip_positions)
-                    .flatten()
-                    .copied()
-                    .collect(); // (M)
-                Some(ModalityEmbeds {
-                    positions: ids(pos, dev)?,
-                    embeds,
-                })
-            }
+            Some(embeds) => Some(ModalityEmbeds {
+                positions: placeholder_positions(batch)?,
+                embeds,
+            }),
             None => None,
         };
-        let (logits, llm_cache) = self
-            .llm
-            .forward(&batch.ids, &batch.seq, modality.as_ref())?; // (T, V)
-        let out = cross_entropy_loss(&logits, &batch.targets, normalizer)?;
-        drop(logits);
-        let loss = MllmLoss {
-            loss: out.loss,
-            loss_sum: out.loss_sum,
-            n_valid: out.n_valid,
-        };
-        let needs_backward = trainable(&self.llm) || vision.is_some() || audio.is_some();
-        let cache = MllmCache {
-            llm: needs_backward.then_some((llm_cache, out.dlogits)),
+        Ok(Embedded {
+            modality,
             vision,
             audio,
             g_v,
             g_a,
-        };
-        Ok((loss, cache))
+        })
+    }
+
+    /// Logits (T, V) of a batch without keeping anything for backward; `zero_modality`
+    /// replaces every image and clip embedding by zeros (what the model predicts from the
+    /// text alone).
+    pub fn logits(&self, batch: &MllmBatch, zero_modality: bool) -> Result<Tensor> {
+        batch.validate(&self.config)?;
+        let e = self.embed_modalities(batch, zero_modality)?;
+        let (logits, _cache) = self.llm.forward(&batch.ids, &batch.seq, e.modality.as_ref())?;
+        Ok(logits)
     }
 
     /// pixel_values (B, C, H, W) -> projected rows (B * tokens_per_image, C) and the

@@ -1,0 +1,227 @@
+//! `braid train [--config RUN.toml] [--set KEY=VALUE]... [--resume]`: runs a training
+//! config (the CPU demo, `configs/demo.toml`, by default) with a progress bar on a terminal
+//! and plain log lines otherwise; at the end a loss-curve PNG and a one-screen summary.
+//!
+//! Exit status: 0 when the run finished, 1 when it failed, 2 for a bad config or usage.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use braid_train::metrics::{StepMetrics, read_metrics};
+use braid_train::{Observer, RunConfig, RunInfo, RunSummary, TrainError, Trainer};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::plot::{LineChart, Series};
+
+/// Train a run config: the CPU demo by default.
+#[derive(Debug, clap::Args)]
+pub struct TrainArgs {
+    /// Run config (TOML).
+    #[arg(long, default_value = "configs/demo.toml")]
+    config: PathBuf,
+    /// Override any key of the config, e.g. `--set train.steps=50 --set optim.lr=1e-3`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
+    /// Continue from the newest complete checkpoint in the run folder.
+    #[arg(long)]
+    resume: bool,
+}
+
+/// Progress output: a bar on a terminal, log lines every `log.interval` steps otherwise.
+struct Progress {
+    bar: Option<ProgressBar>,
+    interval: u64,
+    started: Instant,
+    first_step: u64,
+}
+
+fn human_duration(s: f64) -> String {
+    let s = s.max(0.0).round() as u64;
+    if s >= 3600 {
+        format!("{}h{:02}m", s / 3600, (s % 3600) / 60)
+    } else if s >= 60 {
+        format!("{}m{:02}s", s / 60, s % 60)
+    } else {
+        format!("{s}s")
+    }
+}
+
+impl Progress {
+    fn new(interval: u64) -> Self {
+        Progress {
+            bar: None,
+            interval,
+            started: Instant::now(),
+            first_step: 0,
+        }
+    }
+
+    fn line(&self, m: &StepMetrics, total: u64) -> String {
+        let done = m.step.saturating_sub(self.first_step).max(1) as f64;
+        let el = self.started.elapsed().as_secs_f64();
+        let eta = el / done * (total - m.step) as f64;
+        let tps = m.tokens as f64 / m.step_time_s.max(1e-9);
+        format!(
+            "step {}/{total} | loss {:.4} | lr {:.2e} | grad norm {:.3} | {:.0} tok/s | {:.2} s/step | ETA {}{}",
+            m.step,
+            m.loss,
+            m.lr,
+            m.grad_norm,
+            tps,
+            m.step_time_s,
+            human_duration(eta),
+            if m.skipped { " | SKIPPED (non-finite)" } else { "" }
+        )
+    }
+}
+
+impl Observer for Progress {
+    fn log(&mut self, line: &str) {
+        match &self.bar {
+            Some(b) => b.println(line),
+            None => eprintln!("{line}"),
+        }
+    }
+
+    fn start(&mut self, info: &RunInfo) {
+        let m = |n: usize| n as f64 / 1e6;
+        eprintln!(
+            "run {}: {:.2}M params ({:.2}M trainable), {} packs of <= {} tokens, {} rows/step in {} microbatch(es), {} steps/epoch",
+            info.name,
+            m(info.params),
+            m(info.trainable),
+            info.packs,
+            info.max_seq_len,
+            info.batch_rows,
+            info.microbatches,
+            info.batches_per_epoch
+        );
+        self.started = Instant::now();
+        self.first_step = info.start_step;
+        if std::io::stderr().is_terminal() {
+            let bar = ProgressBar::with_draw_target(Some(info.steps), ProgressDrawTarget::stderr());
+            bar.set_style(
+                ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+            bar.set_position(info.start_step);
+            self.bar = Some(bar);
+        }
+    }
+
+    fn step(&mut self, m: &StepMetrics, total: u64) {
+        let line = self.line(m, total);
+        match &self.bar {
+            Some(b) => {
+                b.set_position(m.step);
+                b.set_message(line.split_once(" | ").map_or(line.clone(), |x| x.1.to_string()));
+            }
+            None => {
+                if m.step % self.interval == 0 || m.step == total || m.step == self.first_step + 1 || m.skipped {
+                    eprintln!("{line}");
+                }
+            }
+        }
+    }
+
+    fn checkpoint(&mut self, step: u64, dir: &Path) {
+        self.log(&format!("checkpoint @ step {step}: {}", dir.display()));
+    }
+}
+
+/// Loss against step from metrics.jsonl, as a PNG.
+fn plot_loss(run_dir: &Path) -> Result<PathBuf, String> {
+    let metrics = read_metrics(&run_dir.join("metrics.jsonl")).map_err(|e| e.to_string())?;
+    let out = run_dir.join("loss.png");
+    LineChart {
+        title: "training loss".into(),
+        x_label: "step".into(),
+        y_label: "cross-entropy".into(),
+        series: vec![Series {
+            name: "loss".into(),
+            points: metrics.iter().filter(|m| !m.skipped).map(|m| (m.step as f64, m.loss)).collect(),
+        }],
+        log_y: false,
+    }
+    .write_png(&out)
+    .map_err(|e| e.to_string())?;
+    Ok(out)
+}
+
+fn summary(s: &RunSummary, dir: &Path, plot: Option<&Path>) {
+    eprintln!("\n== run finished: {} ==", dir.display());
+    eprintln!("steps            {} ({} skipped)", s.steps, s.skipped_steps);
+    if let Some(f) = s.first_loss {
+        eprintln!("loss             {f:.4} -> {:.4} (mean of the last 10 steps)", s.final_loss);
+    }
+    if s.train_s > 0.0 {
+        eprintln!(
+            "time             {} ({:.0} tokens/s)",
+            human_duration(s.train_s),
+            s.tokens as f64 / s.train_s
+        );
+    }
+    if let Some(e) = &s.eval {
+        eprintln!(
+            "held-out         {} {:.4} vs text only {:.4}; exact answers {:.1} % vs {:.1} %; loss {:.4} vs {:.4} ({} samples)",
+            e.metric,
+            e.heldout,
+            e.text_only,
+            100.0 * e.exact_match,
+            100.0 * e.exact_match_text_only,
+            e.loss,
+            e.loss_text_only,
+            e.samples
+        );
+        eprintln!("                 -> {}", dir.join("eval.json").display());
+    }
+    if let Some(c) = &s.checkpoint {
+        eprintln!("checkpoint       {}", c.display());
+    }
+    if let Some(x) = &s.export {
+        eprintln!("hugging face     {}", x.display());
+    }
+    eprintln!("metrics          {}", dir.join("metrics.jsonl").display());
+    if let Some(p) = plot {
+        eprintln!("loss curve       {}", p.display());
+    }
+}
+
+pub fn run(args: TrainArgs) -> ExitCode {
+    let cfg = match RunConfig::from_file(&args.config, &args.sets) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("braid train: error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let dir = cfg.run.dir.clone();
+    let mut progress = Progress::new(cfg.log.interval);
+    let result = Trainer::new(cfg, args.resume, &mut progress).and_then(|t| t.run(&mut progress));
+    if let Some(b) = progress.bar.take() {
+        b.finish_and_clear();
+    }
+    match result {
+        Ok(s) => {
+            let plot = match plot_loss(&dir) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    eprintln!("braid train: warning: no loss curve: {e}");
+                    None
+                }
+            };
+            summary(&s, &dir, plot.as_deref());
+            ExitCode::SUCCESS
+        }
+        Err(e @ TrainError::Config(_)) => {
+            eprintln!("braid train: error: {e}");
+            ExitCode::from(2)
+        }
+        Err(e) => {
+            eprintln!("braid train: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,153 @@
+//! Building the model a run config describes: each module from its sizes (random init from
+//! the run's seed) or from a Hugging Face folder, checked against the dataset it will read
+//! (vocabulary, image geometry, mel bins, audio pooling) before any step runs.
+
+use braid_dataloader::dataset::DatasetInfo;
+use braid_encoders::{VisionEncoder, WhisperEncoder};
+use braid_kernels::Device;
+use braid_llm::{Llm, LlmConfig};
+use braid_nn::{Init, Module};
+
+use crate::config::{ModuleSpec, RunConfig, invalid};
+use crate::error::Result;
+use crate::mllm::{Freeze, Mllm, MllmConfig, MllmParts};
+
+/// The module configs, reading `config.json` of the modules started from Hugging Face.
+pub fn model_config(cfg: &RunConfig) -> Result<MllmConfig> {
+    let m = &cfg.model;
+    let llm = match &m.llm {
+        ModuleSpec::Sizes(c) => c.clone(),
+        ModuleSpec::Hf(p) => LlmConfig::from_hf_config(p)?,
+    };
+    let vision = match &m.vision {
+        None => None,
+        Some(ModuleSpec::Sizes(c)) => Some(c.clone()),
+        Some(ModuleSpec::Hf(p)) => Some(VisionEncoder::from_hf_dir(p, Device::Cpu)?.model.config),
+    };
+    let audio = match &m.audio {
+        None => None,
+        Some(ModuleSpec::Sizes(c)) => Some(c.clone()),
+        Some(ModuleSpec::Hf(p)) => Some(WhisperEncoder::from_hf_dir(p, Device::Cpu)?.model.config),
+    };
+    let config = MllmConfig {
+        llm,
+        vision,
+        vision_projector: m.projector.vision.clone(),
+        audio,
+        audio_projector: m.projector.audio.clone(),
+    };
+    config
+        .validate()
+        .map_err(|e| invalid("model", e.to_string()))?;
+    Ok(config)
+}
+
+/// Checks that the model reads what the dataset holds; each message names both sides.
+pub fn check_against_dataset(config: &MllmConfig, data: &DatasetInfo, data_key: &str) -> Result<()> {
+    let vocab = data.tokenizer.vocab_size;
+    if vocab > config.llm.vocab {
+        return Err(invalid(
+            "model.llm.vocab",
+            format!(
+                "{} is smaller than the vocabulary of the tokenizer {data_key} was packed with ({vocab})",
+                config.llm.vocab
+            ),
+        )
+        .into());
+    }
+    let s = &data.settings;
+    match (&config.vision, &config.vision_projector) {
+        (Some(v), Some(p)) => {
+            if v.image_size != s.image.size || v.patch_size != s.image.patch || p.spatial_merge != s.image.merge {
+                return Err(invalid(
+                    "model.vision",
+                    format!(
+                        "image_size {} / patch_size {} / spatial_merge {} differ from the data's [image] size {} / patch {} / merge {} ({data_key}): pack the data for this encoder or change the model",
+                        v.image_size, v.patch_size, p.spatial_merge, s.image.size, s.image.patch, s.image.merge
+                    ),
+                )
+                .into());
+            }
+        }
+        _ if data.images > 0 => {
+            return Err(invalid(
+                "model.vision",
+                format!("{data_key} holds {} images but the model has no vision encoder", data.images),
+            )
+            .into());
+        }
+        _ => {}
+    }
+    match (&config.audio, &config.audio_projector) {
+        (Some(a), Some(p)) => {
+            if a.num_mel_bins != s.audio.decode.n_mels {
+                return Err(invalid(
+                    "model.audio.num_mel_bins",
+                    format!(
+                        "{} differs from the data's [audio.decode] n_mels = {} ({data_key})",
+                        a.num_mel_bins, s.audio.decode.n_mels
+                    ),
+                )
+                .into());
+            }
+            if p.stride != s.audio.pool_stride || s.audio.conv_stride != 2 {
+                return Err(invalid(
+                    "model.projector.audio.stride",
+                    format!(
+                        "{} (after the encoder's stride-2 conv) differs from the data's [audio] pool_stride = {} / conv_stride = {} ({data_key})",
+                        p.stride, s.audio.pool_stride, s.audio.conv_stride
+                    ),
+                )
+                .into());
+            }
+        }
+        _ if data.audio_clips > 0 => {
+            return Err(invalid(
+                "model.audio",
+                format!("{data_key} holds {} audio clips but the model has no audio encoder", data.audio_clips),
+            )
+            .into());
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// The model: random init from `seed` for modules given by sizes, Hugging Face weights
+/// for the others; then the config's freezing.
+pub fn build_model(cfg: &RunConfig, config: MllmConfig, seed: u64, device: Device) -> Result<Mllm> {
+    let init = Init::new(seed, device).with_std(cfg.model.init_std);
+    let mut model = Mllm::new(config.clone(), &init)?;
+    let any_hf = cfg.model.llm.hf_path().is_some()
+        || cfg.model.vision.as_ref().and_then(|v| v.hf_path()).is_some()
+        || cfg.model.audio.as_ref().and_then(|a| a.hf_path()).is_some();
+    if any_hf {
+        let mut parts: MllmParts = model.into_parts();
+        if let Some(p) = cfg.model.llm.hf_path() {
+            parts.llm = Llm::from_hf_dir(p, device)?.0;
+        }
+        if let Some(p) = cfg.model.vision.as_ref().and_then(|v| v.hf_path()) {
+            parts.vision = Some(VisionEncoder::from_hf_dir(p, device)?.model);
+        }
+        if let Some(p) = cfg.model.audio.as_ref().and_then(|a| a.hf_path()) {
+            parts.audio = Some(WhisperEncoder::from_hf_dir(p, device)?.model);
+        }
+        model = Mllm::from_parts(config, parts)?;
+    }
+    let freeze = Freeze::from_names(&cfg.train.freeze)?;
+    model.apply_freeze(freeze)?;
+    Ok(model)
+}
+
+/// Parameters in total and trainable.
+pub fn param_counts(model: &Mllm) -> (usize, usize) {
+    let mut total = 0;
+    let mut trainable = 0;
+    model.visit_params(&mut |p| {
+        total += p.value.elem_count();
+        if p.is_trainable() {
+            trainable += p.value.elem_count();
+        }
+    });
+    (total, trainable)
+}

@@ -1,0 +1,243 @@
+//! `[checkpoint]` and the checkpoint folder: `<run.dir>/checkpoints/step-00000050/` holds
+//! `model.safetensors` (every weight, module-prefixed names), `optim.safetensors` (AdamW
+//! moments, `<param>.exp_avg` / `<param>.exp_avg_sq`), `state.json` (step counters, the
+//! loader's position, the seed) and `config.toml` (the resolved run config).
+//!
+//! Atomicity: everything is written into `.tmp-step-...`, each file synced, then the folder
+//! is renamed into place and the parent synced. A folder named `step-*` is therefore always
+//! complete; a crash mid-write leaves only a `.tmp-*` folder, removed on the next start.
+
+use std::path::{Path, PathBuf};
+
+use braid_dataloader::loader::LoaderState;
+use braid_kernels::Device;
+use braid_nn::Module;
+use braid_nn::hf::{WeightFiles, save_safetensors};
+use serde::{Deserialize, Serialize};
+
+use crate::config::{ConfigError, invalid};
+use crate::error::{Result, TrainError, io_err};
+use crate::optim::AdamW;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointConfig {
+    /// Steps between checkpoints; 0: only at the end.
+    pub interval: u64,
+    /// Checkpoints kept (the oldest are deleted once a newer one is in place).
+    pub keep: usize,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        CheckpointConfig {
+            interval: 100,
+            keep: 3,
+        }
+    }
+}
+
+impl CheckpointConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.keep == 0 {
+            return Err(invalid("checkpoint.keep", "must be >= 1"));
+        }
+        Ok(())
+    }
+}
+
+/// `state.json`: everything besides tensors that resuming needs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainState {
+    /// Steps completed (skipped ones included).
+    pub step: u64,
+    /// AdamW updates applied (bias correction).
+    pub optimizer_step: u64,
+    /// The loader's next batch.
+    pub loader: LoaderState,
+    /// The run's seed (weight init and data order; the step draws no random numbers).
+    pub seed: u64,
+    pub skipped_steps: u64,
+    pub nonfinite_in_a_row: u64,
+    pub tokens_seen: u64,
+    /// Training time so far, summed over every resumed segment.
+    pub elapsed_s: f64,
+}
+
+pub const MODEL_FILE: &str = "model.safetensors";
+pub const OPTIM_FILE: &str = "optim.safetensors";
+pub const STATE_FILE: &str = "state.json";
+pub const CONFIG_FILE: &str = "config.toml";
+
+fn step_dir_name(step: u64) -> String {
+    format!("step-{step:08}")
+}
+
+fn ckpt_err(path: &Path, reason: impl Into<String>) -> TrainError {
+    TrainError::Checkpoint {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    std::fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(io_err(dir, "sync"))
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path).map_err(io_err(path, "create"))?;
+    f.write_all(bytes)
+        .and_then(|()| f.sync_all())
+        .map_err(io_err(path, "write"))
+}
+
+/// Complete checkpoints under `root`, oldest first, as (step, folder).
+pub fn list(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let rd = match std::fs::read_dir(root) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_err(root, "list")(e)),
+    };
+    let mut out = Vec::new();
+    for entry in rd {
+        let entry = entry.map_err(io_err(root, "list"))?;
+        let name = entry.file_name().to_string_lossy().to_string();
+        if let Some(n) = name.strip_prefix("step-")
+            && let Ok(step) = n.parse::<u64>()
+            && entry.path().join(STATE_FILE).is_file()
+        {
+            out.push((step, entry.path()));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// The newest complete checkpoint under `root`.
+pub fn latest(root: &Path) -> Result<Option<(u64, PathBuf)>> {
+    Ok(list(root)?.pop())
+}
+
+/// Removes half-written `.tmp-*` folders left by a crash.
+pub fn remove_partial(root: &Path) -> Result<()> {
+    let Ok(rd) = std::fs::read_dir(root) else {
+        return Ok(());
+    };
+    for entry in rd.flatten() {
+        if entry.file_name().to_string_lossy().starts_with(".tmp-") {
+            std::fs::remove_dir_all(entry.path()).map_err(io_err(&entry.path(), "remove"))?;
+        }
+    }
+    Ok(())
+}
+
+/// Writes one checkpoint atomically and deletes the oldest beyond `keep`. Returns its folder.
+pub fn save<M: Module + ?Sized>(
+    root: &Path,
+    model: &M,
+    optim: &AdamW,
+    state: &TrainState,
+    config_toml: &str,
+    keep: usize,
+) -> Result<PathBuf> {
+    std::fs::create_dir_all(root).map_err(io_err(root, "create"))?;
+    let name = step_dir_name(state.step);
+    let tmp = root.join(format!(".tmp-{name}"));
+    let dst = root.join(&name);
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp, "remove"))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(io_err(&tmp, "create"))?;
+
+    let mut weights = Vec::new();
+    model.visit_params(&mut |p| weights.push((p.name.clone(), &p.value)));
+    save_safetensors(&tmp.join(MODEL_FILE), &weights)?;
+    let mut moments = Vec::with_capacity(2 * optim.moments.len());
+    for m in &optim.moments {
+        moments.push((format!("{}.exp_avg", m.name), &m.exp_avg));
+        moments.push((format!("{}.exp_avg_sq", m.name), &m.exp_avg_sq));
+    }
+    save_safetensors(&tmp.join(OPTIM_FILE), &moments)?;
+    let json = serde_json::to_string_pretty(state).map_err(|e| ckpt_err(&tmp, e.to_string()))?;
+    write_synced(&tmp.join(STATE_FILE), json.as_bytes())?;
+    write_synced(&tmp.join(CONFIG_FILE), config_toml.as_bytes())?;
+    sync_dir(&tmp)?;
+
+    if dst.exists() {
+        // The same step saved again (a resumed run re-reaching it): replace it whole.
+        std::fs::remove_dir_all(&dst).map_err(io_err(&dst, "remove"))?;
+    }
+    std::fs::rename(&tmp, &dst).map_err(io_err(&dst, "rename into place"))?;
+    sync_dir(root)?;
+
+    let all = list(root)?;
+    if all.len() > keep {
+        for (_, old) in &all[..all.len() - keep] {
+            std::fs::remove_dir_all(old).map_err(io_err(old, "remove old checkpoint"))?;
+        }
+    }
+    Ok(dst)
+}
+
+/// Reads `state.json` of a checkpoint folder.
+pub fn read_state(dir: &Path) -> Result<TrainState> {
+    let p = dir.join(STATE_FILE);
+    let text = std::fs::read_to_string(&p).map_err(io_err(&p, "read"))?;
+    serde_json::from_str(&text).map_err(|e| ckpt_err(&p, format!("invalid state.json: {e}")))
+}
+
+/// Overwrites every weight of `model` from `dir/model.safetensors`; every parameter must
+/// be there with its shape, and nothing else may be.
+pub fn load_weights<M: Module + ?Sized>(dir: &Path, model: &mut M, device: Device) -> Result<()> {
+    let path = dir.join(MODEL_FILE);
+    let files = WeightFiles::open_files(std::slice::from_ref(&path))?;
+    let mut res: Result<()> = Ok(());
+    let mut n = 0usize;
+    model.visit_params_mut(&mut |p| {
+        if res.is_err() {
+            return;
+        }
+        n += 1;
+        let dims = p.value.dims().to_vec();
+        match files.load(&p.name, &dims, device) {
+            Ok(t) => p.value = t,
+            Err(e) => res = Err(e.into()),
+        }
+    });
+    res?;
+    let stored = files.names().count();
+    if stored != n {
+        return Err(ckpt_err(
+            &path,
+            format!("{stored} tensors stored but the model has {n} parameters: the checkpoint is of another model"),
+        ));
+    }
+    Ok(())
+}
+
+/// Restores the AdamW moments (one pair per trainable parameter) and the update count.
+pub fn load_optim(dir: &Path, optim: &mut AdamW, optimizer_step: u64, device: Device) -> Result<()> {
+    let path = dir.join(OPTIM_FILE);
+    let files = WeightFiles::open_files(std::slice::from_ref(&path))?;
+    for m in &mut optim.moments {
+        let dims = m.exp_avg.dims().to_vec();
+        m.exp_avg = files.load(&format!("{}.exp_avg", m.name), &dims, device)?;
+        m.exp_avg_sq = files.load(&format!("{}.exp_avg_sq", m.name), &dims, device)?;
+    }
+    let stored = files.names().count();
+    if stored != 2 * optim.moments.len() {
+        return Err(ckpt_err(
+            &path,
+            format!(
+                "{stored} tensors stored for {} trainable parameters (2 each): were other modules frozen?",
+                optim.moments.len()
+            ),
+        ));
+    }
+    optim.step = optimizer_step;
+    Ok(())
+}

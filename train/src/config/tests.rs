@@ -1,0 +1,121 @@
+//! Run-config parsing and validation: every bad key is named.
+
+use super::*;
+
+/// A complete small config; tests change one thing at a time.
+pub(crate) const BASE: &str = r#"
+[run]
+name = "t"
+dir = "runs/t"
+seed = 7
+
+[data]
+path = "data/packed"
+
+[model.llm]
+family = "llama"
+vocab = 261
+hidden = 32
+intermediate = 64
+layers = 2
+heads = 4
+kv_heads = 2
+head_dim = 8
+rms_norm_eps = 1e-5
+max_position_embeddings = 512
+rope = { theta = 10000.0 }
+tie_embeddings = false
+qkv_bias = false
+
+[train]
+steps = 10
+batch_rows = 4
+"#;
+
+fn err(sets: &[&str]) -> String {
+    let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+    RunConfig::from_toml(BASE, "base.toml", &sets).unwrap_err().to_string()
+}
+
+#[test]
+fn the_base_config_parses_with_defaults() {
+    let c = RunConfig::from_toml(BASE, "base.toml", &[]).unwrap();
+    assert_eq!(c.train.microbatches, 1);
+    assert_eq!(c.parallel.world_size, 1);
+    assert_eq!(c.checkpoint.keep, 3);
+    // The resolved config parses back to the same config.
+    let again = RunConfig::from_toml(&c.to_toml().unwrap(), "resolved", &[]).unwrap();
+    assert_eq!(again, c);
+}
+
+#[test]
+fn set_overrides_reach_every_section() {
+    let sets: Vec<String> = ["train.steps=3", "optim.lr=0.01", "model.llm.layers=1", "run.dir=elsewhere"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let c = RunConfig::from_toml(BASE, "base.toml", &sets).unwrap();
+    assert_eq!(c.train.steps, 3);
+    assert_eq!(c.optim.lr, 0.01);
+    assert_eq!(c.run.dir, std::path::PathBuf::from("elsewhere"));
+    match &c.model.llm {
+        ModuleSpec::Sizes(l) => assert_eq!(l.layers, 1),
+        ModuleSpec::Hf(_) => panic!("sizes expected"),
+    }
+}
+
+#[test]
+fn typos_and_bad_values_name_the_key() {
+    for (sets, needle) in [
+        (&["train.stpes=3"][..], "stpes"),
+        (&["optim.lrr=3"][..], "lrr"),
+        (&["model.llm.hiden=3"][..], "hiden"),
+        (&["train.steps=0"][..], "train.steps"),
+        (&["optim.lr=-1"][..], "optim.lr"),
+        (&["optim.beta2=1.5"][..], "optim.beta2"),
+        (&["optim.warmup_steps=50"][..], "optim.warmup_steps"),
+        (&["optim.schedule=\"cosin\""][..], "cosin"),
+        (&["train.microbatches=9"][..], "train.microbatches"),
+        (&["train.freeze=[\"visoin\"]"][..], "visoin"),
+        (&["parallel.world_size=8"][..], "parallel.world_size"),
+        (&["parallel.device=\"cuda\""][..], "parallel.device"),
+        (&["parallel.llm.tp=0"][..], "parallel.llm.tp"),
+        (&["checkpoint.keep=0"][..], "checkpoint.keep"),
+        (&["train.batch_tokens=100"][..], "batch_rows or batch_tokens"),
+        (&["model.llm.init=\"hf:x\""][..], "init"),
+        (&["model.projector.vision.in_dim=4"][..], "model.projector.vision"),
+        (&["surprise.key=1"][..], "surprise"),
+    ] {
+        let e = err(sets);
+        assert!(e.contains(needle), "{sets:?}: {e}");
+    }
+}
+
+#[test]
+fn hf_init_takes_no_sizes() {
+    let text = BASE.replace(
+        "[model.llm]\nfamily",
+        "[model.llm]\ninit = \"hf:/models/x\"\n[model.unused]\nfamily",
+    );
+    // Sizes moved out of [model.llm]: the unknown table is named.
+    let e = RunConfig::from_toml(&text, "x", &[]).unwrap_err().to_string();
+    assert!(e.contains("unused"), "{e}");
+    let only_init = r#"
+[run]
+name = "t"
+dir = "d"
+[data]
+path = "p"
+[model.llm]
+init = "hf:/models/x"
+[train]
+steps = 1
+batch_rows = 1
+"#;
+    let c = RunConfig::from_toml(only_init, "x", &[]).unwrap();
+    assert_eq!(c.model.llm.hf_path(), Some(std::path::Path::new("/models/x")));
+    let e = RunConfig::from_toml(&only_init.replace("hf:/models/x", "/models/x"), "x", &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("hf:PATH"), "{e}");
+}

@@ -1,0 +1,170 @@
+//! From the loader's packed rows to the model's batches, and the datasets a run needs:
+//! made on first use (demo data generated, raw input packed) when the config says how.
+
+use std::path::Path;
+
+use braid_dataloader::config::DataConfig;
+use braid_dataloader::dataset::DatasetInfo;
+use braid_dataloader::demo::{DemoConfig, write_demo};
+use braid_dataloader::job::{PackJob, run_pack};
+use braid_dataloader::loader::Row;
+use braid_kernels::{Device, Tensor};
+use braid_llm::next_token_targets;
+use braid_nn::SeqInfo;
+use braid_nn::error::Context;
+
+use crate::error::{Result, TrainError};
+use crate::mllm::MllmBatch;
+
+/// Concatenates packed rows into one model batch (the samples of every row back to back),
+/// with next-token targets from the loss masks.
+pub fn rows_to_batch(rows: &[&Row], device: Device) -> Result<MllmBatch> {
+    let t: usize = rows.iter().map(|r| r.len()).sum();
+    let mut ids = Vec::with_capacity(t); // (T)
+    let mut positions = Vec::with_capacity(t); // (T)
+    let mut mask = Vec::with_capacity(t); // (T)
+    let mut cu_seqlens = vec![0usize];
+    let mut pixels = Vec::new(); // (B_img, 3, H, W)
+    let mut image_hw: Option<(usize, usize)> = None;
+    let mut image_positions = Vec::new();
+    let mut clips = Vec::new();
+    let mut clip_positions = Vec::new();
+    for r in rows {
+        let off = ids.len();
+        ids.extend_from_slice(&r.ids);
+        positions.extend_from_slice(&r.positions);
+        mask.extend(r.loss_mask.iter().map(|&m| m != 0));
+        cu_seqlens.extend(r.sample_offsets.iter().skip(1).map(|&o| off + o as usize));
+        for im in &r.images {
+            match image_hw {
+                None => image_hw = Some((im.height, im.width)),
+                Some(hw) if hw != (im.height, im.width) => {
+                    return Err(TrainError::Data(format!(
+                        "pack {}: image of {}x{} among images of {}x{} (the vision encoder takes one size)",
+                        r.pack, im.height, im.width, hw.0, hw.1
+                    )));
+                }
+                Some(_) => {}
+            }
+            pixels.extend_from_slice(&im.pixels);
+            image_positions.push((off + im.start..off + im.start + im.len).map(|p| p as u32).collect());
+        }
+        for a in &r.audio {
+            let mel = Tensor::from_vec(a.mel.clone(), [a.n_mels, a.frames], device)
+                .ctx("batch", "mel features")?; // (n_mels, F)
+            clips.push(mel);
+            clip_positions.push((off + a.start..off + a.start + a.len).map(|p| p as u32).collect());
+        }
+    }
+    let seq = SeqInfo {
+        cu_seqlens,
+        positions,
+    };
+    let targets = next_token_targets(&ids, &seq, Some(&mask))?;
+    let images = match image_hw {
+        None => None,
+        Some((h, w)) => {
+            let b = image_positions.len();
+            Some(Tensor::from_vec(pixels, [b, 3, h, w], device).ctx("batch", "pixel values")?)
+        }
+    };
+    let ids = Tensor::from_vec_u32(ids, [t], device).ctx("batch", "token ids")?;
+    Ok(MllmBatch {
+        ids,
+        seq,
+        targets,
+        images,
+        image_positions,
+        clips,
+        clip_positions,
+    })
+}
+
+/// Splits `n` rows into `parts` contiguous groups whose sizes differ by at most one.
+pub fn split_even(n: usize, parts: usize) -> Vec<std::ops::Range<usize>> {
+    let parts = parts.clamp(1, n.max(1));
+    (0..parts)
+        .map(|i| (i * n / parts)..((i + 1) * n / parts))
+        .collect()
+}
+
+/// What happened while making sure a dataset exists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Prepared {
+    Existing,
+    Packed,
+    GeneratedAndPacked,
+}
+
+/// Opens the dataset at `path`, or makes it: with `build` (a data config), packs `input`
+/// (default: the config's `[input] path`); when that input does not exist and `demo` is
+/// given, generates the demo data there first. `log` receives one line per action.
+pub fn ensure_dataset(
+    path: &Path,
+    build: Option<&Path>,
+    input: Option<&Path>,
+    demo: Option<&Path>,
+    log: &mut dyn FnMut(&str),
+) -> Result<(DatasetInfo, Prepared)> {
+    if path.join("dataset.json").is_file() {
+        let info = DatasetInfo::read(path).map_err(|e| TrainError::Data(e.to_string()))?;
+        return Ok((info, Prepared::Existing));
+    }
+    let Some(build) = build else {
+        return Err(TrainError::Data(format!(
+            "{}: no packed dataset there (no dataset.json); run `braid pack` first or set data.build to a data config to pack it on first use",
+            path.display()
+        )));
+    };
+    let config = DataConfig::from_file(build).map_err(|e| TrainError::Data(e.to_string()))?;
+    let input = input
+        .map(Path::to_path_buf)
+        .or_else(|| config.input.path.clone())
+        .ok_or_else(|| TrainError::Data(format!("{}: [input] path is not set", build.display())))?;
+    let mut prepared = Prepared::Packed;
+    if !input.exists() {
+        let Some(demo_dir) = demo else {
+            return Err(TrainError::Data(format!(
+                "{}: the input of {} does not exist",
+                input.display(),
+                build.display()
+            )));
+        };
+        log(&format!("generating the demo data into {}", demo_dir.display()));
+        let s = write_demo(demo_dir, &DemoConfig::default())
+            .map_err(|e| TrainError::Data(e.to_string()))?;
+        log(&format!(
+            "  {} train + {} held-out samples ({} image-only, {} audio-only, {} both)",
+            s.train, s.heldout, s.image_only, s.audio_only, s.both
+        ));
+        if !input.exists() {
+            return Err(TrainError::Data(format!(
+                "{}: still missing after generating the demo data in {}",
+                input.display(),
+                demo_dir.display()
+            )));
+        }
+        prepared = Prepared::GeneratedAndPacked;
+    }
+    let format = config
+        .input
+        .format
+        .unwrap_or(braid_dataloader::read::Format::Jsonl);
+    log(&format!("packing {} into {}", input.display(), path.display()));
+    let job = PackJob {
+        input,
+        format,
+        output: path.to_path_buf(),
+        config,
+        overwrite: false,
+    };
+    let info = run_pack(&job, &mut |_| {}).map_err(|e| TrainError::Data(e.to_string()))?;
+    log(&format!(
+        "  {} samples in {} packs (fill {:.1} %), {} rejected",
+        info.packed_samples,
+        info.packs,
+        100.0 * info.fill,
+        info.rejected
+    ));
+    Ok((info, prepared))
+}

@@ -1,0 +1,120 @@
+//! Held-out evaluation: teacher-forced accuracy of the answer tokens (the loss targets) on
+//! a packed held-out set, with the encoders' embeddings and with them zeroed, so the gain
+//! of the media over the text alone is one subtraction.
+
+use std::path::Path;
+
+use braid_dataloader::loader::{Loader, LoaderConfig};
+use braid_kernels::Device;
+use braid_llm::IGNORE_INDEX;
+use braid_nn::error::Context;
+use serde::{Deserialize, Serialize};
+
+use crate::data::rows_to_batch;
+use crate::error::{Result, TrainError};
+use crate::mllm::{Mllm, MllmBatch};
+
+/// `eval.json`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EvalReport {
+    /// What `heldout` and `text_only` measure.
+    pub metric: String,
+    /// Answer-token accuracy with the media.
+    pub heldout: f64,
+    /// The same with every image and clip embedding zeroed.
+    pub text_only: f64,
+    /// Fraction of samples whose every answer token is right (teacher forced).
+    pub exact_match: f64,
+    pub exact_match_text_only: f64,
+    /// Mean cross-entropy of the answer tokens.
+    pub loss: f64,
+    pub loss_text_only: f64,
+    pub samples: u64,
+    pub targets: u64,
+    pub step: u64,
+}
+
+/// Counts of one pass.
+#[derive(Default, Clone, Copy)]
+struct Tally {
+    correct: u64,
+    targets: u64,
+    exact: u64,
+    samples: u64,
+    loss_sum: f64,
+}
+
+/// Compares the argmax of each target position with the target; also sums the loss.
+fn score(logits: &[f32], vocab: usize, batch: &MllmBatch, t: &mut Tally) {
+    for w in batch.seq.cu_seqlens.windows(2) {
+        let mut any = false;
+        let mut all = true;
+        for pos in w[0]..w[1] {
+            let target = batch.targets[pos];
+            if target == IGNORE_INDEX {
+                continue;
+            }
+            let row = &logits[pos * vocab..(pos + 1) * vocab];
+            let (arg, max) = row
+                .iter()
+                .enumerate()
+                .fold((0, f32::NEG_INFINITY), |(ai, am), (i, &x)| if x > am { (i, x) } else { (ai, am) });
+            let lse = max + row.iter().map(|&x| (x - max).exp()).sum::<f32>().ln();
+            t.loss_sum += f64::from(lse - row[target as usize]);
+            any = true;
+            t.targets += 1;
+            if arg == target as usize {
+                t.correct += 1;
+            } else {
+                all = false;
+            }
+        }
+        if any {
+            t.samples += 1;
+            t.exact += u64::from(all);
+        }
+    }
+}
+
+/// Evaluates `model` on every pack of the dataset at `dir` (in stored order).
+pub fn evaluate(model: &Mllm, dir: &Path, rows_per_forward: usize, workers: usize, step: u64) -> Result<EvalReport> {
+    let cfg = LoaderConfig {
+        seed: 0,
+        batch_rows: 1,
+        workers,
+        prefetch: 2,
+        shuffle: false,
+    };
+    let mut loader = Loader::open(dir, &cfg, 0, 1, None).map_err(|e| TrainError::Data(format!("{}: {e}", dir.display())))?;
+    let packs = loader.batches_per_epoch();
+    let vocab = model.config.llm.vocab;
+    let (mut with, mut without) = (Tally::default(), Tally::default());
+    let mut rows = Vec::new();
+    for i in 0..packs {
+        let b = loader.next_batch().map_err(|e| TrainError::Data(e.to_string()))?;
+        rows.extend(b.rows);
+        if rows.len() < rows_per_forward && i + 1 < packs {
+            continue;
+        }
+        let refs: Vec<_> = rows.iter().collect();
+        let batch = rows_to_batch(&refs, Device::Cpu)?;
+        for (zero, tally) in [(false, &mut with), (true, &mut without)] {
+            let logits = model.logits(&batch, zero)?.to_vec_f32().ctx("eval", "logits to host")?; // (T, V)
+            score(&logits, vocab, &batch, tally);
+        }
+        rows.clear();
+    }
+    let frac = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+    Ok(EvalReport {
+        metric: "answer_token_accuracy".into(),
+        heldout: frac(with.correct, with.targets),
+        text_only: frac(without.correct, without.targets),
+        exact_match: frac(with.exact, with.samples),
+        exact_match_text_only: frac(without.exact, without.samples),
+        loss: with.loss_sum / with.targets.max(1) as f64,
+        loss_text_only: without.loss_sum / without.targets.max(1) as f64,
+        samples: with.samples,
+        targets: with.targets,
+        step,
+    })
+}

@@ -1,0 +1,75 @@
+//! Whether a checkpoint may be resumed under the current config: everything that changes
+//! the math or the data order must be the same; logging, checkpointing, evaluation, loader
+//! threads and `train.steps` (to extend a run) may differ.
+
+use toml::{Table, Value};
+
+use crate::config::{RunConfig, invalid};
+use crate::error::Result;
+
+/// Keys free to change between a checkpoint and its resumption.
+const FREE: [&str; 9] = [
+    "log",
+    "checkpoint",
+    "eval",
+    "fault",
+    "data.workers",
+    "data.prefetch",
+    "data.build",
+    "data.demo",
+    "train.steps",
+];
+
+fn strip(doc: &mut Table) {
+    for key in FREE {
+        match key.split_once('.') {
+            None => {
+                doc.remove(key);
+            }
+            Some((a, b)) => {
+                if let Some(Value::Table(t)) = doc.get_mut(a) {
+                    t.remove(b);
+                }
+            }
+        }
+    }
+}
+
+/// The first dotted key where `a` and `b` differ.
+fn first_difference(a: &Value, b: &Value, path: &str) -> Option<String> {
+    match (a, b) {
+        (Value::Table(x), Value::Table(y)) => {
+            let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+            keys.into_iter().find_map(|k| {
+                let p = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
+                match (x.get(k), y.get(k)) {
+                    (Some(u), Some(v)) => first_difference(u, v, &p),
+                    _ => Some(p),
+                }
+            })
+        }
+        _ if a == b => None,
+        _ => Some(path.to_string()),
+    }
+}
+
+/// Errors naming the first key that differs between the checkpoint's config and `cfg`.
+pub fn check_resumable(saved_toml: &str, cfg: &RunConfig) -> Result<()> {
+    let mut saved: Table = saved_toml
+        .parse()
+        .map_err(|e| invalid("(checkpoint config.toml)", format!("cannot parse: {e}")))?;
+    let mut now: Table = cfg
+        .to_toml()?
+        .parse()
+        .map_err(|e| invalid("(config)", format!("cannot parse: {e}")))?;
+    strip(&mut saved);
+    strip(&mut now);
+    if let Some(key) = first_difference(&Value::Table(saved), &Value::Table(now), "") {
+        return Err(invalid(
+            key,
+            "differs from the checkpoint's config; a resumed run must keep the model, data, batch, optimizer and seed (only log, checkpoint, eval, fault, data.workers/prefetch and train.steps may change)",
+        )
+        .into());
+    }
+    Ok(())
+}

@@ -1,0 +1,402 @@
+//! The training loop on one rank: set-up (datasets, model, optimizer, resume), the step
+//! (loader -> microbatches -> forward/backward -> clip -> AdamW -> schedule), checkpoints,
+//! evaluation and the export at the end. What the user sees is left to an [`Observer`].
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use braid_dataloader::loader::{Loader, LoaderConfig};
+use braid_kernels::Device;
+use braid_nn::Module;
+
+use crate::assemble::{build_model, check_against_dataset, model_config, param_counts};
+use crate::checkpoint::{self, TrainState};
+use crate::config::{RunConfig, invalid};
+use crate::data::{ensure_dataset, rows_to_batch, split_even};
+use crate::error::{Result, TrainError, io_err};
+use crate::eval::{EvalReport, evaluate};
+use crate::metrics::{MetricsWriter, StepMetrics};
+use crate::mllm::Mllm;
+use crate::optim::{AdamW, clip_factor, grad_norm, scale_grads};
+use crate::resume::check_resumable;
+
+/// What a front end (the CLI's progress bar, a test) hears from a run.
+pub trait Observer {
+    /// A line of set-up or end-of-run information.
+    fn log(&mut self, line: &str);
+    /// Training is about to start at `info.start_step`.
+    fn start(&mut self, _info: &RunInfo) {}
+    /// A step finished (`total`: the run's last step).
+    fn step(&mut self, _m: &StepMetrics, _total: u64) {}
+    /// A checkpoint was written.
+    fn checkpoint(&mut self, _step: u64, _dir: &Path) {}
+}
+
+/// An observer that ignores everything.
+#[derive(Debug, Default)]
+pub struct Quiet;
+impl Observer for Quiet {
+    fn log(&mut self, _line: &str) {}
+}
+
+/// What the run is about to do.
+#[derive(Clone, Debug)]
+pub struct RunInfo {
+    pub name: String,
+    pub dir: PathBuf,
+    pub params: usize,
+    pub trainable: usize,
+    pub optimizer_state: usize,
+    pub packs: u64,
+    pub max_seq_len: u64,
+    pub batch_rows: usize,
+    pub microbatches: usize,
+    pub batches_per_epoch: u64,
+    pub start_step: u64,
+    pub steps: u64,
+    pub resumed_from: Option<PathBuf>,
+}
+
+/// What a finished run reports.
+#[derive(Clone, Debug)]
+pub struct RunSummary {
+    pub steps: u64,
+    pub skipped_steps: u64,
+    /// Mean loss of the last (up to) 10 steps run in this process.
+    pub final_loss: f64,
+    pub first_loss: Option<f64>,
+    pub tokens: u64,
+    /// Training time of this process (set-up excluded).
+    pub train_s: f64,
+    pub eval: Option<EvalReport>,
+    pub checkpoint: Option<PathBuf>,
+    pub export: Option<PathBuf>,
+}
+
+/// A run, set up and ready to step.
+#[derive(Debug)]
+pub struct Trainer {
+    pub cfg: RunConfig,
+    config_toml: String,
+    pub model: Mllm,
+    optim: AdamW,
+    loader: Loader,
+    pub state: TrainState,
+    metrics: MetricsWriter,
+    eval_dir: Option<PathBuf>,
+    device: Device,
+    pub info: RunInfo,
+}
+
+impl Trainer {
+    /// Makes the datasets if needed, builds the model and optimizer, and (with `resume`)
+    /// restores the newest complete checkpoint of `run.dir`.
+    pub fn new(cfg: RunConfig, resume: bool, obs: &mut dyn Observer) -> Result<Self> {
+        let device = Device::Cpu;
+        let run_dir = cfg.run.dir.clone();
+        let ckpt_root = run_dir.join("checkpoints");
+        checkpoint::remove_partial(&ckpt_root)?;
+        let latest = checkpoint::latest(&ckpt_root)?;
+        if !resume && latest.is_some() {
+            return Err(invalid(
+                "run.dir",
+                format!(
+                    "{} already holds checkpoints of a run: pass --resume to continue it, or set another run.dir (nothing was changed)",
+                    run_dir.display()
+                ),
+            )
+            .into());
+        }
+        std::fs::create_dir_all(&run_dir).map_err(io_err(&run_dir, "create"))?;
+
+        let d = &cfg.data;
+        let (data, _) = ensure_dataset(&d.path, d.build.as_deref(), None, d.demo.as_deref(), &mut |l| obs.log(l))?;
+        let eval_dir = match &cfg.eval.path {
+            None => None,
+            Some(p) => {
+                let (heldout, _) =
+                    ensure_dataset(p, d.build.as_deref(), cfg.eval.input.as_deref(), d.demo.as_deref(), &mut |l| obs.log(l))?;
+                let mc = model_config(&cfg)?;
+                check_against_dataset(&mc, &heldout, "eval.path")?;
+                Some(p.clone())
+            }
+        };
+        let mconfig = model_config(&cfg)?;
+        check_against_dataset(&mconfig, &data, "data.path")?;
+        let batch_rows = cfg.batch_rows(data.max_seq_len as usize);
+        if cfg.train.microbatches > batch_rows {
+            return Err(invalid(
+                "train.microbatches",
+                format!("{} microbatches for a batch of {batch_rows} rows", cfg.train.microbatches),
+            )
+            .into());
+        }
+        if (data.packs as usize) < batch_rows {
+            return Err(invalid(
+                "train.batch_rows",
+                format!("{batch_rows} rows per step but {} holds only {} packs", d.path.display(), data.packs),
+            )
+            .into());
+        }
+
+        let mut model = build_model(&cfg, mconfig, cfg.run.seed, device)?;
+        let mut optim = AdamW::new(cfg.optim.clone(), &model)?;
+        let config_toml = cfg.to_toml()?;
+        let loader_cfg = LoaderConfig {
+            seed: cfg.run.seed,
+            batch_rows,
+            workers: d.workers,
+            prefetch: d.prefetch,
+            shuffle: d.shuffle,
+        };
+        let (state, resumed_from) = match (&latest, resume) {
+            (Some((_, dir)), true) => {
+                let saved = std::fs::read_to_string(dir.join(checkpoint::CONFIG_FILE))
+                    .map_err(io_err(&dir.join(checkpoint::CONFIG_FILE), "read"))?;
+                check_resumable(&saved, &cfg)?;
+                let state = checkpoint::read_state(dir)?;
+                checkpoint::load_weights(dir, &mut model, device)?;
+                checkpoint::load_optim(dir, &mut optim, state.optimizer_step, device)?;
+                obs.log(&format!("resuming from {} (step {})", dir.display(), state.step));
+                (state, Some(dir.clone()))
+            }
+            _ => {
+                if resume {
+                    obs.log(&format!("--resume: no checkpoint in {}, starting from step 0", ckpt_root.display()));
+                }
+                let state = TrainState {
+                    step: 0,
+                    optimizer_step: 0,
+                    loader: braid_dataloader::loader::LoaderState {
+                        epoch: 0,
+                        batch: 0,
+                        seed: loader_cfg.seed,
+                        batch_rows: batch_rows as u64,
+                        packs: data.packs,
+                        shuffle: loader_cfg.shuffle,
+                    },
+                    seed: cfg.run.seed,
+                    skipped_steps: 0,
+                    nonfinite_in_a_row: 0,
+                    tokens_seen: 0,
+                    elapsed_s: 0.0,
+                };
+                (state, None)
+            }
+        };
+        let loader = Loader::open(&d.path, &loader_cfg, 0, 1, resumed_from.as_ref().map(|_| state.loader))
+            .map_err(|e| TrainError::Data(format!("{}: {e}", d.path.display())))?;
+        let metrics = MetricsWriter::open(&run_dir.join("metrics.jsonl"), state.step)?;
+        std::fs::write(run_dir.join("config.toml"), &config_toml).map_err(io_err(&run_dir.join("config.toml"), "write"))?;
+
+        let (params, trainable) = param_counts(&model);
+        let info = RunInfo {
+            name: cfg.run.name.clone(),
+            dir: run_dir,
+            params,
+            trainable,
+            optimizer_state: optim.num_state(),
+            packs: data.packs,
+            max_seq_len: data.max_seq_len,
+            batch_rows,
+            microbatches: cfg.train.microbatches,
+            batches_per_epoch: loader.batches_per_epoch(),
+            start_step: state.step,
+            steps: cfg.train.steps,
+            resumed_from,
+        };
+        Ok(Trainer {
+            cfg,
+            config_toml,
+            model,
+            optim,
+            loader,
+            state,
+            metrics,
+            eval_dir,
+            device,
+            info,
+        })
+    }
+
+    /// One optimizer step: the next global batch, forward and backward over its
+    /// microbatches (loss normalized by the step's target count, so accumulation gives the
+    /// full-batch gradient), clipping, AdamW at the schedule's learning rate. A non-finite
+    /// loss or grad norm skips the update; too many in a row is an error.
+    pub fn step(&mut self) -> Result<StepMetrics> {
+        let started = Instant::now();
+        let step = self.state.step + 1;
+
+        let batch = self.loader.next_batch().map_err(|e| TrainError::Data(e.to_string()))?;
+        let data_time_s = started.elapsed().as_secs_f64();
+        let rows: Vec<_> = batch.rows.iter().collect();
+        let micro = split_even(rows.len(), self.cfg.train.microbatches)
+            .into_iter()
+            .map(|r| rows_to_batch(&rows[r], self.device))
+            .collect::<Result<Vec<_>>>()?;
+        let targets: usize = micro.iter().map(|b| b.targets.iter().filter(|&&t| t != braid_llm::IGNORE_INDEX).count()).sum();
+        let tokens: usize = micro.iter().map(|b| b.num_tokens()).sum();
+        let images: usize = micro.iter().map(|b| b.num_images()).sum();
+        let clips: usize = micro.iter().map(|b| b.clips.len()).sum();
+
+        self.model.zero_grads()?;
+        let mut loss_sum = 0.0f64;
+        for mb in &micro {
+            let (loss, cache) = self.model.forward_normalized(mb, Some(targets.max(1)))?;
+            loss_sum += loss.loss_sum;
+            self.model.backward(cache)?;
+        }
+        drop(micro);
+        let loss = loss_sum / targets.max(1) as f64;
+        if self.cfg.fault.nan_grad_at.contains(&step) {
+            scale_grads(&mut self.model, f32::NAN)?;
+        }
+
+        let norm = grad_norm(&self.model)?;
+        let lr = self.cfg.optim.lr_at(step, self.cfg.train.steps);
+        let skipped = !(loss.is_finite() && norm.is_finite());
+        if skipped {
+            self.state.skipped_steps += 1;
+            self.state.nonfinite_in_a_row += 1;
+            if self.state.nonfinite_in_a_row >= self.cfg.train.max_nonfinite_in_a_row {
+                return Err(TrainError::NonFinite {
+                    step,
+                    count: self.state.nonfinite_in_a_row,
+                    loss,
+                    grad_norm: norm,
+                });
+            }
+        } else {
+            if let Some(f) = clip_factor(norm, self.cfg.optim.clip_grad) {
+                scale_grads(&mut self.model, f)?;
+            }
+            self.optim.update(&mut self.model, lr)?;
+            self.state.nonfinite_in_a_row = 0;
+        }
+        self.state.step = step;
+        self.state.optimizer_step = self.optim.step;
+        self.state.loader = self.loader.state();
+        self.state.tokens_seen += tokens as u64;
+        let step_time_s = started.elapsed().as_secs_f64();
+        self.state.elapsed_s += step_time_s;
+        let m = StepMetrics {
+            step,
+            loss,
+            lr,
+            grad_norm: norm,
+            tokens: tokens as u64,
+            targets: targets as u64,
+            images: images as u64,
+            clips: clips as u64,
+            step_time_s,
+            data_time_s,
+            skipped,
+            epoch: batch.epoch,
+        };
+        self.metrics.append(&m)?;
+        Ok(m)
+    }
+
+    /// Writes a checkpoint of the current step.
+    pub fn save_checkpoint(&self) -> Result<PathBuf> {
+        checkpoint::save(
+            &self.cfg.run.dir.join("checkpoints"),
+            &self.model,
+            &self.optim,
+            &self.state,
+            &self.config_toml,
+            self.cfg.checkpoint.keep,
+        )
+    }
+
+    /// The held-out evaluation, when `[eval] path` is set.
+    pub fn evaluate(&self) -> Result<Option<EvalReport>> {
+        match &self.eval_dir {
+            None => Ok(None),
+            Some(dir) => Ok(Some(evaluate(
+                &self.model,
+                dir,
+                self.cfg.eval.batch_rows,
+                self.cfg.data.workers,
+                self.state.step,
+            )?)),
+        }
+    }
+
+    /// Steps to the end, checkpointing every `checkpoint.interval` steps and at the end,
+    /// evaluating every `eval.interval` steps and at the end (`eval.json`), then exports
+    /// the trained modules to Hugging Face format (`<run.dir>/hf/`).
+    pub fn run(mut self, obs: &mut dyn Observer) -> Result<RunSummary> {
+        obs.start(&self.info);
+        let total = self.cfg.train.steps;
+        let started = Instant::now();
+        let mut recent: Vec<f64> = Vec::new();
+        let mut first_loss = None;
+        let mut last_ckpt = None;
+        let mut tokens = 0;
+        let start_step = self.state.step;
+        while self.state.step < total {
+            let m = self.step()?;
+            tokens += m.tokens;
+            if !m.skipped {
+                first_loss.get_or_insert(m.loss);
+                recent.push(m.loss);
+                if recent.len() > 10 {
+                    recent.remove(0);
+                }
+            }
+            obs.step(&m, total);
+            let every = self.cfg.checkpoint.interval;
+            if m.step == total || (every > 0 && m.step % every == 0) {
+                let dir = self.save_checkpoint()?;
+                obs.checkpoint(m.step, &dir);
+                last_ckpt = Some(dir);
+            }
+            let ev = self.cfg.eval.interval;
+            if ev > 0 && m.step % ev == 0 && m.step != total
+                && let Some(r) = self.evaluate()?
+            {
+                obs.log(&format!(
+                    "eval @ step {}: {} {:.4} (text only {:.4})",
+                    m.step, r.metric, r.heldout, r.text_only
+                ));
+                append_jsonl(&self.cfg.run.dir.join("eval.jsonl"), &r)?;
+            }
+        }
+        let train_s = started.elapsed().as_secs_f64();
+        if start_step == total {
+            obs.log(&format!("the run already reached train.steps = {total}"));
+        }
+        if last_ckpt.is_none() {
+            last_ckpt = checkpoint::latest(&self.cfg.run.dir.join("checkpoints"))?.map(|(_, p)| p);
+        }
+        let eval = self.evaluate()?;
+        if let Some(r) = &eval {
+            braid_nn::hf::write_json(&self.cfg.run.dir.join("eval.json"), r)?;
+        }
+        let export = self.cfg.run.dir.join("hf");
+        crate::export::export_hf(self.model, &export)?;
+        Ok(RunSummary {
+            steps: self.state.step,
+            skipped_steps: self.state.skipped_steps,
+            final_loss: if recent.is_empty() { f64::NAN } else { recent.iter().sum::<f64>() / recent.len() as f64 },
+            first_loss,
+            tokens,
+            train_s,
+            eval,
+            checkpoint: last_ckpt,
+            export: Some(export),
+        })
+    }
+}
+
+fn append_jsonl<T: serde::Serialize>(path: &Path, v: &T) -> Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(io_err(path, "open"))?;
+    let line = serde_json::to_string(v).map_err(|e| TrainError::Other(e.to_string()))?;
+    writeln!(f, "{line}").map_err(io_err(path, "append"))
+}
