@@ -136,6 +136,7 @@ pub fn remove_partial(root: &Path) -> Result<()> {
 }
 
 /// Writes one checkpoint atomically and deletes the oldest beyond `keep`. Returns its folder.
+/// `abort_midway` (fault injection only) aborts the process half-way through.
 pub fn save<M: Module + ?Sized>(
     root: &Path,
     model: &M,
@@ -143,6 +144,7 @@ pub fn save<M: Module + ?Sized>(
     state: &TrainState,
     config_toml: &str,
     keep: usize,
+    abort_midway: bool,
 ) -> Result<PathBuf> {
     std::fs::create_dir_all(root).map_err(io_err(root, "create"))?;
     let name = step_dir_name(state.step);
@@ -156,6 +158,10 @@ pub fn save<M: Module + ?Sized>(
     let mut weights = Vec::new();
     model.visit_params(&mut |p| weights.push((p.name.clone(), &p.value)));
     save_safetensors(&tmp.join(MODEL_FILE), &weights)?;
+    if abort_midway {
+        // Fault injection (`fault.abort_during_checkpoint_at`): die like `kill -9` would.
+        std::process::abort();
+    }
     let mut moments = Vec::with_capacity(2 * optim.moments.len());
     for m in &optim.moments {
         moments.push((format!("{}.exp_avg", m.name), &m.exp_avg));

@@ -109,6 +109,8 @@ impl Trainer {
         }
         std::fs::create_dir_all(&run_dir).map_err(io_err(&run_dir, "create"))?;
 
+        // The model's sizes first: a bad value fails before any data is made.
+        let mconfig = model_config(&cfg)?;
         let d = &cfg.data;
         let (data, _) = ensure_dataset(&d.path, d.build.as_deref(), None, d.demo.as_deref(), &mut |l| obs.log(l))?;
         let eval_dir = match &cfg.eval.path {
@@ -116,12 +118,10 @@ impl Trainer {
             Some(p) => {
                 let (heldout, _) =
                     ensure_dataset(p, d.build.as_deref(), cfg.eval.input.as_deref(), d.demo.as_deref(), &mut |l| obs.log(l))?;
-                let mc = model_config(&cfg)?;
-                check_against_dataset(&mc, &heldout, "eval.path")?;
+                check_against_dataset(&mconfig, &heldout, "eval.path")?;
                 Some(p.clone())
             }
         };
-        let mconfig = model_config(&cfg)?;
         check_against_dataset(&mconfig, &data, "data.path")?;
         let batch_rows = cfg.batch_rows(data.max_seq_len as usize);
         if cfg.train.microbatches > batch_rows {
@@ -306,6 +306,7 @@ impl Trainer {
             &self.state,
             &self.config_toml,
             self.cfg.checkpoint.keep,
+            self.cfg.fault.abort_during_checkpoint_at == Some(self.state.step),
         )
     }
 

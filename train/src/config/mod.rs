@@ -174,6 +174,10 @@ pub struct FaultConfig {
     /// Steps whose gradient is replaced by NaN (the step must be skipped).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub nan_grad_at: Vec<u64>,
+    /// Abort the process (as `kill -9` would stop it) in the middle of writing this step's
+    /// checkpoint, after the weights and before the optimizer state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub abort_during_checkpoint_at: Option<u64>,
 }
 
 /// The whole run config.
@@ -238,6 +242,17 @@ impl RunConfig {
             return Err(invalid("run.dir", "must not be empty"));
         }
         let d = &self.data;
+        for (key, p) in [
+            ("data.path", Some(&d.path)),
+            ("data.build", d.build.as_ref()),
+            ("data.demo", d.demo.as_ref()),
+            ("eval.path", self.eval.path.as_ref()),
+            ("eval.input", self.eval.input.as_ref()),
+        ] {
+            if p.is_some_and(|p| p.as_os_str().is_empty()) {
+                return Err(invalid(key, "must not be an empty path"));
+            }
+        }
         if d.workers == 0 {
             return Err(invalid("data.workers", "must be >= 1"));
         }

@@ -1,0 +1,350 @@
+//! `braid train` end to end on a tiny model: the run folder's contents, bit-exact resume after
+//! `kill -9` at random moments and after a crash inside a checkpoint write, skipped non-finite
+//! steps, and config errors that name the key before any work.
+
+// Helpers are plain functions, outside clippy's allow-unwrap-in-tests.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+fn braid() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_braid"))
+}
+
+fn run(args: &[&str]) -> Output {
+    braid().args(args).output().unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// A tiny run config over a small demo dataset, made once per test binary.
+fn fixture() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("braid-train-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let demo = dir.join("demo");
+        let o = run(&[
+            "demo-data",
+            "--output",
+            demo.to_str().unwrap(),
+            "--train",
+            "60",
+            "--heldout",
+            "12",
+        ]);
+        assert!(o.status.success(), "{}", text(&o));
+        std::fs::write(
+            dir.join("data.toml"),
+            r#"
+[input]
+path = "demo/train.jsonl"
+format = "jsonl"
+[image]
+preset = "siglip"
+size = 32
+patch = 8
+[audio]
+pool_stride = 4
+[pack]
+max_seq_len = 192
+"#,
+        )
+        .unwrap();
+        let cfg = format!(
+            r#"
+[run]
+name = "tiny"
+dir = "{dir}/runs/ref"
+seed = 5
+[data]
+path = "{dir}/packed"
+build = "{dir}/data.toml"
+workers = 1
+[eval]
+path = "{dir}/packed-heldout"
+input = "{dir}/demo/heldout.jsonl"
+[model.llm]
+family = "llama"
+vocab = 261
+hidden = 32
+intermediate = 64
+layers = 1
+heads = 2
+kv_heads = 1
+head_dim = 16
+rms_norm_eps = 1e-5
+max_position_embeddings = 256
+rope = {{ theta = 10000.0 }}
+tie_embeddings = true
+qkv_bias = false
+[model.vision]
+family = "siglip"
+hidden_size = 16
+intermediate_size = 32
+num_layers = 1
+num_heads = 2
+num_channels = 3
+image_size = 32
+patch_size = 8
+act = "gelu_pytorch_tanh"
+layer_norm_eps = 1e-6
+[model.audio]
+num_mel_bins = 80
+d_model = 16
+encoder_layers = 1
+encoder_attention_heads = 2
+encoder_ffn_dim = 32
+max_source_positions = 1500
+act = "gelu"
+layer_norm_eps = 1e-5
+[model.projector.vision]
+in_dim = 16
+out_dim = 32
+act = "gelu"
+[model.projector.audio]
+in_dim = 16
+out_dim = 32
+stride = 4
+act = "gelu"
+[train]
+steps = 12
+batch_rows = 4
+microbatches = 2
+[optim]
+lr = 3e-3
+warmup_steps = 2
+[checkpoint]
+interval = 2
+keep = 2
+[log]
+interval = 1
+"#,
+            dir = dir.display()
+        );
+        std::fs::write(dir.join("run.toml"), cfg).unwrap();
+        dir
+    })
+}
+
+fn config() -> String {
+    fixture().join("run.toml").display().to_string()
+}
+
+fn train(run_dir: &Path, extra: &[&str]) -> Command {
+    let mut c = braid();
+    c.args(["train", "--config", &config(), "--set"])
+        .arg(format!("run.dir={}", run_dir.display()))
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c
+}
+
+/// (step, loss bits, grad-norm bits, lr bits) of every line of metrics.jsonl.
+fn losses(run_dir: &Path) -> Vec<(u64, u64, u64, u32)> {
+    let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (
+                v["step"].as_u64().unwrap(),
+                v["loss"].as_f64().unwrap().to_bits(),
+                v["grad_norm"].as_f64().unwrap().to_bits(),
+                (v["lr"].as_f64().unwrap() as f32).to_bits(),
+            )
+        })
+        .collect()
+}
+
+/// The uninterrupted run, made once.
+fn reference() -> &'static (Vec<(u64, u64, u64, u32)>, Duration) {
+    static REF: OnceLock<(Vec<(u64, u64, u64, u32)>, Duration)> = OnceLock::new();
+    REF.get_or_init(|| {
+        let dir = fixture().join("runs/ref");
+        let t = Instant::now();
+        let o = train(&dir, &[]).output().unwrap();
+        let took = t.elapsed();
+        assert!(o.status.success(), "{}", text(&o));
+        (losses(&dir), took)
+    })
+}
+
+#[test]
+fn a_run_writes_metrics_checkpoints_eval_plot_and_export() {
+    let (ref_losses, _) = reference();
+    let dir = fixture().join("runs/ref");
+    assert_eq!(ref_losses.len(), 12);
+    assert_eq!(ref_losses.iter().map(|l| l.0).collect::<Vec<_>>(), (1..=12).collect::<Vec<_>>());
+    let first = f64::from_bits(ref_losses[0].1);
+    let last = f64::from_bits(ref_losses[11].1);
+    assert!(last < first, "loss did not fall: {first} -> {last}");
+    // keep = 2: steps 10 and 12 remain.
+    let mut ckpts: Vec<String> = std::fs::read_dir(dir.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    ckpts.sort();
+    assert_eq!(ckpts, ["step-00000010", "step-00000012"]);
+    for f in ["model.safetensors", "optim.safetensors", "state.json", "config.toml"] {
+        assert!(dir.join("checkpoints/step-00000012").join(f).is_file(), "{f}");
+    }
+    let eval: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("eval.json")).unwrap()).unwrap();
+    assert_eq!(eval["metric"], "answer_token_accuracy");
+    for k in ["heldout", "text_only"] {
+        let x = eval[k].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&x), "{k} = {x}");
+    }
+    assert!(dir.join("loss.png").is_file());
+    assert!(dir.join("config.toml").is_file());
+    for f in ["hf/llm/config.json", "hf/llm/model.safetensors", "hf/vision/config.json", "hf/audio/config.json", "hf/projectors.safetensors"] {
+        assert!(dir.join(f).is_file(), "{f}");
+    }
+    // A second start without --resume refuses to touch the run.
+    let o = train(&dir, &[]).output().unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("--resume"), "{}", text(&o));
+}
+
+/// Runs until the run completes, killing the first attempt after `kill_after` (if it is
+/// still running) and resuming after every death.
+fn run_with_kill(dir: &Path, kill_after: Duration, first_extra: &[&str]) -> usize {
+    let mut child = train(dir, first_extra).spawn().unwrap();
+    let t = Instant::now();
+    let mut deaths = 0;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            if status.success() {
+                return deaths;
+            }
+            deaths += 1;
+            assert!(deaths < 5, "too many failed attempts");
+            child = train(dir, &["--resume"]).spawn().unwrap();
+            continue;
+        }
+        if deaths == 0 && t.elapsed() >= kill_after {
+            child.kill().unwrap(); // SIGKILL
+            let _ = child.wait();
+            deaths += 1;
+            child = train(dir, &["--resume"]).spawn().unwrap();
+            continue;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn resume_after_kill_9_anywhere_reproduces_the_losses_bit_for_bit() {
+    let (ref_losses, took) = reference();
+    // Ten kill times spread over the reference run (a fixed pseudo-random sequence).
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut killed = 0;
+    for trial in 0..10 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let frac = (x % 1000) as f64 / 1000.0;
+        let at = took.mul_f64(0.1 + 0.85 * frac);
+        let dir = fixture().join(format!("runs/kill-{trial}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        killed += run_with_kill(&dir, at, &[]);
+        assert_eq!(&losses(&dir), ref_losses, "trial {trial}: killed after {at:?}");
+    }
+    assert!(killed >= 5, "only {killed} of 10 trials were killed mid-run");
+}
+
+#[test]
+fn a_crash_inside_a_checkpoint_write_resumes_from_the_previous_one() {
+    let (ref_losses, _) = reference();
+    let dir = fixture().join("runs/abort");
+    let _ = std::fs::remove_dir_all(&dir);
+    let o = train(&dir, &["--set", "fault.abort_during_checkpoint_at=6"]).output().unwrap();
+    assert!(!o.status.success());
+    // Only complete checkpoints are visible; the torn one is a .tmp folder.
+    let names: Vec<String> = std::fs::read_dir(dir.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    assert!(names.contains(&".tmp-step-00000006".to_string()), "{names:?}");
+    assert!(!names.contains(&"step-00000006".to_string()), "{names:?}");
+    let o = train(&dir, &["--resume"]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("step 4"), "{}", text(&o));
+    assert_eq!(&losses(&dir), ref_losses);
+}
+
+#[test]
+fn non_finite_steps_are_skipped_then_stop_the_run() {
+    let dir = fixture().join("runs/nan");
+    let _ = std::fs::remove_dir_all(&dir);
+    let o = train(&dir, &["--set", "fault.nan_grad_at=[3]", "--set", "train.steps=4"]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let text_m = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    let skipped: Vec<bool> = text_m
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["skipped"].as_bool().unwrap())
+        .collect();
+    assert_eq!(skipped, [false, false, true, false]);
+
+    let dir = fixture().join("runs/nan-stop");
+    let _ = std::fs::remove_dir_all(&dir);
+    let o = train(
+        &dir,
+        &["--set", "fault.nan_grad_at=[2,3]", "--set", "train.max_nonfinite_in_a_row=2"],
+    )
+    .output()
+    .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("non-finite"), "{}", text(&o));
+}
+
+#[test]
+fn bad_configs_fail_fast_naming_the_key() {
+    let dir = fixture().join("runs/bad");
+    for (sets, needle) in [
+        (vec!["train.stpes=3"], "stpes"),
+        (vec!["model.llm.kv_heads=3"], "kv_heads"),
+        (vec!["optim.lr=-1"], "optim.lr"),
+        (vec!["data.path=/nonexistent/packed", "data.build=/nonexistent/data.toml"], "/nonexistent/data.toml"),
+        (vec!["data.build=\"\""], "data.build"),
+        (vec!["model.llm.vocab=100"], "model.llm.vocab"),
+    ] {
+        let mut c = train(&dir, &[]);
+        for s in &sets {
+            c.args(["--set", s]);
+        }
+        let t = Instant::now();
+        let o = c.output().unwrap();
+        let took = t.elapsed();
+        assert!(!o.status.success(), "{sets:?}");
+        assert!(text(&o).contains(needle), "{sets:?}: {}", text(&o));
+        assert!(took < Duration::from_secs(2), "{sets:?} took {took:?}");
+    }
+    // No dataset and no way to build one.
+    let no_build = fixture().join("no-build.toml");
+    let text_cfg = std::fs::read_to_string(fixture().join("run.toml")).unwrap();
+    let text_cfg: String = text_cfg
+        .lines()
+        .filter(|l| !l.starts_with("build ="))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(&no_build, text_cfg.replace("/packed\"", "/missing-packed\"").replace("runs/ref", "runs/no-build")).unwrap();
+    let o = run(&["train", "--config", no_build.to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("missing-packed") && text(&o).contains("braid pack"), "{}", text(&o));
+
+    let o = run(&["train", "--config", "/nonexistent/run.toml"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).contains("/nonexistent/run.toml"), "{}", text(&o));
+}
