@@ -4,6 +4,7 @@
 
 mod demo;
 mod forward;
+mod generate;
 mod inspect;
 mod pack;
 mod plot;
@@ -48,6 +49,8 @@ enum Command {
     /// Train a run config (default: the CPU demo, configs/demo.toml): progress, metrics.jsonl,
     /// checkpoints, held-out eval, Hugging Face export.
     Train(train::TrainArgs),
+    /// Greedy answer of a trained checkpoint to a prompt about an image and/or a clip.
+    Generate(generate::GenerateArgs),
     /// Pack raw multimodal data (JSONL chat, LLaVA, WebDataset, Parquet) into validated,
     /// tokenized, length-annotated Parquet shards; bad samples go to rejects.jsonl.
     Pack(pack::PackArgs),
@@ -85,6 +88,7 @@ fn main() -> ExitCode {
         },
         Command::DemoData(args) => demo::run(&args),
         Command::Train(args) => train::run(args),
+        Command::Generate(args) => generate::run(args),
         Command::Pack(args) => ExitCode::from(pack::run(args)),
         Command::Inspect(args) => ExitCode::from(inspect::run(args)),
         Command::Plan { .. } => not_yet("plan"),

@@ -348,3 +348,33 @@ fn bad_configs_fail_fast_naming_the_key() {
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).contains("/nonexistent/run.toml"), "{}", text(&o));
 }
+
+#[test]
+fn generate_reads_a_checkpoint_and_an_image_or_clip() {
+    let _ = reference();
+    let run_dir = fixture().join("runs/ref");
+    let demo = fixture().join("demo");
+    let first_of = |dir: &str| {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(demo.join(dir)).unwrap().map(|e| e.unwrap().path()).collect();
+        v.sort();
+        v.remove(0)
+    };
+    for (flag, file) in [("--image", first_of("images")), ("--audio", first_of("audio"))] {
+        let o = run(&[
+            "generate",
+            "--checkpoint",
+            run_dir.to_str().unwrap(),
+            flag,
+            file.to_str().unwrap(),
+            "--prompt",
+            "What is it?",
+            "--max-new-tokens",
+            "6",
+        ]);
+        assert!(o.status.success(), "{}", text(&o));
+        assert!(text(&o).contains("step-00000012"), "{}", text(&o));
+    }
+    let o = run(&["generate", "--checkpoint", "/nonexistent", "--prompt", "x"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o).contains("/nonexistent"), "{}", text(&o));
+}

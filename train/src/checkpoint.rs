@@ -1,7 +1,8 @@
 //! `[checkpoint]` and the checkpoint folder: `<run.dir>/checkpoints/step-00000050/` holds
 //! `model.safetensors` (every weight, module-prefixed names), `optim.safetensors` (AdamW
 //! moments, `<param>.exp_avg` / `<param>.exp_avg_sq`), `state.json` (step counters, the
-//! loader's position, the seed) and `config.toml` (the resolved run config).
+//! loader's position, the seed), `config.toml` (the resolved run config) and `data.json`
+//! (the data config of the dataset: tokenizer, chat template, preprocessing).
 //!
 //! Atomicity: everything is written into `.tmp-step-...`, each file synced, then the folder
 //! is renamed into place and the parent synced. A folder named `step-*` is therefore always
@@ -69,6 +70,9 @@ pub const MODEL_FILE: &str = "model.safetensors";
 pub const OPTIM_FILE: &str = "optim.safetensors";
 pub const STATE_FILE: &str = "state.json";
 pub const CONFIG_FILE: &str = "config.toml";
+/// The data config the dataset was packed with (tokenizer, template, preprocessing), so a
+/// checkpoint alone can read new prompts (`braid generate`).
+pub const DATA_FILE: &str = "data.json";
 
 fn step_dir_name(step: u64) -> String {
     format!("step-{step:08}")
@@ -142,7 +146,7 @@ pub fn save<M: Module + ?Sized>(
     model: &M,
     optim: &AdamW,
     state: &TrainState,
-    config_toml: &str,
+    files: &[(&str, &[u8])],
     keep: usize,
     abort_midway: bool,
 ) -> Result<PathBuf> {
@@ -170,7 +174,9 @@ pub fn save<M: Module + ?Sized>(
     save_safetensors(&tmp.join(OPTIM_FILE), &moments)?;
     let json = serde_json::to_string_pretty(state).map_err(|e| ckpt_err(&tmp, e.to_string()))?;
     write_synced(&tmp.join(STATE_FILE), json.as_bytes())?;
-    write_synced(&tmp.join(CONFIG_FILE), config_toml.as_bytes())?;
+    for (name, bytes) in files {
+        write_synced(&tmp.join(name), bytes)?;
+    }
     sync_dir(&tmp)?;
 
     if dst.exists() {

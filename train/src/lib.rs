@@ -13,6 +13,7 @@ pub mod data;
 pub mod error;
 pub mod eval;
 pub mod export;
+pub mod generate;
 pub mod metrics;
 pub mod mllm;
 pub mod optim;

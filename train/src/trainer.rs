@@ -78,6 +78,8 @@ pub struct RunSummary {
 pub struct Trainer {
     pub cfg: RunConfig,
     config_toml: String,
+    /// The training set's data config as JSON (saved with every checkpoint).
+    data_json: String,
     pub model: Mllm,
     optim: AdamW,
     loader: Loader,
@@ -142,6 +144,7 @@ impl Trainer {
         let mut model = build_model(&cfg, mconfig, cfg.run.seed, device)?;
         let mut optim = AdamW::new(cfg.optim.clone(), &model)?;
         let config_toml = cfg.to_toml()?;
+        let data_json = serde_json::to_string_pretty(&data.settings).map_err(|e| TrainError::Other(e.to_string()))?;
         let loader_cfg = LoaderConfig {
             seed: cfg.run.seed,
             batch_rows,
@@ -208,6 +211,7 @@ impl Trainer {
         Ok(Trainer {
             cfg,
             config_toml,
+            data_json,
             model,
             optim,
             loader,
@@ -304,7 +308,10 @@ impl Trainer {
             &self.model,
             &self.optim,
             &self.state,
-            &self.config_toml,
+            &[
+                (checkpoint::CONFIG_FILE, self.config_toml.as_bytes()),
+                (checkpoint::DATA_FILE, self.data_json.as_bytes()),
+            ],
             self.cfg.checkpoint.keep,
             self.cfg.fault.abort_during_checkpoint_at == Some(self.state.step),
         )
