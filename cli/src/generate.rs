@@ -29,7 +29,12 @@ pub struct GenerateArgs {
 pub fn run(a: GenerateArgs) -> ExitCode {
     let result = Generator::load(&a.checkpoint).and_then(|g| {
         eprintln!("braid generate: {}", g.checkpoint.display());
-        g.generate(&a.prompt, a.image.as_deref(), a.audio.as_deref(), a.max_new_tokens)
+        g.generate(
+            &a.prompt,
+            a.image.as_deref(),
+            a.audio.as_deref(),
+            a.max_new_tokens,
+        )
     });
     match result {
         Ok(text) => {

@@ -72,7 +72,11 @@ impl Progress {
             tps,
             m.step_time_s,
             human_duration(eta),
-            if m.skipped { " | SKIPPED (non-finite)" } else { "" }
+            if m.skipped {
+                " | SKIPPED (non-finite)"
+            } else {
+                ""
+            }
         )
     }
 }
@@ -116,10 +120,17 @@ impl Observer for Progress {
         match &self.bar {
             Some(b) => {
                 b.set_position(m.step);
-                b.set_message(line.split_once(" | ").map_or(line.clone(), |x| x.1.to_string()));
+                b.set_message(
+                    line.split_once(" | ")
+                        .map_or(line.clone(), |x| x.1.to_string()),
+                );
             }
             None => {
-                if m.step % self.interval == 0 || m.step == total || m.step == self.first_step + 1 || m.skipped {
+                if m.step.is_multiple_of(self.interval)
+                    || m.step == total
+                    || m.step == self.first_step + 1
+                    || m.skipped
+                {
                     eprintln!("{line}");
                 }
             }
@@ -141,7 +152,11 @@ fn plot_loss(run_dir: &Path) -> Result<PathBuf, String> {
         y_label: "cross-entropy".into(),
         series: vec![Series {
             name: "loss".into(),
-            points: metrics.iter().filter(|m| !m.skipped).map(|m| (m.step as f64, m.loss)).collect(),
+            points: metrics
+                .iter()
+                .filter(|m| !m.skipped)
+                .map(|m| (m.step as f64, m.loss))
+                .collect(),
         }],
         log_y: false,
     }
@@ -154,7 +169,10 @@ fn summary(s: &RunSummary, dir: &Path, plot: Option<&Path>) {
     eprintln!("\n== run finished: {} ==", dir.display());
     eprintln!("steps            {} ({} skipped)", s.steps, s.skipped_steps);
     if let Some(f) = s.first_loss {
-        eprintln!("loss             {f:.4} -> {:.4} (mean of the last 10 steps)", s.final_loss);
+        eprintln!(
+            "loss             {f:.4} -> {:.4} (mean of the last 10 steps)",
+            s.final_loss
+        );
     }
     if s.train_s > 0.0 {
         eprintln!(

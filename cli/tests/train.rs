@@ -151,8 +151,11 @@ fn train(run_dir: &Path, extra: &[&str]) -> Command {
     c
 }
 
-/// (step, loss bits, grad-norm bits, lr bits) of every line of metrics.jsonl.
-fn losses(run_dir: &Path) -> Vec<(u64, u64, u64, u32)> {
+/// (step, loss bits, grad-norm bits, lr bits) of one step.
+type StepBits = (u64, u64, u64, u32);
+
+/// Every line of metrics.jsonl as [`StepBits`].
+fn losses(run_dir: &Path) -> Vec<StepBits> {
     let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
     text.lines()
         .map(|l| {
@@ -168,8 +171,8 @@ fn losses(run_dir: &Path) -> Vec<(u64, u64, u64, u32)> {
 }
 
 /// The uninterrupted run, made once.
-fn reference() -> &'static (Vec<(u64, u64, u64, u32)>, Duration) {
-    static REF: OnceLock<(Vec<(u64, u64, u64, u32)>, Duration)> = OnceLock::new();
+fn reference() -> &'static (Vec<StepBits>, Duration) {
+    static REF: OnceLock<(Vec<StepBits>, Duration)> = OnceLock::new();
     REF.get_or_init(|| {
         let dir = fixture().join("runs/ref");
         let t = Instant::now();
@@ -185,7 +188,10 @@ fn a_run_writes_metrics_checkpoints_eval_plot_and_export() {
     let (ref_losses, _) = reference();
     let dir = fixture().join("runs/ref");
     assert_eq!(ref_losses.len(), 12);
-    assert_eq!(ref_losses.iter().map(|l| l.0).collect::<Vec<_>>(), (1..=12).collect::<Vec<_>>());
+    assert_eq!(
+        ref_losses.iter().map(|l| l.0).collect::<Vec<_>>(),
+        (1..=12).collect::<Vec<_>>()
+    );
     let first = f64::from_bits(ref_losses[0].1);
     let last = f64::from_bits(ref_losses[11].1);
     assert!(last < first, "loss did not fall: {first} -> {last}");
@@ -196,8 +202,16 @@ fn a_run_writes_metrics_checkpoints_eval_plot_and_export() {
         .collect();
     ckpts.sort();
     assert_eq!(ckpts, ["step-00000010", "step-00000012"]);
-    for f in ["model.safetensors", "optim.safetensors", "state.json", "config.toml"] {
-        assert!(dir.join("checkpoints/step-00000012").join(f).is_file(), "{f}");
+    for f in [
+        "model.safetensors",
+        "optim.safetensors",
+        "state.json",
+        "config.toml",
+    ] {
+        assert!(
+            dir.join("checkpoints/step-00000012").join(f).is_file(),
+            "{f}"
+        );
     }
     let eval: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("eval.json")).unwrap()).unwrap();
@@ -208,7 +222,13 @@ fn a_run_writes_metrics_checkpoints_eval_plot_and_export() {
     }
     assert!(dir.join("loss.png").is_file());
     assert!(dir.join("config.toml").is_file());
-    for f in ["hf/llm/config.json", "hf/llm/model.safetensors", "hf/vision/config.json", "hf/audio/config.json", "hf/projectors.safetensors"] {
+    for f in [
+        "hf/llm/config.json",
+        "hf/llm/model.safetensors",
+        "hf/vision/config.json",
+        "hf/audio/config.json",
+        "hf/projectors.safetensors",
+    ] {
         assert!(dir.join(f).is_file(), "{f}");
     }
     // A second start without --resume refuses to touch the run.
@@ -259,9 +279,16 @@ fn resume_after_kill_9_anywhere_reproduces_the_losses_bit_for_bit() {
         let dir = fixture().join(format!("runs/kill-{trial}"));
         let _ = std::fs::remove_dir_all(&dir);
         killed += run_with_kill(&dir, at, &[]);
-        assert_eq!(&losses(&dir), ref_losses, "trial {trial}: killed after {at:?}");
+        assert_eq!(
+            &losses(&dir),
+            ref_losses,
+            "trial {trial}: killed after {at:?}"
+        );
     }
-    assert!(killed >= 5, "only {killed} of 10 trials were killed mid-run");
+    assert!(
+        killed >= 5,
+        "only {killed} of 10 trials were killed mid-run"
+    );
 }
 
 #[test]
@@ -269,14 +296,19 @@ fn a_crash_inside_a_checkpoint_write_resumes_from_the_previous_one() {
     let (ref_losses, _) = reference();
     let dir = fixture().join("runs/abort");
     let _ = std::fs::remove_dir_all(&dir);
-    let o = train(&dir, &["--set", "fault.abort_during_checkpoint_at=6"]).output().unwrap();
+    let o = train(&dir, &["--set", "fault.abort_during_checkpoint_at=6"])
+        .output()
+        .unwrap();
     assert!(!o.status.success());
     // Only complete checkpoints are visible; the torn one is a .tmp folder.
     let names: Vec<String> = std::fs::read_dir(dir.join("checkpoints"))
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
         .collect();
-    assert!(names.contains(&".tmp-step-00000006".to_string()), "{names:?}");
+    assert!(
+        names.contains(&".tmp-step-00000006".to_string()),
+        "{names:?}"
+    );
     assert!(!names.contains(&"step-00000006".to_string()), "{names:?}");
     let o = train(&dir, &["--resume"]).output().unwrap();
     assert!(o.status.success(), "{}", text(&o));
@@ -288,12 +320,21 @@ fn a_crash_inside_a_checkpoint_write_resumes_from_the_previous_one() {
 fn non_finite_steps_are_skipped_then_stop_the_run() {
     let dir = fixture().join("runs/nan");
     let _ = std::fs::remove_dir_all(&dir);
-    let o = train(&dir, &["--set", "fault.nan_grad_at=[3]", "--set", "train.steps=4"]).output().unwrap();
+    let o = train(
+        &dir,
+        &["--set", "fault.nan_grad_at=[3]", "--set", "train.steps=4"],
+    )
+    .output()
+    .unwrap();
     assert!(o.status.success(), "{}", text(&o));
     let text_m = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
     let skipped: Vec<bool> = text_m
         .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["skipped"].as_bool().unwrap())
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["skipped"]
+                .as_bool()
+                .unwrap()
+        })
         .collect();
     assert_eq!(skipped, [false, false, true, false]);
 
@@ -301,7 +342,12 @@ fn non_finite_steps_are_skipped_then_stop_the_run() {
     let _ = std::fs::remove_dir_all(&dir);
     let o = train(
         &dir,
-        &["--set", "fault.nan_grad_at=[2,3]", "--set", "train.max_nonfinite_in_a_row=2"],
+        &[
+            "--set",
+            "fault.nan_grad_at=[2,3]",
+            "--set",
+            "train.max_nonfinite_in_a_row=2",
+        ],
     )
     .output()
     .unwrap();
@@ -316,7 +362,13 @@ fn bad_configs_fail_fast_naming_the_key() {
         (vec!["train.stpes=3"], "stpes"),
         (vec!["model.llm.kv_heads=3"], "kv_heads"),
         (vec!["optim.lr=-1"], "optim.lr"),
-        (vec!["data.path=/nonexistent/packed", "data.build=/nonexistent/data.toml"], "/nonexistent/data.toml"),
+        (
+            vec![
+                "data.path=/nonexistent/packed",
+                "data.build=/nonexistent/data.toml",
+            ],
+            "/nonexistent/data.toml",
+        ),
         (vec!["data.build=\"\""], "data.build"),
         (vec!["model.llm.vocab=100"], "model.llm.vocab"),
     ] {
@@ -339,10 +391,20 @@ fn bad_configs_fail_fast_naming_the_key() {
         .filter(|l| !l.starts_with("build ="))
         .map(|l| format!("{l}\n"))
         .collect();
-    std::fs::write(&no_build, text_cfg.replace("/packed\"", "/missing-packed\"").replace("runs/ref", "runs/no-build")).unwrap();
+    std::fs::write(
+        &no_build,
+        text_cfg
+            .replace("/packed\"", "/missing-packed\"")
+            .replace("runs/ref", "runs/no-build"),
+    )
+    .unwrap();
     let o = run(&["train", "--config", no_build.to_str().unwrap()]);
     assert!(!o.status.success());
-    assert!(text(&o).contains("missing-packed") && text(&o).contains("braid pack"), "{}", text(&o));
+    assert!(
+        text(&o).contains("missing-packed") && text(&o).contains("braid pack"),
+        "{}",
+        text(&o)
+    );
 
     let o = run(&["train", "--config", "/nonexistent/run.toml"]);
     assert_eq!(o.status.code(), Some(2));
@@ -355,11 +417,17 @@ fn generate_reads_a_checkpoint_and_an_image_or_clip() {
     let run_dir = fixture().join("runs/ref");
     let demo = fixture().join("demo");
     let first_of = |dir: &str| {
-        let mut v: Vec<PathBuf> = std::fs::read_dir(demo.join(dir)).unwrap().map(|e| e.unwrap().path()).collect();
+        let mut v: Vec<PathBuf> = std::fs::read_dir(demo.join(dir))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
         v.sort();
         v.remove(0)
     };
-    for (flag, file) in [("--image", first_of("images")), ("--audio", first_of("audio"))] {
+    for (flag, file) in [
+        ("--image", first_of("images")),
+        ("--audio", first_of("audio")),
+    ] {
         let o = run(&[
             "generate",
             "--checkpoint",

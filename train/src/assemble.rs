@@ -43,7 +43,11 @@ pub fn model_config(cfg: &RunConfig) -> Result<MllmConfig> {
 }
 
 /// Checks that the model reads what the dataset holds; each message names both sides.
-pub fn check_against_dataset(config: &MllmConfig, data: &DatasetInfo, data_key: &str) -> Result<()> {
+pub fn check_against_dataset(
+    config: &MllmConfig,
+    data: &DatasetInfo,
+    data_key: &str,
+) -> Result<()> {
     let vocab = data.tokenizer.vocab_size;
     if vocab > config.llm.vocab {
         return Err(invalid(
@@ -57,22 +61,28 @@ pub fn check_against_dataset(config: &MllmConfig, data: &DatasetInfo, data_key: 
     }
     let s = &data.settings;
     match (&config.vision, &config.vision_projector) {
-        (Some(v), Some(p)) => {
-            if v.image_size != s.image.size || v.patch_size != s.image.patch || p.spatial_merge != s.image.merge {
-                return Err(invalid(
-                    "model.vision",
-                    format!(
-                        "image_size {} / patch_size {} / spatial_merge {} differ from the data's [image] size {} / patch {} / merge {} ({data_key}): pack the data for this encoder or change the model",
-                        v.image_size, v.patch_size, p.spatial_merge, s.image.size, s.image.patch, s.image.merge
-                    ),
-                )
-                .into());
-            }
+        (Some(v), Some(p))
+            if v.image_size != s.image.size
+                || v.patch_size != s.image.patch
+                || p.spatial_merge != s.image.merge =>
+        {
+            return Err(invalid(
+                "model.vision",
+                format!(
+                    "image_size {} / patch_size {} / spatial_merge {} differ from the data's [image] size {} / patch {} / merge {} ({data_key}): pack the data for this encoder or change the model",
+                    v.image_size, v.patch_size, p.spatial_merge, s.image.size, s.image.patch, s.image.merge
+                ),
+            )
+            .into());
         }
+        (Some(_), Some(_)) => {}
         _ if data.images > 0 => {
             return Err(invalid(
                 "model.vision",
-                format!("{data_key} holds {} images but the model has no vision encoder", data.images),
+                format!(
+                    "{data_key} holds {} images but the model has no vision encoder",
+                    data.images
+                ),
             )
             .into());
         }
@@ -104,7 +114,10 @@ pub fn check_against_dataset(config: &MllmConfig, data: &DatasetInfo, data_key: 
         _ if data.audio_clips > 0 => {
             return Err(invalid(
                 "model.audio",
-                format!("{data_key} holds {} audio clips but the model has no audio encoder", data.audio_clips),
+                format!(
+                    "{data_key} holds {} audio clips but the model has no audio encoder",
+                    data.audio_clips
+                ),
             )
             .into());
         }
@@ -119,7 +132,12 @@ pub fn build_model(cfg: &RunConfig, config: MllmConfig, seed: u64, device: Devic
     let init = Init::new(seed, device).with_std(cfg.model.init_std);
     let mut model = Mllm::new(config.clone(), &init)?;
     let any_hf = cfg.model.llm.hf_path().is_some()
-        || cfg.model.vision.as_ref().and_then(|v| v.hf_path()).is_some()
+        || cfg
+            .model
+            .vision
+            .as_ref()
+            .and_then(|v| v.hf_path())
+            .is_some()
         || cfg.model.audio.as_ref().and_then(|a| a.hf_path()).is_some();
     if any_hf {
         let mut parts: MllmParts = model.into_parts();

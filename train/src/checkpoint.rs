@@ -225,14 +225,21 @@ pub fn load_weights<M: Module + ?Sized>(dir: &Path, model: &mut M, device: Devic
     if stored != n {
         return Err(ckpt_err(
             &path,
-            format!("{stored} tensors stored but the model has {n} parameters: the checkpoint is of another model"),
+            format!(
+                "{stored} tensors stored but the model has {n} parameters: the checkpoint is of another model"
+            ),
         ));
     }
     Ok(())
 }
 
 /// Restores the AdamW moments (one pair per trainable parameter) and the update count.
-pub fn load_optim(dir: &Path, optim: &mut AdamW, optimizer_step: u64, device: Device) -> Result<()> {
+pub fn load_optim(
+    dir: &Path,
+    optim: &mut AdamW,
+    optimizer_step: u64,
+    device: Device,
+) -> Result<()> {
     let path = dir.join(OPTIM_FILE);
     let files = WeightFiles::open_files(std::slice::from_ref(&path))?;
     for m in &mut optim.moments {

@@ -47,13 +47,21 @@ pub fn rows_to_batch(rows: &[&Row], device: Device) -> Result<MllmBatch> {
                 Some(_) => {}
             }
             pixels.extend_from_slice(&im.pixels);
-            image_positions.push((off + im.start..off + im.start + im.len).map(|p| p as u32).collect());
+            image_positions.push(
+                (off + im.start..off + im.start + im.len)
+                    .map(|p| p as u32)
+                    .collect(),
+            );
         }
         for a in &r.audio {
             let mel = Tensor::from_vec(a.mel.clone(), [a.n_mels, a.frames], device)
                 .ctx("batch", "mel features")?; // (n_mels, F)
             clips.push(mel);
-            clip_positions.push((off + a.start..off + a.start + a.len).map(|p| p as u32).collect());
+            clip_positions.push(
+                (off + a.start..off + a.start + a.len)
+                    .map(|p| p as u32)
+                    .collect(),
+            );
         }
     }
     let seq = SeqInfo {
@@ -130,7 +138,10 @@ pub fn ensure_dataset(
                 build.display()
             )));
         };
-        log(&format!("generating the demo data into {}", demo_dir.display()));
+        log(&format!(
+            "generating the demo data into {}",
+            demo_dir.display()
+        ));
         let s = write_demo(demo_dir, &DemoConfig::default())
             .map_err(|e| TrainError::Data(e.to_string()))?;
         log(&format!(
@@ -150,7 +161,11 @@ pub fn ensure_dataset(
         .input
         .format
         .unwrap_or(braid_dataloader::read::Format::Jsonl);
-    log(&format!("packing {} into {}", input.display(), path.display()));
+    log(&format!(
+        "packing {} into {}",
+        input.display(),
+        path.display()
+    ));
     let job = PackJob {
         input,
         format,

@@ -55,10 +55,12 @@ fn score(logits: &[f32], vocab: usize, batch: &MllmBatch, t: &mut Tally) {
                 continue;
             }
             let row = &logits[pos * vocab..(pos + 1) * vocab];
-            let (arg, max) = row
-                .iter()
-                .enumerate()
-                .fold((0, f32::NEG_INFINITY), |(ai, am), (i, &x)| if x > am { (i, x) } else { (ai, am) });
+            let (arg, max) =
+                row.iter()
+                    .enumerate()
+                    .fold((0, f32::NEG_INFINITY), |(ai, am), (i, &x)| {
+                        if x > am { (i, x) } else { (ai, am) }
+                    });
             let lse = max + row.iter().map(|&x| (x - max).exp()).sum::<f32>().ln();
             t.loss_sum += f64::from(lse - row[target as usize]);
             any = true;
@@ -77,7 +79,13 @@ fn score(logits: &[f32], vocab: usize, batch: &MllmBatch, t: &mut Tally) {
 }
 
 /// Evaluates `model` on every pack of the dataset at `dir` (in stored order).
-pub fn evaluate(model: &Mllm, dir: &Path, rows_per_forward: usize, workers: usize, step: u64) -> Result<EvalReport> {
+pub fn evaluate(
+    model: &Mllm,
+    dir: &Path,
+    rows_per_forward: usize,
+    workers: usize,
+    step: u64,
+) -> Result<EvalReport> {
     let cfg = LoaderConfig {
         seed: 0,
         batch_rows: 1,
@@ -85,13 +93,16 @@ pub fn evaluate(model: &Mllm, dir: &Path, rows_per_forward: usize, workers: usiz
         prefetch: 2,
         shuffle: false,
     };
-    let mut loader = Loader::open(dir, &cfg, 0, 1, None).map_err(|e| TrainError::Data(format!("{}: {e}", dir.display())))?;
+    let mut loader = Loader::open(dir, &cfg, 0, 1, None)
+        .map_err(|e| TrainError::Data(format!("{}: {e}", dir.display())))?;
     let packs = loader.batches_per_epoch();
     let vocab = model.config.llm.vocab;
     let (mut with, mut without) = (Tally::default(), Tally::default());
     let mut rows = Vec::new();
     for i in 0..packs {
-        let b = loader.next_batch().map_err(|e| TrainError::Data(e.to_string()))?;
+        let b = loader
+            .next_batch()
+            .map_err(|e| TrainError::Data(e.to_string()))?;
         rows.extend(b.rows);
         if rows.len() < rows_per_forward && i + 1 < packs {
             continue;
@@ -99,7 +110,10 @@ pub fn evaluate(model: &Mllm, dir: &Path, rows_per_forward: usize, workers: usiz
         let refs: Vec<_> = rows.iter().collect();
         let batch = rows_to_batch(&refs, Device::Cpu)?;
         for (zero, tally) in [(false, &mut with), (true, &mut without)] {
-            let logits = model.logits(&batch, zero)?.to_vec_f32().ctx("eval", "logits to host")?; // (T, V)
+            let logits = model
+                .logits(&batch, zero)?
+                .to_vec_f32()
+                .ctx("eval", "logits to host")?; // (T, V)
             score(&logits, vocab, &batch, tally);
         }
         rows.clear();

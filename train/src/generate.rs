@@ -19,8 +19,8 @@ use braid_dataloader::tokenize::{
 };
 use braid_kernels::{Device, Tensor};
 use braid_llm::IGNORE_INDEX;
-use braid_nn::{Init, SeqInfo};
 use braid_nn::error::Context;
+use braid_nn::{Init, SeqInfo};
 
 use crate::assemble::model_config;
 use crate::checkpoint::{self, CONFIG_FILE, DATA_FILE};
@@ -99,15 +99,24 @@ impl Generator {
             let px = decode_image(&read(p)?, &p.display().to_string(), &s.image.image_config())
                 .map_err(|e| gen_err(e.to_string()))?;
             counts.images.push(
-                vision_tokens(px.h, px.w, s.image.patch, s.image.merge, s.image.class_token)
-                    .map_err(|e| gen_err(e.to_string()))?,
+                vision_tokens(
+                    px.h,
+                    px.w,
+                    s.image.patch,
+                    s.image.merge,
+                    s.image.class_token,
+                )
+                .map_err(|e| gen_err(e.to_string()))?,
             );
-            images = Some(Tensor::from_vec(px.data, [1, px.c, px.h, px.w], dev).ctx("generate", "pixels")?);
+            images = Some(
+                Tensor::from_vec(px.data, [1, px.c, px.h, px.w], dev).ctx("generate", "pixels")?,
+            );
             parts.push(Part::Image(0));
         }
         let mut clips = Vec::new();
         if let Some(p) = audio {
-            let mut dec = AudioDecoder::new(s.audio.decode.clone()).map_err(|e| gen_err(e.to_string()))?;
+            let mut dec =
+                AudioDecoder::new(s.audio.decode.clone()).map_err(|e| gen_err(e.to_string()))?;
             let pcm = dec
                 .decode(&read(p)?, &p.display().to_string())
                 .map_err(|e| gen_err(e.to_string()))?;
@@ -118,17 +127,24 @@ impl Generator {
                 audio_tokens(frames, s.audio.conv_stride, s.audio.pool_stride)
                     .map_err(|e| gen_err(e.to_string()))?,
             );
-            clips.push(Tensor::from_vec(mel, [s.audio.decode.n_mels, frames], dev).ctx("generate", "mel")?);
+            clips.push(
+                Tensor::from_vec(mel, [s.audio.decode.n_mels, frames], dev)
+                    .ctx("generate", "mel")?,
+            );
             parts.push(Part::Audio(0));
         }
         parts.push(Part::Text(prompt.to_string()));
         // An empty assistant turn: everything before its first loss token is the prompt,
         // and that token (the turn's end marker) is where generation stops.
         let messages = [
-            Message { role: Role::User, parts },
+            Message {
+                role: Role::User,
+                parts,
+            },
             Message::text(Role::Assistant, ""),
         ];
-        let template = CompiledTemplate::new(&s.template, self.tokenizer.as_ref()).map_err(|e| gen_err(e.to_string()))?;
+        let template = CompiledTemplate::new(&s.template, self.tokenizer.as_ref())
+            .map_err(|e| gen_err(e.to_string()))?;
         let sample = template
             .tokenize(&messages, &counts)
             .map_err(|e| gen_err(e.to_string()))?;
@@ -139,7 +155,9 @@ impl Generator {
             .ok_or_else(|| gen_err("the chat template marks no assistant token".into()))?;
         let stop = sample.ids[cut];
         let mut ids = sample.ids[..cut].to_vec();
-        let span = |&(start, len): &(usize, usize)| (start as u32..(start + len) as u32).collect::<Vec<u32>>();
+        let span = |&(start, len): &(usize, usize)| {
+            (start as u32..(start + len) as u32).collect::<Vec<u32>>()
+        };
         let image_positions: Vec<Vec<u32>> = sample.image_spans.iter().map(span).collect();
         let clip_positions: Vec<Vec<u32>> = sample.audio_spans.iter().map(span).collect();
         let vocab = self.model.config.llm.vocab;
@@ -150,17 +168,31 @@ impl Generator {
                 ids: Tensor::from_vec_u32(ids.clone(), [t], dev).ctx("generate", "ids")?,
                 seq: SeqInfo::single(t),
                 targets: vec![IGNORE_INDEX; t],
-                images: images.as_ref().map(Tensor::try_clone).transpose().ctx("generate", "pixels")?,
+                images: images
+                    .as_ref()
+                    .map(Tensor::try_clone)
+                    .transpose()
+                    .ctx("generate", "pixels")?,
                 image_positions: image_positions.clone(),
-                clips: clips.iter().map(Tensor::try_clone).collect::<std::result::Result<_, _>>().ctx("generate", "mel")?,
+                clips: clips
+                    .iter()
+                    .map(Tensor::try_clone)
+                    .collect::<std::result::Result<_, _>>()
+                    .ctx("generate", "mel")?,
                 clip_positions: clip_positions.clone(),
             };
-            let logits = self.model.logits(&batch, false)?.to_vec_f32().ctx("generate", "logits")?; // (T, V)
+            let logits = self
+                .model
+                .logits(&batch, false)?
+                .to_vec_f32()
+                .ctx("generate", "logits")?; // (T, V)
             let last = &logits[(t - 1) * vocab..t * vocab];
             let next = last
                 .iter()
                 .enumerate()
-                .fold((0usize, f32::NEG_INFINITY), |(bi, bx), (i, &x)| if x > bx { (i, x) } else { (bi, bx) })
+                .fold((0usize, f32::NEG_INFINITY), |(bi, bx), (i, &x)| {
+                    if x > bx { (i, x) } else { (bi, bx) }
+                })
                 .0 as u32;
             if next == stop {
                 break;
@@ -168,6 +200,8 @@ impl Generator {
             ids.push(next);
             out.push(next);
         }
-        self.tokenizer.decode(&out).map_err(|e| gen_err(e.to_string()))
+        self.tokenizer
+            .decode(&out)
+            .map_err(|e| gen_err(e.to_string()))
     }
 }

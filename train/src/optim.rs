@@ -62,7 +62,10 @@ impl Default for OptimConfig {
 impl OptimConfig {
     pub fn validate(&self, steps: u64) -> Result<(), ConfigError> {
         if !(self.lr.is_finite() && self.lr > 0.0) {
-            return Err(invalid("optim.lr", format!("{} must be a finite number > 0", self.lr)));
+            return Err(invalid(
+                "optim.lr",
+                format!("{} must be a finite number > 0", self.lr),
+            ));
         }
         for (k, b) in [("optim.beta1", self.beta1), ("optim.beta2", self.beta2)] {
             if !(0.0..1.0).contains(&b) {
@@ -70,7 +73,10 @@ impl OptimConfig {
             }
         }
         if !(self.eps.is_finite() && self.eps >= 0.0) {
-            return Err(invalid("optim.eps", format!("{} must be a finite number >= 0", self.eps)));
+            return Err(invalid(
+                "optim.eps",
+                format!("{} must be a finite number >= 0", self.eps),
+            ));
         }
         if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
             return Err(invalid(
@@ -93,7 +99,10 @@ impl OptimConfig {
         if !(self.clip_grad.is_finite() && self.clip_grad >= 0.0) {
             return Err(invalid(
                 "optim.clip_grad",
-                format!("{} must be a finite number >= 0 (0 = no clipping)", self.clip_grad),
+                format!(
+                    "{} must be a finite number >= 0 (0 = no clipping)",
+                    self.clip_grad
+                ),
             ));
         }
         Ok(())
@@ -173,7 +182,10 @@ impl AdamW {
 
     /// Elements of optimizer state (two per trainable parameter element).
     pub fn num_state(&self) -> usize {
-        self.moments.iter().map(|m| 2 * m.exp_avg.elem_count()).sum()
+        self.moments
+            .iter()
+            .map(|m| 2 * m.exp_avg.elem_count())
+            .sum()
     }
 
     /// One update of every trainable parameter with learning rate `lr`.
@@ -199,7 +211,10 @@ impl AdamW {
             let Some(m) = moments.get_mut(k) else {
                 res = Err(Error::input(
                     "AdamW",
-                    format!("parameter `{}` is trainable but has no optimizer state", p.name),
+                    format!(
+                        "parameter `{}` is trainable but has no optimizer state",
+                        p.name
+                    ),
                 ));
                 return;
             };
@@ -207,7 +222,10 @@ impl AdamW {
             if m.name != p.name {
                 res = Err(Error::input(
                     "AdamW",
-                    format!("optimizer state `{}` found where `{}` was expected", m.name, p.name),
+                    format!(
+                        "optimizer state `{}` found where `{}` was expected",
+                        m.name, p.name
+                    ),
                 ));
                 return;
             }

@@ -41,7 +41,11 @@ fn first_difference(a: &Value, b: &Value, path: &str) -> Option<String> {
         (Value::Table(x), Value::Table(y)) => {
             let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
             keys.into_iter().find_map(|k| {
-                let p = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
+                let p = if path.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{path}.{k}")
+                };
                 match (x.get(k), y.get(k)) {
                     (Some(u), Some(v)) => first_difference(u, v, &p),
                     _ => Some(p),

@@ -114,12 +114,23 @@ impl Trainer {
         // The model's sizes first: a bad value fails before any data is made.
         let mconfig = model_config(&cfg)?;
         let d = &cfg.data;
-        let (data, _) = ensure_dataset(&d.path, d.build.as_deref(), None, d.demo.as_deref(), &mut |l| obs.log(l))?;
+        let (data, _) = ensure_dataset(
+            &d.path,
+            d.build.as_deref(),
+            None,
+            d.demo.as_deref(),
+            &mut |l| obs.log(l),
+        )?;
         let eval_dir = match &cfg.eval.path {
             None => None,
             Some(p) => {
-                let (heldout, _) =
-                    ensure_dataset(p, d.build.as_deref(), cfg.eval.input.as_deref(), d.demo.as_deref(), &mut |l| obs.log(l))?;
+                let (heldout, _) = ensure_dataset(
+                    p,
+                    d.build.as_deref(),
+                    cfg.eval.input.as_deref(),
+                    d.demo.as_deref(),
+                    &mut |l| obs.log(l),
+                )?;
                 check_against_dataset(&mconfig, &heldout, "eval.path")?;
                 Some(p.clone())
             }
@@ -129,14 +140,21 @@ impl Trainer {
         if cfg.train.microbatches > batch_rows {
             return Err(invalid(
                 "train.microbatches",
-                format!("{} microbatches for a batch of {batch_rows} rows", cfg.train.microbatches),
+                format!(
+                    "{} microbatches for a batch of {batch_rows} rows",
+                    cfg.train.microbatches
+                ),
             )
             .into());
         }
         if (data.packs as usize) < batch_rows {
             return Err(invalid(
                 "train.batch_rows",
-                format!("{batch_rows} rows per step but {} holds only {} packs", d.path.display(), data.packs),
+                format!(
+                    "{batch_rows} rows per step but {} holds only {} packs",
+                    d.path.display(),
+                    data.packs
+                ),
             )
             .into());
         }
@@ -144,7 +162,8 @@ impl Trainer {
         let mut model = build_model(&cfg, mconfig, cfg.run.seed, device)?;
         let mut optim = AdamW::new(cfg.optim.clone(), &model)?;
         let config_toml = cfg.to_toml()?;
-        let data_json = serde_json::to_string_pretty(&data.settings).map_err(|e| TrainError::Other(e.to_string()))?;
+        let data_json = serde_json::to_string_pretty(&data.settings)
+            .map_err(|e| TrainError::Other(e.to_string()))?;
         let loader_cfg = LoaderConfig {
             seed: cfg.run.seed,
             batch_rows,
@@ -160,12 +179,19 @@ impl Trainer {
                 let state = checkpoint::read_state(dir)?;
                 checkpoint::load_weights(dir, &mut model, device)?;
                 checkpoint::load_optim(dir, &mut optim, state.optimizer_step, device)?;
-                obs.log(&format!("resuming from {} (step {})", dir.display(), state.step));
+                obs.log(&format!(
+                    "resuming from {} (step {})",
+                    dir.display(),
+                    state.step
+                ));
                 (state, Some(dir.clone()))
             }
             _ => {
                 if resume {
-                    obs.log(&format!("--resume: no checkpoint in {}, starting from step 0", ckpt_root.display()));
+                    obs.log(&format!(
+                        "--resume: no checkpoint in {}, starting from step 0",
+                        ckpt_root.display()
+                    ));
                 }
                 let state = TrainState {
                     step: 0,
@@ -187,10 +213,17 @@ impl Trainer {
                 (state, None)
             }
         };
-        let loader = Loader::open(&d.path, &loader_cfg, 0, 1, resumed_from.as_ref().map(|_| state.loader))
-            .map_err(|e| TrainError::Data(format!("{}: {e}", d.path.display())))?;
+        let loader = Loader::open(
+            &d.path,
+            &loader_cfg,
+            0,
+            1,
+            resumed_from.as_ref().map(|_| state.loader),
+        )
+        .map_err(|e| TrainError::Data(format!("{}: {e}", d.path.display())))?;
         let metrics = MetricsWriter::open(&run_dir.join("metrics.jsonl"), state.step)?;
-        std::fs::write(run_dir.join("config.toml"), &config_toml).map_err(io_err(&run_dir.join("config.toml"), "write"))?;
+        std::fs::write(run_dir.join("config.toml"), &config_toml)
+            .map_err(io_err(&run_dir.join("config.toml"), "write"))?;
 
         let (params, trainable) = param_counts(&model);
         let info = RunInfo {
@@ -231,14 +264,25 @@ impl Trainer {
         let started = Instant::now();
         let step = self.state.step + 1;
 
-        let batch = self.loader.next_batch().map_err(|e| TrainError::Data(e.to_string()))?;
+        let batch = self
+            .loader
+            .next_batch()
+            .map_err(|e| TrainError::Data(e.to_string()))?;
         let data_time_s = started.elapsed().as_secs_f64();
         let rows: Vec<_> = batch.rows.iter().collect();
         let micro = split_even(rows.len(), self.cfg.train.microbatches)
             .into_iter()
             .map(|r| rows_to_batch(&rows[r], self.device))
             .collect::<Result<Vec<_>>>()?;
-        let targets: usize = micro.iter().map(|b| b.targets.iter().filter(|&&t| t != braid_llm::IGNORE_INDEX).count()).sum();
+        let targets: usize = micro
+            .iter()
+            .map(|b| {
+                b.targets
+                    .iter()
+                    .filter(|&&t| t != braid_llm::IGNORE_INDEX)
+                    .count()
+            })
+            .sum();
         let tokens: usize = micro.iter().map(|b| b.num_tokens()).sum();
         let images: usize = micro.iter().map(|b| b.num_images()).sum();
         let clips: usize = micro.iter().map(|b| b.clips.len()).sum();
@@ -361,7 +405,9 @@ impl Trainer {
                 last_ckpt = Some(dir);
             }
             let ev = self.cfg.eval.interval;
-            if ev > 0 && m.step % ev == 0 && m.step != total
+            if ev > 0
+                && m.step % ev == 0
+                && m.step != total
                 && let Some(r) = self.evaluate()?
             {
                 obs.log(&format!(
@@ -387,7 +433,11 @@ impl Trainer {
         Ok(RunSummary {
             steps: self.state.step,
             skipped_steps: self.state.skipped_steps,
-            final_loss: if recent.is_empty() { f64::NAN } else { recent.iter().sum::<f64>() / recent.len() as f64 },
+            final_loss: if recent.is_empty() {
+                f64::NAN
+            } else {
+                recent.iter().sum::<f64>() / recent.len() as f64
+            },
             first_loss,
             tokens,
             train_s,

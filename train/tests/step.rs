@@ -2,6 +2,9 @@
 //! accumulation over microbatches equal to the full batch, AdamW state only for trainable
 //! modules, and checkpoints that restore weights and moments exactly.
 
+// Helpers are plain functions, outside clippy's allow-unwrap-in-tests.
+#![allow(clippy::unwrap_used)]
+
 use braid_dataloader::loader::{AudioItem, ImageItem, Row};
 use braid_kernels::Device;
 use braid_kernels::rng::Rng;
@@ -190,10 +193,18 @@ fn frozen_modules_get_no_optimizer_state_and_do_not_move() {
     let mut m = model(&cfg);
     let opt = AdamW::new(cfg.optim.clone(), &m).unwrap();
     assert!(!opt.moments.is_empty());
-    assert!(opt.moments.iter().all(|s| !s.name.starts_with("vision.") && !s.name.starts_with("audio.")));
+    assert!(
+        opt.moments
+            .iter()
+            .all(|s| !s.name.starts_with("vision.") && !s.name.starts_with("audio."))
+    );
     let before: Vec<Vec<f32>> = {
         let mut v = Vec::new();
-        m.visit_params(&mut |p| if p.name.starts_with("vision.") { v.push(p.value.to_vec_f32().unwrap()) });
+        m.visit_params(&mut |p| {
+            if p.name.starts_with("vision.") {
+                v.push(p.value.to_vec_f32().unwrap())
+            }
+        });
         v
     };
     let r = row(4);
@@ -203,7 +214,11 @@ fn frozen_modules_get_no_optimizer_state_and_do_not_move() {
     let mut opt = opt;
     opt.update(&mut m, 1e-2).unwrap();
     let mut after = Vec::new();
-    m.visit_params(&mut |p| if p.name.starts_with("vision.") { after.push(p.value.to_vec_f32().unwrap()) });
+    m.visit_params(&mut |p| {
+        if p.name.starts_with("vision.") {
+            after.push(p.value.to_vec_f32().unwrap())
+        }
+    });
     assert_eq!(before, after);
 }
 
@@ -236,37 +251,67 @@ fn checkpoints_restore_weights_and_moments_exactly() {
         elapsed_s: 0.5,
     };
     let root = dir.path().join("checkpoints");
-    let saved = checkpoint::save(&root, &m, &opt, &state, &[("config.toml", b"x")], 2, false).unwrap();
+    let saved =
+        checkpoint::save(&root, &m, &opt, &state, &[("config.toml", b"x")], 2, false).unwrap();
     assert_eq!(checkpoint::latest(&root).unwrap().unwrap().1, saved);
     assert_eq!(checkpoint::read_state(&saved).unwrap(), state);
 
-    let mut fresh = Mllm::new(model_config(&cfg).unwrap(), &Init::for_loading(Device::Cpu)).unwrap();
+    let mut fresh =
+        Mllm::new(model_config(&cfg).unwrap(), &Init::for_loading(Device::Cpu)).unwrap();
     let mut fresh_opt = AdamW::new(cfg.optim.clone(), &fresh).unwrap();
     checkpoint::load_weights(&saved, &mut fresh, Device::Cpu).unwrap();
     checkpoint::load_optim(&saved, &mut fresh_opt, 1, Device::Cpu).unwrap();
     let bits = |m: &Mllm| {
         let mut v = Vec::new();
-        m.visit_params(&mut |p| v.extend(p.value.to_vec_f32().unwrap().iter().map(|x| x.to_bits())));
+        m.visit_params(&mut |p| {
+            v.extend(p.value.to_vec_f32().unwrap().iter().map(|x| x.to_bits()))
+        });
         v
     };
     assert_eq!(bits(&m), bits(&fresh));
     for (a, b) in opt.moments.iter().zip(&fresh_opt.moments) {
-        assert_eq!(a.exp_avg.to_vec_f32().unwrap(), b.exp_avg.to_vec_f32().unwrap());
-        assert_eq!(a.exp_avg_sq.to_vec_f32().unwrap(), b.exp_avg_sq.to_vec_f32().unwrap());
+        assert_eq!(
+            a.exp_avg.to_vec_f32().unwrap(),
+            b.exp_avg.to_vec_f32().unwrap()
+        );
+        assert_eq!(
+            a.exp_avg_sq.to_vec_f32().unwrap(),
+            b.exp_avg_sq.to_vec_f32().unwrap()
+        );
     }
     assert_eq!(fresh_opt.step, 1);
 
     // Another model's checkpoint is refused with the tensor named.
-    let other = config(&["model.llm.hidden=24", "model.projector.vision.out_dim=24", "model.projector.audio.out_dim=24"]);
-    let mut wrong = Mllm::new(model_config(&other).unwrap(), &Init::for_loading(Device::Cpu)).unwrap();
-    let e = checkpoint::load_weights(&saved, &mut wrong, Device::Cpu).unwrap_err().to_string();
-    assert!(e.contains("expects [24") && e.contains("model.safetensors"), "{e}");
+    let other = config(&[
+        "model.llm.hidden=24",
+        "model.projector.vision.out_dim=24",
+        "model.projector.audio.out_dim=24",
+    ]);
+    let mut wrong = Mllm::new(
+        model_config(&other).unwrap(),
+        &Init::for_loading(Device::Cpu),
+    )
+    .unwrap();
+    let e = checkpoint::load_weights(&saved, &mut wrong, Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("expects [24") && e.contains("model.safetensors"),
+        "{e}"
+    );
 
     // keep = 2: a third checkpoint removes the first.
     for step in [2, 3] {
-        let s = TrainState { step, ..state.clone() };
+        let s = TrainState {
+            step,
+            ..state.clone()
+        };
         checkpoint::save(&root, &m, &opt, &s, &[], 2, false).unwrap();
     }
-    let steps: Vec<u64> = checkpoint::list(&root).unwrap().into_iter().map(|x| x.0).collect();
+    let steps: Vec<u64> = checkpoint::list(&root)
+        .unwrap()
+        .into_iter()
+        .map(|x| x.0)
+        .collect();
     assert_eq!(steps, [2, 3]);
 }

@@ -209,12 +209,14 @@ impl RunConfig {
             path: origin.to_string(),
             reason,
         };
-        let mut doc: toml::Table = text.parse().map_err(|e: toml::de::Error| parse(e.to_string()))?;
+        let mut doc: toml::Table = text
+            .parse()
+            .map_err(|e: toml::de::Error| parse(e.to_string()))?;
         for s in sets {
             apply_set(&mut doc, s)?;
         }
-        let cfg: RunConfig = RunConfig::deserialize(toml::Value::Table(doc))
-            .map_err(|e| parse(e.to_string()))?;
+        let cfg: RunConfig =
+            RunConfig::deserialize(toml::Value::Table(doc)).map_err(|e| parse(e.to_string()))?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -230,7 +232,8 @@ impl RunConfig {
 
     /// The resolved config as TOML (what is written to the run folder and checkpoints).
     pub fn to_toml(&self) -> Result<String, ConfigError> {
-        toml::to_string(self).map_err(|e| invalid("(whole config)", format!("cannot serialize: {e}")))
+        toml::to_string(self)
+            .map_err(|e| invalid("(whole config)", format!("cannot serialize: {e}")))
     }
 
     /// Every check that needs no file: ranges, enums, cross-section consistency.
@@ -263,7 +266,10 @@ impl RunConfig {
             return Err(invalid("eval.batch_rows", "must be >= 1"));
         }
         if self.eval.input.is_some() && self.eval.path.is_none() {
-            return Err(invalid("eval.input", "needs eval.path (where the packed held-out set goes)"));
+            return Err(invalid(
+                "eval.input",
+                "needs eval.path (where the packed held-out set goes)",
+            ));
         }
         let t = &self.train;
         if t.steps == 0 {
@@ -294,7 +300,10 @@ impl RunConfig {
         {
             return Err(invalid(
                 "train.microbatches",
-                format!("{} microbatches cannot split a batch of {r} rows (at most one microbatch per row)", t.microbatches),
+                format!(
+                    "{} microbatches cannot split a batch of {r} rows (at most one microbatch per row)",
+                    t.microbatches
+                ),
             ));
         }
         if t.max_nonfinite_in_a_row == 0 {
@@ -303,7 +312,10 @@ impl RunConfig {
         Freeze::from_names(&t.freeze).map_err(|e| invalid("train.freeze", e.to_string()))?;
         let m = &self.model;
         if !(m.init_std.is_finite() && m.init_std >= 0.0) {
-            return Err(invalid("model.init_std", format!("{} must be a finite number >= 0", m.init_std)));
+            return Err(invalid(
+                "model.init_std",
+                format!("{} must be a finite number >= 0", m.init_std),
+            ));
         }
         if m.vision.is_some() != m.projector.vision.is_some() {
             return Err(invalid(

@@ -96,7 +96,11 @@ impl ParallelConfig {
         if self.world_size == 0 {
             return Err(invalid("parallel.world_size", "must be >= 1"));
         }
-        for (name, l) in [("llm", &self.llm), ("vision", &self.vision), ("audio", &self.audio)] {
+        for (name, l) in [
+            ("llm", &self.llm),
+            ("vision", &self.vision),
+            ("audio", &self.audio),
+        ] {
             for (axis, v) in [("tp", l.tp), ("cp", l.cp), ("pp", l.pp), ("dp", l.dp)] {
                 if v == 0 {
                     return Err(invalid(format!("parallel.{name}.{axis}"), "must be >= 1"));
@@ -112,7 +116,11 @@ impl ParallelConfig {
                 ),
             ));
         }
-        for (name, l) in [("llm", &self.llm), ("vision", &self.vision), ("audio", &self.audio)] {
+        for (name, l) in [
+            ("llm", &self.llm),
+            ("vision", &self.vision),
+            ("audio", &self.audio),
+        ] {
             if l.ranks() != 1 {
                 return Err(invalid(
                     format!("parallel.{name}"),

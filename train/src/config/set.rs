@@ -10,7 +10,9 @@ use super::ConfigError;
 fn parse_value(v: &str) -> Value {
     let doc = format!("v = {v}");
     match doc.parse::<Table>() {
-        Ok(mut t) => t.remove("v").unwrap_or_else(|| Value::String(v.to_string())),
+        Ok(mut t) => t
+            .remove("v")
+            .unwrap_or_else(|| Value::String(v.to_string())),
         Err(_) => Value::String(v.to_string()),
     }
 }
@@ -28,9 +30,7 @@ pub fn apply_set(doc: &mut Table, assignment: &str) -> Result<(), ConfigError> {
     let key = key.trim();
     let parts: Vec<&str> = key.split('.').collect();
     if key.is_empty() || parts.iter().any(|p| p.is_empty()) {
-        return Err(bad(format!(
-            "`{key}` is not a dotted key like `optim.lr`"
-        )));
+        return Err(bad(format!("`{key}` is not a dotted key like `optim.lr`")));
     }
     let (last, path) = parts.split_last().ok_or_else(|| bad("empty key".into()))?;
     let mut table = doc;

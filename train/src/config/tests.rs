@@ -34,7 +34,9 @@ batch_rows = 4
 
 fn err(sets: &[&str]) -> String {
     let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
-    RunConfig::from_toml(BASE, "base.toml", &sets).unwrap_err().to_string()
+    RunConfig::from_toml(BASE, "base.toml", &sets)
+        .unwrap_err()
+        .to_string()
 }
 
 #[test]
@@ -50,10 +52,15 @@ fn the_base_config_parses_with_defaults() {
 
 #[test]
 fn set_overrides_reach_every_section() {
-    let sets: Vec<String> = ["train.steps=3", "optim.lr=0.01", "model.llm.layers=1", "run.dir=elsewhere"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    let sets: Vec<String> = [
+        "train.steps=3",
+        "optim.lr=0.01",
+        "model.llm.layers=1",
+        "run.dir=elsewhere",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
     let c = RunConfig::from_toml(BASE, "base.toml", &sets).unwrap();
     assert_eq!(c.train.steps, 3);
     assert_eq!(c.optim.lr, 0.01);
@@ -81,9 +88,15 @@ fn typos_and_bad_values_name_the_key() {
         (&["parallel.device=\"cuda\""][..], "parallel.device"),
         (&["parallel.llm.tp=0"][..], "parallel.llm.tp"),
         (&["checkpoint.keep=0"][..], "checkpoint.keep"),
-        (&["train.batch_tokens=100"][..], "batch_rows or batch_tokens"),
+        (
+            &["train.batch_tokens=100"][..],
+            "batch_rows or batch_tokens",
+        ),
         (&["model.llm.init=\"hf:x\""][..], "init"),
-        (&["model.projector.vision.in_dim=4"][..], "model.projector.vision"),
+        (
+            &["model.projector.vision.in_dim=4"][..],
+            "model.projector.vision",
+        ),
         (&["surprise.key=1"][..], "surprise"),
     ] {
         let e = err(sets);
@@ -98,7 +111,9 @@ fn hf_init_takes_no_sizes() {
         "[model.llm]\ninit = \"hf:/models/x\"\n[model.unused]\nfamily",
     );
     // Sizes moved out of [model.llm]: the unknown table is named.
-    let e = RunConfig::from_toml(&text, "x", &[]).unwrap_err().to_string();
+    let e = RunConfig::from_toml(&text, "x", &[])
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("unused"), "{e}");
     let only_init = r#"
 [run]
@@ -113,7 +128,10 @@ steps = 1
 batch_rows = 1
 "#;
     let c = RunConfig::from_toml(only_init, "x", &[]).unwrap();
-    assert_eq!(c.model.llm.hf_path(), Some(std::path::Path::new("/models/x")));
+    assert_eq!(
+        c.model.llm.hf_path(),
+        Some(std::path::Path::new("/models/x"))
+    );
     let e = RunConfig::from_toml(&only_init.replace("hf:/models/x", "/models/x"), "x", &[])
         .unwrap_err()
         .to_string();

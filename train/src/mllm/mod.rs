@@ -301,7 +301,9 @@ impl Mllm {
     pub fn logits(&self, batch: &MllmBatch, zero_modality: bool) -> Result<Tensor> {
         batch.validate(&self.config)?;
         let e = self.embed_modalities(batch, zero_modality)?;
-        let (logits, _cache) = self.llm.forward(&batch.ids, &batch.seq, e.modality.as_ref())?;
+        let (logits, _cache) = self
+            .llm
+            .forward(&batch.ids, &batch.seq, e.modality.as_ref())?;
         Ok(logits)
     }
 
