@@ -315,3 +315,15 @@ fn checkpoints_restore_weights_and_moments_exactly() {
         .collect();
     assert_eq!(steps, [2, 3]);
 }
+
+#[test]
+fn the_shipped_configs_parse_and_build() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+    let cfg = RunConfig::from_file(&dir.join("demo.toml"), &[]).unwrap();
+    let mc = model_config(&cfg).unwrap();
+    assert_eq!(mc.tokens_per_image(), Some(16));
+    assert_eq!(mc.tokens_per_clip(100), Some(13));
+    let data = braid_dataloader::config::DataConfig::from_file(&dir.join("data-demo.toml")).unwrap();
+    assert_eq!((data.image.size, data.image.patch), (32, 8));
+    assert_eq!(data.audio.pool_stride, 4);
+}
