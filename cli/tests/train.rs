@@ -176,7 +176,7 @@ fn reference() -> &'static (Vec<StepBits>, Duration) {
     REF.get_or_init(|| {
         let dir = fixture().join("runs/ref");
         let t = Instant::now();
-        let o = train(&dir, &[]).output().unwrap();
+        let o = train(&dir, &["--set", "eval.interval=6"]).output().unwrap();
         let took = t.elapsed();
         assert!(o.status.success(), "{}", text(&o));
         (losses(&dir), took)
@@ -220,6 +220,10 @@ fn a_run_writes_metrics_checkpoints_eval_plot_and_export() {
         let x = eval[k].as_f64().unwrap();
         assert!((0.0..=1.0).contains(&x), "{k} = {x}");
     }
+    // The mid-run evaluation (eval.interval = 6) is a line of eval.jsonl; the final one is eval.json.
+    let mid = std::fs::read_to_string(dir.join("eval.jsonl")).unwrap();
+    assert_eq!(mid.lines().count(), 1);
+    assert!(mid.contains("\"step\":6"), "{mid}");
     assert!(dir.join("loss.png").is_file());
     assert!(dir.join("config.toml").is_file());
     for f in [
