@@ -342,6 +342,28 @@ fn non_finite_steps_are_skipped_then_stop_the_run() {
         .collect();
     assert_eq!(skipped, [false, false, true, false]);
 
+    // The skipped step's null grad norm reads back (resume and the loss plot use it).
+    let o = train(
+        &dir,
+        &[
+            "--resume",
+            "--set",
+            "fault.nan_grad_at=[3]",
+            "--set",
+            "train.steps=5",
+        ],
+    )
+    .output()
+    .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(
+        std::fs::read_to_string(dir.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .count(),
+        5
+    );
+
     let dir = fixture().join("runs/nan-stop");
     let _ = std::fs::remove_dir_all(&dir);
     let o = train(
@@ -449,4 +471,38 @@ fn generate_reads_a_checkpoint_and_an_image_or_clip() {
     let o = run(&["generate", "--checkpoint", "/nonexistent", "--prompt", "x"]);
     assert_eq!(o.status.code(), Some(1));
     assert!(text(&o).contains("/nonexistent"), "{}", text(&o));
+}
+
+#[test]
+fn modules_start_from_a_hugging_face_export() {
+    let (ref_losses, _) = reference();
+    let hf = fixture().join("runs/ref/hf");
+    let dir = fixture().join("runs/from-hf");
+    let _ = std::fs::remove_dir_all(&dir);
+    let init = |m: &str| format!("model.{m}={{ init = \"hf:{}\" }}", hf.join(m).display());
+    let o = train(
+        &dir,
+        &[
+            "--set",
+            &init("llm"),
+            "--set",
+            &init("vision"),
+            "--set",
+            &init("audio"),
+            "--set",
+            "train.steps=2",
+        ],
+    )
+    .output()
+    .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let from_hf = f64::from_bits(losses(&dir)[0].1);
+    let scratch = f64::from_bits(ref_losses[0].1);
+    // The exported LLM has learned the template: its first loss is far below a fresh model's.
+    assert!(
+        from_hf < scratch - 0.5,
+        "from HF {from_hf} vs from scratch {scratch}"
+    );
+    let resolved = std::fs::read_to_string(dir.join("config.toml")).unwrap();
+    assert!(resolved.contains("init = \"hf:"), "{resolved}");
 }

@@ -38,10 +38,13 @@ impl LogConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StepMetrics {
     pub step: u64,
-    /// Mean cross-entropy over the step's target tokens (NaN/inf on a skipped step).
+    /// Mean cross-entropy over the step's target tokens (may be non-finite on a skipped
+    /// step: JSON writes it as null, read back as NaN).
+    #[serde(deserialize_with = "null_as_nan")]
     pub loss: f64,
     pub lr: f32,
-    /// Global grad norm before clipping.
+    /// Global grad norm before clipping (null/NaN like `loss`).
+    #[serde(deserialize_with = "null_as_nan")]
     pub grad_norm: f64,
     /// Tokens in the step's rows (all of them, targets or not).
     pub tokens: u64,
@@ -55,6 +58,11 @@ pub struct StepMetrics {
     /// The step was skipped (non-finite loss or grad norm): no update.
     pub skipped: bool,
     pub epoch: u64,
+}
+
+/// JSON has no NaN or infinity (serde_json writes them as null): null reads back as NaN.
+fn null_as_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 /// Appends lines to metrics.jsonl.

@@ -323,7 +323,8 @@ fn the_shipped_configs_parse_and_build() {
     let mc = model_config(&cfg).unwrap();
     assert_eq!(mc.tokens_per_image(), Some(16));
     assert_eq!(mc.tokens_per_clip(100), Some(13));
-    let data = braid_dataloader::config::DataConfig::from_file(&dir.join("data-demo.toml")).unwrap();
+    let data =
+        braid_dataloader::config::DataConfig::from_file(&dir.join("data-demo.toml")).unwrap();
     assert_eq!((data.image.size, data.image.patch), (32, 8));
     assert_eq!(data.audio.pool_stride, 4);
 }
