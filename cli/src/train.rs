@@ -174,7 +174,7 @@ fn summary(s: &RunSummary, dir: &Path, plot: Option<&Path>) {
             s.final_loss
         );
     }
-    if s.train_s > 0.0 {
+    if s.tokens > 0 {
         eprintln!(
             "time             {} ({:.0} tokens/s)",
             human_duration(s.train_s),
@@ -193,6 +193,12 @@ fn summary(s: &RunSummary, dir: &Path, plot: Option<&Path>) {
             e.loss_text_only,
             e.samples
         );
+        let kinds: Vec<String> = e
+            .by_modality
+            .iter()
+            .map(|(k, m)| format!("{k} {:.3} vs {:.3}", m.heldout, m.text_only))
+            .collect();
+        eprintln!("  by sample kind {}", kinds.join("; "));
         eprintln!("                 -> {}", dir.join("eval.json").display());
     }
     if let Some(c) = &s.checkpoint {

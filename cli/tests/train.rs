@@ -219,6 +219,12 @@ fn a_run_writes_metrics_checkpoints_eval_plot_and_export() {
     for k in ["heldout", "text_only"] {
         let x = eval[k].as_f64().unwrap();
         assert!((0.0..=1.0).contains(&x), "{k} = {x}");
+        assert!(
+            eval["by_modality"]
+                .as_object()
+                .is_some_and(|m| !m.is_empty()),
+            "{eval}"
+        );
     }
     // The mid-run evaluation (eval.interval = 6) is a line of eval.jsonl; the final one is eval.json.
     let mid = std::fs::read_to_string(dir.join("eval.jsonl")).unwrap();

@@ -2,6 +2,7 @@
 //! a packed held-out set, with the encoders' embeddings and with them zeroed, so the gain
 //! of the media over the text alone is one subtraction.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use braid_dataloader::loader::{Loader, LoaderConfig};
@@ -32,6 +33,17 @@ pub struct EvalReport {
     pub samples: u64,
     pub targets: u64,
     pub step: u64,
+    /// The answer-token accuracy split by what the samples hold: `image` (an image and no
+    /// clip), `audio` (a clip and no image), `both`, `text` (neither).
+    pub by_modality: BTreeMap<String, ModalityScore>,
+}
+
+/// Answer-token accuracy of one kind of sample, with and without the media.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModalityScore {
+    pub heldout: f64,
+    pub text_only: f64,
+    pub samples: u64,
 }
 
 /// Counts of one pass.
@@ -44,9 +56,43 @@ struct Tally {
     loss_sum: f64,
 }
 
-/// Compares the argmax of each target position with the target; also sums the loss.
-fn score(logits: &[f32], vocab: usize, batch: &MllmBatch, t: &mut Tally) {
-    for w in batch.seq.cu_seqlens.windows(2) {
+/// What sample `s` of the batch holds: "image", "audio", "both" or "text".
+fn sample_kinds(batch: &MllmBatch) -> Vec<&'static str> {
+    let cu = &batch.seq.cu_seqlens;
+    let owner = |p: u32| cu.partition_point(|&c| c <= p as usize).saturating_sub(1);
+    let mut has = vec![(false, false); cu.len().saturating_sub(1)];
+    for pos in batch.image_positions.iter().filter_map(|p| p.first()) {
+        if let Some(h) = has.get_mut(owner(*pos)) {
+            h.0 = true;
+        }
+    }
+    for pos in batch.clip_positions.iter().filter_map(|p| p.first()) {
+        if let Some(h) = has.get_mut(owner(*pos)) {
+            h.1 = true;
+        }
+    }
+    has.into_iter()
+        .map(|h| match h {
+            (true, false) => "image",
+            (false, true) => "audio",
+            (true, true) => "both",
+            (false, false) => "text",
+        })
+        .collect()
+}
+
+/// Compares the argmax of each target position with the target; also sums the loss. Each
+/// sample is tallied in `t` and in `per_kind` under its kind.
+fn score(
+    logits: &[f32],
+    vocab: usize,
+    batch: &MllmBatch,
+    t: &mut Tally,
+    per_kind: &mut BTreeMap<&'static str, Tally>,
+) {
+    let kinds = sample_kinds(batch);
+    for (s, w) in batch.seq.cu_seqlens.windows(2).enumerate() {
+        let before = *t;
         let mut any = false;
         let mut all = true;
         for pos in w[0]..w[1] {
@@ -75,6 +121,10 @@ fn score(logits: &[f32], vocab: usize, batch: &MllmBatch, t: &mut Tally) {
             t.samples += 1;
             t.exact += u64::from(all);
         }
+        let k = per_kind.entry(kinds[s]).or_default();
+        k.correct += t.correct - before.correct;
+        k.targets += t.targets - before.targets;
+        k.samples += t.samples - before.samples;
     }
 }
 
@@ -98,6 +148,7 @@ pub fn evaluate(
     let packs = loader.batches_per_epoch();
     let vocab = model.config.llm.vocab;
     let (mut with, mut without) = (Tally::default(), Tally::default());
+    let (mut with_kind, mut without_kind) = (BTreeMap::new(), BTreeMap::new());
     let mut rows = Vec::new();
     for i in 0..packs {
         let b = loader
@@ -109,12 +160,15 @@ pub fn evaluate(
         }
         let refs: Vec<_> = rows.iter().collect();
         let batch = rows_to_batch(&refs, Device::Cpu)?;
-        for (zero, tally) in [(false, &mut with), (true, &mut without)] {
+        for (zero, tally, kinds) in [
+            (false, &mut with, &mut with_kind),
+            (true, &mut without, &mut without_kind),
+        ] {
             let logits = model
                 .logits(&batch, zero)?
                 .to_vec_f32()
                 .ctx("eval", "logits to host")?; // (T, V)
-            score(&logits, vocab, &batch, tally);
+            score(&logits, vocab, &batch, tally, kinds);
         }
         rows.clear();
     }
@@ -130,5 +184,17 @@ pub fn evaluate(
         samples: with.samples,
         targets: with.targets,
         step,
+        by_modality: with_kind
+            .iter()
+            .map(|(k, w)| {
+                let wo = without_kind.get(k).copied().unwrap_or_default();
+                let score = ModalityScore {
+                    heldout: frac(w.correct, w.targets),
+                    text_only: frac(wo.correct, wo.targets),
+                    samples: w.samples,
+                };
+                (k.to_string(), score)
+            })
+            .collect(),
     })
 }
