@@ -116,6 +116,29 @@ pub fn ensure_dataset(
 ) -> Result<(DatasetInfo, Prepared)> {
     if path.join("dataset.json").is_file() {
         let info = DatasetInfo::read(path).map_err(|e| TrainError::Data(e.to_string()))?;
+        if let Some(build) = build
+            && let Ok(wanted) = DataConfig::from_file(build)
+        {
+            let (a, b) = (&info.settings, &wanted);
+            let differs = [
+                ("tokenizer", a.tokenizer != b.tokenizer),
+                ("template", a.template != b.template),
+                ("image", a.image != b.image),
+                ("audio", a.audio != b.audio),
+                ("pack", a.pack != b.pack),
+            ]
+            .into_iter()
+            .filter_map(|(k, d)| d.then_some(k))
+            .collect::<Vec<_>>();
+            if !differs.is_empty() {
+                log(&format!(
+                    "warning: {} was packed with other [{}] settings than {} says; training on the existing dataset (delete it to repack)",
+                    path.display(),
+                    differs.join("], ["),
+                    build.display()
+                ));
+            }
+        }
         return Ok((info, Prepared::Existing));
     }
     let Some(build) = build else {
