@@ -3,7 +3,8 @@
 //!
 //! Per clip (n_mels, F): conv1 (k3, p1) -> GELU -> conv2 (k3, stride 2, p1) -> GELU ->
 //! (F' = ceil(F/2), D) + embed_positions[:F']. The clips are then packed back to back
-//! (`cu_seqlens`) through the pre-norm blocks and the final layer_norm. Unlike
+//! (`cu_seqlens`) through the pre-norm blocks and the final layer_norm. Clips of equal
+//! length go through the conv stem as one batch. Unlike
 //! transformers (which requires exactly 2 * max_source_positions frames, i.e. 30 s
 //! padded), short clips are NOT padded: a clip's output is what the same computation
 //! on its own frames gives, and attention never crosses clips.
@@ -94,13 +95,17 @@ pub struct AudioOutput {
 /// One clip's stem activations.
 #[derive(Debug)]
 struct StemCache {
-    /// (1, M, F) input, conv1 output (pre-GELU), its GELU, conv2 output (pre-GELU)
+    /// (N, M, F) the group's clips, conv1 output (pre-GELU), its GELU, conv2 output
+    /// (pre-GELU)
     x: Tensor,
     c1: Tensor,
     g1: Tensor,
     c2: Tensor,
-    /// (F') u32 rows of this clip in the packed sequence
+    /// (F' * N) u32 packed-sequence rows of the stem's output rows, frame-major: row
+    /// `f * N + c` is frame f of the group's clip c
     rows: Tensor,
+    /// The group's clips, as indices into the forward's `clips`
+    clips: Vec<usize>,
 }
 
 /// What [`WhisperEncoder::backward`] needs.
@@ -231,25 +236,54 @@ impl WhisperEncoder {
         let seq = SeqInfo::packed(&lens);
         let t = seq.num_tokens();
         let mut h = zeros(&[t, d], dev)?; // (T, D)
-        let mut stems = Vec::with_capacity(clips.len());
-        for (i, (x, &fo)) in clips.iter().zip(&lens).enumerate() {
+        // Clips of equal length share one batched conv stem (the demo's and most batches'
+        // clips are all 30 s or all one length): one kernel call per op instead of one per clip.
+        let mut groups: Vec<(usize, Vec<usize>)> = Vec::new(); // (F, clip indices)
+        for (i, x) in clips.iter().enumerate() {
             let f = x.dims()[1];
-            let x = x
-                .try_clone()
-                .and_then(|x| x.reshape([1, m, f]))
-                .ctx("audio", "clip")?; // (1, M, F)
-            let act = self.config.act.kernel();
-            let c1 = self.conv1.forward(&x)?; // (1, D, F)
+            match groups.iter_mut().find(|g| g.0 == f) {
+                Some(g) => g.1.push(i),
+                None => groups.push((f, vec![i])),
+            }
+        }
+        let act = self.config.act.kernel();
+        let mut stems = Vec::with_capacity(groups.len());
+        for (f, members) in groups {
+            let n = members.len();
+            let fo = lens[members[0]];
+            let x = if n == 1 {
+                clips[members[0]]
+                    .try_clone()
+                    .and_then(|x| x.reshape([1, m, f]))
+            } else {
+                let mut x = zeros(&[n, m * f], dev)?; // (N, M*F)
+                let mut res = Ok(());
+                for (c, &i) in members.iter().enumerate() {
+                    res = res
+                        .and_then(|()| clips[i].try_clone())
+                        .and_then(|clip| clip.reshape([1, m * f]))
+                        .and_then(|clip| {
+                            let row = Tensor::from_vec_u32(vec![c as u32], [1], dev)?;
+                            ops::scatter_rows(&mut x, &row, &clip)
+                        });
+                }
+                res.and_then(|()| x.reshape([n, m, f]))
+            }
+            .ctx("audio", "clips")?; // (N, M, F)
+            let c1 = self.conv1.forward(&x)?; // (N, D, F)
             let g1 = ops::activation_fwd(&c1, act).ctx("audio", "conv1 gelu")?;
-            let c2 = self.conv2.forward(&g1)?; // (1, D, F')
-            // (1, D, F') -> (D, F', 1) -> transpose -> (F', D, 1) -> (F', D)
+            let c2 = self.conv2.forward(&g1)?; // (N, D, F')
+            // (N, D, F') -> (N*D, F', 1) -> transpose -> (F', N*D, 1) -> (F'*N, D)
             let g2 = ops::activation_fwd(&c2, act)
-                .and_then(|g| g.reshape([d, fo, 1]))
+                .and_then(|g| g.reshape([n * d, fo, 1]))
                 .and_then(|g| ops::transpose01(&g))
-                .and_then(|g| g.reshape([fo, d]))
+                .and_then(|g| g.reshape([fo * n, d]))
                 .ctx("audio", "conv2 gelu")?;
-            let start = seq.cu_seqlens[i];
-            let rows = ids((start..start + fo).map(|r| r as u32).collect(), dev)?;
+            let rows: Vec<u32> = (0..fo)
+                .flat_map(|t| members.iter().map(move |&i| (i, t)))
+                .map(|(i, t)| (seq.cu_seqlens[i] + t) as u32)
+                .collect();
+            let rows = ids(rows, dev)?;
             ops::scatter_rows(&mut h, &rows, &g2).ctx("audio", "pack clips")?;
             stems.push(StemCache {
                 x,
@@ -257,6 +291,7 @@ impl WhisperEncoder {
                 g1,
                 c2,
                 rows,
+                clips: members,
             });
         }
         let pos_ids = ids(seq.positions.clone(), dev)?;
@@ -308,23 +343,46 @@ impl WhisperEncoder {
         if let Some(g) = self.embed_positions.grad.as_mut() {
             ops::embedding_bwd(&dh, &pos_ids, g).ctx("audio backward", "positions")?;
         }
-        let mut dclips = Vec::with_capacity(stems.len());
+        let n_clips: usize = stems.iter().map(|s| s.clips.len()).sum();
+        let mut dclips: Vec<Option<Tensor>> = (0..n_clips).map(|_| None).collect();
         for s in stems {
-            let fo = s.rows.dims()[0];
-            let f = s.x.dims()[2];
-            // (F', D) -> (F', D, 1) -> transpose -> (D, F', 1) -> (1, D, F')
+            let &[n, _, f] = s.x.dims() else {
+                return Err(Error::input(
+                    "audio backward",
+                    "stem cache is not (N, M, F)",
+                ));
+            };
+            let fo = s.rows.dims()[0] / n;
+            // (F'*N, D) -> (F', N*D, 1) -> transpose -> (N*D, F', 1) -> (N, D, F')
             let dg2 = ops::gather_rows(&dh, &s.rows)
-                .and_then(|g| g.reshape([fo, d, 1]))
+                .and_then(|g| g.reshape([fo, n * d, 1]))
                 .and_then(|g| ops::transpose01(&g))
-                .and_then(|g| g.reshape([1, d, fo]))
-                .ctx("audio backward", "unpack clip")?;
+                .and_then(|g| g.reshape([n, d, fo]))
+                .ctx("audio backward", "unpack clips")?;
             let dc2 = ops::activation_bwd(&dg2, &s.c2, act).ctx("audio backward", "gelu2")?;
             let dg1 = self.conv2.backward(&s.g1, &dc2)?;
             let dc1 = ops::activation_bwd(&dg1, &s.c1, act).ctx("audio backward", "gelu1")?;
-            let dx = self.conv1.backward(&s.x, &dc1)?;
-            dclips.push(dx.reshape([m, f]).ctx("audio backward", "clip grad")?);
+            let dx = self.conv1.backward(&s.x, &dc1)?; // (N, M, F)
+            if n == 1 {
+                dclips[s.clips[0]] = Some(dx.reshape([m, f]).ctx("audio backward", "clip grad")?);
+                continue;
+            }
+            let dx = dx.reshape([n, m * f]).ctx("audio backward", "clip grads")?; // (N, M*F)
+            for (c, &i) in s.clips.iter().enumerate() {
+                let row = ids(vec![c as u32], dx.device())?;
+                let g = ops::gather_rows(&dx, &row)
+                    .and_then(|g| g.reshape([m, f]))
+                    .ctx("audio backward", "clip grad")?;
+                dclips[i] = Some(g);
+            }
         }
-        Ok(dclips)
+        dclips
+            .into_iter()
+            .enumerate()
+            .map(|(i, g)| {
+                g.ok_or_else(|| Error::input("audio backward", format!("clip {i} has no stem")))
+            })
+            .collect()
     }
 
     /// Splits a batch (B, n_mels, F) of equal-length clips into B clips (n_mels, F),

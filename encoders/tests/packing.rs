@@ -1,5 +1,5 @@
 //! Packed batches give what each sample gives alone: several images in one call,
-//! several clips of different lengths (odd ones too) in one call — outputs, input
+//! several clips of different lengths (odd ones too, equal ones batched) in one call — outputs, input
 //! grads, and parameter grads (the packed call's = the sum of the single calls').
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -85,7 +85,8 @@ fn images_packed_equal_one_by_one(dev: Device) -> TestResult {
 fn clips_packed_equal_one_by_one(dev: Device) -> TestResult {
     let mut model = WhisperEncoder::from_hf_dir(&fixture("whisper_encoder"), dev)?.model;
     let (m, d) = (model.config.num_mel_bins, model.config.d_model);
-    let frames = [40usize, 24, 17, 1];
+    // Equal lengths interleaved: clips 0/2 and 1/4 share a batched conv stem.
+    let frames = [40usize, 24, 40, 17, 24, 1];
     let clips: Vec<Vec<f32>> = frames
         .iter()
         .enumerate()
@@ -98,7 +99,7 @@ fn clips_packed_equal_one_by_one(dev: Device) -> TestResult {
     };
     let (out, cache) = model.forward(&tensors(0..frames.len())?)?;
     let cu = out.cu_seqlens.clone();
-    assert_eq!(cu, vec![0, 20, 32, 41, 42]);
+    assert_eq!(cu, vec![0, 20, 32, 52, 61, 73, 74]);
     let t = cu[cu.len() - 1];
     let hidden = out.hidden.to_vec_f32()?;
     let dy = randn(30, t * d);
