@@ -66,6 +66,22 @@ pub struct TrainState {
     pub elapsed_s: f64,
 }
 
+impl TrainState {
+    /// Step 0 of a run: nothing done, the loader at `loader`.
+    pub fn fresh(loader: LoaderState, seed: u64) -> Self {
+        TrainState {
+            step: 0,
+            optimizer_step: 0,
+            loader,
+            seed,
+            skipped_steps: 0,
+            nonfinite_in_a_row: 0,
+            tokens_seen: 0,
+            elapsed_s: 0.0,
+        }
+    }
+}
+
 pub const MODEL_FILE: &str = "model.safetensors";
 pub const OPTIM_FILE: &str = "optim.safetensors";
 pub const STATE_FILE: &str = "state.json";

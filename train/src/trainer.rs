@@ -193,23 +193,15 @@ impl Trainer {
                         ckpt_root.display()
                     ));
                 }
-                let state = TrainState {
-                    step: 0,
-                    optimizer_step: 0,
-                    loader: braid_dataloader::loader::LoaderState {
-                        epoch: 0,
-                        batch: 0,
-                        seed: loader_cfg.seed,
-                        batch_rows: batch_rows as u64,
-                        packs: data.packs,
-                        shuffle: loader_cfg.shuffle,
-                    },
-                    seed: cfg.run.seed,
-                    skipped_steps: 0,
-                    nonfinite_in_a_row: 0,
-                    tokens_seen: 0,
-                    elapsed_s: 0.0,
+                let loader = braid_dataloader::loader::LoaderState {
+                    epoch: 0,
+                    batch: 0,
+                    seed: loader_cfg.seed,
+                    batch_rows: batch_rows as u64,
+                    packs: data.packs,
+                    shuffle: loader_cfg.shuffle,
                 };
+                let state = TrainState::fresh(loader, cfg.run.seed);
                 (state, None)
             }
         };

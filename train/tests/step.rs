@@ -233,22 +233,20 @@ fn checkpoints_restore_weights_and_moments_exactly() {
     let (_, cache) = m.forward(&batch).unwrap();
     m.backward(cache).unwrap();
     opt.update(&mut m, 1e-2).unwrap();
+    let loader = braid_dataloader::loader::LoaderState {
+        epoch: 0,
+        batch: 1,
+        seed: 3,
+        batch_rows: 2,
+        packs: 10,
+        shuffle: true,
+    };
     let state = TrainState {
         step: 1,
         optimizer_step: 1,
-        loader: braid_dataloader::loader::LoaderState {
-            epoch: 0,
-            batch: 1,
-            seed: 3,
-            batch_rows: 2,
-            packs: 10,
-            shuffle: true,
-        },
-        seed: 3,
-        skipped_steps: 0,
-        nonfinite_in_a_row: 0,
         tokens_seen: 20,
         elapsed_s: 0.5,
+        ..TrainState::fresh(loader, 3)
     };
     let root = dir.path().join("checkpoints");
     let saved =
