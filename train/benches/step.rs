@@ -29,6 +29,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+/// The allocator the `braid` binary uses (see cli/src/main.rs).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
