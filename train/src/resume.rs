@@ -7,8 +7,11 @@ use toml::{Table, Value};
 use crate::config::{RunConfig, invalid};
 use crate::error::Result;
 
-/// Keys free to change between a checkpoint and its resumption.
-const FREE: [&str; 9] = [
+/// Keys free to change between a checkpoint and its resumption (a run folder may be moved
+/// or renamed).
+const FREE: [&str; 11] = [
+    "run.name",
+    "run.dir",
     "log",
     "checkpoint",
     "eval",
@@ -71,9 +74,40 @@ pub fn check_resumable(saved_toml: &str, cfg: &RunConfig) -> Result<()> {
     if let Some(key) = first_difference(&Value::Table(saved), &Value::Table(now), "") {
         return Err(invalid(
             key,
-            "differs from the checkpoint's config; a resumed run must keep the model, data, batch, optimizer and seed (only log, checkpoint, eval, fault, data.workers/prefetch and train.steps may change)",
+            "differs from the checkpoint's config; a resumed run must keep the model, data, batch, optimizer and seed (only run.name/dir, log, checkpoint, eval, fault, data.workers/prefetch/build/demo and train.steps may change)",
         )
         .into());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::tests::BASE;
+
+    fn cfg(sets: &[&str]) -> RunConfig {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        RunConfig::from_toml(BASE, "base.toml", &sets).unwrap()
+    }
+
+    #[test]
+    fn free_keys_may_change_the_rest_is_named() {
+        let saved = cfg(&[]).to_toml().unwrap();
+        check_resumable(
+            &saved,
+            &cfg(&["run.dir=moved", "train.steps=50", "log.interval=1"]),
+        )
+        .unwrap();
+        for (set, key) in [
+            ("optim.lr=0.5", "optim.lr"),
+            ("run.seed=9", "run.seed"),
+            ("model.llm.layers=3", "model.llm.layers"),
+        ] {
+            let e = check_resumable(&saved, &cfg(&[set]))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(key), "{set}: {e}");
+        }
+    }
 }

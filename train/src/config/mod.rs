@@ -347,4 +347,4 @@ impl RunConfig {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
