@@ -124,7 +124,7 @@ fn bad_inputs_fail_with_a_clear_message() {
     let err = String::from_utf8_lossy(&res.stderr);
     assert!(err.contains("/nonexistent/model/config.json"), "{err}");
     // Not yet available commands say so and exit 2.
-    let res = braid(&["train"]);
+    let res = braid(&["plan"]);
     assert_eq!(res.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&res.stderr).contains("not available"));
 }
