@@ -109,8 +109,6 @@ impl Trainer {
             )
             .into());
         }
-        std::fs::create_dir_all(&run_dir).map_err(io_err(&run_dir, "create"))?;
-
         // The model's sizes first: a bad value fails before any data is made.
         let mconfig = model_config(&cfg)?;
         let d = &cfg.data;
@@ -213,6 +211,8 @@ impl Trainer {
             resumed_from.as_ref().map(|_| state.loader),
         )
         .map_err(|e| TrainError::Data(format!("{}: {e}", d.path.display())))?;
+        // Everything checked: only now is anything written into the run folder.
+        std::fs::create_dir_all(&run_dir).map_err(io_err(&run_dir, "create"))?;
         let metrics = MetricsWriter::open(&run_dir.join("metrics.jsonl"), state.step)?;
         std::fs::write(run_dir.join("config.toml"), &config_toml)
             .map_err(io_err(&run_dir.join("config.toml"), "write"))?;
