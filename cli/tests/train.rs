@@ -414,7 +414,11 @@ fn bad_configs_fail_fast_naming_the_key() {
         assert!(!o.status.success(), "{sets:?}");
         assert!(text(&o).contains(needle), "{sets:?}: {}", text(&o));
         assert!(took < Duration::from_secs(2), "{sets:?} took {took:?}");
-        assert!(!dir.exists(), "{sets:?}: a failed start left {}", dir.display());
+        assert!(
+            !dir.exists(),
+            "{sets:?}: a failed start left {}",
+            dir.display()
+        );
     }
     // No dataset and no way to build one.
     let no_build = fixture().join("no-build.toml");
