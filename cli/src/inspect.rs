@@ -7,7 +7,7 @@ use braid_dataloader::dataset::DatasetInfo;
 use braid_dataloader::pack::Histogram;
 use clap::Args;
 
-use crate::plot::BarChart;
+use crate::plot::{BarChart, Chart};
 
 #[derive(Debug, Args)]
 pub struct InspectArgs {

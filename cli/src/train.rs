@@ -13,7 +13,7 @@ use braid_train::metrics::{StepMetrics, read_metrics};
 use braid_train::{Observer, RunConfig, RunInfo, RunSummary, TrainError, Trainer};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::plot::{LineChart, Series};
+use crate::plot::{Chart, LineChart, Series};
 
 /// Train a run config: the CPU demo by default.
 #[derive(Debug, clap::Args)]

@@ -3,14 +3,15 @@
 //! (vocabulary, image geometry, mel bins, audio pooling) before any step runs.
 
 use braid_dataloader::dataset::DatasetInfo;
-use braid_encoders::{VisionEncoder, WhisperEncoder};
+use braid_encoders::{VisionConfig, VisionEncoder, WhisperEncoder, WhisperEncoderConfig};
 use braid_kernels::Device;
 use braid_llm::{Llm, LlmConfig};
+use braid_nn::hf::read_json;
 use braid_nn::{Init, Module};
 
 use crate::config::{ModuleSpec, RunConfig, invalid};
 use crate::error::Result;
-use crate::mllm::{Freeze, Mllm, MllmConfig, MllmParts};
+use crate::mllm::{Freeze, Loaded, Mllm, MllmConfig, MllmParts};
 
 /// The module configs, reading `config.json` of the modules started from Hugging Face.
 pub fn model_config(cfg: &RunConfig) -> Result<MllmConfig> {
@@ -22,12 +23,16 @@ pub fn model_config(cfg: &RunConfig) -> Result<MllmConfig> {
     let vision = match &m.vision {
         None => None,
         Some(ModuleSpec::Sizes(c)) => Some(c.clone()),
-        Some(ModuleSpec::Hf(p)) => Some(VisionEncoder::from_hf_dir(p, Device::Cpu)?.model.config),
+        Some(ModuleSpec::Hf(p)) => {
+            Some(VisionConfig::from_hf_config(&read_json(&p.join("config.json"))?)?.config)
+        }
     };
     let audio = match &m.audio {
         None => None,
         Some(ModuleSpec::Sizes(c)) => Some(c.clone()),
-        Some(ModuleSpec::Hf(p)) => Some(WhisperEncoder::from_hf_dir(p, Device::Cpu)?.model.config),
+        Some(ModuleSpec::Hf(p)) => {
+            Some(WhisperEncoderConfig::from_hf_config(&read_json(&p.join("config.json"))?)?.0)
+        }
     };
     let config = MllmConfig {
         llm,
@@ -130,24 +135,29 @@ pub fn check_against_dataset(
 /// for the others; then the config's freezing.
 pub fn build_model(cfg: &RunConfig, config: MllmConfig, seed: u64, device: Device) -> Result<Mllm> {
     let init = Init::new(seed, device).with_std(cfg.model.init_std);
-    let mut model = Mllm::new(config.clone(), &init)?;
-    let any_hf = cfg.model.llm.hf_path().is_some()
-        || cfg
-            .model
-            .vision
-            .as_ref()
-            .and_then(|v| v.hf_path())
-            .is_some()
-        || cfg.model.audio.as_ref().and_then(|a| a.hf_path()).is_some();
-    if any_hf {
+    let m = &cfg.model;
+    let (llm_hf, vision_hf, audio_hf) = (
+        m.llm.hf_path(),
+        m.vision.as_ref().and_then(|v| v.hf_path()),
+        m.audio.as_ref().and_then(|a| a.hf_path()),
+    );
+    // Modules read from Hugging Face are not randomly initialized first (for a 7B LLM the
+    // draws would cost more than the load).
+    let loaded = Loaded {
+        llm: llm_hf.is_some(),
+        vision: vision_hf.is_some(),
+        audio: audio_hf.is_some(),
+    };
+    let mut model = Mllm::new_except(config.clone(), &init, loaded)?;
+    if loaded != Loaded::default() {
         let mut parts: MllmParts = model.into_parts();
-        if let Some(p) = cfg.model.llm.hf_path() {
+        if let Some(p) = llm_hf {
             parts.llm = Llm::from_hf_dir(p, device)?.0;
         }
-        if let Some(p) = cfg.model.vision.as_ref().and_then(|v| v.hf_path()) {
+        if let Some(p) = vision_hf {
             parts.vision = Some(VisionEncoder::from_hf_dir(p, device)?.model);
         }
-        if let Some(p) = cfg.model.audio.as_ref().and_then(|a| a.hf_path()) {
+        if let Some(p) = audio_hf {
             parts.audio = Some(WhisperEncoder::from_hf_dir(p, device)?.model);
         }
         model = Mllm::from_parts(config, parts)?;

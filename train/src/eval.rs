@@ -56,6 +56,16 @@ struct Tally {
     loss_sum: f64,
 }
 
+/// Index of the largest logit (the first of equal ones).
+pub(crate) fn argmax(row: &[f32]) -> usize {
+    row.iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |(bi, bx), (i, &x)| {
+            if x > bx { (i, x) } else { (bi, bx) }
+        })
+        .0
+}
+
 /// What sample `s` of the batch holds: "image", "audio", "both" or "text".
 fn sample_kinds(batch: &MllmBatch) -> Vec<&'static str> {
     let cu = &batch.seq.cu_seqlens;
@@ -101,12 +111,8 @@ fn score(
                 continue;
             }
             let row = &logits[pos * vocab..(pos + 1) * vocab];
-            let (arg, max) =
-                row.iter()
-                    .enumerate()
-                    .fold((0, f32::NEG_INFINITY), |(ai, am), (i, &x)| {
-                        if x > am { (i, x) } else { (ai, am) }
-                    });
+            let arg = argmax(row);
+            let max = row[arg];
             let lse = max + row.iter().map(|&x| (x - max).exp()).sum::<f32>().ln();
             t.loss_sum += f64::from(lse - row[target as usize]);
             any = true;

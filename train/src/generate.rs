@@ -26,6 +26,7 @@ use crate::assemble::model_config;
 use crate::checkpoint::{self, CONFIG_FILE, DATA_FILE};
 use crate::config::RunConfig;
 use crate::error::{Result, TrainError, io_err};
+use crate::eval::argmax;
 use crate::mllm::{Mllm, MllmBatch};
 
 /// A trained model with what it needs to read a prompt.
@@ -161,44 +162,34 @@ impl Generator {
         let image_positions: Vec<Vec<u32>> = sample.image_spans.iter().map(span).collect();
         let clip_positions: Vec<Vec<u32>> = sample.audio_spans.iter().map(span).collect();
         let vocab = self.model.config.llm.vocab;
+        // One batch; each new token only replaces the ids, the sequence info and targets
+        // (the pixels and mels are not copied again).
+        let mut batch = MllmBatch {
+            ids: Tensor::from_vec_u32(ids.clone(), [ids.len()], dev).ctx("generate", "ids")?,
+            seq: SeqInfo::single(ids.len()),
+            targets: vec![IGNORE_INDEX; ids.len()],
+            images,
+            image_positions,
+            clips,
+            clip_positions,
+        };
         let mut out = Vec::new();
         for _ in 0..max_new_tokens {
             let t = ids.len();
-            let batch = MllmBatch {
-                ids: Tensor::from_vec_u32(ids.clone(), [t], dev).ctx("generate", "ids")?,
-                seq: SeqInfo::single(t),
-                targets: vec![IGNORE_INDEX; t],
-                images: images
-                    .as_ref()
-                    .map(Tensor::try_clone)
-                    .transpose()
-                    .ctx("generate", "pixels")?,
-                image_positions: image_positions.clone(),
-                clips: clips
-                    .iter()
-                    .map(Tensor::try_clone)
-                    .collect::<std::result::Result<_, _>>()
-                    .ctx("generate", "mel")?,
-                clip_positions: clip_positions.clone(),
-            };
             let logits = self
                 .model
                 .logits(&batch, false)?
                 .to_vec_f32()
                 .ctx("generate", "logits")?; // (T, V)
-            let last = &logits[(t - 1) * vocab..t * vocab];
-            let next = last
-                .iter()
-                .enumerate()
-                .fold((0usize, f32::NEG_INFINITY), |(bi, bx), (i, &x)| {
-                    if x > bx { (i, x) } else { (bi, bx) }
-                })
-                .0 as u32;
+            let next = argmax(&logits[(t - 1) * vocab..t * vocab]) as u32;
             if next == stop {
                 break;
             }
             ids.push(next);
             out.push(next);
+            batch.ids = Tensor::from_vec_u32(ids.clone(), [t + 1], dev).ctx("generate", "ids")?;
+            batch.seq = SeqInfo::single(t + 1);
+            batch.targets.push(IGNORE_INDEX);
         }
         self.tokenizer
             .decode(&out)

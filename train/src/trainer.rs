@@ -16,7 +16,7 @@ use crate::data::{ensure_dataset, rows_to_batch, split_even};
 use crate::error::{Result, TrainError, io_err};
 use crate::eval::{EvalReport, evaluate};
 use crate::metrics::{MetricsWriter, StepMetrics};
-use crate::mllm::Mllm;
+use crate::mllm::{Mllm, MllmBatch};
 use crate::optim::{AdamW, clip_factor, grad_norm, scale_grads};
 use crate::resume::check_resumable;
 
@@ -266,15 +266,7 @@ impl Trainer {
             .into_iter()
             .map(|r| rows_to_batch(&rows[r], self.device))
             .collect::<Result<Vec<_>>>()?;
-        let targets: usize = micro
-            .iter()
-            .map(|b| {
-                b.targets
-                    .iter()
-                    .filter(|&&t| t != braid_llm::IGNORE_INDEX)
-                    .count()
-            })
-            .sum();
+        let targets: usize = micro.iter().map(MllmBatch::num_targets).sum();
         let tokens: usize = micro.iter().map(|b| b.num_tokens()).sum();
         let images: usize = micro.iter().map(|b| b.num_images()).sum();
         let clips: usize = micro.iter().map(|b| b.clips.len()).sum();

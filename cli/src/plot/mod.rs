@@ -88,16 +88,21 @@ pub struct LineChart {
     pub log_y: bool,
 }
 
-impl BarChart {
-    pub fn write_png(&self, path: &Path) -> Result<(), PlotError> {
+/// A chart drawn to a PNG, written atomically.
+pub(crate) trait Chart {
+    /// The image and its plot area; `path` only names errors.
+    fn render(&self, path: &Path, width: u32, height: u32) -> Result<(RgbImage, Frame), PlotError>;
+
+    fn write_png(&self, path: &Path) -> Result<(), PlotError> {
         self.write_png_sized(path, WIDTH, HEIGHT)
     }
 
-    pub fn write_png_sized(&self, path: &Path, width: u32, height: u32) -> Result<(), PlotError> {
+    fn write_png_sized(&self, path: &Path, width: u32, height: u32) -> Result<(), PlotError> {
         save_png_atomic(&self.render(path, width, height)?.0, path)
     }
+}
 
-    /// The image and its plot area; `path` only names errors.
+impl Chart for BarChart {
     fn render(&self, path: &Path, width: u32, height: u32) -> Result<(RgbImage, Frame), PlotError> {
         check_size(path, width, height)?;
         let finite = self.bars.iter().map(|b| b.1).filter(|v| v.is_finite());
@@ -140,15 +145,7 @@ impl BarChart {
     }
 }
 
-impl LineChart {
-    pub fn write_png(&self, path: &Path) -> Result<(), PlotError> {
-        self.write_png_sized(path, WIDTH, HEIGHT)
-    }
-
-    pub fn write_png_sized(&self, path: &Path, width: u32, height: u32) -> Result<(), PlotError> {
-        save_png_atomic(&self.render(path, width, height)?.0, path)
-    }
-
+impl Chart for LineChart {
     fn render(&self, path: &Path, width: u32, height: u32) -> Result<(RgbImage, Frame), PlotError> {
         check_size(path, width, height)?;
         let log = self.log_y;
@@ -352,7 +349,7 @@ impl Axis {
 
 /// The plot area in pixels (inclusive edges).
 #[derive(Debug, Clone, Copy)]
-struct Frame {
+pub(crate) struct Frame {
     left: i32,
     right: i32,
     top: i32,

@@ -59,6 +59,11 @@ impl MllmBatch {
         self.seq.num_tokens()
     }
 
+    /// Targets that are not [`IGNORE_INDEX`] (the loss's denominator).
+    pub fn num_targets(&self) -> usize {
+        self.targets.iter().filter(|&&t| t != IGNORE_INDEX).count()
+    }
+
     /// B_img
     pub fn num_images(&self) -> usize {
         self.images.as_ref().map_or(0, |x| x.dims()[0])

@@ -11,6 +11,14 @@ use super::{
     VISION_PROJECTOR,
 };
 
+/// Which encoders and LLM [`Mllm::new_except`] leaves at zero for a checkpoint to fill.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Loaded {
+    pub llm: bool,
+    pub vision: bool,
+    pub audio: bool,
+}
+
 /// The modules of an [`Mllm`] with their own parameter names (no module prefix).
 #[derive(Debug)]
 pub struct MllmParts {
@@ -48,9 +56,27 @@ impl Mllm {
     /// init)` draws; each other module draws from its own seed derived from `init.seed`
     /// and its name.
     pub fn new(config: MllmConfig, init: &Init) -> Result<Self> {
+        Self::new_except(config, init, Loaded::default())
+    }
+
+    /// As [`Mllm::new`], but the modules flagged in `loaded` (about to be overwritten from
+    /// a checkpoint) start at zero without drawing random numbers, as `Init::for_loading`
+    /// does; the other modules draw exactly what `Mllm::new` draws.
+    pub fn new_except(config: MllmConfig, init: &Init, loaded: Loaded) -> Result<Self> {
         config.validate()?;
+        let zeroed = Init::for_loading(init.device);
+        let pick = |skip: bool, name: &str| {
+            if skip {
+                zeroed
+            } else {
+                module_init(init, name)
+            }
+        };
         let vision = match &config.vision {
-            Some(v) => Some(VisionEncoder::new(&module_init(init, "vision"), v.clone())?),
+            Some(v) => Some(VisionEncoder::new(
+                &pick(loaded.vision, "vision"),
+                v.clone(),
+            )?),
             None => None,
         };
         let vision_projector = match &config.vision_projector {
@@ -62,7 +88,10 @@ impl Mllm {
             None => None,
         };
         let audio = match &config.audio {
-            Some(a) => Some(WhisperEncoder::new(&module_init(init, "audio"), a.clone())?),
+            Some(a) => Some(WhisperEncoder::new(
+                &pick(loaded.audio, "audio"),
+                a.clone(),
+            )?),
             None => None,
         };
         let audio_projector = match &config.audio_projector {
@@ -76,7 +105,7 @@ impl Mllm {
             )?),
             None => None,
         };
-        let llm = Llm::new(&config.llm, init)?;
+        let llm = Llm::new(&config.llm, if loaded.llm { &zeroed } else { init })?;
         let mut parts = MllmParts {
             vision,
             vision_projector,

@@ -20,7 +20,7 @@ mod build;
 mod config;
 
 pub use batch::MllmBatch;
-pub use build::MllmParts;
+pub use build::{Loaded, MllmParts};
 pub use config::{AudioProjectorConfig, Freeze, MllmConfig, VisionProjectorConfig};
 
 use braid_encoders::projector::{AudioProjectorCache, ProjectorCache};
