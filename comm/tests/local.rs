@@ -1,6 +1,9 @@
 //! LocalComm: every collective against a plain reference, on several world sizes;
 //! determinism; subgroups; and the failure paths (timeout, poisoning, desync).
 
+// Helpers are plain functions, outside clippy's allow-unwrap-in-tests.
+#![allow(clippy::unwrap_used)]
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -31,7 +34,7 @@ fn all_reduce_sums_in_rank_order_on_every_rank() {
             x.to_vec_f32().map_err(CommError::from)
         })
         .unwrap();
-        let mut want = vec![0f32; 12];
+        let mut want = [0f32; 12];
         for r in 0..size {
             want.iter_mut().zip(data(r, 12)).for_each(|(s, x)| *s += x);
         }
@@ -64,7 +67,7 @@ fn gather_scatter_broadcast_match_references() {
     })
     .unwrap();
     let gathered: Vec<f32> = (0..size).flat_map(|r| data(r, 6)).collect();
-    let mut sum = vec![0f32; 24];
+    let mut sum = [0f32; 24];
     for r in 0..size {
         sum.iter_mut().zip(data(r, 24)).for_each(|(s, x)| *s += x);
     }
@@ -145,7 +148,11 @@ fn subgroups_run_side_by_side() {
     // [3, 1] shows that group rank follows the member order.
     let out = run_local(4, T, |c: LocalComm| -> braid_comm::Result<_> {
         let r = c.rank();
-        let members: Vec<usize> = if r % 2 == 0 { vec![0, 2] } else { vec![3, 1] };
+        let members: Vec<usize> = if r.is_multiple_of(2) {
+            vec![0, 2]
+        } else {
+            vec![3, 1]
+        };
         let g: Arc<dyn Comm> = c.subgroup(&members)?;
         let mut x = t(vec![r as f32 + 1.0], &[1]);
         g.all_reduce_sum(&mut x)?;
