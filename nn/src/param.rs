@@ -18,6 +18,9 @@ pub struct Param {
     pub value: Tensor,
     /// Accumulated gradient, same shape as `value`; `None` when frozen.
     pub grad: Option<Tensor>,
+    /// Which part of the full tensor `value` is (tensor parallelism splits some
+    /// parameters; checkpoints store shards under the full name and reassemble them).
+    pub shard: Shard,
 }
 
 impl Param {
@@ -30,6 +33,7 @@ impl Param {
             name,
             value,
             grad: Some(grad),
+            shard: Shard::Full,
         })
     }
 
@@ -187,7 +191,9 @@ impl Init {
         };
         let (data, dims) = cut_shard(name, data, full, shard)?;
         let value = Tensor::from_vec(data, dims, self.device).ctx(name, "creating parameter")?;
-        Param::new(name, value)
+        let mut p = Param::new(name, value)?;
+        p.shard = shard;
+        Ok(p)
     }
 }
 

@@ -10,6 +10,10 @@ pub enum TrainError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Model(#[from] braid_nn::Error),
+    #[error(transparent)]
+    Kernel(#[from] braid_kernels::Error),
+    #[error(transparent)]
+    Comm(#[from] braid_comm::CommError),
     #[error("data: {0}")]
     Data(String),
     #[error("{}: cannot {op}: {source}", path.display())]

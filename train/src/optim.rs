@@ -7,7 +7,7 @@
 use braid_kernels::ops::{self, AdamWSpec};
 use braid_kernels::{DType, Tensor};
 use braid_nn::error::Context;
-use braid_nn::{Error, Module, Result};
+use braid_nn::{Error, Module, Param, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::config::{ConfigError, invalid};
@@ -146,15 +146,29 @@ pub struct AdamW {
     /// Updates applied so far (bias correction counts from here).
     pub step: u64,
     pub moments: Vec<Moments>,
+    /// Whether this optimizer holds the state of only some trainable parameters (ZeRO-1:
+    /// each data-parallel rank updates its share); the others are skipped by `update`.
+    pub partial: bool,
 }
 
 impl AdamW {
     /// Zero moments for every trainable parameter of `model`.
     pub fn new<M: Module + ?Sized>(config: OptimConfig, model: &M) -> Result<Self> {
+        Self::new_owned(config, model, &|_| true, false)
+    }
+
+    /// Zero moments for the trainable parameters `owns` picks; with `partial`, `update`
+    /// skips the others (another rank updates them).
+    pub fn new_owned<M: Module + ?Sized>(
+        config: OptimConfig,
+        model: &M,
+        owns: &dyn Fn(&Param) -> bool,
+        partial: bool,
+    ) -> Result<Self> {
         let mut moments = Vec::new();
         let mut res = Ok(());
         model.visit_params(&mut |p| {
-            if !p.is_trainable() || res.is_err() {
+            if !p.is_trainable() || !owns(p) || res.is_err() {
                 return;
             }
             let v = &p.value;
@@ -177,6 +191,7 @@ impl AdamW {
             config,
             step: 0,
             moments,
+            partial,
         })
     }
 
@@ -202,12 +217,16 @@ impl AdamW {
         };
         let mut k = 0;
         let mut res = Ok(());
+        let partial = self.partial;
         let moments = &mut self.moments;
         model.visit_params_mut(&mut |p| {
             if res.is_err() {
                 return;
             }
             let Some(g) = &p.grad else { return };
+            if partial && moments.get(k).is_none_or(|m| m.name != p.name) {
+                return; // another rank's share
+            }
             let Some(m) = moments.get_mut(k) else {
                 res = Err(Error::input(
                     "AdamW",

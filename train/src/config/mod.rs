@@ -178,6 +178,12 @@ pub struct FaultConfig {
     /// checkpoint, after the weights and before the optimizer state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub abort_during_checkpoint_at: Option<u64>,
+    /// Make rank `panic_rank` panic at the start of step `panic_at` (every other rank
+    /// must then stop with an error naming it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub panic_at: Option<u64>,
+    #[serde(default)]
+    pub panic_rank: usize,
 }
 
 /// The whole run config.

@@ -1,6 +1,6 @@
-//! `[parallel]`: the device, the world and one layout per module. This build trains on one
-//! rank (world size 1); the layouts are parsed and checked so configs written for larger
-//! worlds fail with a message saying so.
+//! `[parallel]`: the device, the world and one layout per module. Here only what needs
+//! no model is checked; `parallel::layout` checks the layouts against the model (heads,
+//! layers, vocab) and the world.
 
 use serde::{Deserialize, Serialize};
 
@@ -66,10 +66,33 @@ pub struct ParallelConfig {
     pub vision: ModuleLayout,
     #[serde(default)]
     pub audio: ModuleLayout,
+    /// Seconds a rank waits in one collective before the run fails naming the ranks
+    /// that never arrived.
+    #[serde(default = "default_timeout_s")]
+    pub timeout_s: f64,
+    /// Gradients are all-reduced in buckets of this many MiB (fewer, larger messages).
+    #[serde(default = "default_bucket_mb")]
+    pub bucket_mb: f64,
+    /// ZeRO-1: each data-parallel rank keeps the AdamW state of its share of the
+    /// parameters only, updates that share and broadcasts it.
+    #[serde(default = "yes")]
+    pub zero1: bool,
 }
 
 fn one() -> usize {
     1
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn default_timeout_s() -> f64 {
+    300.0
+}
+
+fn default_bucket_mb() -> f64 {
+    25.0
 }
 
 impl Default for ParallelConfig {
@@ -81,6 +104,9 @@ impl Default for ParallelConfig {
             llm: ModuleLayout::default(),
             vision: ModuleLayout::default(),
             audio: ModuleLayout::default(),
+            timeout_s: default_timeout_s(),
+            bucket_mb: default_bucket_mb(),
+            zero1: true,
         }
     }
 }
@@ -107,29 +133,17 @@ impl ParallelConfig {
                 }
             }
         }
-        if self.world_size != 1 {
+        if !(self.timeout_s > 0.0 && self.timeout_s.is_finite()) {
             return Err(invalid(
-                "parallel.world_size",
-                format!(
-                    "{}: this build trains on one rank; several ranks arrive with the parallelism issue (set world_size = 1)",
-                    self.world_size
-                ),
+                "parallel.timeout_s",
+                "must be a positive number of seconds",
             ));
         }
-        for (name, l) in [
-            ("llm", &self.llm),
-            ("vision", &self.vision),
-            ("audio", &self.audio),
-        ] {
-            if l.ranks() != 1 {
-                return Err(invalid(
-                    format!("parallel.{name}"),
-                    format!(
-                        "tp * cp * pp * dp = {} does not fit world_size = 1",
-                        l.ranks()
-                    ),
-                ));
-            }
+        if !(self.bucket_mb > 0.0 && self.bucket_mb.is_finite()) {
+            return Err(invalid(
+                "parallel.bucket_mb",
+                "must be a positive number of MiB",
+            ));
         }
         Ok(())
     }

@@ -76,7 +76,7 @@ pub struct InputGrads {
 
 /// The vision branch's backward state; absent when encoder and projector are frozen.
 #[derive(Debug)]
-struct VisionBranch {
+pub(crate) struct VisionBranch {
     /// B_img, S tokens per image out of the encoder
     b: usize,
     s: usize,
@@ -90,7 +90,7 @@ struct VisionBranch {
 
 /// The audio branch's backward state; absent when encoder and projector are frozen.
 #[derive(Debug)]
-struct AudioBranch {
+pub(crate) struct AudioBranch {
     encoder: Option<AudioCache>,
     projector: AudioProjectorCache,
 }
@@ -307,61 +307,18 @@ impl Mllm {
         Ok(logits)
     }
 
-    /// pixel_values (B, C, H, W) -> projected rows (B * tokens_per_image, C) and the
-    /// branch's backward state when something in it is trainable.
     fn vision_forward(&self, px: &Tensor) -> Result<(Tensor, Option<VisionBranch>)> {
         let (Some(enc), Some(proj)) = (&self.vision, &self.vision_projector) else {
             return Err(missing("vision"));
         };
-        let cfg = &enc.config;
-        let (enc_train, proj_train) = (trainable(enc), trainable(proj));
-        let (out, enc_cache) = enc.forward(px)?;
-        let &[b, s, d] = out.last_hidden_state.dims() else {
-            return Err(Error::input("mllm", "vision output is not (B, S, D)"));
-        };
-        let n = cfg.num_patches();
-        let last = out
-            .last_hidden_state
-            .reshape([b * s, d])
-            .ctx("mllm", "vision features")?; // (B*S, D)
-        // CLIP's class token (first of each image) is not an image token.
-        let (feats, patch_rows) = if s == n {
-            (last, None)
-        } else {
-            let off = s - n;
-            let r: Vec<u32> = (0..b)
-                .flat_map(|i| (0..n).map(move |j| (i * s + off + j) as u32))
-                .collect();
-            let r = ids(r, px.device())?;
-            let f = ops::gather_rows(&last, &r).ctx("mllm", "patch tokens")?; // (B*N, D)
-            (f, Some(r))
-        };
-        let g = cfg.image_size / cfg.patch_size;
-        let (y, projector) = proj.forward(&feats, &vec![(g, g); b])?; // (B*N/m², C)
-        let branch = (enc_train || proj_train).then(|| VisionBranch {
-            b,
-            s,
-            patch_rows,
-            encoder: enc_train.then_some(enc_cache),
-            projector,
-        });
-        Ok((y, branch))
+        vision_forward(enc, proj, px)
     }
 
-    /// clips -> projected rows (sum of tokens_per_clip, C) and the branch's backward
-    /// state when something in it is trainable.
     fn audio_forward(&self, clips: &[Tensor]) -> Result<(Tensor, Option<AudioBranch>)> {
         let (Some(enc), Some(proj)) = (&self.audio, &self.audio_projector) else {
             return Err(missing("audio"));
         };
-        let (enc_train, proj_train) = (trainable(enc), trainable(proj));
-        let (out, enc_cache) = enc.forward(clips)?; // hidden (T_a, D)
-        let (y, projector) = proj.forward(&out.hidden, &out.cu_seqlens)?; // (G_a, C)
-        let branch = (enc_train || proj_train).then(|| AudioBranch {
-            encoder: enc_train.then_some(enc_cache),
-            projector,
-        });
-        Ok((y, branch))
+        audio_forward(enc, proj, clips)
     }
 
     /// Adds the grad of the forward's loss into every trainable parameter's grad and
@@ -395,41 +352,18 @@ impl Mllm {
         Ok(grads)
     }
 
-    /// dy (B * tokens_per_image, C) -> d pixel_values, when the encoder is trainable.
     fn vision_backward(&mut self, vb: VisionBranch, dy: &Tensor) -> Result<Option<Tensor>> {
         let (Some(enc), Some(proj)) = (&mut self.vision, &mut self.vision_projector) else {
             return Err(missing("vision"));
         };
-        let dfeat = proj.backward(vb.projector, dy)?; // (B*N, D)
-        let Some(ec) = vb.encoder else {
-            return Ok(None);
-        };
-        let (b, s) = (vb.b, vb.s);
-        let d = enc.config.hidden_size;
-        let dlast = match &vb.patch_rows {
-            None => dfeat,
-            Some(r) => {
-                // Class tokens feed no image token: their rows stay zero.
-                let mut dl =
-                    Tensor::zeros(vec![b * s, d], DType::F32, dy.device()).ctx("mllm", "zeros")?; // (B*S, D)
-                ops::scatter_rows(&mut dl, r, &dfeat).ctx("mllm", "patch token grads")?;
-                dl
-            }
-        };
-        let dlast = dlast.reshape([b, s, d]).ctx("mllm", "vision grads")?; // (B, S, D)
-        Ok(Some(enc.backward(ec, &dlast, None)?))
+        vision_backward(enc, proj, vb, dy)
     }
 
-    /// dy (G_a, C) -> d clips, when the encoder is trainable.
     fn audio_backward(&mut self, ab: AudioBranch, dy: &Tensor) -> Result<Option<Vec<Tensor>>> {
         let (Some(enc), Some(proj)) = (&mut self.audio, &mut self.audio_projector) else {
             return Err(missing("audio"));
         };
-        let dh = proj.backward(ab.projector, dy)?; // (T_a, D)
-        match ab.encoder {
-            Some(ec) => Ok(Some(enc.backward(ec, &dh)?)),
-            None => Ok(None),
-        }
+        audio_backward(enc, proj, ab, dy)
     }
 }
 
@@ -463,5 +397,105 @@ impl Module for Mllm {
             m.visit_params_mut(f);
         }
         self.llm.visit_params_mut(f);
+    }
+}
+
+/// pixel_values (B, C, H, W) -> projected rows (B * tokens_per_image, C) and the
+/// branch's backward state when something in it is trainable.
+pub(crate) fn vision_forward(
+    enc: &VisionEncoder,
+    proj: &MlpProjector,
+    px: &Tensor,
+) -> Result<(Tensor, Option<VisionBranch>)> {
+    let cfg = &enc.config;
+    let (enc_train, proj_train) = (trainable(enc), trainable(proj));
+    let (out, enc_cache) = enc.forward(px)?;
+    let &[b, s, d] = out.last_hidden_state.dims() else {
+        return Err(Error::input("mllm", "vision output is not (B, S, D)"));
+    };
+    let n = cfg.num_patches();
+    let last = out
+        .last_hidden_state
+        .reshape([b * s, d])
+        .ctx("mllm", "vision features")?; // (B*S, D)
+    // CLIP's class token (first of each image) is not an image token.
+    let (feats, patch_rows) = if s == n {
+        (last, None)
+    } else {
+        let off = s - n;
+        let r: Vec<u32> = (0..b)
+            .flat_map(|i| (0..n).map(move |j| (i * s + off + j) as u32))
+            .collect();
+        let r = ids(r, px.device())?;
+        let f = ops::gather_rows(&last, &r).ctx("mllm", "patch tokens")?; // (B*N, D)
+        (f, Some(r))
+    };
+    let g = cfg.image_size / cfg.patch_size;
+    let (y, projector) = proj.forward(&feats, &vec![(g, g); b])?; // (B*N/m², C)
+    let branch = (enc_train || proj_train).then(|| VisionBranch {
+        b,
+        s,
+        patch_rows,
+        encoder: enc_train.then_some(enc_cache),
+        projector,
+    });
+    Ok((y, branch))
+}
+
+/// clips -> projected rows (sum of tokens_per_clip, C) and the branch's backward
+/// state when something in it is trainable.
+pub(crate) fn audio_forward(
+    enc: &WhisperEncoder,
+    proj: &AudioProjector,
+    clips: &[Tensor],
+) -> Result<(Tensor, Option<AudioBranch>)> {
+    let (enc_train, proj_train) = (trainable(enc), trainable(proj));
+    let (out, enc_cache) = enc.forward(clips)?; // hidden (T_a, D)
+    let (y, projector) = proj.forward(&out.hidden, &out.cu_seqlens)?; // (G_a, C)
+    let branch = (enc_train || proj_train).then(|| AudioBranch {
+        encoder: enc_train.then_some(enc_cache),
+        projector,
+    });
+    Ok((y, branch))
+}
+
+/// dy (B * tokens_per_image, C) -> d pixel_values, when the encoder is trainable.
+pub(crate) fn vision_backward(
+    enc: &mut VisionEncoder,
+    proj: &mut MlpProjector,
+    vb: VisionBranch,
+    dy: &Tensor,
+) -> Result<Option<Tensor>> {
+    let dfeat = proj.backward(vb.projector, dy)?; // (B*N, D)
+    let Some(ec) = vb.encoder else {
+        return Ok(None);
+    };
+    let (b, s) = (vb.b, vb.s);
+    let d = enc.config.hidden_size;
+    let dlast = match &vb.patch_rows {
+        None => dfeat,
+        Some(r) => {
+            // Class tokens feed no image token: their rows stay zero.
+            let mut dl =
+                Tensor::zeros(vec![b * s, d], DType::F32, dy.device()).ctx("mllm", "zeros")?; // (B*S, D)
+            ops::scatter_rows(&mut dl, r, &dfeat).ctx("mllm", "patch token grads")?;
+            dl
+        }
+    };
+    let dlast = dlast.reshape([b, s, d]).ctx("mllm", "vision grads")?; // (B, S, D)
+    Ok(Some(enc.backward(ec, &dlast, None)?))
+}
+
+/// dy (G_a, C) -> d clips, when the encoder is trainable.
+pub(crate) fn audio_backward(
+    enc: &mut WhisperEncoder,
+    proj: &mut AudioProjector,
+    ab: AudioBranch,
+    dy: &Tensor,
+) -> Result<Option<Vec<Tensor>>> {
+    let dh = proj.backward(ab.projector, dy)?; // (T_a, D)
+    match ab.encoder {
+        Some(ec) => Ok(Some(enc.backward(ec, &dh)?)),
+        None => Ok(None),
     }
 }

@@ -1,0 +1,244 @@
+//! The world split into one grid per module, checked against the model before any work:
+//! every message names the key to change and says how.
+//!
+//! Disjoint placement lays the grids side by side in data-flow order (vision, audio,
+//! LLM), so their sizes must add up to the world; colocated placement puts every grid
+//! over the whole world (each module its own layout on the same ranks).
+
+use braid_comm::grid::{Grid, GridDims};
+
+use crate::config::parallel::{ModuleLayout, ParallelConfig, Placement};
+use crate::config::{ConfigError, invalid};
+use crate::mllm::MllmConfig;
+
+/// The three modules a rank can hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ModuleKind {
+    Vision,
+    Audio,
+    Llm,
+}
+
+impl ModuleKind {
+    pub fn key(&self) -> &'static str {
+        match self {
+            ModuleKind::Vision => "vision",
+            ModuleKind::Audio => "audio",
+            ModuleKind::Llm => "llm",
+        }
+    }
+}
+
+/// Every module's grid in the world.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Layouts {
+    pub world: usize,
+    pub placement: Placement,
+    pub vision: Option<Grid>,
+    pub audio: Option<Grid>,
+    pub llm: Grid,
+}
+
+fn dims(l: &ModuleLayout) -> GridDims {
+    GridDims {
+        tp: l.tp,
+        cp: l.cp,
+        dp: l.dp,
+        pp: l.pp,
+    }
+}
+
+/// `what` = `n` split `tp` ways, or an error naming `key` that says what to change.
+fn divisible(key: &str, what: &str, n: usize, by: usize, axis: &str) -> Result<(), ConfigError> {
+    if !n.is_multiple_of(by) {
+        return Err(invalid(
+            key,
+            format!(
+                "{axis} = {by} does not divide {what} = {n}: pick a {axis} that divides {n}"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+impl Layouts {
+    /// The grids of `p` for `model`, or the first problem found.
+    pub fn new(p: &ParallelConfig, model: &MllmConfig) -> Result<Layouts, ConfigError> {
+        let llm = &model.llm;
+        let l = &p.llm;
+        divisible("parallel.llm.tp", "model.llm.heads", llm.heads, l.tp, "tp")?;
+        divisible("parallel.llm.tp", "model.llm.kv_heads", llm.kv_heads, l.tp, "tp")?;
+        divisible("parallel.llm.tp", "model.llm.vocab", llm.vocab, l.tp, "tp")?;
+        divisible(
+            "parallel.llm.tp",
+            "model.llm.intermediate",
+            llm.intermediate,
+            l.tp,
+            "tp",
+        )?;
+        if l.pp > llm.layers {
+            return Err(invalid(
+                "parallel.llm.pp",
+                format!(
+                    "{} pipeline stages for {} layers: at most one stage per layer",
+                    l.pp, llm.layers
+                ),
+            ));
+        }
+        divisible("parallel.llm.pp", "model.llm.layers", llm.layers, l.pp, "pp")?;
+
+        let encoders = [
+            (
+                ModuleKind::Vision,
+                &p.vision,
+                model
+                    .vision
+                    .as_ref()
+                    .map(|v| (v.num_heads, v.intermediate_size)),
+            ),
+            (
+                ModuleKind::Audio,
+                &p.audio,
+                model
+                    .audio
+                    .as_ref()
+                    .map(|a| (a.encoder_attention_heads, a.encoder_ffn_dim)),
+            ),
+        ];
+        for (kind, layout, sizes) in encoders {
+            let key = kind.key();
+            let Some((heads, ff)) = sizes else {
+                if *layout != ModuleLayout::default() {
+                    return Err(invalid(
+                        format!("parallel.{key}"),
+                        format!("is set but the model has no [model.{key}]: remove the section"),
+                    ));
+                }
+                continue;
+            };
+            divisible(
+                &format!("parallel.{key}.tp"),
+                &format!("the {key} encoder's attention heads"),
+                heads,
+                layout.tp,
+                "tp",
+            )?;
+            divisible(
+                &format!("parallel.{key}.tp"),
+                &format!("the {key} encoder's MLP width"),
+                ff,
+                layout.tp,
+                "tp",
+            )?;
+            if layout.pp != 1 {
+                return Err(invalid(
+                    format!("parallel.{key}.pp"),
+                    format!(
+                        "{}: pipeline stages inside an encoder are not built yet; use pp = 1 and more dp or tp",
+                        layout.pp
+                    ),
+                ));
+            }
+            if layout.cp != 1 {
+                return Err(invalid(
+                    format!("parallel.{key}.cp"),
+                    format!(
+                        "{}: context parallelism inside an encoder is not built yet; use cp = 1 and more dp or tp",
+                        layout.cp
+                    ),
+                ));
+            }
+        }
+
+        let has_vision = model.vision.is_some();
+        let has_audio = model.audio.is_some();
+        let world = p.world_size;
+        let sizes = [
+            (has_vision, "vision", p.vision.ranks()),
+            (has_audio, "audio", p.audio.ranks()),
+            (true, "llm", p.llm.ranks()),
+        ];
+        let mut offset = 0;
+        let mut grid = |present: bool, l: &ModuleLayout| -> Result<Option<Grid>, ConfigError> {
+            if !present {
+                return Ok(None);
+            }
+            let at = match p.placement {
+                Placement::Disjoint => offset,
+                Placement::Colocated => 0,
+            };
+            offset += l.ranks();
+            Grid::new(dims(l), at)
+                .map(Some)
+                .map_err(|e| invalid("parallel", e.to_string()))
+        };
+        let vision = grid(has_vision, &p.vision)?;
+        let audio = grid(has_audio, &p.audio)?;
+        let llm = grid(true, &p.llm)?.ok_or_else(|| invalid("parallel.llm", "missing"))?;
+
+        let listed = sizes
+            .iter()
+            .filter(|s| s.0)
+            .map(|s| format!("{} ({})", s.2, s.1))
+            .collect::<Vec<_>>();
+        match p.placement {
+            Placement::Disjoint => {
+                let need: usize = sizes.iter().filter(|s| s.0).map(|s| s.2).sum();
+                if need != world {
+                    return Err(invalid(
+                        "parallel.world_size",
+                        format!(
+                            "{world}, but disjoint grids need {} = {need} ranks (tp * cp * pp * dp per module): change world_size or a module's dp",
+                            listed.join(" + ")
+                        ),
+                    ));
+                }
+            }
+            Placement::Colocated => {
+                for (present, key, n) in sizes {
+                    if present && n != world {
+                        return Err(invalid(
+                            format!("parallel.{key}"),
+                            format!(
+                                "tp * cp * pp * dp = {n}, but colocated grids each span the whole world of {world} ranks"
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(Layouts {
+            world,
+            placement: p.placement,
+            vision,
+            audio,
+            llm,
+        })
+    }
+
+    pub fn grid(&self, kind: ModuleKind) -> Option<&Grid> {
+        match kind {
+            ModuleKind::Vision => self.vision.as_ref(),
+            ModuleKind::Audio => self.audio.as_ref(),
+            ModuleKind::Llm => Some(&self.llm),
+        }
+    }
+
+    /// One line per module: its layout and ranks.
+    pub fn describe(&self) -> Vec<String> {
+        [ModuleKind::Vision, ModuleKind::Audio, ModuleKind::Llm]
+            .iter()
+            .filter_map(|&k| {
+                self.grid(k).map(|g| {
+                    format!(
+                        "{:<6} {}  ranks {}..{}",
+                        k.key(),
+                        g.dims,
+                        g.ranks().start,
+                        g.ranks().end - 1
+                    )
+                })
+            })
+            .collect()
+    }
+}

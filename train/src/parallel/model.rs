@@ -1,0 +1,260 @@
+//! One rank's share of the model and the groups it talks over.
+//!
+//! A rank holds, for each module whose grid contains it, that module's shard: an encoder
+//! and its projector (TP-split blocks), or one pipeline stage of the LLM (TP-split blocks,
+//! vocab-split embedding/head). Parameters keep the single-rank model's names
+//! (`vision.layers.0...`, `llm.layers.3...`) and record which slice they are
+//! (`Param::shard`), so checkpoints and gradient checks line up with one rank.
+//!
+//! Weights are cut from a full single-rank [`Mllm`] built the usual way (same seeds, same
+//! Hugging Face import, same freezing), so every layout starts from exactly the weights of
+//! the one-rank run.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+use braid_comm::Comm;
+use braid_comm::grid::{Axis, Coord, Grid};
+use braid_encoders::{AudioProjector, MlpProjector, VisionEncoder, WhisperEncoder};
+use braid_kernels::{Device, Tensor};
+use braid_llm::LlmStage;
+use braid_nn::param::cut_shard;
+use braid_nn::{Init, Module, Param};
+
+use super::layout::{Layouts, ModuleKind};
+use crate::error::{Result, TrainError};
+use crate::mllm::{AUDIO, AUDIO_PROJECTOR, LLM, Mllm, VISION, VISION_PROJECTOR};
+
+/// A module's groups as seen from one of its ranks.
+#[derive(Debug, Clone)]
+pub struct ModuleGroups {
+    pub kind: ModuleKind,
+    pub grid: Grid,
+    pub coord: Coord,
+    /// Same cp/dp/pp, every tp: splits the blocks.
+    pub tp: Arc<dyn Comm>,
+    /// Same tp/dp/pp, every cp: splits the sequence.
+    pub cp: Arc<dyn Comm>,
+    /// Same tp/pp, every cp and dp: ranks holding the same parameter shard (gradient
+    /// all-reduce, ZeRO-1 sharding).
+    pub replicas: Arc<dyn Comm>,
+    /// LLM with tied embeddings over several stages: {first stage, last stage} with
+    /// this rank's tp/cp/dp, on both ends (their embedding copies' grads are summed).
+    pub tied: Option<Arc<dyn Comm>>,
+}
+
+impl ModuleGroups {
+    /// The groups of `kind` for world rank `rank`, or `None` when the module is not on it.
+    pub fn new(
+        world: &dyn Comm,
+        layouts: &Layouts,
+        kind: ModuleKind,
+        rank: usize,
+        tied_embeddings: bool,
+    ) -> Result<Option<ModuleGroups>> {
+        let Some(grid) = layouts.grid(kind).copied() else {
+            return Ok(None);
+        };
+        let Some(coord) = grid.coord(rank) else {
+            return Ok(None);
+        };
+        let group = |axes: &[Axis]| -> Result<Arc<dyn Comm>> {
+            let members = grid.group(rank, axes).unwrap_or_default();
+            Ok(world.subgroup(&members)?)
+        };
+        let pp = grid.dims.pp;
+        let tied = if tied_embeddings && pp > 1 && (coord.pp == 0 || coord.pp == pp - 1) {
+            let first = grid.rank(Coord { pp: 0, ..coord });
+            let last = grid.rank(Coord { pp: pp - 1, ..coord });
+            Some(world.subgroup(&[first, last])?)
+        } else {
+            None
+        };
+        Ok(Some(ModuleGroups {
+            kind,
+            grid,
+            coord,
+            tp: group(&[Axis::Tp])?,
+            cp: group(&[Axis::Cp])?,
+            replicas: group(&[Axis::Cp, Axis::Dp])?,
+            tied,
+        }))
+    }
+
+    /// The sender of this rank's replica: tp 0, cp 0, last stage.
+    pub fn is_last_stage(&self) -> bool {
+        self.coord.pp + 1 == self.grid.dims.pp
+    }
+}
+
+/// An encoder and its projector.
+#[derive(Debug)]
+pub struct VisionPart {
+    pub encoder: VisionEncoder,
+    pub projector: MlpProjector,
+    pub groups: ModuleGroups,
+}
+
+#[derive(Debug)]
+pub struct AudioPart {
+    pub encoder: WhisperEncoder,
+    pub projector: AudioProjector,
+    pub groups: ModuleGroups,
+}
+
+/// One pipeline stage of the LLM.
+#[derive(Debug)]
+pub struct LlmPart {
+    pub stage: LlmStage,
+    pub groups: ModuleGroups,
+}
+
+/// What one rank holds.
+#[derive(Debug, Default)]
+pub struct RankModel {
+    pub vision: Option<VisionPart>,
+    pub audio: Option<AudioPart>,
+    pub llm: Option<LlmPart>,
+}
+
+/// The layers of stage `s` of `pp` over `layers` (validated: `pp` divides `layers`).
+pub fn stage_layers(layers: usize, pp: usize, s: usize) -> Range<usize> {
+    let per = layers / pp.max(1);
+    s * per..(s + 1) * per
+}
+
+// TEMP until the encoders take a TP group.
+fn encoder_tp_pending<T>(e: braid_nn::Result<T>, g: &ModuleGroups) -> Result<T> {
+    if g.tp.size() > 1 {
+        return Err(TrainError::Other("encoder TP not wired yet".into()));
+    }
+    Ok(e?)
+}
+
+fn prefix<M: Module + ?Sized>(m: &mut M, p: &str) {
+    m.visit_params_mut(&mut |q| q.name.insert_str(0, p));
+}
+
+impl RankModel {
+    /// The share of world rank `rank`, cut from `full`.
+    pub fn build(full: &Mllm, world: &dyn Comm, layouts: &Layouts, rank: usize) -> Result<Self> {
+        let cfg = &full.config;
+        let zeros = Init::for_loading(Device::Cpu);
+        let mut model = RankModel::default();
+        if let (Some(vc), Some(pc)) = (&cfg.vision, &cfg.vision_projector)
+            && let Some(groups) = ModuleGroups::new(world, layouts, ModuleKind::Vision, rank, false)?
+        {
+            let mut encoder = encoder_tp_pending(VisionEncoder::new(&zeros, vc.clone()), &groups)?;
+            prefix(&mut encoder, VISION);
+            let projector = MlpProjector::new(&zeros, "vision_projector", pc.projector())?;
+            debug_assert!(projector.param_shapes()[0].0.starts_with(VISION_PROJECTOR));
+            model.vision = Some(VisionPart {
+                encoder,
+                projector,
+                groups,
+            });
+        }
+        if let (Some(ac), Some(pc)) = (&cfg.audio, &cfg.audio_projector)
+            && let Some(groups) = ModuleGroups::new(world, layouts, ModuleKind::Audio, rank, false)?
+        {
+            let mut encoder =
+                encoder_tp_pending(WhisperEncoder::new(&zeros, ac.clone()), &groups)?;
+            prefix(&mut encoder, AUDIO);
+            let projector = AudioProjector::new(
+                &zeros,
+                "audio_projector",
+                pc.in_dim,
+                pc.out_dim,
+                pc.stride,
+                pc.activation(),
+            )?;
+            debug_assert!(projector.param_shapes()[0].0.starts_with(AUDIO_PROJECTOR));
+            model.audio = Some(AudioPart {
+                encoder,
+                projector,
+                groups,
+            });
+        }
+        let tied = cfg.llm.tie_embeddings;
+        if let Some(groups) = ModuleGroups::new(world, layouts, ModuleKind::Llm, rank, tied)? {
+            let layers = stage_layers(cfg.llm.layers, groups.grid.dims.pp, groups.coord.pp);
+            let mut stage = LlmStage::new(&cfg.llm, layers, &zeros, Arc::clone(&groups.tp))?;
+            prefix(&mut stage, LLM);
+            model.llm = Some(LlmPart { stage, groups });
+        }
+        model.copy_from(full)?;
+        Ok(model)
+    }
+
+    /// Overwrites every parameter with its slice of the same-named parameter of `full`
+    /// and takes over its frozen state.
+    fn copy_from(&mut self, full: &Mllm) -> Result<()> {
+        let mut by_name: HashMap<&str, &Param> = HashMap::new();
+        full.visit_params(&mut |p| {
+            by_name.insert(p.name.as_str(), p);
+        });
+        let mut res = Ok(());
+        self.visit_params_mut(&mut |p| {
+            if res.is_err() {
+                return;
+            }
+            res = copy_slice(p, &by_name);
+        });
+        res
+    }
+}
+
+/// `p` = its slice of `by_name[p.name]`, frozen when that is.
+fn copy_slice(p: &mut Param, by_name: &HashMap<&str, &Param>) -> Result<()> {
+    let src = by_name.get(p.name.as_str()).ok_or_else(|| {
+        TrainError::Other(format!(
+            "parameter `{}` of a rank's shard has no counterpart in the full model",
+            p.name
+        ))
+    })?;
+    let data = src.value.to_vec_f32()?;
+    let (data, dims) = cut_shard(&p.name, data, src.value.dims(), p.shard)?;
+    if dims != p.value.dims() {
+        return Err(TrainError::Other(format!(
+            "parameter `{}`: the slice of {:?} is {dims:?} but the shard holds {:?}",
+            p.name,
+            src.value.dims(),
+            p.value.dims()
+        )));
+    }
+    p.value = Tensor::from_vec(data, dims, p.value.device())?;
+    if !src.is_trainable() {
+        p.freeze();
+    }
+    Ok(())
+}
+
+impl Module for RankModel {
+    fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a Param)) {
+        if let Some(v) = &self.vision {
+            v.encoder.visit_params(f);
+            v.projector.visit_params(f);
+        }
+        if let Some(a) = &self.audio {
+            a.encoder.visit_params(f);
+            a.projector.visit_params(f);
+        }
+        if let Some(l) = &self.llm {
+            l.stage.visit_params(f);
+        }
+    }
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+        if let Some(v) = &mut self.vision {
+            v.encoder.visit_params_mut(f);
+            v.projector.visit_params_mut(f);
+        }
+        if let Some(a) = &mut self.audio {
+            a.encoder.visit_params_mut(f);
+            a.projector.visit_params_mut(f);
+        }
+        if let Some(l) = &mut self.llm {
+            l.stage.visit_params_mut(f);
+        }
+    }
+}

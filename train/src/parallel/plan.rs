@@ -1,0 +1,272 @@
+//! One step's plan, computed identically on every rank from the global batch's metadata:
+//! the items (images and clips) and where they are encoded, each LLM microbatch's rows
+//! and how its tokens are split over the CP ranks, and the bridge's routes between them.
+
+use braid_bridge::{Dest, ItemRoute};
+use braid_comm::grid::{Axis, Coord, Grid};
+use braid_dataloader::loader::Row;
+use braid_llm::next_token_targets;
+use braid_nn::SeqInfo;
+
+use super::assign::{Assignment, BatchShape};
+use super::layout::Layouts;
+use crate::error::{Result, TrainError};
+use crate::mllm::{Freeze, MllmConfig};
+
+/// An image or a clip of the global batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ItemKind {
+    Image,
+    Clip,
+}
+
+/// One image or clip: where it comes from, where it is encoded, where it goes.
+#[derive(Clone, Debug)]
+pub struct Item {
+    pub kind: ItemKind,
+    /// Its row in the global batch and its index among that row's images (or clips).
+    pub row: usize,
+    pub index: usize,
+    /// Embedding rows it becomes (= its placeholder tokens).
+    pub rows: usize,
+    /// Encoder dp replica.
+    pub enc_dp: usize,
+    /// LLM dp replica and microbatch.
+    pub llm_dp: usize,
+    pub mb: usize,
+    /// Its first placeholder token within its microbatch's packed tokens.
+    pub start: usize,
+}
+
+/// How one microbatch's tokens are split over the CP ranks.
+#[derive(Clone, Debug)]
+pub struct TokenSplit {
+    /// Per token of the microbatch: (cp rank, index among that rank's tokens).
+    pub owner: Vec<(usize, usize)>,
+    /// Per cp rank: its tokens, as indices into the microbatch.
+    pub tokens: Vec<Vec<usize>>,
+}
+
+impl TokenSplit {
+    /// No CP: every token on rank 0.
+    pub fn whole(t: usize) -> TokenSplit {
+        TokenSplit {
+            owner: (0..t).map(|i| (0, i)).collect(),
+            tokens: vec![(0..t).collect()],
+        }
+    }
+}
+
+/// One LLM microbatch of one replica.
+#[derive(Clone, Debug)]
+pub struct Microbatch {
+    pub dp: usize,
+    pub mb: usize,
+    /// Global row indices, in order.
+    pub rows: Vec<usize>,
+    /// Packed token count.
+    pub tokens: usize,
+    /// Sample boundaries of the packed tokens.
+    pub cu_seqlens: Vec<usize>,
+    pub split: TokenSplit,
+}
+
+/// Everything every rank knows about one step.
+#[derive(Debug)]
+pub struct StepPlan {
+    pub items: Vec<Item>,
+    /// Every replica's microbatches, by (dp, then mb) order; empty microbatches skipped.
+    pub microbatches: Vec<Microbatch>,
+    /// Valid targets in the whole global batch (the loss normalizer).
+    pub targets: usize,
+    pub tokens: usize,
+}
+
+/// The batch's shape as an assigner sees it.
+pub fn batch_shape(rows: &[Row]) -> BatchShape {
+    BatchShape {
+        row_tokens: rows.iter().map(Row::len).collect(),
+        row_images: rows.iter().map(|r| r.images.len()).collect(),
+        row_clips: rows.iter().map(|r| r.audio.len()).collect(),
+        clip_frames: rows
+            .iter()
+            .flat_map(|r| r.audio.iter().map(|a| a.frames))
+            .collect(),
+    }
+}
+
+/// Valid next-token targets of one row.
+fn row_targets(r: &Row) -> Result<usize> {
+    let seq = SeqInfo {
+        cu_seqlens: r.sample_offsets.iter().map(|&o| o as usize).collect(),
+        positions: r.positions.clone(),
+    };
+    let mask: Vec<bool> = r.loss_mask.iter().map(|&m| m != 0).collect();
+    let t = next_token_targets(&r.ids, &seq, Some(&mask))?;
+    Ok(t.iter()
+        .filter(|&&x| x != braid_llm::IGNORE_INDEX)
+        .count())
+}
+
+impl StepPlan {
+    /// The plan of `rows` under assignment `a`; `split` cuts a microbatch's tokens
+    /// (given its sample boundaries) over the LLM's CP ranks.
+    pub fn new(
+        rows: &[Row],
+        a: &Assignment,
+        llm_dp: usize,
+        split: &dyn Fn(&[usize]) -> Result<TokenSplit>,
+    ) -> Result<StepPlan> {
+        let mut microbatches = Vec::new();
+        // (dp, mb) -> index into microbatches, and each row's token offset in its mb.
+        let mut row_offset = vec![0usize; rows.len()];
+        for dp in 0..llm_dp {
+            for mb in 0..a.microbatches_of(dp) {
+                let members = a.rows_of(dp, mb);
+                if members.is_empty() {
+                    continue;
+                }
+                let mut cu = vec![0usize];
+                let mut off = 0;
+                for &r in &members {
+                    row_offset[r] = off;
+                    cu.extend(rows[r].sample_offsets.iter().skip(1).map(|&o| off + o as usize));
+                    off += rows[r].len();
+                }
+                microbatches.push(Microbatch {
+                    dp,
+                    mb,
+                    rows: members,
+                    tokens: off,
+                    split: split(&cu)?,
+                    cu_seqlens: cu,
+                });
+            }
+        }
+        let mut items = Vec::new();
+        let (mut img, mut clip) = (0, 0);
+        for (r, row) in rows.iter().enumerate() {
+            let (dp, mb) = a.rows[r];
+            for (index, im) in row.images.iter().enumerate() {
+                items.push(Item {
+                    kind: ItemKind::Image,
+                    row: r,
+                    index,
+                    rows: im.len,
+                    enc_dp: a.images[img],
+                    llm_dp: dp,
+                    mb,
+                    start: row_offset[r] + im.start,
+                });
+                img += 1;
+            }
+            for (index, au) in row.audio.iter().enumerate() {
+                items.push(Item {
+                    kind: ItemKind::Clip,
+                    row: r,
+                    index,
+                    rows: au.len,
+                    enc_dp: a.clips[clip],
+                    llm_dp: dp,
+                    mb,
+                    start: row_offset[r] + au.start,
+                });
+                clip += 1;
+            }
+        }
+        // Images first, then clips: the bridge's item order.
+        items.sort_by_key(|it| (it.kind == ItemKind::Clip, it.row, it.index));
+        let targets = rows.iter().map(row_targets).sum::<Result<usize>>()?;
+        Ok(StepPlan {
+            items,
+            microbatches,
+            targets,
+            tokens: rows.iter().map(Row::len).sum(),
+        })
+    }
+
+    pub fn microbatch(&self, dp: usize, mb: usize) -> Option<&Microbatch> {
+        self.microbatches.iter().find(|m| m.dp == dp && m.mb == mb)
+    }
+
+    /// The microbatches of replica `dp`, in order.
+    pub fn microbatches_of(&self, dp: usize) -> Vec<&Microbatch> {
+        self.microbatches.iter().filter(|m| m.dp == dp).collect()
+    }
+
+    /// The bridge's routes: item `i` from its encoder replica's first TP rank (its grad
+    /// back to all of that replica's TP ranks, unless its branch is frozen) to the LLM's
+    /// first stage of its replica: to each CP rank the rows whose placeholders it holds,
+    /// to every TP rank of it, the grad taken from TP rank 0.
+    pub fn routes(
+        &self,
+        layouts: &Layouts,
+        mconfig: &MllmConfig,
+        freeze: Freeze,
+    ) -> Result<Vec<ItemRoute>> {
+        let llm = &layouts.llm;
+        self.items
+            .iter()
+            .map(|it| {
+                let (grid, trainable) = match it.kind {
+                    ItemKind::Image => (
+                        layouts.vision,
+                        !(freeze.vision && freeze.vision_projector),
+                    ),
+                    ItemKind::Clip => (layouts.audio, !(freeze.audio && freeze.audio_projector)),
+                };
+                let grid: Grid = grid.ok_or_else(|| {
+                    TrainError::Other(format!(
+                        "the batch has a {:?} but the model has no encoder for it",
+                        it.kind
+                    ))
+                })?;
+                let src = grid.rank(Coord {
+                    tp: 0,
+                    cp: 0,
+                    dp: it.enc_dp,
+                    pp: 0,
+                });
+                let grad_to = if trainable {
+                    grid.group(src, &[Axis::Tp]).unwrap_or_default()
+                } else {
+                    Vec::new()
+                };
+                let mb = self.microbatch(it.llm_dp, it.mb).ok_or_else(|| {
+                    TrainError::Other(format!("item of row {} has no microbatch", it.row))
+                })?;
+                let cp = llm.dims.cp;
+                let mut per_cp: Vec<Vec<u32>> = vec![Vec::new(); cp];
+                for k in 0..it.rows {
+                    let (c, _) = mb.split.owner[it.start + k];
+                    per_cp[c].push(k as u32);
+                }
+                let mut dst = Vec::new();
+                for (c, rows) in per_cp.into_iter().enumerate() {
+                    if rows.is_empty() {
+                        continue;
+                    }
+                    for tp in 0..llm.dims.tp {
+                        dst.push(Dest {
+                            rank: llm.rank(Coord {
+                                tp,
+                                cp: c,
+                                dp: it.llm_dp,
+                                pp: 0,
+                            }),
+                            rows: rows.clone(),
+                            grad: tp == 0,
+                        });
+                    }
+                }
+                let _ = mconfig;
+                Ok(ItemRoute {
+                    rows: it.rows,
+                    src,
+                    grad_to,
+                    dst,
+                })
+            })
+            .collect()
+    }
+}
