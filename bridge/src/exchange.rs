@@ -185,10 +185,9 @@ impl Routes {
             }
             self.check_rows(op, rank, &format!("item {i}"), t, item.rows)?;
         }
-        let owned = self.produced_by(rank);
-        let missing: Vec<usize> = owned
-            .iter()
-            .copied()
+        let missing: Vec<usize> = self
+            .produced_by(rank)
+            .into_iter()
             .filter(|&i| mine[i].is_none())
             .collect();
         if !missing.is_empty() {
@@ -198,6 +197,12 @@ impl Routes {
                 format!("items {missing:?} are missing: this rank is their src"),
             ));
         }
+        // (item, tensor) of every item this rank produces, ascending.
+        let owned: Vec<(usize, &Tensor)> = mine
+            .iter()
+            .enumerate()
+            .filter_map(|(i, t)| t.map(|t| (i, t)))
+            .collect();
         if !self.moves_rows() {
             return self.empty(op, rank);
         }
@@ -205,26 +210,20 @@ impl Routes {
         // This rank's items one under the other: (S, C), item i at rows offset[i]...
         let mut offset = vec![0usize; items.len()];
         let mut s_rows = 0;
-        for &i in &owned {
+        for &(i, _) in &owned {
             offset[i] = s_rows;
             s_rows += items[i].rows;
         }
         let stacked_buf;
         let stacked: &Tensor = match owned.as_slice() {
-            [i] => mine[*i].unwrap_or_else(|| unreachable!("checked above")),
+            [(_, t)] => t,
             _ => {
                 let mut buf =
                     Tensor::zeros([s_rows, c], DType::F32, self.device()).ctx(op, rank)?; // (S, C)
-                for &i in &owned {
-                    if let Some(t) = mine[i].filter(|_| items[i].rows > 0) {
-                        let idx = index(
-                            span(offset[i], items[i].rows).collect(),
-                            self.device(),
-                            op,
-                            rank,
-                        )?;
-                        ops::scatter_rows(&mut buf, &idx, t).ctx(op, rank)?;
-                    }
+                for &(i, t) in owned.iter().filter(|(i, _)| items[*i].rows > 0) {
+                    let rows = span(offset[i], items[i].rows).collect();
+                    let idx = index(rows, self.device(), op, rank)?;
+                    ops::scatter_rows(&mut buf, &idx, t).ctx(op, rank)?;
                 }
                 stacked_buf = buf;
                 &stacked_buf
@@ -232,16 +231,15 @@ impl Routes {
         };
 
         // parts[d]: the rows rank d asked for, by item then in d's order.
+        let mut send: Vec<Vec<u32>> = vec![Vec::new(); world];
+        for &(i, _) in &owned {
+            let base = offset[i];
+            for dest in &items[i].dst {
+                send[dest.rank].extend(dest.rows.iter().map(|&r| (base + r as usize) as u32));
+            }
+        }
         let mut parts = Vec::with_capacity(world);
-        for d in 0..world {
-            let idx: Vec<u32> = owned
-                .iter()
-                .filter_map(|&i| self.dest_of(i, d).map(|dest| (i, dest)))
-                .flat_map(|(i, dest)| {
-                    let base = offset[i];
-                    dest.rows.iter().map(move |&r| (base + r as usize) as u32)
-                })
-                .collect();
+        for idx in send {
             parts.push(if idx.is_empty() {
                 self.empty(op, rank)?
             } else {
@@ -326,22 +324,15 @@ impl Routes {
                 });
             }
 
-            // ids[d]: the accumulator row of each row rank d sends here.
-            let ids: Vec<Vec<u32>> = (0..world)
-                .map(|d| {
-                    mine.iter()
-                        .filter_map(|&i| {
-                            self.dest_of(i, d)
-                                .filter(|dest| dest.grad)
-                                .map(|dest| (i, dest))
-                        })
-                        .flat_map(|(i, dest)| {
-                            let base = offset[i];
-                            dest.rows.iter().map(move |&r| (base + r as usize) as u32)
-                        })
-                        .collect()
-                })
-                .collect();
+            // ids[d]: the accumulator row of each row rank d sends here (by item, then
+            // in d's order, as d sends them).
+            let mut ids: Vec<Vec<u32>> = vec![Vec::new(); world];
+            for &i in &mine {
+                let base = offset[i];
+                for dest in items[i].dst.iter().filter(|d| d.grad) {
+                    ids[dest.rank].extend(dest.rows.iter().map(|&r| (base + r as usize) as u32));
+                }
+            }
             let counts: Vec<usize> = ids.iter().map(Vec::len).collect();
             let got = self.exchange(op, comm, parts, &counts)?;
             // Ascending source rank; within one source every accumulator row appears at
