@@ -166,15 +166,7 @@ pub fn save<M: Module + ?Sized>(
     keep: usize,
     abort_midway: bool,
 ) -> Result<PathBuf> {
-    std::fs::create_dir_all(root).map_err(io_err(root, "create"))?;
-    let name = step_dir_name(state.step);
-    let tmp = root.join(format!(".tmp-{name}"));
-    let dst = root.join(&name);
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp, "remove"))?;
-    }
-    std::fs::create_dir_all(&tmp).map_err(io_err(&tmp, "create"))?;
-
+    let tmp = begin(root, state.step)?;
     let mut weights = Vec::new();
     model.visit_params(&mut |p| weights.push((p.name.clone(), &p.value)));
     save_safetensors(&tmp.join(MODEL_FILE), &weights)?;
@@ -188,18 +180,43 @@ pub fn save<M: Module + ?Sized>(
         moments.push((format!("{}.exp_avg_sq", m.name), &m.exp_avg_sq));
     }
     save_safetensors(&tmp.join(OPTIM_FILE), &moments)?;
-    let json = serde_json::to_string_pretty(state).map_err(|e| ckpt_err(&tmp, e.to_string()))?;
+    finish(root, &tmp, state, files, keep)
+}
+
+/// Starts the checkpoint of `step`: an empty `.tmp-step-N` folder under `root` (a stale
+/// one from a crash is removed). Returns it.
+pub fn begin(root: &Path, step: u64) -> Result<PathBuf> {
+    std::fs::create_dir_all(root).map_err(io_err(root, "create"))?;
+    let tmp = root.join(format!(".tmp-{}", step_dir_name(step)));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp, "remove"))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(io_err(&tmp, "create"))?;
+    Ok(tmp)
+}
+
+/// Completes a checkpoint whose tensors are in `tmp`: writes `state.json` and `files`,
+/// syncs, renames the folder into place, prunes beyond `keep`. Returns the folder.
+pub fn finish(
+    root: &Path,
+    tmp: &Path,
+    state: &TrainState,
+    files: &[(&str, &[u8])],
+    keep: usize,
+) -> Result<PathBuf> {
+    let dst = root.join(step_dir_name(state.step));
+    let json = serde_json::to_string_pretty(state).map_err(|e| ckpt_err(tmp, e.to_string()))?;
     write_synced(&tmp.join(STATE_FILE), json.as_bytes())?;
     for (name, bytes) in files {
         write_synced(&tmp.join(name), bytes)?;
     }
-    sync_dir(&tmp)?;
+    sync_dir(tmp)?;
 
     if dst.exists() {
         // The same step saved again (a resumed run re-reaching it): replace it whole.
         std::fs::remove_dir_all(&dst).map_err(io_err(&dst, "remove"))?;
     }
-    std::fs::rename(&tmp, &dst).map_err(io_err(&dst, "rename into place"))?;
+    std::fs::rename(tmp, &dst).map_err(io_err(&dst, "rename into place"))?;
     sync_dir(root)?;
 
     let all = list(root)?;

@@ -14,6 +14,8 @@ pub enum TrainError {
     Kernel(#[from] braid_kernels::Error),
     #[error(transparent)]
     Comm(#[from] braid_comm::CommError),
+    #[error(transparent)]
+    Bridge(#[from] braid_bridge::BridgeError),
     #[error("data: {0}")]
     Data(String),
     #[error("{}: cannot {op}: {source}", path.display())]

@@ -2,7 +2,7 @@
 //! the items (images and clips) and where they are encoded, each LLM microbatch's rows
 //! and how its tokens are split over the CP ranks, and the bridge's routes between them.
 
-use braid_bridge::{Dest, ItemRoute};
+use braid_bridge::{ItemPlacement, Routes, routes_for};
 use braid_comm::grid::{Axis, Coord, Grid};
 use braid_dataloader::loader::Row;
 use braid_llm::next_token_targets;
@@ -11,7 +11,7 @@ use braid_nn::SeqInfo;
 use super::assign::{Assignment, BatchShape};
 use super::layout::Layouts;
 use crate::error::{Result, TrainError};
-use crate::mllm::{Freeze, MllmConfig};
+use crate::mllm::Freeze;
 
 /// An image or a clip of the global batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -198,22 +198,15 @@ impl StepPlan {
     /// back to all of that replica's TP ranks, unless its branch is frozen) to the LLM's
     /// first stage of its replica: to each CP rank the rows whose placeholders it holds,
     /// to every TP rank of it, the grad taken from TP rank 0.
-    pub fn routes(
-        &self,
-        layouts: &Layouts,
-        mconfig: &MllmConfig,
-        freeze: Freeze,
-    ) -> Result<Vec<ItemRoute>> {
+    pub fn routes(&self, layouts: &Layouts, width: usize, freeze: Freeze) -> Result<Routes> {
         let llm = &layouts.llm;
-        self.items
+        let placements = self
+            .items
             .iter()
             .map(|it| {
-                let (grid, trainable) = match it.kind {
-                    ItemKind::Image => (
-                        layouts.vision,
-                        !(freeze.vision && freeze.vision_projector),
-                    ),
-                    ItemKind::Clip => (layouts.audio, !(freeze.audio && freeze.audio_projector)),
+                let (grid, frozen) = match it.kind {
+                    ItemKind::Image => (layouts.vision, freeze.vision && freeze.vision_projector),
+                    ItemKind::Clip => (layouts.audio, freeze.audio && freeze.audio_projector),
                 };
                 let grid: Grid = grid.ok_or_else(|| {
                     TrainError::Other(format!(
@@ -227,46 +220,35 @@ impl StepPlan {
                     dp: it.enc_dp,
                     pp: 0,
                 });
-                let grad_to = if trainable {
-                    grid.group(src, &[Axis::Tp]).unwrap_or_default()
-                } else {
-                    Vec::new()
-                };
                 let mb = self.microbatch(it.llm_dp, it.mb).ok_or_else(|| {
                     TrainError::Other(format!("item of row {} has no microbatch", it.row))
                 })?;
-                let cp = llm.dims.cp;
-                let mut per_cp: Vec<Vec<u32>> = vec![Vec::new(); cp];
-                for k in 0..it.rows {
-                    let (c, _) = mb.split.owner[it.start + k];
-                    per_cp[c].push(k as u32);
-                }
-                let mut dst = Vec::new();
-                for (c, rows) in per_cp.into_iter().enumerate() {
-                    if rows.is_empty() {
-                        continue;
-                    }
-                    for tp in 0..llm.dims.tp {
-                        dst.push(Dest {
-                            rank: llm.rank(Coord {
-                                tp,
-                                cp: c,
-                                dp: it.llm_dp,
-                                pp: 0,
-                            }),
-                            rows: rows.clone(),
-                            grad: tp == 0,
-                        });
-                    }
-                }
-                let _ = mconfig;
-                Ok(ItemRoute {
-                    rows: it.rows,
-                    src,
-                    grad_to,
-                    dst,
+                let row_cp = (0..it.rows)
+                    .map(|k| mb.split.owner[it.start + k].0)
+                    .collect();
+                let llm_ranks = (0..llm.dims.cp)
+                    .map(|cp| {
+                        (0..llm.dims.tp)
+                            .map(|tp| {
+                                llm.rank(Coord {
+                                    tp,
+                                    cp,
+                                    dp: it.llm_dp,
+                                    pp: 0,
+                                })
+                            })
+                            .collect()
+                    })
+                    .collect();
+                Ok(ItemPlacement {
+                    encoder_ranks: grid.group(src, &[Axis::Tp]).unwrap_or_default(),
+                    frozen,
+                    row_cp,
+                    llm_ranks,
                 })
             })
-            .collect()
+            .collect::<Result<Vec<_>>>()?;
+        routes_for(&placements, width, layouts.world)
+            .map_err(|e| TrainError::Other(format!("bridge routes: {e}")))
     }
 }

@@ -1,0 +1,496 @@
+//! One rank's training step under any layout, top to bottom:
+//!
+//! 1. every rank plans the step from the global batch it holds (assignment, microbatches,
+//!    CP token split, bridge routes);
+//! 2. encoder ranks encode their images and clips (encoder + projector);
+//! 3. the bridge moves the embeddings to the LLM's first-stage ranks (one all-to-all-v);
+//! 4. LLM ranks run their microbatches through the 1F1B pipeline; the last stage takes
+//!    the loss normalized by the global target count; the first stage collects the
+//!    modality-embedding grads;
+//! 5. the bridge returns those grads to the encoder ranks (its transpose), which run
+//!    their backward;
+//! 6. grads are summed over each shard's replicas; the global norm; AdamW (ZeRO-1).
+
+use std::sync::Arc;
+
+use braid_bridge::Routes;
+use braid_comm::Comm;
+use braid_dataloader::loader::Row;
+use braid_kernels::{DType, Device, Shape, Tensor, ops};
+use braid_llm::{IGNORE_INDEX, ModalityEmbeds, StageCache, StageInput, cross_entropy_loss};
+use braid_nn::{Module, SeqInfo};
+
+use super::assign::{Assigner, Replicas, RoundRobin};
+use super::layout::Layouts;
+use super::model::{AudioPart, LlmPart, RankModel, VisionPart};
+use super::plan::{ItemKind, StepPlan, TokenSplit, batch_shape};
+use super::schedule::{Op, one_f_one_b};
+use super::sync::{ShardPlan, all_reduce_grads, broadcast_updates, local_sq_norm};
+use crate::config::RunConfig;
+use crate::data::rows_to_batch;
+use crate::error::{Result, TrainError};
+use crate::mllm::{
+    AudioBranch, Freeze, Mllm, MllmConfig, VisionBranch, audio_backward, audio_forward,
+    vision_backward, vision_forward,
+};
+use crate::optim::AdamW;
+
+/// What one forward/backward over the global batch measured (the same on every rank).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Pass {
+    /// Sum of the per-target losses over the whole global batch.
+    pub loss_sum: f64,
+    pub targets: usize,
+    pub tokens: usize,
+    pub images: usize,
+    pub clips: usize,
+}
+
+/// One rank's model, optimizer and groups.
+#[derive(Debug)]
+pub struct Engine {
+    pub rank: usize,
+    pub world: Arc<dyn Comm>,
+    pub layouts: Layouts,
+    pub mconfig: MllmConfig,
+    pub model: RankModel,
+    pub plan: ShardPlan,
+    pub optim: AdamW,
+    pub assigner: Box<dyn Assigner>,
+    pub microbatches: usize,
+    pub freeze: Freeze,
+    bucket_elems: usize,
+    zero1: bool,
+}
+
+/// An encoder's work kept for its backward.
+struct Encoded<B> {
+    /// Items (indices into the plan) in the order they were encoded.
+    items: Vec<usize>,
+    /// Embedding rows per item, same order.
+    rows: Vec<usize>,
+    branch: Option<B>,
+}
+
+impl Engine {
+    /// This rank's share of `full` (weights, frozen state) for `cfg`'s layouts.
+    pub fn new(full: &Mllm, world: Arc<dyn Comm>, layouts: Layouts, cfg: &RunConfig) -> Result<Self> {
+        let rank = world.rank();
+        let model = RankModel::build(full, world.as_ref(), &layouts, rank)?;
+        let zero1 = cfg.parallel.zero1;
+        let plan = ShardPlan::new(&model, zero1);
+        let optim = AdamW::new_owned(cfg.optim.clone(), &model, &|p| plan.owns(&p.name), zero1)?;
+        Ok(Engine {
+            rank,
+            world,
+            layouts,
+            mconfig: full.config.clone(),
+            model,
+            plan,
+            optim,
+            assigner: Box::new(RoundRobin),
+            microbatches: cfg.train.microbatches,
+            freeze: Freeze::from_names(&cfg.train.freeze)?,
+            bucket_elems: ((cfg.parallel.bucket_mb * 1024.0 * 1024.0) / 4.0).max(1.0) as usize,
+            zero1,
+        })
+    }
+
+    fn replicas(&self) -> Replicas {
+        let dp = |g: Option<&braid_comm::grid::Grid>| g.map_or(1, |g| g.dims.dp);
+        Replicas {
+            llm_dp: self.layouts.llm.dims.dp,
+            microbatches: self.microbatches,
+            vision_dp: dp(self.layouts.vision.as_ref()),
+            audio_dp: dp(self.layouts.audio.as_ref()),
+        }
+    }
+
+    /// Forward and backward of the global batch `rows` (every rank passes the same):
+    /// afterwards every trainable parameter's grad is the one-rank gradient of the
+    /// batch's mean loss (summed over replicas).
+    pub fn forward_backward(&mut self, rows: &[Row]) -> Result<Pass> {
+        let shape = batch_shape(rows);
+        let replicas = self.replicas();
+        let a = self.assigner.assign(&shape, &replicas);
+        a.validate(&shape, &replicas)?;
+        let cp = self.layouts.llm.dims.cp;
+        let plan = StepPlan::new(rows, &a, replicas.llm_dp, &|cu| split_tokens(cu, cp))?;
+        let c = self.mconfig.llm.hidden;
+        let routes = plan.routes(&self.layouts, c, self.freeze)?;
+        self.model.zero_grads()?;
+
+        // Encoders, then the bridge to the LLM's first stage.
+        let mut produced: Vec<(usize, Tensor)> = Vec::new();
+        let vision = match &self.model.vision {
+            Some(v) => encode_images(v, rows, &plan, &mut produced)?,
+            None => None,
+        };
+        let audio = match &self.model.audio {
+            Some(a) => encode_clips(a, rows, &plan, &mut produced)?,
+            None => None,
+        };
+        let sent: Vec<(usize, &Tensor)> = produced.iter().map(|(i, t)| (*i, t)).collect();
+        let received = routes.forward(self.world.as_ref(), &sent)?; // (M_r, C)
+        drop(sent);
+        drop(produced);
+
+        // The LLM pipeline; the modality grads come back in `received`'s row order.
+        let mut dreceived = Tensor::zeros(received.shape().clone(), DType::F32, Device::Cpu)?; // (M_r, C)
+        let norm = plan.targets.max(1);
+        let loss_local = match &mut self.model.llm {
+            Some(l) => run_pipeline(
+                l,
+                self.world.as_ref(),
+                rows,
+                &plan,
+                &routes,
+                &received,
+                &mut dreceived,
+                norm,
+            )?,
+            None => 0.0,
+        };
+        drop(received);
+
+        // The bridge back and the encoders' backward.
+        let grads = routes.backward(self.world.as_ref(), &dreceived)?;
+        if let (Some(enc), Some(v)) = (vision, &mut self.model.vision) {
+            if let Some(b) = enc.branch {
+                let dy = stack_grads(&grads, &enc.items, &enc.rows, c)?;
+                vision_backward(&mut v.encoder, &mut v.projector, b, &dy)?;
+            }
+        }
+        if let (Some(enc), Some(a)) = (audio, &mut self.model.audio) {
+            if let Some(b) = enc.branch {
+                let dy = stack_grads(&grads, &enc.items, &enc.rows, c)?;
+                audio_backward(&mut a.encoder, &mut a.projector, b, &dy)?;
+            }
+        }
+        all_reduce_grads(&mut self.model, self.bucket_elems)?;
+
+        let mut loss = Tensor::from_vec(vec![loss_local as f32], [1], Device::Cpu)?;
+        self.world.all_reduce_sum(&mut loss)?;
+        let loss_sum = f64::from(loss.to_vec_f32()?[0]);
+        Ok(Pass {
+            loss_sum,
+            targets: plan.targets,
+            tokens: plan.tokens,
+            images: shape.num_images(),
+            clips: shape.num_clips(),
+        })
+    }
+
+    /// The global L2 norm of the gradient (every element counted once in the world).
+    pub fn grad_norm(&self) -> Result<f64> {
+        let sq = local_sq_norm(&self.model, &self.plan)?;
+        let mut t = Tensor::from_vec(vec![sq as f32], [1], Device::Cpu)?;
+        self.world.all_reduce_sum(&mut t)?;
+        Ok(f64::from(t.to_vec_f32()?[0]).sqrt())
+    }
+
+    /// Scales every grad of this rank by `s` (clipping; every rank scales alike).
+    pub fn scale_grads(&mut self, s: f32) -> Result<()> {
+        Ok(crate::optim::scale_grads(&mut self.model, s)?)
+    }
+
+    /// AdamW on this rank's share, then the updated values to the rest of each replica
+    /// group.
+    pub fn update(&mut self, lr: f32) -> Result<()> {
+        self.optim.update(&mut self.model, lr)?;
+        if self.zero1 {
+            broadcast_updates(&mut self.model, &self.plan)?;
+        }
+        Ok(())
+    }
+}
+
+/// How a microbatch's tokens are split over `cp` ranks.
+fn split_tokens(cu_seqlens: &[usize], cp: usize) -> Result<TokenSplit> {
+    let t = cu_seqlens.last().copied().unwrap_or(0);
+    if cp == 1 {
+        return Ok(TokenSplit::whole(t));
+    }
+    Err(TrainError::Other(format!(
+        "LLM context parallelism (cp = {cp}) is not available in this build"
+    )))
+}
+
+/// Rows `start .. start + n` of `x` (N, C).
+fn row_slice(x: &Tensor, start: usize, n: usize) -> Result<Tensor> {
+    let idx: Vec<u32> = (start as u32..(start + n) as u32).collect();
+    let idx = Tensor::from_vec_u32(idx, [n], x.device())?;
+    Ok(ops::gather_rows(x, &idx)?)
+}
+
+/// This replica's images through the vision encoder and projector; the first TP rank
+/// hands each image's rows to the bridge.
+fn encode_images(
+    part: &VisionPart,
+    rows: &[Row],
+    plan: &StepPlan,
+    produced: &mut Vec<(usize, Tensor)>,
+) -> Result<Option<Encoded<VisionBranch>>> {
+    let dp = part.groups.coord.dp;
+    let items: Vec<usize> = (0..plan.items.len())
+        .filter(|&i| plan.items[i].kind == ItemKind::Image && plan.items[i].enc_dp == dp)
+        .collect();
+    let Some(&first) = items.first() else {
+        return Ok(None);
+    };
+    let im0 = &rows[plan.items[first].row].images[plan.items[first].index];
+    let (h, w) = (im0.height, im0.width);
+    let mut pixels = Vec::with_capacity(items.len() * 3 * h * w); // (B, 3, H, W)
+    for &i in &items {
+        let it = &plan.items[i];
+        pixels.extend_from_slice(&rows[it.row].images[it.index].pixels);
+    }
+    let px = Tensor::from_vec(pixels, [items.len(), 3, h, w], Device::Cpu)?;
+    let (y, branch) = vision_forward(&part.encoder, &part.projector, &px)?; // (B * tpi, C)
+    let n_rows: Vec<usize> = items.iter().map(|&i| plan.items[i].rows).collect();
+    hand_over(&y, &items, &n_rows, part.groups.coord.tp == 0, produced)?;
+    Ok(Some(Encoded {
+        items,
+        rows: n_rows,
+        branch,
+    }))
+}
+
+/// This replica's clips through the audio encoder and projector.
+fn encode_clips(
+    part: &AudioPart,
+    rows: &[Row],
+    plan: &StepPlan,
+    produced: &mut Vec<(usize, Tensor)>,
+) -> Result<Option<Encoded<AudioBranch>>> {
+    let dp = part.groups.coord.dp;
+    let items: Vec<usize> = (0..plan.items.len())
+        .filter(|&i| plan.items[i].kind == ItemKind::Clip && plan.items[i].enc_dp == dp)
+        .collect();
+    if items.is_empty() {
+        return Ok(None);
+    }
+    let clips = items
+        .iter()
+        .map(|&i| {
+            let a = &rows[plan.items[i].row].audio[plan.items[i].index];
+            Tensor::from_vec(a.mel.clone(), [a.n_mels, a.frames], Device::Cpu)
+        })
+        .collect::<braid_kernels::Result<Vec<_>>>()?; // (n_mels, F) each
+    let (y, branch) = audio_forward(&part.encoder, &part.projector, &clips)?; // (G_a, C)
+    let n_rows: Vec<usize> = items.iter().map(|&i| plan.items[i].rows).collect();
+    hand_over(&y, &items, &n_rows, part.groups.coord.tp == 0, produced)?;
+    Ok(Some(Encoded {
+        items,
+        rows: n_rows,
+        branch,
+    }))
+}
+
+/// Splits `y` (sum of n_rows, C) into one tensor per item for the bridge (sender only).
+fn hand_over(
+    y: &Tensor,
+    items: &[usize],
+    n_rows: &[usize],
+    sender: bool,
+    produced: &mut Vec<(usize, Tensor)>,
+) -> Result<()> {
+    let total: usize = n_rows.iter().sum();
+    if y.dims()[0] != total {
+        return Err(TrainError::Other(format!(
+            "the encoder gave {} rows for {} placeholder tokens of {} items",
+            y.dims()[0],
+            total,
+            items.len()
+        )));
+    }
+    if !sender {
+        return Ok(());
+    }
+    let mut off = 0;
+    for (&i, &n) in items.iter().zip(n_rows) {
+        produced.push((i, row_slice(y, off, n)?));
+        off += n;
+    }
+    Ok(())
+}
+
+/// The grads of `items` from the bridge, stacked in that order: (sum of rows, C).
+fn stack_grads(
+    grads: &[(usize, Tensor)],
+    items: &[usize],
+    n_rows: &[usize],
+    c: usize,
+) -> Result<Tensor> {
+    let total: usize = n_rows.iter().sum();
+    let mut dy = Tensor::zeros(vec![total, c], DType::F32, Device::Cpu)?; // (N, C)
+    let mut off = 0;
+    for (&i, &n) in items.iter().zip(n_rows) {
+        let g = grads.iter().find(|(j, _)| *j == i).ok_or_else(|| {
+            TrainError::Other(format!("the bridge returned no grad for item {i}"))
+        })?;
+        let idx: Vec<u32> = (off as u32..(off + n) as u32).collect();
+        let idx = Tensor::from_vec_u32(idx, [n], Device::Cpu)?;
+        ops::scatter_rows(&mut dy, &idx, &g.1)?;
+        off += n;
+    }
+    Ok(dy)
+}
+
+/// A microbatch as this CP rank sees it: token ids, sample layout, next-token targets.
+struct LocalBatch {
+    ids: Tensor,
+    seq: SeqInfo,
+    targets: Vec<u32>,
+}
+
+fn local_batch(rows: &[Row], mb: &super::plan::Microbatch, cp_rank: usize) -> Result<LocalBatch> {
+    let refs: Vec<&Row> = mb.rows.iter().map(|&r| &rows[r]).collect();
+    let b = rows_to_batch(&refs, Device::Cpu)?;
+    if mb.split.tokens.len() == 1 {
+        return Ok(LocalBatch {
+            ids: b.ids,
+            seq: b.seq,
+            targets: b.targets,
+        });
+    }
+    let _ = cp_rank;
+    Err(TrainError::Other(
+        "LLM context parallelism is not available in this build".into(),
+    ))
+}
+
+/// The loss of the last stage's output: (loss sum of these tokens, d loss / d output).
+fn stage_loss(part: &LlmPart, out: &Tensor, targets: &[u32], norm: usize) -> Result<(f64, Tensor)> {
+    let vocab = part.stage.config.vocab;
+    if out.dims().get(1) == Some(&vocab) {
+        let l = cross_entropy_loss(out, targets, Some(norm))?;
+        return Ok((l.loss_sum, l.dlogits));
+    }
+    let tp = part.groups.tp.as_ref();
+    let t = Tensor::from_vec_u32(targets.to_vec(), [targets.len()], Device::Cpu)?;
+    let vl = out.dims().get(1).copied().unwrap_or(0);
+    let (losses, dlogits) = braid_llm::vocab_parallel_cross_entropy(
+        tp,
+        out,
+        tp.rank() * vl,
+        &t,
+        IGNORE_INDEX,
+        1.0 / norm as f32,
+    )?;
+    let sum: f64 = losses.to_vec_f32()?.iter().map(|&x| f64::from(x)).sum();
+    Ok((sum, dlogits))
+}
+
+/// This rank's stage over its replica's microbatches in 1F1B order. Returns the loss
+/// sum this rank contributes (last stage, TP rank 0; 0 elsewhere).
+#[allow(clippy::too_many_arguments)]
+fn run_pipeline(
+    part: &mut LlmPart,
+    world: &dyn Comm,
+    rows: &[Row],
+    plan: &StepPlan,
+    routes: &Routes,
+    received: &Tensor,
+    dreceived: &mut Tensor,
+    norm: usize,
+) -> Result<f64> {
+    let g = part.groups.clone();
+    let rank = world.rank();
+    let (stage, stages) = (g.coord.pp, g.grid.dims.pp);
+    let (first, last) = (stage == 0, stage + 1 == stages);
+    let prev = g.grid.pp_neighbor(rank, -1);
+    let next = g.grid.pp_neighbor(rank, 1);
+    let c = part.stage.config.hidden;
+    let mbs = plan.microbatches_of(g.coord.dp);
+
+    // Stage 0: which received rows fill which local placeholder of each microbatch.
+    let recv_rows = if first { routes.received(rank) } else { Vec::new() };
+    let mut fill: Vec<(Vec<u32>, Vec<u32>)> = vec![(Vec::new(), Vec::new()); mbs.len()];
+    for (k, &(item, row)) in recv_rows.iter().enumerate() {
+        let it = &plan.items[item];
+        let j = mbs
+            .iter()
+            .position(|m| m.mb == it.mb)
+            .ok_or_else(|| TrainError::Other(format!("received a row of item {item} for no microbatch")))?;
+        let (cpr, local) = mbs[j].split.owner[it.start + row as usize];
+        if cpr != g.coord.cp {
+            return Err(TrainError::Other(format!(
+                "item {item} row {row} was routed to cp rank {} but belongs to {cpr}",
+                g.coord.cp
+            )));
+        }
+        fill[j].0.push(k as u32);
+        fill[j].1.push(local as u32);
+    }
+
+    let mut caches: Vec<Option<(StageCache, Option<Tensor>)>> = (0..mbs.len()).map(|_| None).collect();
+    let mut batches: Vec<Option<LocalBatch>> = (0..mbs.len()).map(|_| None).collect();
+    let mut loss = 0.0f64;
+    for op in one_f_one_b(stage, stages, mbs.len()) {
+        match op {
+            Op::Forward(j) => {
+                let b = local_batch(rows, mbs[j], g.coord.cp)?;
+                let t = b.seq.num_tokens();
+                let (out, cache) = if first {
+                    let (idx, pos) = &fill[j];
+                    let modality = if idx.is_empty() {
+                        None
+                    } else {
+                        let idx_t = Tensor::from_vec_u32(idx.clone(), [idx.len()], Device::Cpu)?;
+                        Some(ModalityEmbeds {
+                            positions: Tensor::from_vec_u32(pos.clone(), [pos.len()], Device::Cpu)?,
+                            embeds: ops::gather_rows(received, &idx_t)?, // (M_mb, C)
+                        })
+                    };
+                    let input = StageInput::Tokens {
+                        ids: &b.ids,
+                        modality: modality.as_ref(),
+                    };
+                    part.stage.forward(input, &b.seq)?
+                } else {
+                    let from = prev.ok_or_else(|| TrainError::Other("no previous stage".into()))?;
+                    let h = world.recv(&Shape::new([t, c]), from)?; // (T, C)
+                    part.stage.forward(StageInput::Hidden(h), &b.seq)?
+                };
+                if last {
+                    let (sum, dout) = stage_loss(part, &out, &b.targets, norm)?;
+                    if g.coord.tp == 0 {
+                        loss += sum;
+                    }
+                    caches[j] = Some((cache, Some(dout)));
+                } else {
+                    let to = next.ok_or_else(|| TrainError::Other("no next stage".into()))?;
+                    world.send(&out, to)?;
+                    caches[j] = Some((cache, None));
+                }
+                batches[j] = Some(b);
+            }
+            Op::Backward(j) => {
+                let (cache, dlogits) = caches[j]
+                    .take()
+                    .ok_or_else(|| TrainError::Other(format!("microbatch {j} has no cache")))?;
+                let t = batches[j].take().map_or(0, |b| b.seq.num_tokens());
+                let dout = match dlogits {
+                    Some(d) => d,
+                    None => {
+                        let from = next.ok_or_else(|| TrainError::Other("no next stage".into()))?;
+                        world.recv(&Shape::new([t, c]), from)? // (T, C)
+                    }
+                };
+                let dx = part.stage.backward(cache, &dout)?;
+                if !first {
+                    let to = prev.ok_or_else(|| TrainError::Other("no previous stage".into()))?;
+                    let dh = dx.ok_or_else(|| TrainError::Other("stage gave no input grad".into()))?;
+                    world.send(&dh, to)?;
+                } else if let Some(dmod) = dx
+                    && !fill[j].0.is_empty()
+                {
+                    let idx = Tensor::from_vec_u32(fill[j].0.clone(), [fill[j].0.len()], Device::Cpu)?;
+                    ops::scatter_rows(dreceived, &idx, &dmod)?;
+                }
+            }
+        }
+    }
+    Ok(loss)
+}
