@@ -10,7 +10,9 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
+use braid_comm::local::run_local;
 use braid_comm::testing::run_on_ranks;
 use braid_comm::{Comm, SingleRank};
 use braid_encoders::{
@@ -21,6 +23,8 @@ use braid_nn::{Init, Module};
 use common::{TestResult, check, fixture, randn};
 
 const TOL: f32 = 1e-5;
+/// A collective that waits longer fails the test (naming the ranks) instead of hanging.
+const TIMEOUT: Duration = Duration::from_secs(30);
 const DEV: Device = Device::Cpu;
 
 fn init() -> Init {
@@ -211,10 +215,9 @@ fn check_tp<C: Clone + Sync>(
 ) -> TestResult {
     let reference = run(cfg.clone(), Arc::new(SingleRank))?;
     for tp in [2, 4] {
-        let runs = run_on_ranks(tp, |r| {
+        let runs = run_local(tp, TIMEOUT, |r| {
             run(cfg.clone(), Arc::new(r)).map_err(|e| e.to_string())
-        });
-        let runs = runs.into_iter().collect::<Result<Vec<_>, _>>()?;
+        })?;
         compare(what, tp, &reference, &runs);
     }
     Ok(())
@@ -248,7 +251,7 @@ fn hf_checkpoint_loads_into_tp_shards() -> TestResult {
     let names: Vec<_> = one.param_shapes();
     let full = params_values(&one);
     for tp in [2, 4] {
-        let runs = run_on_ranks(tp, |r| {
+        let runs = run_local(tp, TIMEOUT, |r| {
             let f = || -> TestResult<_> {
                 let import = VisionEncoder::from_hf_dir_with_group(&dir, DEV, Arc::new(r))?;
                 let m = import.model;
@@ -260,8 +263,7 @@ fn hf_checkpoint_loads_into_tp_shards() -> TestResult {
                 Ok((y, m.param_shapes(), params_values(&m)))
             };
             f().map_err(|e| e.to_string())
-        });
-        let runs = runs.into_iter().collect::<Result<Vec<_>, _>>()?;
+        })?;
         for (y, _, _) in &runs {
             check(&format!("hf tp {tp}: last_hidden_state"), y, &want, TOL);
         }

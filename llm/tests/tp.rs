@@ -11,7 +11,9 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
+use braid_comm::local::run_local;
 use braid_comm::testing::run_on_ranks;
 use braid_comm::{Comm, SingleRank};
 use braid_kernels::rng::Rng;
@@ -24,6 +26,8 @@ use braid_nn::{Embedding, Init, Module, SeqInfo, VocabParallelEmbedding};
 use common::{TestResult, rel_err};
 
 const TOL: f32 = 1e-5;
+/// A collective that waits longer fails the test (naming the ranks) instead of hanging.
+const TIMEOUT: Duration = Duration::from_secs(30);
 
 /// GQA 8/4 (tp = 4 leaves one KV head a rank), biases everywhere, V = 16.
 fn config(tie: bool) -> LlmConfig {
@@ -272,10 +276,9 @@ fn check_tp(tie: bool, tps: &[usize], runner: Runner) -> TestResult {
     let b = batch(cfg.hidden);
     let reference = run_whole(&cfg, Arc::new(SingleRank), &b)?;
     for &tp in tps {
-        let runs = run_on_ranks(tp, |r| {
+        let runs = run_local(tp, TIMEOUT, |r| {
             runner(&cfg, Arc::new(r), &b).map_err(|e| e.to_string())
-        });
-        let runs = runs.into_iter().collect::<Result<Vec<_>, _>>()?;
+        })?;
         compare(tp, &reference, &runs, b.ids.len());
     }
     Ok(())
@@ -332,8 +335,7 @@ fn vocab_parallel_embedding_equals_embedding() -> TestResult {
     };
     let (y, _, g) = run(Arc::new(SingleRank), &ids)?;
     assert_eq!((y, g), (want_y.clone(), want_g.clone()), "group of one");
-    let runs = run_on_ranks(4, |r| run(Arc::new(r), &ids));
-    let runs = runs.into_iter().collect::<Result<Vec<_>, _>>()?;
+    let runs = run_local(4, TIMEOUT, |r| run(Arc::new(r), &ids))?;
     let full = Embedding::new(&init(), "e", v, c)?
         .weight
         .value
