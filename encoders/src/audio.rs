@@ -8,6 +8,12 @@
 //! transformers (which requires exactly 2 * max_source_positions frames, i.e. 30 s
 //! padded), short clips are NOT padded: a clip's output is what the same computation
 //! on its own frames gives, and attention never crosses clips.
+//!
+//! Tensor parallelism ([`WhisperEncoder::with_group`]): the blocks split their heads
+//! and MLP columns over the TP group. The conv stem (two small convolutions over
+//! n_mels and D channels, run once per clip), the position table and the LayerNorms
+//! are replicated: every rank holds the blocks' outputs in full, so they get the same
+//! full grads on every rank, with nothing to reduce.
 
 use std::sync::Arc;
 
@@ -23,6 +29,7 @@ use braid_nn::{
 
 use crate::config::WhisperEncoderConfig;
 use crate::util::{ids, zeros};
+use crate::weights::{Shards, block_shards};
 
 /// A `Conv1d` with bias: weight (CO, CI, K), bias (CO).
 #[derive(Debug)]
@@ -119,9 +126,27 @@ pub struct AudioCache {
 }
 
 impl WhisperEncoder {
+    /// A randomly initialized encoder on one rank.
     pub fn new(init: &Init, config: WhisperEncoderConfig) -> Result<Self> {
+        Self::with_group(init, config, Arc::new(SingleRank))
+    }
+
+    /// This rank's shard of the encoder over the tensor-parallel group `tp` (see the
+    /// module doc for what is split): the shards of the `tp` ranks together hold
+    /// exactly the weights [`Self::new`] draws from the same `init`.
+    pub fn with_group(
+        init: &Init,
+        config: WhisperEncoderConfig,
+        tp: Arc<dyn Comm>,
+    ) -> Result<Self> {
         config.validate()?;
-        let group: Arc<dyn Comm> = Arc::new(SingleRank);
+        crate::vision::check_tp(
+            "audio encoder",
+            config.encoder_attention_heads,
+            config.encoder_ffn_dim,
+            tp.size(),
+        )?;
+        let group = tp;
         let d = config.d_model;
         let nh = config.encoder_attention_heads;
         let block = BlockConfig {
@@ -187,6 +212,21 @@ impl WhisperEncoder {
             layer_norm: LayerNorm::new(init, "layer_norm", d, config.layer_norm_eps, true)?,
             config,
         })
+    }
+
+    /// The size of the tensor-parallel group the blocks are split over.
+    pub fn tp_size(&self) -> usize {
+        self.layers.first().map_or(1, |b| b.self_attn.group.size())
+    }
+
+    /// The parameters this rank holds a slice of (the blocks'), for loading full
+    /// checkpoint tensors into a shard; empty for a group of one.
+    pub fn tp_shards(&self) -> Shards {
+        let mut out = Shards::new();
+        for b in &self.layers {
+            block_shards(b, &mut out);
+        }
+        out
     }
 
     /// Checks clip `i` (n_mels, F) and returns F' = ceil(F / 2).

@@ -10,7 +10,9 @@
 //! `.encoder` (or `.get_encoder()`), which holds exactly the exported weights.
 
 use std::path::Path;
+use std::sync::Arc;
 
+use braid_comm::{Comm, SingleRank};
 use braid_kernels::Device;
 use braid_nn::hf::{WeightFiles, read_json, write_json};
 use braid_nn::{Error, Init, Result};
@@ -19,7 +21,7 @@ use serde_json::{Value, json};
 use crate::audio::WhisperEncoder;
 use crate::config::WhisperEncoderConfig;
 use crate::vision_hf::HfImport;
-use crate::weights::{Layout, NameMap, find_prefix, load_params, save_params};
+use crate::weights::{Layout, NameMap, find_prefix, load_params_sharded, save_params};
 
 /// The name table of a Whisper encoder (HF names without `encoder.` / `model.encoder.`).
 pub fn whisper_name_map(cfg: &WhisperEncoderConfig) -> NameMap {
@@ -62,13 +64,24 @@ pub fn whisper_name_map(cfg: &WhisperEncoderConfig) -> NameMap {
 impl WhisperEncoder {
     /// Builds the encoder from an HF Whisper directory, loading tensors one at a time.
     pub fn from_hf_dir(dir: &Path, device: Device) -> Result<HfImport<WhisperEncoder>> {
+        Self::from_hf_dir_with_group(dir, device, Arc::new(SingleRank))
+    }
+
+    /// [`Self::from_hf_dir`] for this rank's shard over the tensor-parallel group `tp`:
+    /// each split parameter is cut from the checkpoint's full tensor on the host.
+    pub fn from_hf_dir_with_group(
+        dir: &Path,
+        device: Device,
+        tp: Arc<dyn Comm>,
+    ) -> Result<HfImport<WhisperEncoder>> {
         let cfg: Value = read_json(&dir.join("config.json"))?;
         let (config, architecture) = WhisperEncoderConfig::from_hf_config(&cfg)?;
         let files = WeightFiles::open_dir(dir)?;
         let prefix = find_prefix(&files, dir, "conv1.weight", &["encoder.", "model.encoder."])?;
-        let mut model = WhisperEncoder::new(&Init::for_loading(device), config)?;
+        let mut model = WhisperEncoder::with_group(&Init::for_loading(device), config, tp)?;
         let map = whisper_name_map(&model.config);
-        let unused = load_params(&mut model, &map, &files, &prefix, device)?;
+        let shards = model.tp_shards();
+        let unused = load_params_sharded(&mut model, &map, &files, &prefix, device, &shards)?;
         Ok(HfImport {
             model,
             architecture,
@@ -110,6 +123,15 @@ impl WhisperEncoder {
 
     /// Writes an encoder-only WhisperModel directory (see the module doc).
     pub fn export_hf(&self, dir: &Path) -> Result<()> {
+        if self.tp_size() != 1 {
+            return Err(Error::config(
+                "export_hf",
+                format!(
+                    "the audio encoder is split over a tensor-parallel group of {}; export needs the full weights",
+                    self.tp_size()
+                ),
+            ));
+        }
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, "create directory", e))?;
         let map = whisper_name_map(&self.config);
         save_params(self, &map, "encoder.", &dir.join("model.safetensors"))?;

@@ -8,6 +8,16 @@
 //! (transformers' CLIPVisionModel does NOT post-norm it); pooler_output =
 //! post_layernorm(class token). SigLIP: `patches + pos -> blocks -> post_layernorm` =
 //! last_hidden_state; pooler_output = the attention-pooling head, when present.
+//!
+//! Tensor parallelism ([`VisionEncoder::with_group`]): the transformer blocks split
+//! their heads and MLP columns over the TP group (nn's column/row-parallel layers).
+//! Everything outside the blocks is replicated: the patch embedding (one small linear
+//! over C*P*P inputs, not worth a collective), the class and position embeddings, the
+//! pre/post LayerNorms, and the attention-pooling head's probe, q/k/v/o projections
+//! and LayerNorm (one query per image, negligible work). Only the head's MLP is split,
+//! as the blocks' are. Every rank holds the block outputs in full (the row-parallel
+//! layers all-reduce them), so the replicated parameters get the same full grad on
+//! every rank: nothing to reduce for them.
 
 use std::sync::Arc;
 
@@ -22,6 +32,7 @@ use braid_nn::{
 use crate::config::{VisionConfig, VisionFamily};
 use crate::siglip_head::{AttentionPoolingHead, HeadCache};
 use crate::util::{ids, zeros};
+use crate::weights::{Shards, block_shards, mlp_shards};
 use braid_nn::error::Context;
 
 /// The ViT. Braid parameter names (see [`crate::vision_hf`] for the HF names):
@@ -80,10 +91,23 @@ pub struct VisionCache {
 
 impl VisionEncoder {
     /// A randomly initialized encoder (linear and embedding weights Normal(0, init.std),
-    /// norms 1/0, biases 0).
+    /// norms 1/0, biases 0) on one rank.
     pub fn new(init: &Init, config: VisionConfig) -> Result<Self> {
+        Self::with_group(init, config, Arc::new(SingleRank))
+    }
+
+    /// This rank's shard of the encoder over the tensor-parallel group `tp` (see the
+    /// module doc for what is split): the shards of the `tp` ranks together hold
+    /// exactly the weights [`Self::new`] draws from the same `init`.
+    pub fn with_group(init: &Init, config: VisionConfig, tp: Arc<dyn Comm>) -> Result<Self> {
         config.validate()?;
-        let group: Arc<dyn Comm> = Arc::new(SingleRank);
+        check_tp(
+            "vision encoder",
+            config.num_heads,
+            config.intermediate_size,
+            tp.size(),
+        )?;
+        let group = tp;
         let VisionConfig {
             family,
             hidden_size: d,
@@ -150,6 +174,7 @@ impl VisionEncoder {
             .collect::<Result<Vec<_>>>()?;
         let post_layernorm = LayerNorm::new(init, "post_layernorm", d, eps, true)?;
         let head = if config.use_head {
+            // The head's MLP is split like the blocks'; its attention is replicated.
             Some(AttentionPoolingHead::new(init, "head", &config, group)?)
         } else {
             None
@@ -164,6 +189,24 @@ impl VisionEncoder {
             post_layernorm,
             head,
         })
+    }
+
+    /// The size of the tensor-parallel group the blocks are split over.
+    pub fn tp_size(&self) -> usize {
+        self.blocks.first().map_or(1, |b| b.self_attn.group.size())
+    }
+
+    /// The parameters this rank holds a slice of (blocks and the pooling head's MLP),
+    /// for loading full checkpoint tensors into a shard; empty for a group of one.
+    pub fn tp_shards(&self) -> Shards {
+        let mut out = Shards::new();
+        for b in &self.blocks {
+            block_shards(b, &mut out);
+        }
+        if let Some(h) = &self.head {
+            mlp_shards(&h.mlp, &mut out);
+        }
+        out
     }
 
     /// Tokens per image: N patches (+1 class token for CLIP).
@@ -412,6 +455,28 @@ impl VisionEncoder {
         ops::patchify_bwd(&dpatches, &image_shape, self.config.patch_size)
             .ctx("vision backward", "patchify")
     }
+}
+
+/// Checks that `heads` and the MLP width `ff` split evenly over a TP group of `tp`,
+/// naming the module and the sizes.
+pub(crate) fn check_tp(module: &str, heads: usize, ff: usize, tp: usize) -> Result<()> {
+    if tp == 0 || !heads.is_multiple_of(tp) {
+        return Err(Error::config(
+            "tensor parallelism",
+            format!(
+                "{module}: {heads} attention heads are not divisible by tp = {tp} (each rank holds heads / tp heads)"
+            ),
+        ));
+    }
+    if !ff.is_multiple_of(tp) {
+        return Err(Error::config(
+            "tensor parallelism",
+            format!(
+                "{module}: the MLP width (intermediate size) {ff} is not divisible by tp = {tp}"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 impl Module for VisionEncoder {

@@ -8,7 +8,9 @@
 //! names, which `from_pretrained` of that class loads.
 
 use std::path::Path;
+use std::sync::Arc;
 
+use braid_comm::{Comm, SingleRank};
 use braid_kernels::Device;
 use braid_nn::hf::{WeightFiles, read_json, write_json};
 use braid_nn::{Error, Init, Result};
@@ -16,7 +18,7 @@ use serde_json::{Value, json};
 
 use crate::config::{VisionConfig, VisionFamily};
 use crate::vision::VisionEncoder;
-use crate::weights::{Layout, NameMap, find_prefix, load_params, save_params};
+use crate::weights::{Layout, NameMap, find_prefix, load_params_sharded, save_params};
 
 /// A model read from a Hugging Face directory, with what the checkpoint held beyond it.
 #[derive(Debug)]
@@ -105,6 +107,16 @@ impl VisionEncoder {
     /// Builds the encoder from an HF directory (config.json + safetensors, single or
     /// sharded), loading tensors one at a time onto `device`.
     pub fn from_hf_dir(dir: &Path, device: Device) -> Result<HfImport<VisionEncoder>> {
+        Self::from_hf_dir_with_group(dir, device, Arc::new(SingleRank))
+    }
+
+    /// [`Self::from_hf_dir`] for this rank's shard over the tensor-parallel group `tp`:
+    /// each split parameter is cut from the checkpoint's full tensor on the host.
+    pub fn from_hf_dir_with_group(
+        dir: &Path,
+        device: Device,
+        tp: Arc<dyn Comm>,
+    ) -> Result<HfImport<VisionEncoder>> {
         let cfg: Value = read_json(&dir.join("config.json"))?;
         let hf = VisionConfig::from_hf_config(&cfg)?;
         let files = WeightFiles::open_dir(dir)?;
@@ -113,9 +125,10 @@ impl VisionEncoder {
             _ => &["", "vision_model."],
         };
         let prefix = find_prefix(&files, dir, "embeddings.patch_embedding.weight", candidates)?;
-        let mut model = VisionEncoder::new(&Init::for_loading(device), hf.config)?;
+        let mut model = VisionEncoder::with_group(&Init::for_loading(device), hf.config, tp)?;
         let map = vision_name_map(&model.config);
-        let unused = load_params(&mut model, &map, &files, &prefix, device)?;
+        let shards = model.tp_shards();
+        let unused = load_params_sharded(&mut model, &map, &files, &prefix, device, &shards)?;
         Ok(HfImport {
             model,
             architecture: hf.architecture,
@@ -157,6 +170,15 @@ impl VisionEncoder {
     /// Writes `dir/config.json` and `dir/model.safetensors` (f32, bare HF names) that
     /// `CLIPVisionModel` / `SiglipVisionModel.from_pretrained(dir)` loads.
     pub fn export_hf(&self, dir: &Path) -> Result<()> {
+        if self.tp_size() != 1 {
+            return Err(Error::config(
+                "export_hf",
+                format!(
+                    "the vision encoder is split over a tensor-parallel group of {}; export needs the full weights",
+                    self.tp_size()
+                ),
+            ));
+        }
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, "create directory", e))?;
         let map = vision_name_map(&self.config);
         save_params(self, &map, "", &dir.join("model.safetensors"))?;

@@ -5,13 +5,71 @@
 //! laid out on each side ([`Layout`]): the same, the same data under another shape (a
 //! conv weight (D, C, P, P) that Braid keeps as the linear weight (D, C*P*P)), or one
 //! chunk of a tensor HF packs (`nn.MultiheadAttention`'s `in_proj_weight`).
+//!
+//! Under tensor parallelism a parameter is this rank's [`Shard`] of the checkpoint's
+//! tensor: [`load_params_sharded`] reads the full tensor (on the host) and keeps the
+//! slice; [`block_shards`] says which parameters of a transformer block are split.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 
 use braid_kernels::{Device, Tensor};
+use braid_nn::error::Context;
 use braid_nn::hf::{WeightFiles, save_safetensors};
-use braid_nn::{Error, Module, Result};
+use braid_nn::param::cut_shard;
+use braid_nn::{
+    Attention, ColumnParallelLinear, Error, Mlp, Module, Result, RowParallelLinear, Shard,
+    TransformerBlock,
+};
+
+/// Parameter name -> the slice of the full tensor it holds; names not listed are full.
+pub type Shards = HashMap<String, Shard>;
+
+/// Adds the split parameters of `block` to `out`: column-parallel q/k/v and fc1 (or
+/// gate/up) weights and biases hold rows (dim 0), row-parallel o_proj and fc2 (or
+/// down) weights hold columns (dim 1); norms and row-parallel biases are full. Nothing
+/// is added for a group of one.
+pub fn block_shards(block: &TransformerBlock, out: &mut Shards) {
+    attention_shards(&block.self_attn, out);
+    mlp_shards(&block.mlp, out);
+}
+
+/// The split parameters of an attention layer (see [`block_shards`]).
+pub fn attention_shards(attn: &Attention, out: &mut Shards) {
+    for l in [&attn.q_proj, &attn.k_proj, &attn.v_proj] {
+        column_shards(l, out);
+    }
+    row_shards(&attn.o_proj, out);
+}
+
+/// The split parameters of an MLP (see [`block_shards`]).
+pub fn mlp_shards(mlp: &Mlp, out: &mut Shards) {
+    column_shards(&mlp.up, out);
+    if let Some(g) = &mlp.gate {
+        column_shards(g, out);
+    }
+    row_shards(&mlp.down, out);
+}
+
+fn column_shards(l: &ColumnParallelLinear, out: &mut Shards) {
+    let (rank, size) = (l.group.rank(), l.group.size());
+    if size > 1 {
+        let shard = Shard::Split { dim: 0, rank, size };
+        l.linear.visit_params(&mut |p| {
+            out.insert(p.name.clone(), shard);
+        });
+    }
+}
+
+fn row_shards(l: &RowParallelLinear, out: &mut Shards) {
+    let (rank, size) = (l.group.rank(), l.group.size());
+    if size > 1 {
+        out.insert(
+            l.linear.weight.name.clone(),
+            Shard::Split { dim: 1, rank, size },
+        );
+    }
+}
 
 /// How a Braid parameter is stored under its HF name.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -101,6 +159,20 @@ pub fn load_params(
     prefix: &str,
     device: Device,
 ) -> Result<Vec<String>> {
+    load_params_sharded(model, map, files, prefix, device, &Shards::new())
+}
+
+/// [`load_params`] for a tensor-parallel shard of a model: a parameter listed in
+/// `shards` holds that slice of the checkpoint's (full) tensor, read on the host and
+/// cut there, so only the slice reaches `device`.
+pub fn load_params_sharded(
+    model: &mut dyn Module,
+    map: &NameMap,
+    files: &WeightFiles,
+    prefix: &str,
+    device: Device,
+    shards: &Shards,
+) -> Result<Vec<String>> {
     let by_braid = map.by_braid();
     let mut used = BTreeSet::new();
     let mut res: Result<()> = Ok(());
@@ -117,6 +189,18 @@ pub fn load_params(
             })?;
             let hf = format!("{prefix}{}", entry.hf);
             let dims = p.value.dims().to_vec();
+            if let Some(&shard @ Shard::Split { dim, size, .. }) = shards.get(&p.name) {
+                p.value = load_shard(files, &hf, &entry.layout, &p.name, &dims, shard, device)
+                    .map_err(|e| match e {
+                        Error::Kernel { source, .. } => Error::Kernel {
+                            context: format!("loading {hf} (slice of dim {dim} for tp = {size})"),
+                            source,
+                        },
+                        e => e,
+                    })?;
+                used.insert(hf);
+                return Ok(());
+            }
             let shape = hf_shape(&entry.layout, &dims);
             let value = match entry.layout {
                 Layout::Same | Layout::Reshape(_) => {
@@ -147,6 +231,49 @@ pub fn load_params(
         .filter(|n| !used.contains(*n))
         .map(str::to_string)
         .collect())
+}
+
+/// This rank's `shard` (local shape `dims`) of the checkpoint tensor `hf`: the full
+/// tensor is read on the host, the slice cut there and copied to `device`.
+fn load_shard(
+    files: &WeightFiles,
+    hf: &str,
+    layout: &Layout,
+    name: &str,
+    dims: &[usize],
+    shard: Shard,
+    device: Device,
+) -> Result<Tensor> {
+    let Shard::Split { dim, size, .. } = shard else {
+        return Err(Error::config("load_params", format!("{name}: not a split")));
+    };
+    if matches!(layout, Layout::Chunk { .. }) {
+        // No packed tensor is split today (SigLIP's in_proj belongs to the replicated
+        // pooling head); slicing a chunk of a packed tensor is not implemented.
+        return Err(Error::config(
+            "load_params",
+            format!(
+                "{name}: a chunk of the packed {hf} cannot be loaded as a tensor-parallel slice"
+            ),
+        ));
+    }
+    let mut full = dims.to_vec();
+    match full.get_mut(dim) {
+        Some(d) => *d *= size,
+        None => {
+            return Err(Error::config(
+                "load_params",
+                format!("{name}: shape {dims:?} has no dimension {dim} to split"),
+            ));
+        }
+    }
+    let shape = hf_shape(layout, &full);
+    let data = files
+        .load(hf, &shape, Device::Cpu)?
+        .to_vec_f32()
+        .ctx(hf, "copy to host")?;
+    let (part, part_dims) = cut_shard(name, data, &full, shard)?;
+    Tensor::from_vec(part, part_dims, device).ctx(hf, "copy slice to device")
 }
 
 /// Host tensors by name: (shape, row-major data).

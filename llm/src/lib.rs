@@ -25,6 +25,7 @@ pub use config::{Family, LlmConfig, RopeScaling, RopeSpec, SUPPORTED_ARCHITECTUR
 pub use hf::{HfLoadReport, hf_name};
 pub use loss::{
     IGNORE_INDEX, LossOutput, cross_entropy_loss, next_token_targets, vocab_parallel_cross_entropy,
+    vocab_parallel_loss,
 };
 pub use stage::{LlmStage, ModalityEmbeds, StageCache, StageInput};
 
@@ -42,7 +43,9 @@ impl Llm {
         Self::with_group(config, init, Arc::new(SingleRank))
     }
 
-    /// A model whose blocks are split over the tensor-parallel `group`.
+    /// This rank's shard of the model over the tensor-parallel `group`: blocks split by
+    /// heads and MLP columns, embedding and lm_head by vocabulary rows (see
+    /// [`LlmStage`]); logits are then this rank's (T, V/tp) columns.
     pub fn with_group(config: &LlmConfig, init: &Init, group: Arc<dyn Comm>) -> Result<Self> {
         Ok(Llm {
             stage: LlmStage::new(config, 0..config.layers, init, group)?,
@@ -54,7 +57,8 @@ impl Llm {
     }
 
     /// Token ids (T) u32 of packed rows `seq`, with optional modality embeddings
-    /// scattered over their placeholder tokens -> logits (T, V).
+    /// scattered over their placeholder tokens -> logits (T, V) (this rank's
+    /// `stage.vocab_range()` columns (T, V/tp) under tensor parallelism).
     pub fn forward(
         &self,
         ids: &Tensor,
@@ -79,7 +83,9 @@ impl Llm {
 
     /// Forward and next-token cross-entropy against host `targets` (T) (see
     /// [`next_token_targets`]): the mean over valid targets (or over `normalizer`
-    /// targets), with dlogits ready for [`Self::backward`].
+    /// targets), with dlogits ready for [`Self::backward`]. Under tensor parallelism
+    /// the loss is the vocab-parallel one over the stage's group (the same on every
+    /// rank) and dlogits this rank's shard.
     pub fn loss(
         &self,
         ids: &Tensor,
@@ -89,7 +95,10 @@ impl Llm {
         normalizer: Option<usize>,
     ) -> Result<(LossOutput, StageCache)> {
         let (logits, cache) = self.forward(ids, seq, modality)?;
-        Ok((cross_entropy_loss(&logits, targets, normalizer)?, cache))
+        let group = self.stage.tp_group().as_ref();
+        let start = self.stage.vocab_range().start;
+        let out = vocab_parallel_loss(group, &logits, start, targets, normalizer)?;
+        Ok((out, cache))
     }
 }
 

@@ -94,6 +94,48 @@ pub fn cross_entropy_loss(
     })
 }
 
+/// [`cross_entropy_loss`] for logits split along the vocabulary across `group`: this
+/// rank's columns `vocab_start .. vocab_start + V/tp` (T, V/tp), as an
+/// [`crate::LlmStage`] under tensor parallelism returns them. Every rank gets the same
+/// loss and its own dlogits shard; a group of one is [`cross_entropy_loss`] itself.
+pub fn vocab_parallel_loss(
+    group: &dyn Comm,
+    logits: &Tensor,
+    vocab_start: usize,
+    targets: &[u32],
+    normalizer: Option<usize>,
+) -> Result<LossOutput> {
+    const OP: &str = "vocab_parallel_loss";
+    if group.size() == 1 {
+        return cross_entropy_loss(logits, targets, normalizer);
+    }
+    let n_valid = targets.iter().filter(|&&t| t != IGNORE_INDEX).count();
+    let denom = normalizer.unwrap_or(n_valid);
+    if denom < n_valid {
+        return Err(Error::input(
+            OP,
+            format!("normalizer {denom} is smaller than this batch's {n_valid} valid targets"),
+        ));
+    }
+    let scale = if denom == 0 { 0.0 } else { 1.0 / denom as f64 };
+    let tt = Tensor::from_vec_u32(targets.to_vec(), [targets.len()], logits.device())
+        .ctx(OP, "targets to device")?;
+    let (losses, dlogits) =
+        vocab_parallel_cross_entropy(group, logits, vocab_start, &tt, IGNORE_INDEX, scale as f32)?;
+    let loss_sum: f64 = losses
+        .to_vec_f32()
+        .ctx(OP, "losses to host")?
+        .iter()
+        .map(|&l| f64::from(l))
+        .sum();
+    Ok(LossOutput {
+        loss: (loss_sum * scale) as f32,
+        loss_sum,
+        n_valid,
+        dlogits,
+    })
+}
+
 /// Cross-entropy of logits split along the vocabulary: this rank holds columns
 /// `vocab_start .. vocab_start + V/tp` of logits (T, V/tp). Returns (losses (T),
 /// dlogits shard (T, V/tp)) equal to [`ops::cross_entropy_fwd_bwd`] on the full logits

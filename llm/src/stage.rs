@@ -2,6 +2,14 @@
 //! The first stage owns the token embedding (and the scatter of modality embeddings),
 //! the last the final norm and the lm_head; the whole model is the one stage that is
 //! both (see [`crate::Llm`]).
+//!
+//! Tensor parallelism: the stage's group splits the blocks (heads, MLP) and, when it
+//! has more than one rank, the vocabulary: the embedding is a
+//! [`VocabParallelEmbedding`] and lm_head (the tied embedding shard, or a
+//! column-parallel linear without gather) produces this rank's logits columns
+//! `vocab_range()` (T, V/tp); the caller computes the loss with
+//! [`crate::vocab_parallel_loss`] (or [`crate::vocab_parallel_cross_entropy`]) over
+//! [`LlmStage::tp_group`]. A group of one is the plain model, bit for bit.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -10,10 +18,11 @@ use braid_comm::Comm;
 use braid_kernels::{DType, Tensor, ops};
 use braid_nn::error::Context;
 use braid_nn::norm::RmsNormCache;
+use braid_nn::regions::{copy_to_tp_bwd, copy_to_tp_fwd};
 use braid_nn::{
-    AttentionConfig, AttentionDims, BlockCache, BlockConfig, Embedding, Error, Init, Linear,
+    AttentionConfig, AttentionDims, BlockCache, BlockConfig, ColumnParallelLinear, Error, Init,
     MlpConfig, MlpKind, Module, NormKind, Param, Result, RmsNorm, RopeConfig, SeqInfo,
-    TransformerBlock,
+    TransformerBlock, VocabParallelCache, VocabParallelEmbedding,
 };
 
 use crate::config::LlmConfig;
@@ -46,8 +55,8 @@ pub enum StageInput<'a> {
 #[derive(Debug)]
 enum InputCache {
     Tokens {
-        /// (T) u32
-        ids: Tensor,
+        /// the embedding's lookup of the (T) ids
+        embed: VocabParallelCache,
         /// (M) u32 modality rows, if any
         positions: Option<Tensor>,
     },
@@ -80,22 +89,30 @@ pub struct StageCache {
 /// holds its own copy named `embed_tokens.weight` (Megatron's "word embeddings for
 /// head"): it starts equal to the first stage's, and the trainer must sum the two
 /// copies' grads (all-reduce over the first and last stage) before the optimizer step.
+///
+/// Under a TP group of `tp` ranks, `embed_tokens.weight` and `lm_head.weight` hold this
+/// rank's rows `vocab_range()` (V/tp, C) of the full tables (`Shard::Split { dim: 0 }`);
+/// the blocks hold their heads and MLP columns; norms are replicated (every rank
+/// computes the same full grad for them, nothing to reduce).
 #[derive(Debug)]
 pub struct LlmStage {
     pub config: LlmConfig,
     pub layers: Range<usize>,
     /// First stage (lookup), and the tied head's weight on the last stage.
-    pub embed_tokens: Option<Embedding>,
+    pub embed_tokens: Option<VocabParallelEmbedding>,
     pub blocks: Vec<TransformerBlock>,
     /// Last stage.
     pub norm: Option<RmsNorm>,
-    /// Last stage, untied.
-    pub lm_head: Option<Linear>,
+    /// Last stage, untied: rows `vocab_range()` of the (V, C) head, never gathered.
+    pub lm_head: Option<ColumnParallelLinear>,
+    /// The tensor-parallel group of the blocks, the embedding and the head.
+    pub group: Arc<dyn Comm>,
 }
 
 impl LlmStage {
     /// A stage with weights from `init` (normal(0, init.std), norms 1, biases 0); `group`
-    /// is the tensor-parallel group of the blocks (embedding and head are replicated).
+    /// is the tensor-parallel group of the blocks, the embedding and the head (split
+    /// along the vocabulary when it has more than one rank).
     pub fn new(
         config: &LlmConfig,
         layers: Range<usize>,
@@ -112,11 +129,44 @@ impl LlmStage {
                 ),
             ));
         }
+        let tp = group.size();
+        if tp == 0 || !config.vocab.is_multiple_of(tp) {
+            return Err(Error::config(
+                "LlmStage",
+                format!(
+                    "model.llm.vocab: vocab = {} is not divisible by tp = {tp} (the embedding and lm_head rows are split across the tensor-parallel group; pad the vocabulary to a multiple of {tp})",
+                    config.vocab
+                ),
+            ));
+        }
+        for (key, n) in [("heads", config.heads), ("kv_heads", config.kv_heads)] {
+            if !n.is_multiple_of(tp) {
+                return Err(Error::config(
+                    "LlmStage",
+                    format!("model.llm.{key}: {key} = {n} is not divisible by tp = {tp}"),
+                ));
+            }
+        }
+        if !config.intermediate.is_multiple_of(tp) {
+            return Err(Error::config(
+                "LlmStage",
+                format!(
+                    "model.llm.intermediate: intermediate = {} is not divisible by tp = {tp}",
+                    config.intermediate
+                ),
+            ));
+        }
         let first = layers.start == 0;
         let last = layers.end == config.layers;
         let c = config.hidden;
         let embed_tokens = if first || (last && config.tie_embeddings) {
-            Some(Embedding::new(init, "embed_tokens", config.vocab, c)?)
+            Some(VocabParallelEmbedding::new(
+                init,
+                "embed_tokens",
+                config.vocab,
+                c,
+                Arc::clone(&group),
+            )?)
         } else {
             None
         };
@@ -140,7 +190,16 @@ impl LlmStage {
             None
         };
         let lm_head = if last && !config.tie_embeddings {
-            Some(Linear::new(init, "lm_head", c, config.vocab, false)?)
+            // Output features split, no gather: the logits stay a vocabulary shard.
+            Some(ColumnParallelLinear::new(
+                init,
+                "lm_head",
+                c,
+                config.vocab,
+                false,
+                false,
+                Arc::clone(&group),
+            )?)
         } else {
             None
         };
@@ -151,7 +210,22 @@ impl LlmStage {
             blocks,
             norm,
             lm_head,
+            group,
         })
+    }
+
+    /// The tensor-parallel group (blocks, embedding and head).
+    pub fn tp_group(&self) -> &Arc<dyn Comm> {
+        &self.group
+    }
+
+    /// The vocabulary columns of the logits this rank's last stage returns (and the
+    /// embedding rows it holds): `rank * V/tp .. (rank + 1) * V/tp`; `0..V` for a
+    /// group of one.
+    pub fn vocab_range(&self) -> Range<usize> {
+        let part = self.config.vocab / self.group.size().max(1);
+        let start = self.group.rank() * part;
+        start..start + part
     }
 
     pub fn is_first(&self) -> bool {
@@ -162,7 +236,8 @@ impl LlmStage {
         self.layers.end == self.config.layers
     }
 
-    /// The output of this stage: logits (T, V) on the last stage, hidden states (T, C)
+    /// The output of this stage: logits (T, V) on the last stage (this rank's columns
+    /// `vocab_range()`, (T, V/tp), under tensor parallelism), hidden states (T, C)
     /// otherwise.
     pub fn forward(&self, input: StageInput<'_>, seq: &SeqInfo) -> Result<(Tensor, StageCache)> {
         let c = self.config.hidden;
@@ -191,7 +266,10 @@ impl LlmStage {
         let (out, head) = match (&self.norm, self.head_weight()) {
             (Some(norm), Some(w)) => {
                 let (xn, norm_cache) = norm.forward_owned(h)?; // (T, C)
-                let logits = ops::linear_fwd(&xn, &w.value, None).ctx("lm_head", "forward")?; // (T, V)
+                // Column-parallel head: xn is replicated, each rank multiplies by its
+                // rows of the head (copy_to_tp; its adjoint all-reduces dxn).
+                let x = copy_to_tp_fwd(self.group.as_ref(), &xn);
+                let logits = ops::linear_fwd(x, &w.value, None).ctx("lm_head", "forward")?; // (T, V/tp)
                 let head = HeadCache {
                     norm: norm_cache,
                     xn,
@@ -240,7 +318,9 @@ impl LlmStage {
                 ),
             ));
         }
-        let (mut h, cache) = embed.forward(ids)?; // (T, C)
+        // (T, C), summed over the TP group: the same full rows on every rank, so the
+        // modality rows are scattered after the reduction.
+        let (mut h, embed_cache) = embed.forward(ids)?;
         let positions = match modality {
             Some(m) => {
                 ops::scatter_rows(&mut h, &m.positions, &m.embeds)
@@ -256,7 +336,7 @@ impl LlmStage {
         Ok((
             h,
             InputCache::Tokens {
-                ids: cache.ids,
+                embed: embed_cache,
                 positions,
             },
         ))
@@ -268,14 +348,15 @@ impl LlmStage {
             return None;
         }
         match (&self.lm_head, &self.embed_tokens) {
-            (Some(l), _) => Some(&l.weight),
+            (Some(l), _) => Some(&l.linear.weight),
             (None, Some(e)) => Some(&e.weight),
             (None, None) => None,
         }
     }
 
     /// Backward of [`Self::forward`] given the grad of its output (dlogits (T, V) on the
-    /// last stage, else d hidden (T, C)). Adds into every trainable parameter's grad and
+    /// last stage, this rank's (T, V/tp) columns under tensor parallelism; else d
+    /// hidden (T, C)). Adds into every trainable parameter's grad and
     /// returns the grad of the stage's float input: d hidden (T, C) for
     /// `StageInput::Hidden`, d modality embeds (M, C) for tokens with modality
     /// embeddings, `None` for plain tokens.
@@ -303,9 +384,10 @@ impl LlmStage {
         };
         match input {
             InputCache::Hidden => Ok(Some(dh)),
-            InputCache::Tokens { ids, positions } => {
+            InputCache::Tokens { embed, positions } => {
                 // Placeholder rows were overwritten in the forward: their grad belongs to
-                // the modality embeddings, not to the placeholder token's embedding.
+                // the modality embeddings, not to the placeholder token's embedding. dh
+                // is the same on every TP rank, so is the modality grad.
                 let dmod = match &positions {
                     Some(pos) => {
                         let d = ops::gather_rows(&dh, pos).ctx("llm", "modality grad")?; // (M, C)
@@ -317,25 +399,28 @@ impl LlmStage {
                     }
                     None => None,
                 };
-                let embed = self
+                let table = self
                     .embed_tokens
                     .as_mut()
                     .ok_or_else(|| missing("embed_tokens"))?;
-                embed.backward(braid_nn::EmbeddingCache { ids }, &dh)?;
+                table.backward(embed, &dh)?;
                 Ok(dmod)
             }
         }
     }
 
-    /// lm_head backward: adds dlogitsᵀ xn into the head weight's grad, returns dxn.
+    /// lm_head backward: adds dlogitsᵀ xn into the head weight's grad (this rank's
+    /// rows), returns dxn summed over the TP group.
     fn head_backward(&mut self, xn: &Tensor, dlogits: &Tensor) -> Result<Tensor> {
         let p = match (&mut self.lm_head, &mut self.embed_tokens) {
-            (Some(l), _) => &mut l.weight,
+            (Some(l), _) => &mut l.linear.weight,
             (None, Some(e)) => &mut e.weight,
             (None, None) => return Err(missing("lm_head")),
         };
         let Param { value, grad, .. } = p;
-        ops::linear_bwd(dlogits, xn, value, grad.as_mut(), None).ctx("lm_head", "backward")
+        let dxn =
+            ops::linear_bwd(dlogits, xn, value, grad.as_mut(), None).ctx("lm_head", "backward")?;
+        copy_to_tp_bwd(self.group.as_ref(), dxn).ctx("lm_head", "backward")
     }
 }
 

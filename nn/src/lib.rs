@@ -25,6 +25,7 @@ pub mod parallel;
 pub mod param;
 pub mod regions;
 pub mod rope;
+pub mod vocab;
 
 pub use attention::{Attention, AttentionCache, AttentionConfig, AttentionDims};
 pub use block::{BlockCache, BlockConfig, TransformerBlock};
@@ -38,3 +39,4 @@ pub use parallel::{
 };
 pub use param::{Init, InitKind, Module, Param, Shard};
 pub use rope::{DynamicNtk, Rope, RopeConfig, SeqInfo};
+pub use vocab::{VocabParallelCache, VocabParallelEmbedding};
