@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use braid_train::metrics::{StepMetrics, read_metrics};
-use braid_train::{Observer, RunConfig, RunInfo, RunSummary, TrainError, Trainer};
+use braid_train::{Observer, RunConfig, RunInfo, RunSummary, TrainError};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::plot::{Chart, LineChart, Series};
@@ -223,7 +223,7 @@ pub fn run(args: TrainArgs) -> ExitCode {
     };
     let dir = cfg.run.dir.clone();
     let mut progress = Progress::new(cfg.log.interval);
-    let result = Trainer::new(cfg, args.resume, &mut progress).and_then(|t| t.run(&mut progress));
+    let result = braid_train::trainer::train(cfg, args.resume, &mut progress);
     if let Some(b) = progress.bar.take() {
         b.finish_and_clear();
     }

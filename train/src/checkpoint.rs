@@ -239,6 +239,9 @@ pub fn read_state(dir: &Path) -> Result<TrainState> {
 /// be there with its shape, and nothing else may be.
 pub fn load_weights<M: Module + ?Sized>(dir: &Path, model: &mut M, device: Device) -> Result<()> {
     let path = dir.join(MODEL_FILE);
+    if !path.exists() {
+        return load_full(dir, "model", model, device);
+    }
     let files = WeightFiles::open_files(std::slice::from_ref(&path))?;
     let mut res: Result<()> = Ok(());
     let mut n = 0usize;
@@ -274,6 +277,36 @@ pub fn load_optim(
     device: Device,
 ) -> Result<()> {
     let path = dir.join(OPTIM_FILE);
+    if !path.exists() {
+        // Written by several ranks: join their slices.
+        let full = crate::parallel::ckpt::read_full(dir, "optim")?;
+        for m in &mut optim.moments {
+            for (suffix, t) in [
+                ("exp_avg", &mut m.exp_avg),
+                ("exp_avg_sq", &mut m.exp_avg_sq),
+            ] {
+                *t = full_tensor(
+                    &full,
+                    &format!("{}.{suffix}", m.name),
+                    t.dims(),
+                    dir,
+                    device,
+                )?;
+            }
+        }
+        if full.len() != 2 * optim.moments.len() {
+            return Err(ckpt_err(
+                dir,
+                format!(
+                    "{} moment tensors stored for {} trainable parameters (2 each): were other modules frozen?",
+                    full.len(),
+                    optim.moments.len()
+                ),
+            ));
+        }
+        optim.step = optimizer_step;
+        return Ok(());
+    }
     let files = WeightFiles::open_files(std::slice::from_ref(&path))?;
     for m in &mut optim.moments {
         let dims = m.exp_avg.dims().to_vec();
@@ -291,5 +324,65 @@ pub fn load_optim(
         ));
     }
     optim.step = optimizer_step;
+    Ok(())
+}
+
+type FullTensors = std::collections::BTreeMap<String, (Vec<f32>, Vec<usize>)>;
+
+/// `name` from a checkpoint's joined tensors, which must have shape `dims`.
+fn full_tensor(
+    full: &FullTensors,
+    name: &str,
+    dims: &[usize],
+    dir: &Path,
+    device: Device,
+) -> Result<braid_kernels::Tensor> {
+    let (data, stored) = full
+        .get(name)
+        .ok_or_else(|| ckpt_err(dir, format!("no tensor `{name}`")))?;
+    if stored != dims {
+        return Err(ckpt_err(
+            dir,
+            format!("`{name}` is {stored:?} but the model's is {dims:?}"),
+        ));
+    }
+    Ok(braid_kernels::Tensor::from_vec(
+        data.clone(),
+        dims.to_vec(),
+        device,
+    )?)
+}
+
+/// Every weight of `model` from a checkpoint written by several ranks (their slices
+/// joined into full tensors).
+fn load_full<M: Module + ?Sized>(
+    dir: &Path,
+    kind: &str,
+    model: &mut M,
+    device: Device,
+) -> Result<()> {
+    let full = crate::parallel::ckpt::read_full(dir, kind)?;
+    let mut res: Result<()> = Ok(());
+    let mut n = 0usize;
+    model.visit_params_mut(&mut |p| {
+        if res.is_err() {
+            return;
+        }
+        n += 1;
+        match full_tensor(&full, &p.name, p.value.dims(), dir, device) {
+            Ok(t) => p.value = t,
+            Err(e) => res = Err(e),
+        }
+    });
+    res?;
+    if full.len() != n {
+        return Err(ckpt_err(
+            dir,
+            format!(
+                "{} tensors stored but the model has {n} parameters: the checkpoint is of another model",
+                full.len()
+            ),
+        ));
+    }
     Ok(())
 }

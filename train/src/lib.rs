@@ -17,6 +17,7 @@ pub mod generate;
 pub mod metrics;
 pub mod mllm;
 pub mod optim;
+pub mod parallel;
 pub mod resume;
 pub mod trainer;
 

@@ -1,6 +1,6 @@
 //! Whether a checkpoint may be resumed under the current config: everything that changes
 //! the math or the data order must be the same; logging, checkpointing, evaluation, loader
-//! threads and `train.steps` (to extend a run) may differ.
+//! threads, `train.steps` (to extend a run) and the parallel layout may differ.
 
 use toml::{Table, Value};
 
@@ -9,7 +9,7 @@ use crate::error::Result;
 
 /// Keys free to change between a checkpoint and its resumption (a run folder may be moved
 /// or renamed).
-const FREE: [&str; 11] = [
+const FREE: [&str; 12] = [
     "run.name",
     "run.dir",
     "log",
@@ -21,6 +21,8 @@ const FREE: [&str; 11] = [
     "data.build",
     "data.demo",
     "train.steps",
+    // Checkpoints hold full tensors: any layout loads them (the math is the same).
+    "parallel",
 ];
 
 fn strip(doc: &mut Table) {

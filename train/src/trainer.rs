@@ -18,6 +18,7 @@ use crate::eval::{EvalReport, evaluate};
 use crate::metrics::{MetricsWriter, StepMetrics};
 use crate::mllm::{Mllm, MllmBatch};
 use crate::optim::{AdamW, clip_factor, grad_norm, scale_grads};
+use crate::parallel::layout::Layouts;
 use crate::resume::check_resumable;
 
 /// What a front end (the CLI's progress bar, a test) hears from a run.
@@ -77,17 +78,20 @@ pub struct RunSummary {
 #[derive(Debug)]
 pub struct Trainer {
     pub cfg: RunConfig,
-    config_toml: String,
+    pub(crate) config_toml: String,
     /// The training set's data config as JSON (saved with every checkpoint).
-    data_json: String,
+    pub(crate) data_json: String,
     pub model: Mllm,
-    optim: AdamW,
-    loader: Loader,
+    pub(crate) optim: AdamW,
+    pub(crate) loader: Loader,
+    pub(crate) loader_cfg: LoaderConfig,
     pub state: TrainState,
-    metrics: MetricsWriter,
+    pub(crate) metrics: MetricsWriter,
     eval_dir: Option<PathBuf>,
     device: Device,
     pub info: RunInfo,
+    /// The grids of a run on several ranks (one rank: every module on rank 0).
+    pub layouts: Layouts,
 }
 
 impl Trainer {
@@ -109,8 +113,10 @@ impl Trainer {
             )
             .into());
         }
-        // The model's sizes first: a bad value fails before any data is made.
+        // The model's sizes and their layouts first: a bad value fails before any data
+        // is made.
         let mconfig = model_config(&cfg)?;
+        let layouts = Layouts::new(&cfg.parallel, &mconfig)?;
         let d = &cfg.data;
         let (data, _) = ensure_dataset(
             &d.path,
@@ -240,11 +246,13 @@ impl Trainer {
             model,
             optim,
             loader,
+            loader_cfg,
             state,
             metrics,
             eval_dir,
             device,
             info,
+            layouts,
         })
     }
 
@@ -408,6 +416,18 @@ impl Trainer {
         if last_ckpt.is_none() {
             last_ckpt = checkpoint::latest(&self.cfg.run.dir.join("checkpoints"))?.map(|(_, p)| p);
         }
+        self.finish(recent, first_loss, tokens, train_s, last_ckpt)
+    }
+
+    /// The end of a run: evaluation (`eval.json`), the Hugging Face export and the summary.
+    pub(crate) fn finish(
+        self,
+        recent: Vec<f64>,
+        first_loss: Option<f64>,
+        tokens: u64,
+        train_s: f64,
+        last_ckpt: Option<PathBuf>,
+    ) -> Result<RunSummary> {
         let eval = self.evaluate()?;
         if let Some(r) = &eval {
             braid_nn::hf::write_json(&self.cfg.run.dir.join("eval.json"), r)?;
@@ -429,6 +449,16 @@ impl Trainer {
             checkpoint: last_ckpt,
             export: Some(export),
         })
+    }
+}
+
+/// Sets up the run and trains it: on one rank, or on `parallel.world_size` ranks.
+pub fn train(cfg: RunConfig, resume: bool, obs: &mut dyn Observer) -> Result<RunSummary> {
+    let t = Trainer::new(cfg, resume, obs)?;
+    if t.layouts.world > 1 {
+        crate::parallel::run::run(t, obs)
+    } else {
+        t.run(obs)
     }
 }
 

@@ -17,7 +17,7 @@ use braid_bridge::Routes;
 use braid_comm::Comm;
 use braid_dataloader::loader::Row;
 use braid_kernels::{DType, Device, Shape, Tensor, ops};
-use braid_llm::{IGNORE_INDEX, ModalityEmbeds, StageCache, StageInput, cross_entropy_loss};
+use braid_llm::{ModalityEmbeds, StageCache, StageInput, vocab_parallel_loss};
 use braid_nn::{Module, SeqInfo};
 
 use super::assign::{Assigner, Replicas, RoundRobin};
@@ -74,7 +74,12 @@ struct Encoded<B> {
 
 impl Engine {
     /// This rank's share of `full` (weights, frozen state) for `cfg`'s layouts.
-    pub fn new(full: &Mllm, world: Arc<dyn Comm>, layouts: Layouts, cfg: &RunConfig) -> Result<Self> {
+    pub fn new(
+        full: &Mllm,
+        world: Arc<dyn Comm>,
+        layouts: Layouts,
+        cfg: &RunConfig,
+    ) -> Result<Self> {
         let rank = world.rank();
         let model = RankModel::build(full, world.as_ref(), &layouts, rank)?;
         let zero1 = cfg.parallel.zero1;
@@ -360,26 +365,17 @@ fn local_batch(rows: &[Row], mb: &super::plan::Microbatch, cp_rank: usize) -> Re
     ))
 }
 
-/// The loss of the last stage's output: (loss sum of these tokens, d loss / d output).
+/// The loss of the last stage's output (logits, or this TP rank's vocab shard of them):
+/// (loss sum of these tokens, d loss / d output).
 fn stage_loss(part: &LlmPart, out: &Tensor, targets: &[u32], norm: usize) -> Result<(f64, Tensor)> {
-    let vocab = part.stage.config.vocab;
-    if out.dims().get(1) == Some(&vocab) {
-        let l = cross_entropy_loss(out, targets, Some(norm))?;
-        return Ok((l.loss_sum, l.dlogits));
-    }
-    let tp = part.groups.tp.as_ref();
-    let t = Tensor::from_vec_u32(targets.to_vec(), [targets.len()], Device::Cpu)?;
-    let vl = out.dims().get(1).copied().unwrap_or(0);
-    let (losses, dlogits) = braid_llm::vocab_parallel_cross_entropy(
-        tp,
+    let l = vocab_parallel_loss(
+        part.stage.tp_group().as_ref(),
         out,
-        tp.rank() * vl,
-        &t,
-        IGNORE_INDEX,
-        1.0 / norm as f32,
+        part.stage.vocab_range().start,
+        targets,
+        Some(norm),
     )?;
-    let sum: f64 = losses.to_vec_f32()?.iter().map(|&x| f64::from(x)).sum();
-    Ok((sum, dlogits))
+    Ok((l.loss_sum, l.dlogits))
 }
 
 /// This rank's stage over its replica's microbatches in 1F1B order. Returns the loss
@@ -405,14 +401,17 @@ fn run_pipeline(
     let mbs = plan.microbatches_of(g.coord.dp);
 
     // Stage 0: which received rows fill which local placeholder of each microbatch.
-    let recv_rows = if first { routes.received(rank) } else { Vec::new() };
+    let recv_rows = if first {
+        routes.received(rank)
+    } else {
+        Vec::new()
+    };
     let mut fill: Vec<(Vec<u32>, Vec<u32>)> = vec![(Vec::new(), Vec::new()); mbs.len()];
     for (k, &(item, row)) in recv_rows.iter().enumerate() {
         let it = &plan.items[item];
-        let j = mbs
-            .iter()
-            .position(|m| m.mb == it.mb)
-            .ok_or_else(|| TrainError::Other(format!("received a row of item {item} for no microbatch")))?;
+        let j = mbs.iter().position(|m| m.mb == it.mb).ok_or_else(|| {
+            TrainError::Other(format!("received a row of item {item} for no microbatch"))
+        })?;
         let (cpr, local) = mbs[j].split.owner[it.start + row as usize];
         if cpr != g.coord.cp {
             return Err(TrainError::Other(format!(
@@ -424,7 +423,8 @@ fn run_pipeline(
         fill[j].1.push(local as u32);
     }
 
-    let mut caches: Vec<Option<(StageCache, Option<Tensor>)>> = (0..mbs.len()).map(|_| None).collect();
+    let mut caches: Vec<Option<(StageCache, Option<Tensor>)>> =
+        (0..mbs.len()).map(|_| None).collect();
     let mut batches: Vec<Option<LocalBatch>> = (0..mbs.len()).map(|_| None).collect();
     let mut loss = 0.0f64;
     for op in one_f_one_b(stage, stages, mbs.len()) {
@@ -481,12 +481,14 @@ fn run_pipeline(
                 let dx = part.stage.backward(cache, &dout)?;
                 if !first {
                     let to = prev.ok_or_else(|| TrainError::Other("no previous stage".into()))?;
-                    let dh = dx.ok_or_else(|| TrainError::Other("stage gave no input grad".into()))?;
+                    let dh =
+                        dx.ok_or_else(|| TrainError::Other("stage gave no input grad".into()))?;
                     world.send(&dh, to)?;
                 } else if let Some(dmod) = dx
                     && !fill[j].0.is_empty()
                 {
-                    let idx = Tensor::from_vec_u32(fill[j].0.clone(), [fill[j].0.len()], Device::Cpu)?;
+                    let idx =
+                        Tensor::from_vec_u32(fill[j].0.clone(), [fill[j].0.len()], Device::Cpu)?;
                     ops::scatter_rows(dreceived, &idx, &dmod)?;
                 }
             }

@@ -3,12 +3,12 @@
 //!
 //! Disjoint placement lays the grids side by side in data-flow order (vision, audio,
 //! LLM), so their sizes must add up to the world; colocated placement puts every grid
-//! over the whole world (each module its own layout on the same ranks).
+//! over the whole world (each module its own layout on the same ranks). A world of one
+//! rank is colocated whatever the placement says.
 
 use braid_comm::grid::{Grid, GridDims};
 
-use crate::config::parallel::{ModuleLayout, ParallelConfig, Placement};
-use crate::config::{ConfigError, invalid};
+use crate::config::{ConfigError, ModuleLayout, ParallelConfig, Placement, invalid};
 use crate::mllm::MllmConfig;
 
 /// The three modules a rank can hold.
@@ -53,9 +53,7 @@ fn divisible(key: &str, what: &str, n: usize, by: usize, axis: &str) -> Result<(
     if !n.is_multiple_of(by) {
         return Err(invalid(
             key,
-            format!(
-                "{axis} = {by} does not divide {what} = {n}: pick a {axis} that divides {n}"
-            ),
+            format!("{axis} = {by} does not divide {what} = {n}: pick a {axis} that divides {n}"),
         ));
     }
     Ok(())
@@ -67,7 +65,13 @@ impl Layouts {
         let llm = &model.llm;
         let l = &p.llm;
         divisible("parallel.llm.tp", "model.llm.heads", llm.heads, l.tp, "tp")?;
-        divisible("parallel.llm.tp", "model.llm.kv_heads", llm.kv_heads, l.tp, "tp")?;
+        divisible(
+            "parallel.llm.tp",
+            "model.llm.kv_heads",
+            llm.kv_heads,
+            l.tp,
+            "tp",
+        )?;
         divisible("parallel.llm.tp", "model.llm.vocab", llm.vocab, l.tp, "tp")?;
         divisible(
             "parallel.llm.tp",
@@ -85,7 +89,13 @@ impl Layouts {
                 ),
             ));
         }
-        divisible("parallel.llm.pp", "model.llm.layers", llm.layers, l.pp, "pp")?;
+        divisible(
+            "parallel.llm.pp",
+            "model.llm.layers",
+            llm.layers,
+            l.pp,
+            "pp",
+        )?;
 
         let encoders = [
             (
@@ -158,12 +168,18 @@ impl Layouts {
             (has_audio, "audio", p.audio.ranks()),
             (true, "llm", p.llm.ranks()),
         ];
+        // One rank holds every module, whatever the placement says.
+        let placement = if world == 1 {
+            Placement::Colocated
+        } else {
+            p.placement
+        };
         let mut offset = 0;
         let mut grid = |present: bool, l: &ModuleLayout| -> Result<Option<Grid>, ConfigError> {
             if !present {
                 return Ok(None);
             }
-            let at = match p.placement {
+            let at = match placement {
                 Placement::Disjoint => offset,
                 Placement::Colocated => 0,
             };
@@ -181,7 +197,7 @@ impl Layouts {
             .filter(|s| s.0)
             .map(|s| format!("{} ({})", s.2, s.1))
             .collect::<Vec<_>>();
-        match p.placement {
+        match placement {
             Placement::Disjoint => {
                 let need: usize = sizes.iter().filter(|s| s.0).map(|s| s.2).sum();
                 if need != world {
@@ -209,7 +225,7 @@ impl Layouts {
         }
         Ok(Layouts {
             world,
-            placement: p.placement,
+            placement,
             vision,
             audio,
             llm,

@@ -66,7 +66,10 @@ impl ModuleGroups {
         let pp = grid.dims.pp;
         let tied = if tied_embeddings && pp > 1 && (coord.pp == 0 || coord.pp == pp - 1) {
             let first = grid.rank(Coord { pp: 0, ..coord });
-            let last = grid.rank(Coord { pp: pp - 1, ..coord });
+            let last = grid.rank(Coord {
+                pp: pp - 1,
+                ..coord
+            });
             Some(world.subgroup(&[first, last])?)
         } else {
             None
@@ -124,14 +127,6 @@ pub fn stage_layers(layers: usize, pp: usize, s: usize) -> Range<usize> {
     s * per..(s + 1) * per
 }
 
-// TEMP until the encoders take a TP group.
-fn encoder_tp_pending<T>(e: braid_nn::Result<T>, g: &ModuleGroups) -> Result<T> {
-    if g.tp.size() > 1 {
-        return Err(TrainError::Other("encoder TP not wired yet".into()));
-    }
-    Ok(e?)
-}
-
 fn prefix<M: Module + ?Sized>(m: &mut M, p: &str) {
     m.visit_params_mut(&mut |q| q.name.insert_str(0, p));
 }
@@ -143,9 +138,11 @@ impl RankModel {
         let zeros = Init::for_loading(Device::Cpu);
         let mut model = RankModel::default();
         if let (Some(vc), Some(pc)) = (&cfg.vision, &cfg.vision_projector)
-            && let Some(groups) = ModuleGroups::new(world, layouts, ModuleKind::Vision, rank, false)?
+            && let Some(groups) =
+                ModuleGroups::new(world, layouts, ModuleKind::Vision, rank, false)?
         {
-            let mut encoder = encoder_tp_pending(VisionEncoder::new(&zeros, vc.clone()), &groups)?;
+            let mut encoder =
+                VisionEncoder::with_group(&zeros, vc.clone(), Arc::clone(&groups.tp))?;
             prefix(&mut encoder, VISION);
             let projector = MlpProjector::new(&zeros, "vision_projector", pc.projector())?;
             debug_assert!(projector.param_shapes()[0].0.starts_with(VISION_PROJECTOR));
@@ -159,7 +156,7 @@ impl RankModel {
             && let Some(groups) = ModuleGroups::new(world, layouts, ModuleKind::Audio, rank, false)?
         {
             let mut encoder =
-                encoder_tp_pending(WhisperEncoder::new(&zeros, ac.clone()), &groups)?;
+                WhisperEncoder::with_group(&zeros, ac.clone(), Arc::clone(&groups.tp))?;
             prefix(&mut encoder, AUDIO);
             let projector = AudioProjector::new(
                 &zeros,

@@ -103,9 +103,7 @@ fn row_targets(r: &Row) -> Result<usize> {
     };
     let mask: Vec<bool> = r.loss_mask.iter().map(|&m| m != 0).collect();
     let t = next_token_targets(&r.ids, &seq, Some(&mask))?;
-    Ok(t.iter()
-        .filter(|&&x| x != braid_llm::IGNORE_INDEX)
-        .count())
+    Ok(t.iter().filter(|&&x| x != braid_llm::IGNORE_INDEX).count())
 }
 
 impl StepPlan {
@@ -130,7 +128,13 @@ impl StepPlan {
                 let mut off = 0;
                 for &r in &members {
                     row_offset[r] = off;
-                    cu.extend(rows[r].sample_offsets.iter().skip(1).map(|&o| off + o as usize));
+                    cu.extend(
+                        rows[r]
+                            .sample_offsets
+                            .iter()
+                            .skip(1)
+                            .map(|&o| off + o as usize),
+                    );
                     off += rows[r].len();
                 }
                 microbatches.push(Microbatch {

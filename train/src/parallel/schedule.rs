@@ -83,8 +83,7 @@ mod tests {
     fn the_schedule_cannot_deadlock() {
         for stages in 1..6 {
             for n in 0..9 {
-                let orders: Vec<Vec<Op>> =
-                    (0..stages).map(|s| one_f_one_b(s, stages, n)).collect();
+                let orders: Vec<Vec<Op>> = (0..stages).map(|s| one_f_one_b(s, stages, n)).collect();
                 let mut pc = vec![0usize; stages];
                 // acts[s] = forwards sent downstream; grads[s] = backwards sent upstream.
                 let mut fwd_sent = vec![0usize; stages];

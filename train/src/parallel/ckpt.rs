@@ -1,0 +1,295 @@
+//! Checkpoints that any layout can load: every rank writes the parameters (and AdamW
+//! moments) whose primary copy it holds to `model-rank-NNNNN.safetensors` (and
+//! `optim-rank-NNNNN.safetensors`), full-name tensors, a TP slice stored as
+//! `<name>#split<dim>.<rank>of<size>`. Loading gathers every file's tensors, joins the
+//! slices into full tensors and cuts the loader's own slices, so a checkpoint saved
+//! under one layout (or on one rank, `model.safetensors`) loads under any other.
+//!
+//! Atomicity is the single-rank protocol: rank 0 creates `.tmp-step-N`, every rank
+//! writes its files (each synced), and after a barrier rank 0 writes `state.json`, the
+//! config and data files, and renames the folder into place.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use braid_comm::Comm;
+use braid_kernels::{Device, Tensor};
+use braid_nn::hf::{WeightFiles, save_safetensors};
+use braid_nn::param::cut_shard;
+use braid_nn::{Module, Shard};
+
+use super::engine::Engine;
+use crate::checkpoint::{self, MODEL_FILE, OPTIM_FILE, TrainState};
+use crate::error::{Result, TrainError};
+
+fn rank_file(kind: &str, rank: usize) -> String {
+    format!("{kind}-rank-{rank:05}.safetensors")
+}
+
+/// The stored name of a tensor that is `shard` of `name`.
+fn stored_name(name: &str, shard: Shard) -> String {
+    match shard {
+        Shard::Full => name.to_string(),
+        Shard::Split { dim, rank, size } => format!("{name}#split{dim}.{rank}of{size}"),
+    }
+}
+
+/// (name, shard) of a stored name.
+fn parse_stored(stored: &str) -> Result<(String, Shard)> {
+    let Some((name, tag)) = stored.split_once("#split") else {
+        return Ok((stored.to_string(), Shard::Full));
+    };
+    let bad = || TrainError::Other(format!("checkpoint tensor `{stored}`: bad shard tag"));
+    let (dim, rest) = tag.split_once('.').ok_or_else(bad)?;
+    let (rank, size) = rest.split_once("of").ok_or_else(bad)?;
+    let n = |s: &str| s.parse::<usize>().map_err(|_| bad());
+    Ok((
+        name.to_string(),
+        Shard::Split {
+            dim: n(dim)?,
+            rank: n(rank)?,
+            size: n(size)?,
+        },
+    ))
+}
+
+/// Every tensor of `kind` ("model" or "optim") in checkpoint `dir` as full tensors
+/// (host f32 data and shape), whatever layout wrote it.
+pub fn read_full(dir: &Path, kind: &str) -> Result<BTreeMap<String, (Vec<f32>, Vec<usize>)>> {
+    let single = dir.join(if kind == "model" {
+        MODEL_FILE
+    } else {
+        OPTIM_FILE
+    });
+    let paths: Vec<PathBuf> = if single.exists() {
+        vec![single]
+    } else {
+        let prefix = format!("{kind}-rank-");
+        let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(crate::error::io_err(dir, "list"))?
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with(&prefix))
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    if paths.is_empty() {
+        return Err(TrainError::Checkpoint {
+            path: dir.to_path_buf(),
+            reason: format!("no {kind} tensors (neither {kind}.safetensors nor {kind}-rank-*)"),
+        });
+    }
+    let files = WeightFiles::open_files(&paths)?;
+    // name -> slices (shard, data, dims)
+    type Slices = Vec<(Shard, Vec<f32>, Vec<usize>)>;
+    let mut parts: HashMap<String, Slices> = HashMap::new();
+    for stored in files.names() {
+        let (name, shard) = parse_stored(stored)?;
+        let t = files.load_any(stored, Device::Cpu)?;
+        parts
+            .entry(name)
+            .or_default()
+            .push((shard, t.to_vec_f32()?, t.dims().to_vec()));
+    }
+    let mut out = BTreeMap::new();
+    for (name, mut slices) in parts {
+        let full = join_slices(&name, &mut slices).map_err(|reason| TrainError::Checkpoint {
+            path: dir.to_path_buf(),
+            reason,
+        })?;
+        out.insert(name, full);
+    }
+    Ok(out)
+}
+
+/// The full tensor from its slices (or its one full copy).
+fn join_slices(
+    name: &str,
+    slices: &mut [(Shard, Vec<f32>, Vec<usize>)],
+) -> std::result::Result<(Vec<f32>, Vec<usize>), String> {
+    if let [(Shard::Full, data, dims)] = slices {
+        return Ok((std::mem::take(data), dims.clone()));
+    }
+    let key = |s: &Shard| match *s {
+        Shard::Split { rank, .. } => rank,
+        Shard::Full => usize::MAX,
+    };
+    slices.sort_by_key(|s| key(&s.0));
+    let (dim, size) = match slices.first().map(|s| s.0) {
+        Some(Shard::Split { dim, size, .. }) => (dim, size),
+        _ => return Err(format!("`{name}` is stored both whole and in slices")),
+    };
+    let ranks: Vec<usize> = slices.iter().map(|s| key(&s.0)).collect();
+    if ranks != (0..size).collect::<Vec<_>>() {
+        return Err(format!(
+            "`{name}` has slices {ranks:?} of {size}: the checkpoint is incomplete"
+        ));
+    }
+    let part_dims = slices[0].2.clone();
+    let outer: usize = part_dims[..dim].iter().product();
+    let inner: usize = part_dims[dim..].iter().product(); // slice rows * trailing
+    let mut data = Vec::with_capacity(inner * outer * size);
+    for o in 0..outer {
+        for (_, d, dims) in slices.iter() {
+            if *dims != part_dims {
+                return Err(format!("`{name}`: slices of different shapes"));
+            }
+            data.extend_from_slice(&d[o * inner..(o + 1) * inner]);
+        }
+    }
+    let mut dims = part_dims;
+    dims[dim] *= size;
+    Ok((data, dims))
+}
+
+/// Writes this rank's primary parameters and their moments into the checkpoint folder
+/// `tmp`.
+pub fn write_rank_files(engine: &Engine, tmp: &Path) -> Result<()> {
+    let plan = &engine.plan;
+    let mut weights: Vec<(String, &Tensor)> = Vec::new();
+    let mut shards: HashMap<String, Shard> = HashMap::new();
+    engine.model.visit_params(&mut |p| {
+        shards.insert(p.name.clone(), p.shard);
+        if plan.is_primary(&p.name) {
+            weights.push((stored_name(&p.name, p.shard), &p.value));
+        }
+    });
+    save_safetensors(&tmp.join(rank_file("model", engine.rank)), &weights)?;
+    let mut moments: Vec<(String, &Tensor)> = Vec::new();
+    for m in &engine.optim.moments {
+        if plan.is_primary(&m.name) {
+            let shard = shards.get(&m.name).copied().unwrap_or(Shard::Full);
+            moments.push((
+                stored_name(&format!("{}.exp_avg", m.name), shard),
+                &m.exp_avg,
+            ));
+            moments.push((
+                stored_name(&format!("{}.exp_avg_sq", m.name), shard),
+                &m.exp_avg_sq,
+            ));
+        }
+    }
+    save_safetensors(&tmp.join(rank_file("optim", engine.rank)), &moments)?;
+    Ok(())
+}
+
+/// One checkpoint of every rank's files, collectively: returns the folder on every rank.
+#[allow(clippy::too_many_arguments)]
+pub fn save(
+    engine: &Engine,
+    world: &dyn Comm,
+    root: &Path,
+    state: &TrainState,
+    files: &[(&str, &[u8])],
+    keep: usize,
+    abort_midway: bool,
+) -> Result<PathBuf> {
+    let tmp = root.join(format!(".tmp-step-{:08}", state.step));
+    if world.rank() == 0 {
+        checkpoint::begin(root, state.step)?;
+    }
+    world.barrier()?;
+    write_rank_files(engine, &tmp)?;
+    world.barrier()?;
+    let dst = if world.rank() == 0 {
+        if abort_midway {
+            // Fault injection: die with the shards written but nothing committed.
+            std::process::abort();
+        }
+        checkpoint::finish(root, &tmp, state, files, keep)?
+    } else {
+        root.join(format!("step-{:08}", state.step))
+    };
+    world.barrier()?;
+    Ok(dst)
+}
+
+/// Restores the AdamW moments this rank holds from checkpoint `dir` (any layout).
+pub fn load_optim(engine: &mut Engine, dir: &Path, optimizer_step: u64) -> Result<()> {
+    let full = read_full(dir, "optim")?;
+    let mut shards: HashMap<String, Shard> = HashMap::new();
+    engine.model.visit_params(&mut |p| {
+        shards.insert(p.name.clone(), p.shard);
+    });
+    for m in &mut engine.optim.moments {
+        let shard = shards.get(&m.name).copied().unwrap_or(Shard::Full);
+        for (suffix, t) in [
+            ("exp_avg", &mut m.exp_avg),
+            ("exp_avg_sq", &mut m.exp_avg_sq),
+        ] {
+            let key = format!("{}.{suffix}", m.name);
+            let (data, dims) = full.get(&key).ok_or_else(|| TrainError::Checkpoint {
+                path: dir.to_path_buf(),
+                reason: format!("no `{key}` (were other modules frozen?)"),
+            })?;
+            let (data, local) = cut_shard(&key, data.clone(), dims, shard)?;
+            if local != t.dims() {
+                return Err(TrainError::Checkpoint {
+                    path: dir.to_path_buf(),
+                    reason: format!("`{key}` is {dims:?}, which does not fit {:?}", t.dims()),
+                });
+            }
+            *t = Tensor::from_vec(data, local, Device::Cpu)?;
+        }
+    }
+    engine.optim.step = optimizer_step;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slices_join_back_to_the_full_tensor() {
+        let full: Vec<f32> = (0..24).map(|x| x as f32).collect();
+        for (dim, size) in [(0, 2), (1, 3), (1, 2), (0, 4)] {
+            let dims = vec![4, 6];
+            let mut slices: Vec<_> = (0..size)
+                .rev()
+                .map(|rank| {
+                    let shard = Shard::Split { dim, rank, size };
+                    let (d, ld) = cut_shard("w", full.clone(), &dims, shard).unwrap();
+                    (shard, d, ld)
+                })
+                .collect();
+            assert_eq!(join_slices("w", &mut slices).unwrap(), (full.clone(), dims));
+        }
+        let mut missing = vec![(
+            Shard::Split {
+                dim: 0,
+                rank: 1,
+                size: 2,
+            },
+            vec![0.0; 12],
+            vec![2, 6],
+        )];
+        assert!(
+            join_slices("w", &mut missing)
+                .unwrap_err()
+                .contains("incomplete")
+        );
+    }
+
+    #[test]
+    fn stored_names_round_trip() {
+        let s = Shard::Split {
+            dim: 1,
+            rank: 2,
+            size: 4,
+        };
+        let n = stored_name("llm.layers.0.mlp.down_proj.weight", s);
+        assert_eq!(
+            parse_stored(&n).unwrap(),
+            ("llm.layers.0.mlp.down_proj.weight".to_string(), s)
+        );
+        assert_eq!(
+            parse_stored("a.b").unwrap(),
+            ("a.b".to_string(), Shard::Full)
+        );
+    }
+}

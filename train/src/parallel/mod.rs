@@ -1,0 +1,24 @@
+//! Heterogeneous parallelism: each module (vision encoder, audio encoder, LLM) on its own
+//! grid of ranks with its own TP/CP/PP/DP layout, the bridge between them, and the
+//! multi-rank training loop.
+//!
+//! - [`layout`]: the grids from `[parallel]`, validated against the model;
+//! - [`assign`]: where each row, image and clip of a batch goes (an interface; the
+//!   balancer plugs in a data-aware one);
+//! - [`plan`]: one step's items, microbatches and bridge routes, the same on every rank;
+//! - [`model`]: one rank's share of the model and its groups;
+//! - [`schedule`]: the 1F1B pipeline order;
+//! - [`engine`]: one rank's step;
+//! - [`sync`]: gradient all-reduce, the global norm, ZeRO-1;
+//! - [`ckpt`]: checkpoints that any layout can load;
+//! - [`run`]: `braid train` with several ranks as threads.
+
+pub mod assign;
+pub mod ckpt;
+pub mod engine;
+pub mod layout;
+pub mod model;
+pub mod plan;
+pub mod run;
+pub mod schedule;
+pub mod sync;

@@ -1,0 +1,288 @@
+//! `braid train` with `parallel.world_size > 1` on the CPU: the ranks run as threads of
+//! this process over a [`LocalWorld`], each with its own loader (the same global batches)
+//! and its share of the model. Set-up, resume, evaluation and export are the one-rank
+//! trainer's: the run is set up as a one-rank [`Trainer`] (which checks everything and
+//! restores a checkpoint of any layout into the full model), every rank cuts its share
+//! from that, and at the end the full model is read back from the last checkpoint.
+//!
+//! Rank 0 reports progress (through a channel to the caller's [`Observer`]); any rank's
+//! error or panic poisons the world, every rank stops, and the run fails naming the
+//! rank that failed first.
+
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use braid_comm::Comm;
+use braid_comm::local::{LocalComm, run_local};
+use braid_dataloader::loader::{Loader, LoaderConfig};
+use braid_nn::param::cut_shard;
+use braid_nn::{Module, Shard};
+
+use super::ckpt;
+use super::engine::Engine;
+use super::layout::Layouts;
+use crate::checkpoint::{self, TrainState};
+use crate::config::RunConfig;
+use crate::error::{Result, TrainError};
+use crate::metrics::{MetricsWriter, StepMetrics};
+use crate::mllm::Mllm;
+use crate::optim::AdamW;
+use crate::optim::clip_factor;
+use crate::trainer::{Observer, RunSummary, Trainer};
+
+/// What rank 0 tells the caller's observer.
+enum Event {
+    Log(String),
+    Step(Box<StepMetrics>),
+    Checkpoint(u64, std::path::PathBuf),
+}
+
+/// Trains `trainer`'s run on `parallel.world_size` ranks (threads) and returns what the
+/// one-rank [`Trainer::run`] returns.
+pub fn run(mut trainer: Trainer, obs: &mut dyn Observer) -> Result<RunSummary> {
+    obs.start(&trainer.info);
+    for line in trainer.layouts.describe() {
+        obs.log(&line);
+    }
+    let world_size = trainer.layouts.world;
+    let timeout = Duration::from_secs_f64(trainer.cfg.parallel.timeout_s);
+    let start_step = trainer.state.step;
+    let total = trainer.cfg.train.steps;
+    let started = Instant::now();
+    let mut metrics = MetricsWriter::open(
+        &trainer.cfg.run.dir.join("metrics.jsonl"),
+        trainer.state.step,
+    )?;
+    let (tx, rx) = mpsc::channel::<Event>();
+    let shared = &Shared {
+        cfg: &trainer.cfg,
+        model: &trainer.model,
+        optim: &trainer.optim,
+        layouts: &trainer.layouts,
+        state: &trainer.state,
+        loader_cfg: &trainer.loader_cfg,
+        config_toml: &trainer.config_toml,
+        data_json: &trainer.data_json,
+        resumed: trainer.info.resumed_from.is_some(),
+    };
+    let outcome = std::thread::scope(|s| {
+        let ranks = s.spawn(move || {
+            let tx = tx;
+            run_local(world_size, timeout, |comm: LocalComm| {
+                let events = (comm.rank() == 0).then_some(&tx);
+                rank_main(comm, shared, events)
+            })
+        });
+        let mut recent: Vec<f64> = Vec::new();
+        let mut first_loss = None;
+        let mut last_ckpt = None;
+        let mut tokens = 0u64;
+        let mut write_err = None;
+        for ev in rx {
+            match ev {
+                Event::Log(l) => obs.log(&l),
+                Event::Step(m) => {
+                    tokens += m.tokens;
+                    if !m.skipped {
+                        first_loss.get_or_insert(m.loss);
+                        recent.push(m.loss);
+                        if recent.len() > 10 {
+                            recent.remove(0);
+                        }
+                    }
+                    if let Err(e) = metrics.append(&m) {
+                        write_err.get_or_insert(e);
+                    }
+                    obs.step(&m, total);
+                }
+                Event::Checkpoint(step, dir) => {
+                    obs.checkpoint(step, &dir);
+                    last_ckpt = Some(dir);
+                }
+            }
+        }
+        let ranks = ranks
+            .join()
+            .map_err(|_| TrainError::Other("the rank launcher panicked".into()))?;
+        let finals = ranks.map_err(|f| {
+            TrainError::Other(format!(
+                "rank {} of {world_size} failed: {} (every other rank stopped)",
+                f.rank, f.message
+            ))
+        })?;
+        if let Some(e) = write_err {
+            return Err(e);
+        }
+        Ok((finals, recent, first_loss, last_ckpt, tokens))
+    });
+    let (finals, recent, first_loss, mut last_ckpt, tokens) = outcome?;
+    let train_s = started.elapsed().as_secs_f64();
+    if let Some(state) = finals.into_iter().next() {
+        trainer.state = state;
+    }
+    if start_step == total {
+        obs.log(&format!("the run already reached train.steps = {total}"));
+    }
+    let root = trainer.cfg.run.dir.join("checkpoints");
+    if last_ckpt.is_none() {
+        last_ckpt = checkpoint::latest(&root)?.map(|(_, p)| p);
+    }
+    // The full model from the last checkpoint, for evaluation and export.
+    if let Some(dir) = &last_ckpt {
+        checkpoint::load_weights(dir, &mut trainer.model, braid_kernels::Device::Cpu)?;
+    }
+    trainer.finish(recent, first_loss, tokens, train_s, last_ckpt)
+}
+
+/// What every rank reads from the set-up (the loader itself is not shared: each rank
+/// opens its own).
+struct Shared<'a> {
+    cfg: &'a RunConfig,
+    model: &'a Mllm,
+    optim: &'a AdamW,
+    layouts: &'a Layouts,
+    state: &'a TrainState,
+    loader_cfg: &'a LoaderConfig,
+    config_toml: &'a str,
+    data_json: &'a str,
+    resumed: bool,
+}
+
+/// One rank's whole run.
+fn rank_main(
+    comm: LocalComm,
+    t: &Shared<'_>,
+    events: Option<&mpsc::Sender<Event>>,
+) -> Result<TrainState> {
+    let rank = comm.rank();
+    let world: Arc<dyn Comm> = Arc::new(comm);
+    let cfg = t.cfg;
+    let say = |e: Event| {
+        if let Some(tx) = events {
+            // The receiver only goes away when the caller is done: nothing to report to.
+            let _ = tx.send(e);
+        }
+    };
+    let mut engine = Engine::new(&t.model, Arc::clone(&world), t.layouts.clone(), cfg)?;
+    copy_moments(&mut engine, t)?;
+    let resumed = t.resumed;
+    let mut loader = Loader::open(
+        &cfg.data.path,
+        &t.loader_cfg,
+        0,
+        1,
+        resumed.then_some(t.state.loader),
+    )
+    .map_err(|e| TrainError::Data(format!("{}: {e}", cfg.data.path.display())))?;
+    if rank == 0 {
+        say(Event::Log(format!(
+            "{} ranks as threads; rank 0 holds {} parameter elements",
+            t.layouts.world,
+            engine.model.num_params()
+        )));
+    }
+    let root = cfg.run.dir.join("checkpoints");
+    let mut state = t.state.clone();
+    while state.step < cfg.train.steps {
+        let step = state.step + 1;
+        if cfg.fault.panic_at == Some(step) && cfg.fault.panic_rank == rank {
+            panic!("fault injection: rank {rank} panics at step {step} (fault.panic_at)");
+        }
+        let started = Instant::now();
+        let batch = loader
+            .next_batch()
+            .map_err(|e| TrainError::Data(e.to_string()))?;
+        let data_time_s = started.elapsed().as_secs_f64();
+        let pass = engine.forward_backward(&batch.rows)?;
+        let loss = pass.loss_sum / pass.targets.max(1) as f64;
+        if cfg.fault.nan_grad_at.contains(&step) {
+            engine.scale_grads(f32::NAN)?;
+        }
+        let norm = engine.grad_norm()?;
+        let lr = cfg.optim.lr_at(step, cfg.train.steps);
+        let skipped = !(loss.is_finite() && norm.is_finite());
+        if skipped {
+            state.skipped_steps += 1;
+            state.nonfinite_in_a_row += 1;
+            if state.nonfinite_in_a_row >= cfg.train.max_nonfinite_in_a_row {
+                return Err(TrainError::NonFinite {
+                    step,
+                    count: state.nonfinite_in_a_row,
+                    loss,
+                    grad_norm: norm,
+                });
+            }
+        } else {
+            if let Some(f) = clip_factor(norm, cfg.optim.clip_grad) {
+                engine.scale_grads(f)?;
+            }
+            engine.update(lr)?;
+            state.nonfinite_in_a_row = 0;
+        }
+        state.step = step;
+        state.optimizer_step = engine.optim.step;
+        state.loader = loader.state();
+        state.tokens_seen += pass.tokens as u64;
+        let step_time_s = started.elapsed().as_secs_f64();
+        state.elapsed_s += step_time_s;
+        say(Event::Step(Box::new(StepMetrics {
+            step,
+            loss,
+            lr,
+            grad_norm: norm,
+            tokens: pass.tokens as u64,
+            targets: pass.targets as u64,
+            images: pass.images as u64,
+            clips: pass.clips as u64,
+            step_time_s,
+            data_time_s,
+            skipped,
+            epoch: batch.epoch,
+        })));
+        let every = cfg.checkpoint.interval;
+        if step == cfg.train.steps || (every > 0 && step % every == 0) {
+            let dir = ckpt::save(
+                &engine,
+                world.as_ref(),
+                &root,
+                &state,
+                &[
+                    (checkpoint::CONFIG_FILE, t.config_toml.as_bytes()),
+                    (checkpoint::DATA_FILE, t.data_json.as_bytes()),
+                ],
+                cfg.checkpoint.keep,
+                cfg.fault.abort_during_checkpoint_at == Some(step),
+            )?;
+            say(Event::Checkpoint(step, dir));
+        }
+    }
+    Ok(state)
+}
+
+/// The AdamW moments this rank holds, cut from the full optimizer of the set-up (zeros
+/// on a fresh start, the checkpoint's on resume).
+fn copy_moments(engine: &mut Engine, t: &Shared<'_>) -> Result<()> {
+    let mut shards = std::collections::HashMap::new();
+    engine.model.visit_params(&mut |p| {
+        shards.insert(p.name.clone(), p.shard);
+    });
+    for m in &mut engine.optim.moments {
+        let full = t
+            .optim
+            .moments
+            .iter()
+            .find(|f| f.name == m.name)
+            .ok_or_else(|| TrainError::Other(format!("no optimizer state for `{}`", m.name)))?;
+        let shard = shards.get(&m.name).copied().unwrap_or(Shard::Full);
+        for (dst, src) in [
+            (&mut m.exp_avg, &full.exp_avg),
+            (&mut m.exp_avg_sq, &full.exp_avg_sq),
+        ] {
+            let (data, dims) = cut_shard(&m.name, src.to_vec_f32()?, src.dims(), shard)?;
+            *dst = braid_kernels::Tensor::from_vec(data, dims, braid_kernels::Device::Cpu)?;
+        }
+    }
+    engine.optim.step = t.optim.step;
+    Ok(())
+}
