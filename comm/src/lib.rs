@@ -1,13 +1,18 @@
 //! braid-comm: collectives over a group of ranks, behind the [`Comm`] trait.
 //!
 //! A `Comm` is one process group: layers receive the group they communicate over as an
-//! argument (there is no global group). This issue ships [`SingleRank`], the group of
-//! one, with which every parallel layer is exactly its plain counterpart. `LocalComm`
-//! (ranks as threads) and `NcclComm` implement the same trait in a later issue.
+//! argument (there is no global group). [`SingleRank`] is the group of one, with which
+//! every parallel layer is exactly its plain counterpart; [`local::LocalComm`] runs the
+//! ranks of a world as threads (deterministic, with timeouts and poisoning); `NcclComm`
+//! implements the same trait for GPUs. [`grid::Grid`] lays a module's ranks out as named
+//! axes (TP fastest, then CP, DP, PP) with a rank offset.
 
+pub mod grid;
+pub mod local;
 pub mod testing;
 
 use std::fmt;
+use std::sync::Arc;
 
 use braid_kernels::{Shape, Tensor};
 
@@ -20,6 +25,26 @@ pub enum CommError {
         rank: usize,
         size: usize,
         msg: String,
+    },
+    /// A collective that waited longer than the world's timeout.
+    #[error(
+        "{op} on world rank {rank} (group {group:?}) timed out after {waited_s:.1} s: {missing}"
+    )]
+    Timeout {
+        op: &'static str,
+        rank: usize,
+        group: Vec<usize>,
+        waited_s: f64,
+        /// Who never arrived.
+        missing: String,
+    },
+    /// Another rank failed; this one stops instead of waiting for it.
+    #[error("{op} on world rank {rank} stopped: rank {by} failed: {why}")]
+    Poisoned {
+        op: &'static str,
+        rank: usize,
+        by: usize,
+        why: String,
     },
     #[error(transparent)]
     Kernel(#[from] braid_kernels::Error),
@@ -56,6 +81,17 @@ pub trait Comm: Send + Sync + fmt::Debug {
     fn all_to_all_v(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>>;
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<()>;
+    /// The group of `members` (ranks of this group; the new group's rank `i` is
+    /// `members[i]`). Called by the members only, each with the same list. Groups
+    /// that cannot make subgroups (test stand-ins) keep this default, an error.
+    fn subgroup(&self, members: &[usize]) -> Result<Arc<dyn Comm>> {
+        Err(CommError::Invalid {
+            op: "subgroup",
+            rank: self.rank(),
+            size: self.size(),
+            msg: format!("this group ({self:?}) cannot make the subgroup {members:?}"),
+        })
+    }
 }
 
 /// The group of one rank: every collective is the identity.
@@ -114,5 +150,16 @@ impl Comm for SingleRank {
     }
     fn barrier(&self) -> Result<()> {
         Ok(())
+    }
+    fn subgroup(&self, members: &[usize]) -> Result<Arc<dyn Comm>> {
+        if members != [0] {
+            return Err(CommError::Invalid {
+                op: "subgroup",
+                rank: 0,
+                size: 1,
+                msg: format!("a group of one has no subgroup {members:?}"),
+            });
+        }
+        Ok(Arc::new(SingleRank))
     }
 }
