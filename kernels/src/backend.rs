@@ -15,7 +15,7 @@ use std::fmt;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::ops::activation::Activation;
-use crate::ops::attention::AttentionSpec;
+use crate::ops::attention::{AttentionSpec, QkSegment};
 use crate::ops::conv::Conv1dSpec;
 use crate::ops::matmul::GemmSpec;
 use crate::ops::optim::AdamWSpec;
@@ -159,6 +159,30 @@ pub trait AttentionKernels {
         out: &Tensor,
         lse: &Tensor,
         cu_seqlens: &[usize],
+        spec: &AttentionSpec,
+    ) -> Result<(Tensor, Tensor, Tensor)>;
+    /// q (Tq, NH, HS), k/v (Tk, NKV, HS), query ranges attending to key ranges (see
+    /// [`QkSegment`]) -> (out (Tq, NH, HS), lse (NH, Tq)).
+    fn attention_fwd_ranges(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        segs: &[QkSegment],
+        spec: &AttentionSpec,
+    ) -> Result<(Tensor, Tensor)>;
+    /// -> (dq (Tq, NH, HS), dk, dv (Tk, NKV, HS)); grads of key rows shared by several
+    /// segments are summed in segment order.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_bwd_ranges(
+        &self,
+        dout: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        segs: &[QkSegment],
         spec: &AttentionSpec,
     ) -> Result<(Tensor, Tensor, Tensor)>;
 }

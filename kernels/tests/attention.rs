@@ -1,5 +1,6 @@
 //! Varlen attention: forward and backward against a slow f64 reference (materialized
 //! scores per sequence), packed == per sample, finite differences, errors, determinism.
+//! Query ranges against other key ranges: `attention_ranges.rs`.
 
 use braid_kernels::ops::{self, AttentionSpec};
 use braid_kernels::rng::Rng;

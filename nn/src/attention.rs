@@ -1,13 +1,21 @@
 //! Multi-head self-attention over packed variable-length samples: q/k/v projections
 //! (column-parallel), optional RoPE, GQA, causal or bidirectional, output projection
 //! (row-parallel). Heads are split across the TP group.
+//!
+//! Context parallelism: with a CP group (`Attention::cp`) and a `SeqInfo` carrying a
+//! rank's share of a [`CpPlan`](crate::cp::CpPlan), each rank holds a shard of the
+//! tokens; K and V are all-gathered over the CP group before attention and their
+//! grads reduce-scattered back after it (see [`crate::cp`]). Without it, nothing
+//! changes.
 
 use std::sync::Arc;
 
 use braid_comm::Comm;
 use braid_kernels::Tensor;
+use braid_kernels::ops::attention::{attention_bwd_ranges, attention_fwd_ranges};
 use braid_kernels::ops::{self, AttentionSpec};
 
+use crate::cp::{CpLocal, gather_kv_bwd, gather_kv_fwd};
 use crate::error::{Context, Error, Result};
 use crate::parallel::{ColumnParallelLinear, RowParallelCache, RowParallelLinear};
 use crate::param::{Init, Module, Param};
@@ -92,6 +100,9 @@ pub struct Attention {
     pub o_proj: RowParallelLinear,
     pub rope: Option<Rope>,
     pub group: Arc<dyn Comm>,
+    /// The context-parallel group: the ranks that hold the other token shards of the
+    /// same rows (with the same TP rank). `None`: no context parallelism.
+    pub cp: Option<Arc<dyn Comm>>,
 }
 
 /// What [`Attention::backward`] needs.
@@ -112,6 +123,9 @@ pub struct AttentionCache {
     /// (cos, sin), each (T, R/2)
     rope: Option<(Tensor, Tensor)>,
     cu_seqlens: Vec<usize>,
+    /// Context parallelism: the plan share (k and v above are local rows; the full
+    /// rows are gathered again in the backward).
+    cp: Option<Arc<CpLocal>>,
 }
 
 impl Attention {
@@ -156,7 +170,50 @@ impl Attention {
             o_proj,
             rope,
             group,
+            cp: None,
         })
+    }
+
+    /// The same layer over the context-parallel group `cp` (see [`crate::cp`]).
+    pub fn with_cp(self, cp: Arc<dyn Comm>) -> Self {
+        Attention {
+            cp: Some(cp),
+            ..self
+        }
+    }
+
+    /// The CP share and group for a batch described by `seq`: both or neither (a CP
+    /// group of more than one rank without a plan would attend within shards only).
+    fn cp_of<'a>(&'a self, seq: &'a SeqInfo) -> Result<Option<(&'a CpLocal, &'a dyn Comm)>> {
+        match (&seq.cp, &self.cp) {
+            (None, None) => Ok(None),
+            (None, Some(g)) if g.size() == 1 => Ok(None),
+            (None, Some(g)) => Err(Error::input(
+                &self.name,
+                format!(
+                    "this layer has a CP group of {} ranks but the SeqInfo has no CP plan (CpPlan::seq_info)",
+                    g.size()
+                ),
+            )),
+            (Some(_), None) => Err(Error::input(
+                &self.name,
+                "the SeqInfo has a CP plan but this layer has no CP group (Attention::with_cp)",
+            )),
+            (Some(local), Some(g)) => {
+                local.check_group(&self.name, g.as_ref())?;
+                if local.causal() != self.config.causal {
+                    return Err(Error::input(
+                        &self.name,
+                        format!(
+                            "the CP plan was made for causal = {} but this layer has causal = {}",
+                            local.causal(),
+                            self.config.causal
+                        ),
+                    ));
+                }
+                Ok(Some((local.as_ref(), g.as_ref())))
+            }
+        }
     }
 
     /// (query heads, key/value heads) on this rank.
@@ -199,6 +256,7 @@ impl Attention {
     /// Forward that moves `x` (T, C) into the cache.
     pub fn forward_owned(&self, x: Tensor, seq: &SeqInfo) -> Result<(Tensor, AttentionCache)> {
         let t = self.check_input(&x, seq)?;
+        let cp = self.cp_of(seq)?;
         let hs = self.config.dims.hs;
         let (nh, nkv) = self.local_heads();
         let name = self.name.as_str();
@@ -220,7 +278,13 @@ impl Attention {
             .ctx(name, "v")?; // (T, NKV, HS)
         let (q, k, rope) = match &self.rope {
             Some(rope) => {
-                let (cos, sin) = rope.tables(&seq.positions, x.device())?; // (T, R/2)
+                // Under CP, dynamic NTK scaling must see the full rows' length.
+                let (cos, sin) = match cp {
+                    Some((local, _)) => {
+                        rope.tables_for_len(&seq.positions, local.seq_len(), x.device())?
+                    }
+                    None => rope.tables(&seq.positions, x.device())?,
+                }; // (T, R/2)
                 let q = ops::rope_fwd(&q, &cos, &sin).ctx(name, "rope q")?;
                 let k = ops::rope_fwd(&k, &cos, &sin).ctx(name, "rope k")?;
                 (q, k, Some((cos, sin)))
@@ -228,8 +292,16 @@ impl Attention {
             None => (q, k, None),
         };
         // out (T, NH, HS), lse (NH, T)
-        let (out, lse) = ops::attention_fwd(&q, &k, &v, &seq.cu_seqlens, &self.spec())
-            .ctx(name, "attention forward")?;
+        let (out, lse) = match cp {
+            None => ops::attention_fwd(&q, &k, &v, &seq.cu_seqlens, &self.spec())
+                .ctx(name, "attention forward")?,
+            Some((local, group)) => {
+                // k_full, v_full (T_full, NKV, HS) in global token order
+                let (k_full, v_full) = self.gather_kv(group, local, &k, &v)?;
+                attention_fwd_ranges(&q, &k_full, &v_full, local.segments(), &self.spec())
+                    .ctx(name, "context-parallel attention forward")?
+            }
+        };
         let out = out.reshape([t, nh * hs]).ctx(name, "attention output")?;
         let (y, o) = self.o_proj.forward_parallel(out)?; // (T, C)
         let cache = AttentionCache {
@@ -241,8 +313,37 @@ impl Attention {
             o,
             rope,
             cu_seqlens: seq.cu_seqlens.clone(),
+            cp: seq.cp.clone(),
         };
         Ok((y, cache))
+    }
+
+    /// k, v (T, NKV, HS) local rows -> the full rows (T_full, NKV, HS) in global token
+    /// order, gathered over the CP group.
+    fn gather_kv(
+        &self,
+        group: &dyn Comm,
+        local: &CpLocal,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let name = self.name.as_str();
+        let [t, nkv, hs] = *k.dims() else {
+            return Err(Error::input(
+                name,
+                format!("k must be (T, NKV, HS), got {}", k.shape()),
+            ));
+        };
+        let full = |x: &Tensor| -> Result<Tensor> {
+            let x = x
+                .try_clone()
+                .and_then(|x| x.reshape([t, nkv * hs]))
+                .ctx(name, "cp k/v")?;
+            gather_kv_fwd(group, local, &x)?
+                .reshape([local.total_tokens(), nkv, hs])
+                .ctx(name, "cp k/v")
+        };
+        Ok((full(k)?, full(v)?))
     }
 
     pub fn backward(&mut self, cache: AttentionCache, dy: &Tensor) -> Result<Tensor> {
@@ -255,6 +356,7 @@ impl Attention {
             o,
             rope,
             cu_seqlens,
+            cp,
         } = cache;
         let spec = self.spec();
         let hs = self.config.dims.hs;
@@ -267,8 +369,37 @@ impl Attention {
         let dout = dout
             .reshape([t, nh, hs])
             .ctx(&name, "attention output grad")?;
-        let (dq, dk, dv) = ops::attention_bwd(&dout, &q, &k, &v, &out, &lse, &cu_seqlens, &spec)
-            .ctx(&name, "attention backward")?;
+        let (dq, dk, dv) = match &cp {
+            None => ops::attention_bwd(&dout, &q, &k, &v, &out, &lse, &cu_seqlens, &spec)
+                .ctx(&name, "attention backward")?,
+            Some(local) => {
+                let group = match &self.cp {
+                    Some(g) => g.as_ref(),
+                    None => {
+                        return Err(Error::input(
+                            &name,
+                            "the cache is context-parallel but this layer has no CP group",
+                        ));
+                    }
+                };
+                // K and V again rather than cached: the cache stays O(T / cp).
+                let (k_full, v_full) = self.gather_kv(group, local, &k, &v)?;
+                let segs = local.segments();
+                // dk_full, dv_full (T_full, NKV, HS): this rank's queries' share
+                let (dq, dk_full, dv_full) =
+                    attention_bwd_ranges(&dout, &q, &k_full, &v_full, &out, &lse, segs, &spec)
+                        .ctx(&name, "context-parallel attention backward")?;
+                // -> this rank's rows (T, NKV, HS), summed over the CP ranks.
+                let tf = local.total_tokens();
+                let local_rows = |d: Tensor| -> Result<Tensor> {
+                    let d = d.reshape([tf, nkv * hs]).ctx(&name, "cp dk/dv")?;
+                    gather_kv_bwd(group, local, &d)?
+                        .reshape([t, nkv, hs])
+                        .ctx(&name, "cp dk/dv")
+                };
+                (dq, local_rows(dk_full)?, local_rows(dv_full)?)
+            }
+        };
         let (dq, dk) = match &rope {
             Some((cos, sin)) => (
                 ops::rope_bwd(&dq, cos, sin).ctx(&name, "rope q backward")?,

@@ -15,6 +15,7 @@
 
 pub mod attention;
 pub mod block;
+pub mod cp;
 pub mod embedding;
 pub mod error;
 pub mod hf;
@@ -29,6 +30,7 @@ pub mod vocab;
 
 pub use attention::{Attention, AttentionCache, AttentionConfig, AttentionDims};
 pub use block::{BlockCache, BlockConfig, TransformerBlock};
+pub use cp::{CpLocal, CpPlan};
 pub use embedding::{Embedding, EmbeddingCache};
 pub use error::{Error, Result};
 pub use linear::{Linear, LinearCache};

@@ -1,7 +1,10 @@
 //! Rotary position embedding tables and packed-sequence metadata (`SeqInfo`).
 
+use std::sync::Arc;
+
 use braid_kernels::{Device, Tensor};
 
+use crate::cp::CpLocal;
 use crate::error::{Context, Error, Result};
 
 /// RoPE settings: `theta` (Llama 2: 1e4, Qwen2: 1e6) and the rotated channels per head
@@ -145,6 +148,18 @@ impl Rope {
     /// (cos, sin), each (T, R/2), for tokens at `positions` (T).
     pub fn tables(&self, positions: &[u32], device: Device) -> Result<(Tensor, Tensor)> {
         let seq_len = positions.iter().max().map_or(0, |&p| p as usize + 1);
+        self.tables_for_len(positions, seq_len, device)
+    }
+
+    /// [`Rope::tables`] for tokens that are part of a batch of largest position + 1 =
+    /// `seq_len` (a context-parallel shard: dynamic NTK scaling depends on the whole
+    /// batch's length, which the shard's own positions may not reach).
+    pub fn tables_for_len(
+        &self,
+        positions: &[u32],
+        seq_len: usize,
+        device: Device,
+    ) -> Result<(Tensor, Tensor)> {
         let inv_freq = self.inv_freq_for(seq_len);
         let half = inv_freq.len();
         let t = positions.len();
@@ -169,10 +184,17 @@ impl Rope {
 ///
 /// `cu_seqlens = [0, t1, t1 + t2, ..., T]`; tokens of different samples never attend to
 /// each other, and `positions` restart at 0 in every sample (what RoPE sees).
+///
+/// Under context parallelism ([`crate::cp`]) a rank's `SeqInfo` describes its shard:
+/// `cu_seqlens` delimits the chunks it holds, `positions` are the tokens' original
+/// positions, and `cp` says which query chunks attend to which keys of the full rows.
+/// `cp: None` everywhere else.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SeqInfo {
     pub cu_seqlens: Vec<usize>,
     pub positions: Vec<u32>,
+    /// This rank's share of a [`crate::cp::CpPlan`] (see there), or `None`.
+    pub cp: Option<Arc<CpLocal>>,
 }
 
 impl SeqInfo {
@@ -188,6 +210,7 @@ impl SeqInfo {
         SeqInfo {
             cu_seqlens,
             positions,
+            cp: None,
         }
     }
 
@@ -235,6 +258,16 @@ impl SeqInfo {
                 "{} positions given for T = {t} tokens",
                 self.positions.len()
             ));
+        }
+        if let Some(cp) = &self.cp {
+            let held = cp.tokens(cp.rank())?.len();
+            if held != t {
+                return err(format!(
+                    "the CP plan gives rank {} of {} {held} tokens, but the input has T = {t}",
+                    cp.rank(),
+                    cp.cp()
+                ));
+            }
         }
         Ok(())
     }

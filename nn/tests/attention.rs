@@ -453,6 +453,7 @@ fn config_errors_say_what_is_wrong(dev: Device) -> TestResult {
     let bad = SeqInfo {
         cu_seqlens: vec![0, 3, 2, 5],
         positions: vec![0; 5],
+        cp: None,
     };
     assert!(a.forward(&x, &bad).is_err());
     let err = a

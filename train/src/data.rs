@@ -67,6 +67,7 @@ pub fn rows_to_batch(rows: &[&Row], device: Device) -> Result<MllmBatch> {
     let seq = SeqInfo {
         cu_seqlens,
         positions,
+        cp: None,
     };
     let targets = next_token_targets(&ids, &seq, Some(&mask))?;
     let images = match image_hw {

@@ -4,39 +4,42 @@
 //! With P = exp(S - lse), dO the output grad and D_i = rowsum(dO_i * O_i):
 //! dV = Pᵀ dO, dP = dO Vᵀ, dS = P * (dP - D), dQ = scale * dS K, dK = scale * dSᵀ Q.
 //!
-//! The unit of work is a (sequence, kv head) task: it owns dK/dV of that kv head and
-//! the dQ rows of the query heads of its group, so one pass over its block pairs makes
-//! all three grads with 5 products per pair, no reduction across tasks. A task bigger
+//! The unit of work is a (segment, kv head) task: it makes dK/dV of that kv head over
+//! the segment's keys and the dQ rows of the query heads of its group, so one pass
+//! over its block pairs makes all three grads with 5 products per pair. Segments'
+//! key ranges may overlap (context parallelism): each task's dK/dV block is then added
+//! into the full grads in segment order, a fixed order whatever the threads. A task bigger
 //! than a thread's fair share (e.g. MQA on one sequence) is instead split FA2-style
 //! into dQ tiles (one query block of one head) and dK/dV tiles (one key block), which
 //! recompute P and dP twice but run in parallel. Both schemes make every block of
 //! P and dS from the same calls and add the same products into each grad block in the
-//! same order (dQ over key blocks; dK/dV over heads, then query blocks), so they give
+//! same order (dQ over key blocks; dK/dV over heads, then query blocks; every key
+//! block is a full `BK` rows or the segment's last ones in both), so they give
 //! bitwise-identical results: which one a task uses — it depends on the thread
 //! count — never shows in the output.
 
 use rayon::prelude::*;
 
 use super::kernel::{Simd, mm};
-use super::{BK, BQ, Qkv, Tile, dot, exp_softmax, head_cols, head_rows, scatter_one, scores};
-use super::{tiles, to_heads};
+use super::{BK, BQ, Qkv, Seg, Tile, dot, exp_softmax, head_cols, head_rows, scores};
+use super::{scatter_add_one, scatter_one, tiles, to_heads};
 use crate::cpu::matmul::MatRef;
 use crate::error::Result;
 use crate::ops::attention::AttentionDims;
 
-// The two schemes cut key ranges identically only if query and key blocks align:
-// a task's key blocks for query block q0 end at min(q0 + BQ, len), a dK/dV tile's
-// at min(k0 + BK, len).
+// Both schemes cut the keys into the same blocks (k0 a multiple of BK, bk =
+// min(BK, klen - k0)); with BQ == BK the causal diagonal of an unshifted segment falls
+// on block boundaries, so no block is computed that the mask hides entirely.
 const _: () = assert!(BQ == BK);
 
 /// What the backward reads besides q, k, v.
 #[derive(Clone, Copy)]
 struct Grads<'a> {
-    /// (NH, T, HS) grad of the output, head-major.
+    /// (NH, Tq, HS) grad of the output, head-major.
     dout: &'a [f32],
-    /// (NH, T) log-sum-exp of the forward.
+    /// (NH, Tq) log-sum-exp of the forward.
     lse: &'a [f32],
-    /// (NH, T) D = rowsum(dout * out).
+    /// (NH, Tq) D = rowsum(dout * out).
     dsum: &'a [f32],
     /// (NKV, HS, LD) v transposed per head.
     vt: &'a [f32],
@@ -44,17 +47,17 @@ struct Grads<'a> {
 
 /// One unit of parallel work.
 enum Work {
-    /// All grads of kv head `kvh` of the sequence at `seq` of `len` tokens.
-    Task { seq: usize, len: usize, kvh: usize },
+    /// All grads of kv head `kvh` of a segment.
+    Task { seg: Seg, kvh: usize },
     /// dQ of one query tile.
     Dq(Tile),
-    /// dK/dV of one key tile.
+    /// dK/dV of one key tile (rows relative to the segment's first key).
     Dkv(Tile),
 }
 
 /// Its result.
 enum Done {
-    /// dq (group, len, HS) of the group's query heads, dk and dv (len, HS).
+    /// dq (group, qlen, HS) of the group's query heads, dk and dv (klen, HS).
     Task(Vec<f32>, Vec<f32>, Vec<f32>),
     /// (bq, HS)
     Dq(Vec<f32>),
@@ -62,68 +65,71 @@ enum Done {
     Dkv(Vec<f32>, Vec<f32>),
 }
 
-/// Score pairs a head of a `len`-token sequence computes: the cost unit of a task.
-fn pairs(len: usize, causal: bool) -> usize {
+/// Score pairs a head of a segment computes: the cost unit of a task.
+fn pairs(seg: &Seg, causal: bool) -> usize {
     if causal {
-        len * (len + 1) / 2
+        // Query i sees offset + i + 1 keys.
+        seg.qlen * seg.offset() + seg.qlen * (seg.qlen + 1) / 2
     } else {
-        len * len
+        seg.qlen * seg.klen
     }
 }
 
-/// The work list: a task per (sequence, kv head), split into tiles where one task
+/// The work list: a task per (segment, kv head), split into tiles where one task
 /// would hold more than `1 / threads` of all the work.
-fn plan(x: &Qkv<'_>, cu_seqlens: &[usize], threads: usize) -> Vec<Work> {
+fn plan(x: &Qkv<'_>, segs: &[Seg], threads: usize) -> Vec<Work> {
     let nkv = x.dims.nkv;
     let causal = x.spec.causal;
-    let lens = || cu_seqlens.windows(2).map(|w| (w[0], w[1] - w[0]));
-    let total: usize = lens().map(|(_, len)| pairs(len, causal) * nkv).sum();
+    let total: usize = segs.iter().map(|s| pairs(s, causal) * nkv).sum();
     let mut work = Vec::new();
-    for (seq, len) in lens() {
-        if len == 0 {
+    for &seg in segs {
+        if seg.qlen == 0 || seg.klen == 0 {
             continue;
         }
-        let split = threads > 1 && pairs(len, causal) * threads > total;
+        let split = threads > 1 && pairs(&seg, causal) * threads > total;
         for kvh in 0..nkv {
             if !split {
-                work.push(Work::Task { seq, len, kvh });
+                work.push(Work::Task { seg, kvh });
                 continue;
             }
-            let one = [seq, seq + len];
             for h in kvh * x.group..(kvh + 1) * x.group {
-                for mut tile in tiles(&one, 1, BQ) {
+                for mut tile in tiles(&[seg], 1, BQ) {
                     tile.head = h;
                     work.push(Work::Dq(tile));
                 }
             }
-            for mut tile in tiles(&one, 1, BK) {
-                tile.head = kvh;
-                work.push(Work::Dkv(tile));
+            for k0 in (0..seg.klen).step_by(BK) {
+                work.push(Work::Dkv(Tile {
+                    seg,
+                    head: kvh,
+                    r0: k0,
+                    r1: (k0 + BK).min(seg.klen),
+                }));
             }
         }
     }
     work
 }
 
-/// `vt` (NKV, HS, LD), `dout` and `out` (T, NH, HS), `lse` (NH, T)
-/// -> (dq (T, NH, HS), dk (T, NKV, HS), dv (T, NKV, HS)).
+/// `vt` (NKV, HS, LD), `dout` and `out` (Tq, NH, HS), `lse` (NH, Tq)
+/// -> (dq (Tq, NH, HS), dk (Tk, NKV, HS), dv (Tk, NKV, HS)).
 pub(super) fn backward(
     x: &Qkv<'_>,
     vt: &[f32],
     dout: &[f32],
     out: &[f32],
     lse: &[f32],
-    cu_seqlens: &[usize],
+    segs: &[Seg],
     threads: usize,
 ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-    let AttentionDims { t, nh, nkv, hs } = x.dims;
-    let mut dq = vec![0.0f32; t * nh * hs]; // (T, NH, HS)
-    let mut dk = vec![0.0f32; t * nkv * hs]; // (T, NKV, HS)
-    let mut dv = vec![0.0f32; t * nkv * hs]; // (T, NKV, HS)
+    let AttentionDims { t, tk, nh, nkv, hs } = x.dims;
+    let mut dq = vec![0.0f32; t * nh * hs]; // (Tq, NH, HS)
+    let mut dk = vec![0.0f32; tk * nkv * hs]; // (Tk, NKV, HS)
+    let mut dv = vec![0.0f32; tk * nkv * hs]; // (Tk, NKV, HS)
     if t == 0 {
         return Ok((dq, dk, dv));
     }
-    // D (NH, T): one row per head, computed once and shared by every task.
+    // D (NH, Tq): one row per head, computed once and shared by every task.
     let mut dsum = vec![0.0f32; nh * t];
     dsum.par_chunks_mut(t).enumerate().for_each(|(h, row)| {
         for (ti, d) in row.iter_mut().enumerate() {
@@ -131,7 +137,7 @@ pub(super) fn backward(
             *d = dot(&dout[o..o + hs], &out[o..o + hs]);
         }
     });
-    let dout = to_heads(dout, t, nh, hs); // (NH, T, HS)
+    let dout = to_heads(dout, t, nh, hs); // (NH, Tq, HS)
     let g = Grads {
         dout: &dout,
         lse,
@@ -139,36 +145,33 @@ pub(super) fn backward(
         vt,
     };
 
-    let work = plan(x, cu_seqlens, threads);
+    let work = plan(x, segs, threads);
     let done: Vec<Done> = work
         .par_iter()
         .map(|w| match *w {
-            Work::Task { seq, len, kvh } => task(x, &g, seq, len, kvh),
+            Work::Task { seg, kvh } => task(x, &g, &seg, kvh),
             Work::Dq(ref tile) => dq_tile(x, &g, tile).map(Done::Dq),
             Work::Dkv(ref tile) => dkv_tile(x, &g, tile).map(|(k, v)| Done::Dkv(k, v)),
         })
         .collect::<Result<_>>()?;
+    // In work order, i.e. segment order: dK/dV rows shared by segments sum in a fixed
+    // order. dQ rows belong to one segment each.
     for (w, d) in work.iter().zip(&done) {
         match (w, d) {
-            (&Work::Task { seq, len, kvh }, Done::Task(tq, tk, tv)) => {
-                let mut tile = Tile {
-                    seq,
-                    len,
-                    head: kvh,
-                    r0: 0,
-                    r1: len,
-                };
-                scatter_one(&mut dk, nkv, hs, &tile, tk);
-                scatter_one(&mut dv, nkv, hs, &tile, tv);
-                for (i, blk) in tq.chunks_exact((len * hs).max(1)).enumerate() {
-                    tile.head = kvh * x.group + i;
-                    scatter_one(&mut dq, nh, hs, &tile, blk);
+            (&Work::Task { seg, kvh }, Done::Task(tq, tk, tv)) => {
+                scatter_add_one(&mut dk, nkv, hs, (seg.k, kvh), tk);
+                scatter_add_one(&mut dv, nkv, hs, (seg.k, kvh), tv);
+                for (i, blk) in tq.chunks_exact((seg.qlen * hs).max(1)).enumerate() {
+                    scatter_one(&mut dq, nh, hs, (seg.q, kvh * x.group + i), blk);
                 }
             }
-            (Work::Dq(tile), Done::Dq(b)) => scatter_one(&mut dq, nh, hs, tile, b),
+            (Work::Dq(tile), Done::Dq(b)) => {
+                scatter_one(&mut dq, nh, hs, (tile.seg.q + tile.r0, tile.head), b);
+            }
             (Work::Dkv(tile), Done::Dkv(bk, bv)) => {
-                scatter_one(&mut dk, nkv, hs, tile, bk);
-                scatter_one(&mut dv, nkv, hs, tile, bv);
+                let at = (tile.seg.k + tile.r0, tile.head);
+                scatter_add_one(&mut dk, nkv, hs, at, bk);
+                scatter_add_one(&mut dv, nkv, hs, at, bv);
             }
             _ => {}
         }
@@ -216,23 +219,23 @@ fn block_grads(
     g: &Grads<'_>,
     p: &mut [f32],
     dp: &mut [f32],
-    seq: usize,
+    seg: &Seg,
     h: usize,
     (q0, bq): (usize, usize),
     (k0, bk): (usize, usize),
 ) -> Result<()> {
-    let AttentionDims { t, hs, .. } = x.dims;
-    let row0 = h * t + seq + q0;
+    let AttentionDims { t, tk, hs, .. } = x.dims;
+    let row0 = h * t + seg.q + q0;
     let (lse, dsum) = (&g.lse[row0..row0 + bq], &g.dsum[row0..row0 + bq]);
-    scores(x, p, seq, h, (q0, bq), (k0, bk))?;
+    scores(x, p, seg, h, (q0, bq), (k0, bk))?;
     // dp (bq, bk) = dO_blk (bq, HS) @ v_blkᵀ (HS, bk)
     mm(
         x.simd,
         bq,
         bk,
         hs,
-        head_rows(g.dout, seq + q0, h, t, hs),
-        head_cols(g.vt, seq + k0, h / x.group, t, hs),
+        head_rows(g.dout, seg.q + q0, h, t, hs),
+        head_cols(g.vt, seg.k + k0, h / x.group, tk, hs),
         dp,
         bk,
         1.0,
@@ -248,19 +251,19 @@ fn add_dq(
     x: &Qkv<'_>,
     dq: &mut [f32],
     ds: &[f32],
-    seq: usize,
+    seg: &Seg,
     kvh: usize,
     bq: usize,
     (k0, bk): (usize, usize),
 ) -> Result<()> {
-    let AttentionDims { t, hs, .. } = x.dims;
+    let AttentionDims { tk, hs, .. } = x.dims;
     mm(
         x.simd,
         bq,
         hs,
         bk,
         MatRef::new(ds, bk, false),
-        head_rows(x.k, seq + k0, kvh, t, hs),
+        head_rows(x.k, seg.k + k0, kvh, tk, hs),
         dq,
         hs,
         x.spec.scale,
@@ -276,7 +279,7 @@ fn add_dkv(
     g: &Grads<'_>,
     (dk, dv): (&mut [f32], &mut [f32]),
     (p, ds): (&[f32], &[f32]),
-    seq: usize,
+    seg: &Seg,
     h: usize,
     (q0, bq): (usize, usize),
     bk: usize,
@@ -289,7 +292,7 @@ fn add_dkv(
         hs,
         bq,
         MatRef::new(p, bk, true),
-        head_rows(g.dout, seq + q0, h, t, hs),
+        head_rows(g.dout, seg.q + q0, h, t, hs),
         dv,
         hs,
         1.0,
@@ -302,7 +305,7 @@ fn add_dkv(
         hs,
         bq,
         MatRef::new(ds, bk, true),
-        head_rows(x.q, seq + q0, h, t, hs),
+        head_rows(x.q, seg.q + q0, h, t, hs),
         dk,
         hs,
         x.spec.scale,
@@ -310,33 +313,34 @@ fn add_dkv(
     )
 }
 
-/// One (sequence, kv head) task: every block pair once, in the order (head, query
+/// One (segment, kv head) task: every block pair once, in the order (head, query
 /// block, key block). -> Done::Task.
-fn task(x: &Qkv<'_>, g: &Grads<'_>, seq: usize, len: usize, kvh: usize) -> Result<Done> {
+fn task(x: &Qkv<'_>, g: &Grads<'_>, seg: &Seg, kvh: usize) -> Result<Done> {
     let hs = x.dims.hs;
-    let mut dq = vec![0.0f32; x.group * len * hs]; // (group, len, HS)
-    let mut dk = vec![0.0f32; len * hs]; // (len, HS)
-    let mut dv = vec![0.0f32; len * hs]; // (len, HS)
+    let (qlen, klen) = (seg.qlen, seg.klen);
+    let mut dq = vec![0.0f32; x.group * qlen * hs]; // (group, qlen, HS)
+    let mut dk = vec![0.0f32; klen * hs]; // (klen, HS)
+    let mut dv = vec![0.0f32; klen * hs]; // (klen, HS)
     let mut p = vec![0.0f32; BQ * BK]; // (bq, bk)
     let mut ds = vec![0.0f32; BQ * BK]; // (bq, bk)
     for (i, h) in (kvh * x.group..(kvh + 1) * x.group).enumerate() {
-        for q0 in (0..len).step_by(BQ) {
-            let q1 = (q0 + BQ).min(len);
+        for q0 in (0..qlen).step_by(BQ) {
+            let q1 = (q0 + BQ).min(qlen);
             let bq = q1 - q0;
-            let kend = if x.spec.causal { q1 } else { len };
-            let dq_blk = &mut dq[(i * len + q0) * hs..(i * len + q1) * hs];
+            let kend = seg.kend(x.spec.causal, q1);
+            let dq_blk = &mut dq[(i * qlen + q0) * hs..(i * qlen + q1) * hs];
             for k0 in (0..kend).step_by(BK) {
-                // Always a full key tile's rows (or the sequence's last ones), as in
+                // Always a full key tile's rows (or the segment's last ones), as in
                 // dkv_tile, so the blocks match the split scheme's bitwise.
-                let bk = BK.min(kend - k0);
+                let bk = BK.min(klen - k0);
                 let (p, ds) = (&mut p[..bq * bk], &mut ds[..bq * bk]);
-                block_grads(x, g, p, ds, seq, h, (q0, bq), (k0, bk))?;
-                add_dq(x, dq_blk, ds, seq, kvh, bq, (k0, bk))?;
+                block_grads(x, g, p, ds, seg, h, (q0, bq), (k0, bk))?;
+                add_dq(x, dq_blk, ds, seg, kvh, bq, (k0, bk))?;
                 let (dk_blk, dv_blk) = (
                     &mut dk[k0 * hs..(k0 + bk) * hs],
                     &mut dv[k0 * hs..(k0 + bk) * hs],
                 );
-                add_dkv(x, g, (dk_blk, dv_blk), (p, ds), seq, h, (q0, bq), bk)?;
+                add_dkv(x, g, (dk_blk, dv_blk), (p, ds), seg, h, (q0, bq), bk)?;
             }
         }
     }
@@ -346,22 +350,21 @@ fn task(x: &Qkv<'_>, g: &Grads<'_>, seq: usize, len: usize, kvh: usize) -> Resul
 /// One query tile -> dq block (bq, HS), summing over the key blocks in order.
 fn dq_tile(x: &Qkv<'_>, g: &Grads<'_>, tile: &Tile) -> Result<Vec<f32>> {
     let Tile {
-        seq,
-        len,
+        seg,
         head: h,
         r0: q0,
         r1: q1,
     } = *tile;
     let bq = q1 - q0;
-    let kend = if x.spec.causal { q1 } else { len };
+    let kend = seg.kend(x.spec.causal, q1);
     let mut dq = vec![0.0f32; bq * x.dims.hs]; // (bq, HS)
     let mut p = vec![0.0f32; bq * BK]; // (bq, bk)
     let mut ds = vec![0.0f32; bq * BK]; // (bq, bk)
     for k0 in (0..kend).step_by(BK) {
-        let bk = BK.min(kend - k0);
+        let bk = BK.min(seg.klen - k0);
         let (p, ds) = (&mut p[..bq * bk], &mut ds[..bq * bk]);
-        block_grads(x, g, p, ds, seq, h, (q0, bq), (k0, bk))?;
-        add_dq(x, &mut dq, ds, seq, h / x.group, bq, (k0, bk))?;
+        block_grads(x, g, p, ds, &seg, h, (q0, bq), (k0, bk))?;
+        add_dq(x, &mut dq, ds, &seg, h / x.group, bq, (k0, bk))?;
     }
     Ok(dq)
 }
@@ -371,25 +374,28 @@ fn dq_tile(x: &Qkv<'_>, g: &Grads<'_>, tile: &Tile) -> Result<Vec<f32>> {
 fn dkv_tile(x: &Qkv<'_>, g: &Grads<'_>, tile: &Tile) -> Result<(Vec<f32>, Vec<f32>)> {
     let hs = x.dims.hs;
     let Tile {
-        seq,
-        len,
+        seg,
         head: kvh,
         r0: k0,
         r1: k1,
     } = *tile;
     let bk = k1 - k0;
-    // Causal: query blocks wholly before the first key see none of these keys.
-    let qstart = if x.spec.causal { k0 / BQ * BQ } else { 0 };
     let mut dk = vec![0.0f32; bk * hs]; // (bk, HS)
     let mut dv = vec![0.0f32; bk * hs]; // (bk, HS)
     let mut p = vec![0.0f32; BQ * bk]; // (bq, bk)
     let mut ds = vec![0.0f32; BQ * bk]; // (bq, bk)
     for h in kvh * x.group..(kvh + 1) * x.group {
-        for q0 in (qstart..len).step_by(BQ) {
-            let bq = BQ.min(len - q0);
+        for q0 in (0..seg.qlen).step_by(BQ) {
+            let q1 = (q0 + BQ).min(seg.qlen);
+            // Exactly the query blocks whose task visits this key block: causal
+            // blocks wholly before the keys see none of them.
+            if k0 >= seg.kend(x.spec.causal, q1) {
+                continue;
+            }
+            let bq = q1 - q0;
             let (p, ds) = (&mut p[..bq * bk], &mut ds[..bq * bk]);
-            block_grads(x, g, p, ds, seq, h, (q0, bq), (k0, bk))?;
-            add_dkv(x, g, (&mut dk, &mut dv), (p, ds), seq, h, (q0, bq), bk)?;
+            block_grads(x, g, p, ds, &seg, h, (q0, bq), (k0, bk))?;
+            add_dkv(x, g, (&mut dk, &mut dv), (p, ds), &seg, h, (q0, bq), bk)?;
         }
     }
     Ok((dk, dv))

@@ -3,7 +3,7 @@
 use rayon::prelude::*;
 
 use super::kernel::{Simd, mm};
-use super::{Qkv, Tile, exp_softmax, head_rows, max16, scatter, scores, tiles};
+use super::{Qkv, Seg, Tile, exp_softmax, head_rows, max16, scatter, scores, tiles};
 
 /// Keys per block. Larger than the backward's 64: the per-row work of a step (max,
 /// rescale) is then spread over more keys.
@@ -12,12 +12,12 @@ use crate::cpu::matmul::MatRef;
 use crate::error::Result;
 use crate::ops::attention::AttentionDims;
 
-/// -> (out (T, NH, HS), lse (NH, T)).
-pub(super) fn forward(x: &Qkv<'_>, cu_seqlens: &[usize]) -> Result<(Vec<f32>, Vec<f32>)> {
+/// -> (out (Tq, NH, HS), lse (NH, Tq)).
+pub(super) fn forward(x: &Qkv<'_>, segs: &[Seg]) -> Result<(Vec<f32>, Vec<f32>)> {
     let AttentionDims { t, nh, hs, .. } = x.dims;
-    let mut out = vec![0.0f32; t * nh * hs]; // (T, NH, HS)
-    let mut lse = vec![0.0f32; nh * t]; // (NH, T)
-    let work = tiles(cu_seqlens, nh, super::BQ);
+    let mut out = vec![0.0f32; t * nh * hs]; // (Tq, NH, HS)
+    let mut lse = vec![0.0f32; nh * t]; // (NH, Tq)
+    let work = tiles(segs, nh, super::BQ);
     let done: Vec<(Vec<f32>, Vec<f32>)> = work
         .par_iter()
         .map(|tile| forward_tile(x, tile))
@@ -25,7 +25,7 @@ pub(super) fn forward(x: &Qkv<'_>, cu_seqlens: &[usize]) -> Result<(Vec<f32>, Ve
     let (blocks, lses): (Vec<_>, Vec<_>) = done.into_iter().unzip();
     scatter(&mut out, nh, hs, &work, &blocks);
     for (tile, l) in work.iter().zip(&lses) {
-        let o = tile.head * t + tile.seq + tile.r0;
+        let o = tile.head * t + tile.seg.q + tile.r0;
         lse[o..o + l.len()].copy_from_slice(l);
     }
     Ok((out, lse))
@@ -93,10 +93,9 @@ fn exp_sum<const FMA: bool>(row: &mut [f32], m: f32) -> f32 {
 
 /// One query tile -> (out block (bq, HS), lse block (bq)).
 fn forward_tile(x: &Qkv<'_>, tile: &Tile) -> Result<(Vec<f32>, Vec<f32>)> {
-    let AttentionDims { t, hs, .. } = x.dims;
+    let AttentionDims { tk, hs, .. } = x.dims;
     let Tile {
-        seq,
-        len,
+        seg,
         head: h,
         r0: q0,
         r1: q1,
@@ -104,7 +103,7 @@ fn forward_tile(x: &Qkv<'_>, tile: &Tile) -> Result<(Vec<f32>, Vec<f32>)> {
     let bq = q1 - q0;
     let kvh = h / x.group;
     // Causal: keys past the tile's last query are masked for every row: skip them.
-    let kend = if x.spec.causal { q1 } else { len };
+    let kend = seg.kend(x.spec.causal, q1);
     let mut acc = vec![0.0f32; bq * hs]; // (bq, HS) unnormalized output
     let mut m = vec![f32::NEG_INFINITY; bq]; // (bq) running max of scores
     let mut l = vec![0.0f32; bq]; // (bq) running sum of exp(score - m)
@@ -112,7 +111,7 @@ fn forward_tile(x: &Qkv<'_>, tile: &Tile) -> Result<(Vec<f32>, Vec<f32>)> {
     for k0 in (0..kend).step_by(BK) {
         let bk = BK.min(kend - k0);
         let s = &mut s[..bq * bk];
-        scores(x, s, seq, h, (q0, bq), (k0, bk))?;
+        scores(x, s, &seg, h, (q0, bq), (k0, bk))?;
         softmax_step(x.simd, s, bk, &mut m, &mut l, &mut acc);
         // acc (bq, HS) += p (bq, bk) @ v_blk (bk, HS)
         mm(
@@ -121,14 +120,15 @@ fn forward_tile(x: &Qkv<'_>, tile: &Tile) -> Result<(Vec<f32>, Vec<f32>)> {
             hs,
             bk,
             MatRef::new(s, bk, false),
-            head_rows(x.v, seq + k0, kvh, t, hs),
+            head_rows(x.v, seg.k + k0, kvh, tk, hs),
             &mut acc,
             hs,
             1.0,
             1.0,
         )?;
     }
-    // Every row sees at least one key (itself when causal), so l > 0.
+    // Every row sees at least one key (validated: a segment with queries has keys,
+    // and when causal at least as many as queries), so l > 0.
     let mut lse = vec![0.0f32; bq]; // (bq)
     for r in 0..bq {
         let inv = 1.0 / l[r];

@@ -1,7 +1,13 @@
 //! CPU varlen attention, FlashAttention-2 style: blocked over keys with an online softmax.
 //!
-//! The forward cuts work into tiles of `BQ = 64` queries of one head of one sequence;
-//! a tile walks the 128-key blocks of its sequence and keeps only a (64, 128) score
+//! Work is described by segments ([`Seg`]): a run of query rows and the run of key
+//! rows it attends to, causal masks bottom-right aligned. Self-attention over
+//! `cu_seqlens` is the case where both runs are the sequence; context parallelism
+//! gives a rank's query chunks against key prefixes gathered from all ranks, whose
+//! key runs overlap (their dK/dV are summed in segment order).
+//!
+//! The forward cuts work into tiles of `BQ = 64` queries of one head of one segment;
+//! a tile walks the 128-key blocks of its key run and keeps only a (64, 128) score
 //! block and (64, HS) accumulators — never the O(T^2) of materialized scores; only
 //! outputs (and D, O(NH * T)) scale with T. Causal tiles stop at the diagonal (fully
 //! masked blocks are never computed) and mask only the diagonal block.
@@ -94,15 +100,17 @@ macro_rules! simd_fn {
 mod bwd;
 mod fwd;
 mod kernel;
+mod math;
 
 use rayon::prelude::*;
 
 use self::kernel::{Simd, mm};
+use self::math::{dot, exp_softmax, max16};
 use super::CpuBackend;
 use super::matmul::MatRef;
 use crate::backend::AttentionKernels;
 use crate::error::{Error, Result};
-use crate::ops::attention::{AttentionDims, AttentionSpec, check_qkv};
+use crate::ops::attention::{AttentionDims, AttentionSpec, QkSegment, check_qk_ranges, check_qkv};
 use crate::tensor::Tensor;
 
 /// Queries per tile (forward, dQ).
@@ -110,8 +118,8 @@ const BQ: usize = 64;
 /// Keys per tile (forward key blocks, dK/dV tiles).
 const BK: usize = 64;
 
-/// Inputs shared by every tile, head-major: q (NH, T, HS), k/v (NKV, T, HS), and
-/// kᵀ (NKV, HS, LD) with LD = [`padded`]`(T)`.
+/// Inputs shared by every tile, head-major: q (NH, Tq, HS), k/v (NKV, Tk, HS), and
+/// kᵀ (NKV, HS, LD) with LD = [`padded`]`(Tk)`.
 #[derive(Clone, Copy, Debug)]
 struct Qkv<'a> {
     q: &'a [f32],
@@ -126,30 +134,63 @@ struct Qkv<'a> {
     simd: Simd,
 }
 
-/// Rows `[r0, r1)` (relative to the sequence start `seq`) of one head of one sequence
-/// of `len` tokens: the unit of parallel work.
+/// Query rows `q..q + qlen` attend to key rows `k..k + klen` (a validated
+/// [`QkSegment`]); causal: query `i` sees keys `j <= klen - qlen + i`.
+#[derive(Clone, Copy, Debug)]
+struct Seg {
+    q: usize,
+    qlen: usize,
+    k: usize,
+    klen: usize,
+}
+
+impl Seg {
+    fn new(s: &QkSegment) -> Self {
+        Seg {
+            q: s.q_start,
+            qlen: s.q_len,
+            k: s.k_start,
+            klen: s.k_len,
+        }
+    }
+
+    /// How many keys the causal diagonal is shifted right: `klen - qlen`.
+    fn offset(&self) -> usize {
+        self.klen.saturating_sub(self.qlen)
+    }
+
+    /// Keys `0..kend` are the ones some query of rows `..q1` sees.
+    fn kend(&self, causal: bool, q1: usize) -> usize {
+        if causal {
+            (self.offset() + q1).min(self.klen)
+        } else {
+            self.klen
+        }
+    }
+}
+
+/// Rows `[r0, r1)` of one head of one segment — query rows (forward, dQ tiles) or key
+/// rows (dK/dV tiles), relative to the segment's start: the unit of parallel work.
 #[derive(Clone, Copy, Debug)]
 struct Tile {
-    seq: usize,
-    len: usize,
+    seg: Seg,
     head: usize,
     r0: usize,
     r1: usize,
 }
 
-/// Every `(sequence, head, block)` tile, blocks of `block` rows from each sequence start.
-fn tiles(cu_seqlens: &[usize], heads: usize, block: usize) -> Vec<Tile> {
+/// Every `(segment, head, block)` query tile, blocks of `block` rows from each
+/// segment's first query.
+fn tiles(segs: &[Seg], heads: usize, block: usize) -> Vec<Tile> {
     let mut out = Vec::new();
-    for w in cu_seqlens.windows(2) {
-        let (seq, len) = (w[0], w[1] - w[0]);
+    for &seg in segs {
         for head in 0..heads {
-            for r0 in (0..len).step_by(block) {
+            for r0 in (0..seg.qlen).step_by(block) {
                 out.push(Tile {
-                    seq,
-                    len,
+                    seg,
                     head,
                     r0,
-                    r1: (r0 + block).min(len),
+                    r1: (r0 + block).min(seg.qlen),
                 });
             }
         }
@@ -229,131 +270,79 @@ fn head_cols(xt: &[f32], t0: usize, h: usize, t: usize, hs: usize) -> MatRef<'_>
 }
 
 /// s (bq, bk) = scale * q_blk (bq, HS) @ k_blkᵀ for queries `q0..q0 + bq` and keys
-/// `k0..k0 + bk` (relative to the sequence start `seq`) of query head `h`; when
-/// causal, scores of keys after their query are set to -inf.
+/// `k0..k0 + bk` (relative to the segment's query and key starts) of query head `h`;
+/// when causal, scores of keys past their query's diagonal are set to -inf.
 fn scores(
     x: &Qkv<'_>,
     s: &mut [f32],
-    seq: usize,
+    seg: &Seg,
     h: usize,
     (q0, bq): (usize, usize),
     (k0, bk): (usize, usize),
 ) -> Result<()> {
-    let AttentionDims { t, hs, .. } = x.dims;
+    let AttentionDims { t, tk, hs, .. } = x.dims;
     mm(
         x.simd,
         bq,
         bk,
         hs,
-        head_rows(x.q, seq + q0, h, t, hs),
-        head_cols(x.kt, seq + k0, h / x.group, t, hs),
+        head_rows(x.q, seg.q + q0, h, t, hs),
+        head_cols(x.kt, seg.k + k0, h / x.group, tk, hs),
         s,
         bk,
         x.spec.scale,
         0.0,
     )?;
-    // Key k0 + c is hidden from query q0 + r when k0 + c > q0 + r; only blocks that
-    // straddle the diagonal have such pairs.
-    if x.spec.causal && k0 + bk > q0 + 1 {
+    // Key k0 + c is hidden from query q0 + r when k0 + c > off + q0 + r; only blocks
+    // that straddle the (shifted) diagonal have such pairs.
+    let off = seg.offset();
+    if x.spec.causal && k0 + bk > off + q0 + 1 {
         for (r, row) in s.chunks_exact_mut(bk).enumerate() {
-            let first_hidden = (q0 + r + 1).saturating_sub(k0).min(bk);
+            let first_hidden = (off + q0 + r + 1).saturating_sub(k0).min(bk);
             row[first_hidden..].fill(f32::NEG_INFINITY);
         }
     }
     Ok(())
 }
 
-/// Copies `(rows, HS)` tile blocks into their rows of a (T, H, HS) buffer.
+/// Copies `(rows, HS)` query-tile blocks into their rows of a (Tq, H, HS) buffer.
 fn scatter(dst: &mut [f32], heads: usize, hs: usize, tiles: &[Tile], blocks: &[Vec<f32>]) {
     for (tile, blk) in tiles.iter().zip(blocks) {
-        scatter_one(dst, heads, hs, tile, blk);
+        scatter_one(dst, heads, hs, (tile.seg.q + tile.r0, tile.head), blk);
     }
 }
 
-/// Copies one `(rows, HS)` block into rows `tile.r0..` of head `tile.head` of a
-/// (T, H, HS) buffer.
-fn scatter_one(dst: &mut [f32], heads: usize, hs: usize, tile: &Tile, blk: &[f32]) {
+/// Copies one `(rows, HS)` block into rows `row0..` of head `head` of a (T, H, HS)
+/// buffer.
+fn scatter_one(
+    dst: &mut [f32],
+    heads: usize,
+    hs: usize,
+    (row0, head): (usize, usize),
+    blk: &[f32],
+) {
     for (r, src) in blk.chunks_exact(hs.max(1)).enumerate() {
-        let o = ((tile.seq + tile.r0 + r) * heads + tile.head) * hs;
+        let o = ((row0 + r) * heads + head) * hs;
         dst[o..o + hs].copy_from_slice(src);
     }
 }
 
-/// `a · b` with 8 independent partial sums (vectorizable; fixed order -> deterministic).
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ac
-        .remainder()
-        .iter()
-        .zip(bc.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ac.zip(bc) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
+/// Adds one `(rows, HS)` block into rows `row0..` of head `head` of a (T, H, HS)
+/// buffer (key rows shared by several segments sum their grads).
+fn scatter_add_one(
+    dst: &mut [f32],
+    heads: usize,
+    hs: usize,
+    (row0, head): (usize, usize),
+    blk: &[f32],
+) {
+    for (r, src) in blk.chunks_exact(hs.max(1)).enumerate() {
+        let o = ((row0 + r) * heads + head) * hs;
+        dst[o..o + hs]
+            .iter_mut()
+            .zip(src)
+            .for_each(|(d, s)| *d += s);
     }
-    acc.iter().sum::<f32>() + tail
-}
-
-/// `a * b + c`, fused (one rounding) when `FMA`. Only code built with FMA (AVX2+FMA,
-/// or AVX-512, whose `avx512f` implies it) uses `FMA = true`; elsewhere `mul_add` is
-/// a libm call.
-#[inline(always)]
-fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
-    if FMA { a.mul_add(b, c) } else { a * b + c }
-}
-
-/// `e^x` for the `x <= 0` of a softmax (`score - max`, `score - lse`), -inf -> 0.
-///
-/// Cephes' `expf` (range reduction by ln 2, degree-6 polynomial, ~1 ulp) written
-/// branch-free so loops over it vectorize; libm's scalar `expf` took ~23 % of the
-/// attention time. Results below e^-87 (subnormal) are flushed to 0.
-#[inline(always)]
-fn exp_softmax<const FMA: bool>(x: f32) -> f32 {
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    // 1.5 * 2^23: adding it rounds an |f32| < 2^22 to the nearest integer.
-    const ROUND: f32 = 12_582_912.0;
-    let xc = x.clamp(-87.0, 88.0);
-    let n = madd::<FMA>(xc, std::f32::consts::LOG2_E, ROUND) - ROUND;
-    let r = madd::<FMA>(-n, LN2_LO, madd::<FMA>(-n, LN2_HI, xc));
-    let mut p = 1.987_569_1e-4;
-    for c in [
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        1.666_666_5e-1,
-        0.5,
-    ] {
-        p = madd::<FMA>(p, r, c);
-    }
-    let er = madd::<FMA>(p, r * r, r) + 1.0;
-    // 2^n: n + 127 lands in the low mantissa bits of (n + 127 + ROUND); shifting them
-    // into the exponent field (the high bits fall off) builds the power of two.
-    let two_n = f32::from_bits((n + (ROUND + 127.0)).to_bits() << 23);
-    if x < -87.0 { 0.0 } else { er * two_n }
-}
-
-/// Largest element (-inf for an empty slice), in 16 independent lanes. NaN-blind
-/// (plain compares vectorize to one max instruction; `f32::max` needs blends).
-#[inline(always)]
-fn max16(x: &[f32]) -> f32 {
-    let max = |a: f32, b: f32| if b > a { b } else { a };
-    let mut acc = [f32::NEG_INFINITY; 16];
-    let chunks = x.chunks_exact(16);
-    let tail = chunks
-        .remainder()
-        .iter()
-        .fold(f32::NEG_INFINITY, |a, &b| max(a, b));
-    for c in chunks {
-        for (a, &v) in acc.iter_mut().zip(c) {
-            *a = max(*a, v);
-        }
-    }
-    acc.iter().fold(tail, |a, &b| max(a, b))
 }
 
 /// The f32 buffer of `t`, checked to hold `len` elements.
@@ -372,7 +361,7 @@ fn buf<'a>(op: &'static str, arg: &'static str, t: &'a Tensor, len: usize) -> Re
     Ok(v)
 }
 
-/// Row-major host inputs: q (T, NH, HS), k/v (T, NKV, HS).
+/// Row-major host inputs: q (Tq, NH, HS), k/v (Tk, NKV, HS).
 #[derive(Clone, Copy)]
 struct Host<'a> {
     q: &'a [f32],
@@ -384,11 +373,11 @@ struct Host<'a> {
 
 /// Runs `f` on head-major copies of the inputs (see [`Qkv`]).
 fn with_qkv<R>(h: &Host<'_>, simd: Simd, f: impl FnOnce(&Qkv<'_>) -> R) -> R {
-    let AttentionDims { t, nh, nkv, hs } = h.dims;
-    let q = to_heads(h.q, t, nh, hs); // (NH, T, HS)
-    let kt = transpose_heads(h.k, t, nkv, hs); // (NKV, HS, LD)
-    let k = to_heads(h.k, t, nkv, hs); // (NKV, T, HS)
-    let v = to_heads(h.v, t, nkv, hs); // (NKV, T, HS)
+    let AttentionDims { t, tk, nh, nkv, hs } = h.dims;
+    let q = to_heads(h.q, t, nh, hs); // (NH, Tq, HS)
+    let kt = transpose_heads(h.k, tk, nkv, hs); // (NKV, HS, LD)
+    let k = to_heads(h.k, tk, nkv, hs); // (NKV, Tk, HS)
+    let v = to_heads(h.v, tk, nkv, hs); // (NKV, Tk, HS)
     f(&Qkv {
         q: &q,
         k: &k,
@@ -401,25 +390,82 @@ fn with_qkv<R>(h: &Host<'_>, simd: Simd, f: impl FnOnce(&Qkv<'_>) -> R) -> R {
     })
 }
 
-/// -> (out (T, NH, HS), lse (NH, T)).
-fn forward_host(h: &Host<'_>, cu_seqlens: &[usize], simd: Simd) -> Result<(Vec<f32>, Vec<f32>)> {
-    with_qkv(h, simd, |x| fwd::forward(x, cu_seqlens))
+/// -> (out (Tq, NH, HS), lse (NH, Tq)).
+fn forward_host(h: &Host<'_>, segs: &[Seg], simd: Simd) -> Result<(Vec<f32>, Vec<f32>)> {
+    with_qkv(h, simd, |x| fwd::forward(x, segs))
 }
 
-/// `dout`, `out` (T, NH, HS), `lse` (NH, T) -> (dq, dk, dv), row-major like q, k, v.
+/// `dout`, `out` (Tq, NH, HS), `lse` (NH, Tq) -> (dq, dk, dv), row-major like q, k, v.
 /// `threads` only decides how work is split, never the result.
 fn backward_host(
     h: &Host<'_>,
     (dout, out, lse): (&[f32], &[f32], &[f32]),
-    cu_seqlens: &[usize],
+    segs: &[Seg],
     simd: Simd,
     threads: usize,
 ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-    let AttentionDims { t, nkv, hs, .. } = h.dims;
-    let vt = transpose_heads(h.v, t, nkv, hs); // (NKV, HS, LD)
+    let AttentionDims { tk, nkv, hs, .. } = h.dims;
+    let vt = transpose_heads(h.v, tk, nkv, hs); // (NKV, HS, LD)
     with_qkv(h, simd, |x| {
-        bwd::backward(x, &vt, dout, out, lse, cu_seqlens, threads)
+        bwd::backward(x, &vt, dout, out, lse, segs, threads)
     })
+}
+
+/// The segments of self-attention over `cu_seqlens` (checked already).
+fn seqs(cu_seqlens: &[usize]) -> Vec<Seg> {
+    QkSegment::from_cu_seqlens(cu_seqlens)
+        .iter()
+        .map(Seg::new)
+        .collect()
+}
+
+/// Host views of q, k, v, checked against `dims`.
+fn host<'a>(
+    op: &'static str,
+    (q, k, v): (&'a Tensor, &'a Tensor, &'a Tensor),
+    dims: AttentionDims,
+    spec: &AttentionSpec,
+) -> Result<Host<'a>> {
+    let AttentionDims { t, tk, nh, nkv, hs } = dims;
+    Ok(Host {
+        q: buf(op, "q", q, t * nh * hs)?,
+        k: buf(op, "k", k, tk * nkv * hs)?,
+        v: buf(op, "v", v, tk * nkv * hs)?,
+        dims,
+        spec: *spec,
+    })
+}
+
+/// Forward on host buffers -> tensors (out (Tq, NH, HS), lse (NH, Tq)).
+fn forward_tensors(h: &Host<'_>, segs: &[Seg]) -> Result<(Tensor, Tensor)> {
+    let AttentionDims { t, nh, hs, .. } = h.dims;
+    let (out, lse) = forward_host(h, segs, Simd::detect())?;
+    Ok((
+        Tensor::cpu_from_f32(out, [t, nh, hs])?,
+        Tensor::cpu_from_f32(lse, [nh, t])?,
+    ))
+}
+
+/// Backward on host buffers -> tensors (dq, dk, dv).
+fn backward_tensors(
+    op: &'static str,
+    h: &Host<'_>,
+    (dout, out, lse): (&Tensor, &Tensor, &Tensor),
+    segs: &[Seg],
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let AttentionDims { t, tk, nh, nkv, hs } = h.dims;
+    let grads = (
+        buf(op, "dout", dout, t * nh * hs)?,
+        buf(op, "out", out, t * nh * hs)?,
+        buf(op, "lse", lse, nh * t)?,
+    );
+    let threads = rayon::current_num_threads();
+    let (dq, dk, dv) = backward_host(h, grads, segs, Simd::detect(), threads)?;
+    Ok((
+        Tensor::cpu_from_f32(dq, [t, nh, hs])?,
+        Tensor::cpu_from_f32(dk, [tk, nkv, hs])?,
+        Tensor::cpu_from_f32(dv, [tk, nkv, hs])?,
+    ))
 }
 
 impl AttentionKernels for CpuBackend {
@@ -434,19 +480,7 @@ impl AttentionKernels for CpuBackend {
         const OP: &str = "attention_fwd";
         // Cheap, and keeps every slice index below in bounds even if called directly.
         let dims = check_qkv(OP, q, k, v, cu_seqlens, spec)?;
-        let AttentionDims { t, nh, nkv, hs } = dims;
-        let h = Host {
-            q: buf(OP, "q", q, t * nh * hs)?,
-            k: buf(OP, "k", k, t * nkv * hs)?,
-            v: buf(OP, "v", v, t * nkv * hs)?,
-            dims,
-            spec: *spec,
-        };
-        let (out, lse) = forward_host(&h, cu_seqlens, Simd::detect())?;
-        Ok((
-            Tensor::cpu_from_f32(out, [t, nh, hs])?,
-            Tensor::cpu_from_f32(lse, [nh, t])?,
-        ))
+        forward_tensors(&host(OP, (q, k, v), dims, spec)?, &seqs(cu_seqlens))
     }
 
     fn attention_bwd(
@@ -462,26 +496,40 @@ impl AttentionKernels for CpuBackend {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         const OP: &str = "attention_bwd";
         let dims = check_qkv(OP, q, k, v, cu_seqlens, spec)?;
-        let AttentionDims { t, nh, nkv, hs } = dims;
-        let h = Host {
-            q: buf(OP, "q", q, t * nh * hs)?,
-            k: buf(OP, "k", k, t * nkv * hs)?,
-            v: buf(OP, "v", v, t * nkv * hs)?,
-            dims,
-            spec: *spec,
-        };
-        let grads = (
-            buf(OP, "dout", dout, t * nh * hs)?,
-            buf(OP, "out", out, t * nh * hs)?,
-            buf(OP, "lse", lse, nh * t)?,
-        );
-        let threads = rayon::current_num_threads();
-        let (dq, dk, dv) = backward_host(&h, grads, cu_seqlens, Simd::detect(), threads)?;
-        Ok((
-            Tensor::cpu_from_f32(dq, [t, nh, hs])?,
-            Tensor::cpu_from_f32(dk, [t, nkv, hs])?,
-            Tensor::cpu_from_f32(dv, [t, nkv, hs])?,
-        ))
+        let h = host(OP, (q, k, v), dims, spec)?;
+        backward_tensors(OP, &h, (dout, out, lse), &seqs(cu_seqlens))
+    }
+
+    fn attention_fwd_ranges(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        segs: &[QkSegment],
+        spec: &AttentionSpec,
+    ) -> Result<(Tensor, Tensor)> {
+        const OP: &str = "attention_fwd_ranges";
+        let dims = check_qk_ranges(OP, q, k, v, segs, spec)?;
+        let segs: Vec<Seg> = segs.iter().map(Seg::new).collect();
+        forward_tensors(&host(OP, (q, k, v), dims, spec)?, &segs)
+    }
+
+    fn attention_bwd_ranges(
+        &self,
+        dout: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        segs: &[QkSegment],
+        spec: &AttentionSpec,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        const OP: &str = "attention_bwd_ranges";
+        let dims = check_qk_ranges(OP, q, k, v, segs, spec)?;
+        let segs: Vec<Seg> = segs.iter().map(Seg::new).collect();
+        let h = host(OP, (q, k, v), dims, spec)?;
+        backward_tensors(OP, &h, (dout, out, lse), &segs)
     }
 }
 

@@ -2,7 +2,7 @@
 //! the backward's two work schemes (bitwise equal), plus an ignored CPU-time bench.
 
 use super::kernel::{Simd, mm};
-use super::{AttentionDims, AttentionSpec, Host, backward_host, exp_softmax, forward_host};
+use super::{AttentionDims, AttentionSpec, Host, backward_host, exp_softmax, forward_host, seqs};
 use crate::cpu::matmul::MatRef;
 use crate::rng::Rng;
 use crate::testing::assert_close;
@@ -132,15 +132,81 @@ fn split_equals_one_pass() {
                     q: &b[0],
                     k: &b[1],
                     v: &b[2],
-                    dims: AttentionDims { t, nh, nkv, hs },
+                    dims: AttentionDims {
+                        t,
+                        tk: t,
+                        nh,
+                        nkv,
+                        hs,
+                    },
                     spec: AttentionSpec { causal, scale: 0.2 },
                 };
-                let (out, lse) = forward_host(&h, &cu, simd).unwrap();
+                let (out, lse) = forward_host(&h, &seqs(&cu), simd).unwrap();
                 let g = (&b[3][..], &out[..], &lse[..]);
-                let one = backward_host(&h, g, &cu, simd, 1).unwrap();
+                let one = backward_host(&h, g, &seqs(&cu), simd, 1).unwrap();
                 // 3 threads split the 130-token sequence only; 1000 split all of them.
                 for threads in [3, 1000] {
-                    let split = backward_host(&h, g, &cu, simd, threads).unwrap();
+                    let split = backward_host(&h, g, &seqs(&cu), simd, threads).unwrap();
+                    let what =
+                        format!("{simd:?} nh {nh} nkv {nkv} causal {causal} threads {threads}");
+                    assert!(one.0 == split.0, "dq differs: {what}");
+                    assert!(one.1 == split.1, "dk differs: {what}");
+                    assert!(one.2 == split.2, "dv differs: {what}");
+                }
+            }
+        }
+    }
+}
+
+/// The same with query ranges attending to other, overlapping key ranges (context
+/// parallelism): causal diagonals shifted by offsets that are not multiples of the
+/// block size, empty segments, one-token ones.
+#[test]
+fn split_equals_one_pass_ranges() {
+    use super::Seg;
+    // (q_len, k_start, k_len); queries consecutive from 0.
+    let shape = [
+        (50, 0, 130),
+        (0, 10, 20),
+        (70, 0, 70),
+        (1, 129, 1),
+        (100, 20, 130),
+    ];
+    let mut segs = Vec::new();
+    let mut q = 0;
+    for &(qlen, k, klen) in &shape {
+        segs.push(Seg { q, qlen, k, klen });
+        q += qlen;
+    }
+    let (tq, tk, hs) = (q, 150, 24);
+    for simd in Simd::available() {
+        for &(nh, nkv) in &[(4, 4), (4, 2), (4, 1)] {
+            for causal in [true, false] {
+                let mut rng = crate::rng::Rng::new(5);
+                let b = [
+                    rng.normal_vec(tq * nh * hs, 1.0),
+                    rng.normal_vec(tk * nkv * hs, 1.0),
+                    rng.normal_vec(tk * nkv * hs, 1.0),
+                    rng.normal_vec(tq * nh * hs, 1.0),
+                ];
+                let h = Host {
+                    q: &b[0],
+                    k: &b[1],
+                    v: &b[2],
+                    dims: AttentionDims {
+                        t: tq,
+                        tk,
+                        nh,
+                        nkv,
+                        hs,
+                    },
+                    spec: AttentionSpec { causal, scale: 0.2 },
+                };
+                let (out, lse) = forward_host(&h, &segs, simd).unwrap();
+                let g = (&b[3][..], &out[..], &lse[..]);
+                let one = backward_host(&h, g, &segs, simd, 1).unwrap();
+                for threads in [3, 1000] {
+                    let split = backward_host(&h, g, &segs, simd, threads).unwrap();
                     let what =
                         format!("{simd:?} nh {nh} nkv {nkv} causal {causal} threads {threads}");
                     assert!(one.0 == split.0, "dq differs: {what}");
@@ -164,6 +230,7 @@ fn zero_head_size() {
                 v: &b[2],
                 dims: AttentionDims {
                     t: 5,
+                    tk: 5,
                     nh: 2,
                     nkv: 1,
                     hs: 0,
@@ -173,9 +240,10 @@ fn zero_head_size() {
                     scale: 1.0,
                 },
             };
-            let (out, lse) = forward_host(&h, &cu, simd).unwrap();
+            let (out, lse) = forward_host(&h, &seqs(&cu), simd).unwrap();
             assert!(out.is_empty() && lse.iter().all(|x| x.is_finite()));
-            let (dq, dk, dv) = backward_host(&h, (&[], &[], &lse), &cu, simd, threads).unwrap();
+            let (dq, dk, dv) =
+                backward_host(&h, (&[], &[], &lse), &seqs(&cu), simd, threads).unwrap();
             assert!(dq.is_empty() && dk.is_empty() && dv.is_empty());
         }
     }
@@ -203,7 +271,13 @@ fn cpu_time() {
         q: &b[0],
         k: &b[1],
         v: &b[2],
-        dims: AttentionDims { t, nh, nkv: nh, hs },
+        dims: AttentionDims {
+            t,
+            tk: t,
+            nh,
+            nkv: nh,
+            hs,
+        },
         spec: AttentionSpec {
             causal: true,
             scale: 0.125,
@@ -212,14 +286,14 @@ fn cpu_time() {
     let pool = crate::testing::thread_pool(1).unwrap();
     pool.install(|| {
         for simd in Simd::available() {
-            let (out, lse) = forward_host(&h, &cu, simd).unwrap();
+            let (out, lse) = forward_host(&h, &seqs(&cu), simd).unwrap();
             let c0 = cpu_ms();
             for _ in 0..runs {
-                forward_host(&h, &cu, simd).unwrap();
+                forward_host(&h, &seqs(&cu), simd).unwrap();
             }
             let c1 = cpu_ms();
             for _ in 0..runs {
-                backward_host(&h, (&b[3], &out, &lse), &cu, simd, 1).unwrap();
+                backward_host(&h, (&b[3], &out, &lse), &seqs(&cu), simd, 1).unwrap();
             }
             let c2 = cpu_ms();
             println!(
