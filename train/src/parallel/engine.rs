@@ -120,7 +120,7 @@ impl Engine {
         let a = self.assigner.assign(&shape, &replicas);
         a.validate(&shape, &replicas)?;
         let cp = self.layouts.llm.dims.cp;
-        let plan = StepPlan::new(rows, &a, replicas.llm_dp, &|cu| split_tokens(cu, cp))?;
+        let plan = StepPlan::new(rows, &a, replicas.llm_dp, &|cu| TokenSplit::causal(cu, cp))?;
         let c = self.mconfig.llm.hidden;
         let routes = plan.routes(&self.layouts, c, self.freeze)?;
         self.model.zero_grads()?;
@@ -208,17 +208,6 @@ impl Engine {
         }
         Ok(())
     }
-}
-
-/// How a microbatch's tokens are split over `cp` ranks.
-fn split_tokens(cu_seqlens: &[usize], cp: usize) -> Result<TokenSplit> {
-    let t = cu_seqlens.last().copied().unwrap_or(0);
-    if cp == 1 {
-        return Ok(TokenSplit::whole(t));
-    }
-    Err(TrainError::Other(format!(
-        "LLM context parallelism (cp = {cp}) is not available in this build"
-    )))
 }
 
 /// Rows `start .. start + n` of `x` (N, C).
@@ -352,17 +341,23 @@ struct LocalBatch {
 fn local_batch(rows: &[Row], mb: &super::plan::Microbatch, cp_rank: usize) -> Result<LocalBatch> {
     let refs: Vec<&Row> = mb.rows.iter().map(|&r| &rows[r]).collect();
     let b = rows_to_batch(&refs, Device::Cpu)?;
-    if mb.split.tokens.len() == 1 {
+    let Some(plan) = &mb.split.plan else {
         return Ok(LocalBatch {
             ids: b.ids,
             seq: b.seq,
             targets: b.targets,
         });
-    }
-    let _ = cp_rank;
-    Err(TrainError::Other(
-        "LLM context parallelism is not available in this build".into(),
-    ))
+    };
+    // Targets look one token ahead (possibly on another CP rank): taken on the whole
+    // microbatch, then this rank's tokens kept.
+    let mine = plan.tokens(cp_rank)?;
+    let ids = b.ids.to_vec_u32()?;
+    let local_ids: Vec<u32> = mine.iter().map(|&i| ids[i]).collect();
+    Ok(LocalBatch {
+        ids: Tensor::from_vec_u32(local_ids, [mine.len()], Device::Cpu)?,
+        seq: plan.seq_info(cp_rank, &b.seq)?,
+        targets: mine.iter().map(|&i| b.targets[i]).collect(),
+    })
 }
 
 /// The loss of the last stage's output (logits, or this TP rank's vocab shard of them):

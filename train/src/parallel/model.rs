@@ -177,6 +177,11 @@ impl RankModel {
         if let Some(groups) = ModuleGroups::new(world, layouts, ModuleKind::Llm, rank, tied)? {
             let layers = stage_layers(cfg.llm.layers, groups.grid.dims.pp, groups.coord.pp);
             let mut stage = LlmStage::new(&cfg.llm, layers, &zeros, Arc::clone(&groups.tp))?;
+            if groups.grid.dims.cp > 1 {
+                for b in &mut stage.blocks {
+                    b.self_attn.cp = Some(Arc::clone(&groups.cp));
+                }
+            }
             prefix(&mut stage, LLM);
             model.llm = Some(LlmPart { stage, groups });
         }

@@ -6,7 +6,7 @@ use braid_bridge::{ItemPlacement, Routes, routes_for};
 use braid_comm::grid::{Axis, Coord, Grid};
 use braid_dataloader::loader::Row;
 use braid_llm::next_token_targets;
-use braid_nn::SeqInfo;
+use braid_nn::{CpPlan, SeqInfo};
 
 use super::assign::{Assignment, BatchShape};
 use super::layout::Layouts;
@@ -45,6 +45,8 @@ pub struct TokenSplit {
     pub owner: Vec<(usize, usize)>,
     /// Per cp rank: its tokens, as indices into the microbatch.
     pub tokens: Vec<Vec<usize>>,
+    /// The CP plan (load-balanced chunks per sample); `None` without CP.
+    pub plan: Option<CpPlan>,
 }
 
 impl TokenSplit {
@@ -53,7 +55,28 @@ impl TokenSplit {
         TokenSplit {
             owner: (0..t).map(|i| (0, i)).collect(),
             tokens: vec![(0..t).collect()],
+            plan: None,
         }
+    }
+
+    /// The causal CP split of a microbatch with samples `cu_seqlens` over `cp` ranks.
+    pub fn causal(cu_seqlens: &[usize], cp: usize) -> Result<TokenSplit> {
+        let t = cu_seqlens.last().copied().unwrap_or(0);
+        if cp == 1 {
+            return Ok(TokenSplit::whole(t));
+        }
+        let plan = CpPlan::new(cu_seqlens, cp, true)?;
+        let tokens = (0..cp)
+            .map(|r| plan.tokens(r).map(<[usize]>::to_vec))
+            .collect::<braid_nn::Result<Vec<_>>>()?;
+        let owner = (0..t)
+            .map(|i| plan.owner(i))
+            .collect::<braid_nn::Result<Vec<_>>>()?;
+        Ok(TokenSplit {
+            owner,
+            tokens,
+            plan: Some(plan),
+        })
     }
 }
 
@@ -100,6 +123,7 @@ fn row_targets(r: &Row) -> Result<usize> {
     let seq = SeqInfo {
         cu_seqlens: r.sample_offsets.iter().map(|&o| o as usize).collect(),
         positions: r.positions.clone(),
+        cp: None,
     };
     let mask: Vec<bool> = r.loss_mask.iter().map(|&m| m != 0).collect();
     let t = next_token_targets(&r.ids, &seq, Some(&mask))?;
