@@ -106,8 +106,8 @@ pub fn read_full(dir: &Path, kind: &str) -> Result<BTreeMap<String, (Vec<f32>, V
     Ok(out)
 }
 
-/// The full tensor from its slices (or its one full copy).
-fn join_slices(
+/// The full tensor from its slices (or its one full copy): (data, dims).
+pub fn join_slices(
     name: &str,
     slices: &mut [(Shard, Vec<f32>, Vec<usize>)],
 ) -> std::result::Result<(Vec<f32>, Vec<usize>), String> {

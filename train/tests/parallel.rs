@@ -1,0 +1,479 @@
+//! Every parallel layout against the one-rank run, on a tiny three-module model (SigLIP-
+//! style ViT + Whisper-style encoder + Llama-style LLM) over demo data:
+//!
+//! - the first step's gradient of every parameter (slices joined) within 1e-5 of the
+//!   one-rank gradient, relative to the tensor's largest entry;
+//! - 20 training steps whose losses match the one-rank run's within 1e-4 relative, for
+//!   layouts covering TP, CP, PP and DP, disjoint and colocated, uneven DP sizes between
+//!   modules, a frozen encoder, ZeRO-1 on and off;
+//! - a checkpoint written under one layout resumed under another (and on one rank) gives
+//!   the same losses as not stopping.
+
+// Helpers are plain functions, outside clippy's allow-unwrap-in-tests.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use braid_comm::local::{LocalComm, run_local};
+use braid_dataloader::demo::{DemoConfig, write_demo};
+use braid_dataloader::loader::{Loader, LoaderConfig, Row};
+use braid_kernels::Device;
+use braid_nn::{Module, Shard};
+use braid_train::data::{ensure_dataset, rows_to_batch, split_even};
+use braid_train::metrics::read_metrics;
+use braid_train::parallel::ckpt::join_slices;
+use braid_train::parallel::engine::Engine;
+use braid_train::parallel::layout::Layouts;
+use braid_train::trainer::train;
+use braid_train::{Quiet, RunConfig, Trainer};
+
+const STEPS: u64 = 20;
+
+/// A folder with a packed demo dataset and a tiny run config, made once per binary.
+fn fixture() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("braid-parallel-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let demo = DemoConfig {
+            train: 48,
+            heldout: 4,
+            ..DemoConfig::default()
+        };
+        write_demo(&dir.join("demo"), &demo).unwrap();
+        std::fs::write(
+            dir.join("data.toml"),
+            "[input]\npath = \"demo/train.jsonl\"\nformat = \"jsonl\"\n[image]\npreset = \"siglip\"\nsize = 32\npatch = 8\n[audio]\npool_stride = 4\n[pack]\nmax_seq_len = 160\n",
+        )
+        .unwrap();
+        ensure_dataset(
+            &dir.join("packed"),
+            Some(&dir.join("data.toml")),
+            None,
+            None,
+            &mut |_| {},
+        )
+        .unwrap();
+        std::fs::write(dir.join("run.toml"), RUN.replace("{dir}", &dir.display().to_string()))
+            .unwrap();
+        dir
+    })
+}
+
+/// LLM: 4 layers, 4 heads, 2 KV heads, vocab 264 (divisible by 2, 4, 8); encoders with
+/// 2 heads each, so every module takes TP 2.
+const RUN: &str = r#"
+[run]
+name = "par"
+dir = "{dir}/runs/unused"
+seed = 11
+[data]
+path = "{dir}/packed"
+workers = 1
+[model.llm]
+family = "llama"
+vocab = 264
+hidden = 32
+intermediate = 64
+layers = 4
+heads = 4
+kv_heads = 2
+head_dim = 8
+rms_norm_eps = 1e-5
+max_position_embeddings = 256
+rope = { theta = 10000.0 }
+tie_embeddings = true
+qkv_bias = false
+[model.vision]
+family = "siglip"
+hidden_size = 16
+intermediate_size = 32
+num_layers = 2
+num_heads = 2
+num_channels = 3
+image_size = 32
+patch_size = 8
+act = "gelu_pytorch_tanh"
+layer_norm_eps = 1e-6
+[model.audio]
+num_mel_bins = 80
+d_model = 16
+encoder_layers = 1
+encoder_attention_heads = 2
+encoder_ffn_dim = 32
+max_source_positions = 1500
+act = "gelu"
+layer_norm_eps = 1e-5
+[model.projector.vision]
+in_dim = 16
+out_dim = 32
+act = "gelu"
+[model.projector.audio]
+in_dim = 16
+out_dim = 32
+stride = 4
+act = "gelu"
+[train]
+steps = 20
+batch_rows = 6
+microbatches = 2
+[optim]
+lr = 3e-3
+warmup_steps = 2
+[checkpoint]
+interval = 0
+keep = 2
+[parallel]
+timeout_s = 60
+"#;
+
+fn config(run_dir: &Path, sets: &[&str]) -> RunConfig {
+    let mut all: Vec<String> = vec![format!("run.dir={}", run_dir.display())];
+    all.extend(sets.iter().map(|s| s.to_string()));
+    RunConfig::from_file(&fixture().join("run.toml"), &all).unwrap()
+}
+
+fn run_dir(name: &str) -> PathBuf {
+    fixture().join("runs").join(name)
+}
+
+/// (loss, grad norm) of every step of a run of `sets` in a fresh folder.
+fn losses(name: &str, sets: &[&str]) -> Vec<(f64, f64)> {
+    let dir = run_dir(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    train(config(&dir, sets), false, &mut Quiet).unwrap();
+    read_metrics(&dir.join("metrics.jsonl"))
+        .unwrap()
+        .iter()
+        .map(|m| (m.loss, m.grad_norm))
+        .collect()
+}
+
+fn reference(frozen_vision: bool) -> &'static [(f64, f64)] {
+    static PLAIN: OnceLock<Vec<(f64, f64)>> = OnceLock::new();
+    static FROZEN: OnceLock<Vec<(f64, f64)>> = OnceLock::new();
+    if frozen_vision {
+        FROZEN.get_or_init(|| losses("ref-frozen", &[r#"train.freeze=["vision"]"#]))
+    } else {
+        PLAIN.get_or_init(|| losses("ref", &[]))
+    }
+}
+
+fn assert_same_losses(what: &str, got: &[(f64, f64)], want: &[(f64, f64)]) {
+    assert_eq!(got.len(), want.len(), "{what}: step count");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let rel = (g.0 - w.0).abs() / w.0.abs();
+        assert!(
+            rel <= 1e-4,
+            "{what}: step {} loss {} vs one rank {} (rel {rel:.2e})",
+            i + 1,
+            g.0,
+            w.0
+        );
+        let rel_norm = (g.1 - w.1).abs() / w.1.abs();
+        assert!(
+            rel_norm <= 1e-3,
+            "{what}: step {} grad norm {} vs one rank {}",
+            i + 1,
+            g.1,
+            w.1
+        );
+    }
+    // The run must actually learn, or matching would prove little.
+    assert!(want.last().unwrap().0 < want[0].0 - 0.1, "{what}: {want:?}");
+}
+
+/// The layouts checked over 20 steps: (name, `--set`s, frozen vision).
+const LAYOUTS: &[(&str, &[&str], bool)] = &[
+    (
+        "llm-tp2",
+        &["parallel.world_size=4", "parallel.llm.tp=2"],
+        false,
+    ),
+    (
+        "llm-cp2-pp2",
+        &[
+            "parallel.world_size=6",
+            "parallel.llm.cp=2",
+            "parallel.llm.pp=2",
+        ],
+        false,
+    ),
+    (
+        "llm-pp2-dp2-vision-tp2-audio-dp2",
+        &[
+            "parallel.world_size=8",
+            "parallel.llm.pp=2",
+            "parallel.llm.dp=2",
+            "parallel.vision.tp=2",
+            "parallel.audio.dp=2",
+        ],
+        false,
+    ),
+    (
+        "colocated-4",
+        &[
+            "parallel.world_size=4",
+            "parallel.placement=\"colocated\"",
+            "parallel.llm.tp=2",
+            "parallel.llm.dp=2",
+            "parallel.vision.dp=4",
+            "parallel.audio.tp=2",
+            "parallel.audio.dp=2",
+        ],
+        false,
+    ),
+    (
+        "colocated-8-cp-pp-dp",
+        &[
+            "parallel.world_size=8",
+            "parallel.placement=\"colocated\"",
+            "parallel.llm.cp=2",
+            "parallel.llm.pp=2",
+            "parallel.llm.dp=2",
+            "parallel.vision.dp=8",
+            "parallel.audio.tp=2",
+            "parallel.audio.dp=4",
+        ],
+        false,
+    ),
+    (
+        "uneven-dp-3-2-2",
+        &[
+            "parallel.world_size=7",
+            "parallel.vision.dp=3",
+            "parallel.audio.dp=2",
+            "parallel.llm.dp=2",
+        ],
+        false,
+    ),
+    (
+        "frozen-vision-llm-tp2-pp2",
+        &[
+            "parallel.world_size=7",
+            "parallel.llm.tp=2",
+            "parallel.llm.pp=2",
+            "parallel.vision.dp=2",
+            r#"train.freeze=["vision"]"#,
+        ],
+        true,
+    ),
+    (
+        "llm-cp3-tp2",
+        &[
+            "parallel.world_size=8",
+            "parallel.llm.cp=3",
+            "parallel.llm.tp=2",
+        ],
+        false,
+    ),
+    (
+        "dp2-no-zero1",
+        &[
+            "parallel.world_size=4",
+            "parallel.llm.dp=2",
+            "parallel.zero1=false",
+        ],
+        false,
+    ),
+];
+
+#[test]
+fn twenty_steps_of_every_layout_match_one_rank() {
+    for (name, sets, frozen) in LAYOUTS {
+        let got = losses(name, sets);
+        assert_same_losses(name, &got, reference(*frozen));
+    }
+}
+
+/// The one-rank gradient of the first batch, by parameter name.
+fn one_rank_grads(t: &mut Trainer, rows: &[Row], microbatches: usize) -> HashMap<String, Vec<f32>> {
+    let refs: Vec<&Row> = rows.iter().collect();
+    let micro: Vec<_> = split_even(refs.len(), microbatches)
+        .into_iter()
+        .map(|r| rows_to_batch(&refs[r], Device::Cpu).unwrap())
+        .collect();
+    let targets: usize = micro.iter().map(|b| b.num_targets()).sum();
+    t.model.zero_grads().unwrap();
+    for mb in &micro {
+        let (_, cache) = t.model.forward_normalized(mb, Some(targets)).unwrap();
+        t.model.backward(cache).unwrap();
+    }
+    let mut out = HashMap::new();
+    t.model.visit_params(&mut |p| {
+        if let Some(g) = &p.grad {
+            out.insert(p.name.clone(), g.to_vec_f32().unwrap());
+        }
+    });
+    out
+}
+
+#[test]
+fn first_step_gradients_of_every_layout_match_one_rank() {
+    let dir = run_dir("grads");
+    let _ = std::fs::remove_dir_all(&dir);
+    let base = config(&dir, &[]);
+    let mut t = Trainer::new(base.clone(), false, &mut Quiet).unwrap();
+    let loader_cfg = LoaderConfig {
+        seed: 3,
+        batch_rows: 6,
+        workers: 1,
+        prefetch: 1,
+        shuffle: true,
+    };
+    let mut loader = Loader::open(&base.data.path, &loader_cfg, 0, 1, None).unwrap();
+    let rows = loader.next_batch().unwrap().rows;
+    let want = one_rank_grads(&mut t, &rows, base.train.microbatches);
+    assert!(want.len() > 40, "{} trainable tensors", want.len());
+
+    for (name, sets, frozen) in LAYOUTS {
+        if *frozen {
+            continue;
+        }
+        let cfg = config(&dir, sets);
+        let layouts = Layouts::new(&cfg.parallel, &t.model.config).unwrap();
+        let world = layouts.world;
+        let model = &t.model;
+        // Every rank's primary slices: (name, shard, data, dims).
+        let per_rank = run_local(world, Duration::from_secs(60), |comm: LocalComm| {
+            let mut e = Engine::new(model, Arc::new(comm), layouts.clone(), &cfg)?;
+            e.forward_backward(&rows)?;
+            let mut out = Vec::new();
+            e.model.visit_params(&mut |p| {
+                if let Some(g) = &p.grad
+                    && e.plan.is_primary(&p.name)
+                {
+                    out.push((
+                        p.name.clone(),
+                        p.shard,
+                        g.to_vec_f32().unwrap(),
+                        g.dims().to_vec(),
+                    ));
+                }
+            });
+            Ok::<_, braid_train::TrainError>(out)
+        })
+        .unwrap_or_else(|f| panic!("{name}: {f}"));
+        let mut slices: HashMap<String, Vec<(Shard, Vec<f32>, Vec<usize>)>> = HashMap::new();
+        for (n, s, d, dims) in per_rank.into_iter().flatten() {
+            slices.entry(n).or_default().push((s, d, dims));
+        }
+        assert_eq!(slices.len(), want.len(), "{name}: every grad exactly once");
+        for (n, mut parts) in slices {
+            let (got, _) = join_slices(&n, &mut parts).unwrap();
+            let w = &want[&n];
+            let scale = w.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+            let err = got
+                .iter()
+                .zip(w)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(
+                err <= 1e-5 * scale,
+                "{name}: `{n}` grad differs by {err:e} (largest entry {scale:e})"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_checkpoint_resumes_under_another_layout() {
+    let want = reference(false);
+    // 20 steps on 8 ranks (TP, PP, DP), checkpoints at 10 and 20; the last one removed,
+    // the run resumes from step 10 on 6 ranks with CP, and (a copy) on one rank.
+    let dir = run_dir("switch");
+    let _ = std::fs::remove_dir_all(&dir);
+    let first = [
+        "parallel.world_size=8",
+        "parallel.llm.tp=2",
+        "parallel.llm.pp=2",
+        "parallel.vision.dp=2",
+        "parallel.audio.dp=2",
+        "checkpoint.interval=10",
+    ];
+    train(config(&dir, &first), false, &mut Quiet).unwrap();
+    assert!(
+        dir.join("checkpoints/step-00000010/model-rank-00000.safetensors")
+            .exists()
+    );
+    std::fs::remove_dir_all(dir.join("checkpoints/step-00000020")).unwrap();
+    let copy = run_dir("switch-one-rank");
+    let _ = std::fs::remove_dir_all(&copy);
+    copy_dir(&dir, &copy);
+
+    let second = [
+        "parallel.world_size=6",
+        "parallel.llm.cp=2",
+        "parallel.llm.pp=2",
+    ];
+    train(config(&dir, &second), true, &mut Quiet).unwrap();
+    let got: Vec<(f64, f64)> = read_metrics(&dir.join("metrics.jsonl"))
+        .unwrap()
+        .iter()
+        .map(|m| (m.loss, m.grad_norm))
+        .collect();
+    assert_same_losses("8 ranks then 6", &got, want);
+
+    train(config(&copy, &[]), true, &mut Quiet).unwrap();
+    let got: Vec<(f64, f64)> = read_metrics(&copy.join("metrics.jsonl"))
+        .unwrap()
+        .iter()
+        .map(|m| (m.loss, m.grad_norm))
+        .collect();
+    assert_same_losses("8 ranks then one", &got, want);
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap().flatten() {
+        let dst = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &dst);
+        } else {
+            std::fs::copy(e.path(), dst).unwrap();
+        }
+    }
+}
+
+#[test]
+fn layouts_that_do_not_fit_the_model_or_world_name_the_key() {
+    let dir = run_dir("bad");
+    let full = |sets: &[&str]| {
+        let cfg = config(&dir, sets);
+        let t = braid_train::assemble::model_config(&cfg).unwrap();
+        Layouts::new(&cfg.parallel, &t).unwrap_err().to_string()
+    };
+    let e = full(&["parallel.world_size=8", "parallel.llm.tp=3"]);
+    assert!(
+        e.contains("parallel.llm.tp") && e.contains("heads = 4"),
+        "{e}"
+    );
+    let e = full(&["parallel.world_size=5", "parallel.llm.pp=3"]);
+    assert!(
+        e.contains("parallel.llm.pp") && e.contains("layers = 4"),
+        "{e}"
+    );
+    let e = full(&["parallel.world_size=8", "parallel.llm.tp=8"]);
+    assert!(e.contains("parallel.llm.tp"), "{e}");
+    let e = full(&["parallel.world_size=8"]);
+    assert!(
+        e.contains("parallel.world_size") && e.contains("1 (vision) + 1 (audio) + 1 (llm) = 3"),
+        "{e}"
+    );
+    let e = full(&[
+        "parallel.world_size=4",
+        "parallel.placement=\"colocated\"",
+        "parallel.llm.dp=4",
+    ]);
+    assert!(
+        e.contains("parallel.vision") && e.contains("whole world of 4"),
+        "{e}"
+    );
+    let e = full(&["parallel.world_size=4", "parallel.vision.pp=2"]);
+    assert!(e.contains("parallel.vision.pp"), "{e}");
+    let e = full(&["parallel.world_size=4", "parallel.audio.tp=4"]);
+    assert!(e.contains("parallel.audio.tp"), "{e}");
+}
