@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::{ConfigError, invalid};
 use crate::error::{Result, TrainError, io_err};
 use crate::optim::AdamW;
+use crate::parallel::ckpt::FullTensors;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -326,8 +327,6 @@ pub fn load_optim(
     optim.step = optimizer_step;
     Ok(())
 }
-
-type FullTensors = std::collections::BTreeMap<String, (Vec<f32>, Vec<usize>)>;
 
 /// `name` from a checkpoint's joined tensors, which must have shape `dims`.
 fn full_tensor(

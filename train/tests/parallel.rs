@@ -30,8 +30,6 @@ use braid_train::parallel::layout::Layouts;
 use braid_train::trainer::train;
 use braid_train::{Quiet, RunConfig, Trainer};
 
-const STEPS: u64 = 20;
-
 /// A folder with a packed demo dataset and a tiny run config, made once per binary.
 fn fixture() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
@@ -358,7 +356,8 @@ fn first_step_gradients_of_every_layout_match_one_rank() {
             Ok::<_, braid_train::TrainError>(out)
         })
         .unwrap_or_else(|f| panic!("{name}: {f}"));
-        let mut slices: HashMap<String, Vec<(Shard, Vec<f32>, Vec<usize>)>> = HashMap::new();
+        type Slices = Vec<(Shard, Vec<f32>, Vec<usize>)>;
+        let mut slices: HashMap<String, Slices> = HashMap::new();
         for (n, s, d, dims) in per_rank.into_iter().flatten() {
             slices.entry(n).or_default().push((s, d, dims));
         }

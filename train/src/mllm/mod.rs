@@ -76,7 +76,7 @@ pub struct InputGrads {
 
 /// The vision branch's backward state; absent when encoder and projector are frozen.
 #[derive(Debug)]
-pub(crate) struct VisionBranch {
+pub(crate) struct VisionBranch<E = VisionCache> {
     /// B_img, S tokens per image out of the encoder
     b: usize,
     s: usize,
@@ -84,14 +84,14 @@ pub(crate) struct VisionBranch {
     /// class tokens); `None` when every token is a patch token.
     patch_rows: Option<Tensor>,
     /// `None` when the encoder is frozen: its backward is skipped.
-    encoder: Option<VisionCache>,
+    encoder: Option<E>,
     projector: ProjectorCache,
 }
 
 /// The audio branch's backward state; absent when encoder and projector are frozen.
 #[derive(Debug)]
-pub(crate) struct AudioBranch {
-    encoder: Option<AudioCache>,
+pub(crate) struct AudioBranch<E = AudioCache> {
+    encoder: Option<E>,
     projector: AudioProjectorCache,
 }
 
@@ -407,15 +407,26 @@ pub(crate) fn vision_forward(
     proj: &MlpProjector,
     px: &Tensor,
 ) -> Result<(Tensor, Option<VisionBranch>)> {
+    let (out, enc_cache) = enc.forward(px)?;
+    vision_project(enc, proj, out.last_hidden_state, enc_cache)
+}
+
+/// The projector over an encoder's output (B, S, D) -> (B * tokens_per_image, C), and
+/// the branch's backward state (holding `enc_cache`, the encoder's or its last
+/// stage's) when something in it is trainable.
+pub(crate) fn vision_project<E>(
+    enc: &VisionEncoder,
+    proj: &MlpProjector,
+    last_hidden_state: Tensor,
+    enc_cache: E,
+) -> Result<(Tensor, Option<VisionBranch<E>>)> {
     let cfg = &enc.config;
     let (enc_train, proj_train) = (trainable(enc), trainable(proj));
-    let (out, enc_cache) = enc.forward(px)?;
-    let &[b, s, d] = out.last_hidden_state.dims() else {
+    let &[b, s, d] = last_hidden_state.dims() else {
         return Err(Error::input("mllm", "vision output is not (B, S, D)"));
     };
     let n = cfg.num_patches();
-    let last = out
-        .last_hidden_state
+    let last = last_hidden_state
         .reshape([b * s, d])
         .ctx("mllm", "vision features")?; // (B*S, D)
     // CLIP's class token (first of each image) is not an image token.
@@ -426,7 +437,7 @@ pub(crate) fn vision_forward(
         let r: Vec<u32> = (0..b)
             .flat_map(|i| (0..n).map(move |j| (i * s + off + j) as u32))
             .collect();
-        let r = ids(r, px.device())?;
+        let r = ids(r, last.device())?;
         let f = ops::gather_rows(&last, &r).ctx("mllm", "patch tokens")?; // (B*N, D)
         (f, Some(r))
     };
@@ -449,9 +460,21 @@ pub(crate) fn audio_forward(
     proj: &AudioProjector,
     clips: &[Tensor],
 ) -> Result<(Tensor, Option<AudioBranch>)> {
-    let (enc_train, proj_train) = (trainable(enc), trainable(proj));
     let (out, enc_cache) = enc.forward(clips)?; // hidden (T_a, D)
-    let (y, projector) = proj.forward(&out.hidden, &out.cu_seqlens)?; // (G_a, C)
+    audio_project(enc, proj, &out.hidden, &out.cu_seqlens, enc_cache)
+}
+
+/// The projector over an encoder's packed output (T_a, D) -> (G_a, C), and the branch's
+/// backward state (holding `enc_cache`) when something in it is trainable.
+pub(crate) fn audio_project<E>(
+    enc: &WhisperEncoder,
+    proj: &AudioProjector,
+    hidden: &Tensor,
+    cu_seqlens: &[usize],
+    enc_cache: E,
+) -> Result<(Tensor, Option<AudioBranch<E>>)> {
+    let (enc_train, proj_train) = (trainable(enc), trainable(proj));
+    let (y, projector) = proj.forward(hidden, cu_seqlens)?; // (G_a, C)
     let branch = (enc_train || proj_train).then(|| AudioBranch {
         encoder: enc_train.then_some(enc_cache),
         projector,
@@ -466,12 +489,26 @@ pub(crate) fn vision_backward(
     vb: VisionBranch,
     dy: &Tensor,
 ) -> Result<Option<Tensor>> {
+    let d = enc.config.hidden_size;
+    match vision_unproject(d, proj, vb, dy)? {
+        Some((ec, dlast)) => Ok(Some(enc.backward(ec, &dlast, None)?)),
+        None => Ok(None),
+    }
+}
+
+/// The projector's backward: dy (B * tokens_per_image, C) -> the encoder's cache and the
+/// grad of its output (B, S, D), when the encoder is trainable.
+pub(crate) fn vision_unproject<E>(
+    d: usize,
+    proj: &mut MlpProjector,
+    vb: VisionBranch<E>,
+    dy: &Tensor,
+) -> Result<Option<(E, Tensor)>> {
     let dfeat = proj.backward(vb.projector, dy)?; // (B*N, D)
     let Some(ec) = vb.encoder else {
         return Ok(None);
     };
     let (b, s) = (vb.b, vb.s);
-    let d = enc.config.hidden_size;
     let dlast = match &vb.patch_rows {
         None => dfeat,
         Some(r) => {
@@ -483,7 +520,7 @@ pub(crate) fn vision_backward(
         }
     };
     let dlast = dlast.reshape([b, s, d]).ctx("mllm", "vision grads")?; // (B, S, D)
-    Ok(Some(enc.backward(ec, &dlast, None)?))
+    Ok(Some((ec, dlast)))
 }
 
 /// dy (G_a, C) -> d clips, when the encoder is trainable.
@@ -493,9 +530,19 @@ pub(crate) fn audio_backward(
     ab: AudioBranch,
     dy: &Tensor,
 ) -> Result<Option<Vec<Tensor>>> {
-    let dh = proj.backward(ab.projector, dy)?; // (T_a, D)
-    match ab.encoder {
-        Some(ec) => Ok(Some(enc.backward(ec, &dh)?)),
+    match audio_unproject(proj, ab, dy)? {
+        Some((ec, dh)) => Ok(Some(enc.backward(ec, &dh)?)),
         None => Ok(None),
     }
+}
+
+/// The projector's backward: dy (G_a, C) -> the encoder's cache and the grad of its
+/// output (T_a, D), when the encoder is trainable.
+pub(crate) fn audio_unproject<E>(
+    proj: &mut AudioProjector,
+    ab: AudioBranch<E>,
+    dy: &Tensor,
+) -> Result<Option<(E, Tensor)>> {
+    let dh = proj.backward(ab.projector, dy)?; // (T_a, D)
+    Ok(ab.encoder.map(|ec| (ec, dh)))
 }

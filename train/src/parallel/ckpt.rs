@@ -53,9 +53,12 @@ fn parse_stored(stored: &str) -> Result<(String, Shard)> {
     ))
 }
 
-/// Every tensor of `kind` ("model" or "optim") in checkpoint `dir` as full tensors
-/// (host f32 data and shape), whatever layout wrote it.
-pub fn read_full(dir: &Path, kind: &str) -> Result<BTreeMap<String, (Vec<f32>, Vec<usize>)>> {
+/// Full tensors by name: (host f32 data, shape).
+pub type FullTensors = BTreeMap<String, (Vec<f32>, Vec<usize>)>;
+
+/// Every tensor of `kind` ("model" or "optim") in checkpoint `dir` as full tensors,
+/// whatever layout wrote it.
+pub fn read_full(dir: &Path, kind: &str) -> Result<FullTensors> {
     let single = dir.join(if kind == "model" {
         MODEL_FILE
     } else {

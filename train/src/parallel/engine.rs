@@ -160,17 +160,17 @@ impl Engine {
 
         // The bridge back and the encoders' backward.
         let grads = routes.backward(self.world.as_ref(), &dreceived)?;
-        if let (Some(enc), Some(v)) = (vision, &mut self.model.vision) {
-            if let Some(b) = enc.branch {
-                let dy = stack_grads(&grads, &enc.items, &enc.rows, c)?;
-                vision_backward(&mut v.encoder, &mut v.projector, b, &dy)?;
-            }
+        if let (Some(enc), Some(v)) = (vision, &mut self.model.vision)
+            && let Some(b) = enc.branch
+        {
+            let dy = stack_grads(&grads, &enc.items, &enc.rows, c)?;
+            vision_backward(&mut v.encoder, &mut v.projector, b, &dy)?;
         }
-        if let (Some(enc), Some(a)) = (audio, &mut self.model.audio) {
-            if let Some(b) = enc.branch {
-                let dy = stack_grads(&grads, &enc.items, &enc.rows, c)?;
-                audio_backward(&mut a.encoder, &mut a.projector, b, &dy)?;
-            }
+        if let (Some(enc), Some(a)) = (audio, &mut self.model.audio)
+            && let Some(b) = enc.branch
+        {
+            let dy = stack_grads(&grads, &enc.items, &enc.rows, c)?;
+            audio_backward(&mut a.encoder, &mut a.projector, b, &dy)?;
         }
         all_reduce_grads(&mut self.model, self.bucket_elems)?;
 

@@ -45,6 +45,14 @@ pub fn run(mut trainer: Trainer, obs: &mut dyn Observer) -> Result<RunSummary> {
     for line in trainer.layouts.describe() {
         obs.log(&line);
     }
+    if trainer.cfg.eval.interval > 0 && trainer.cfg.eval.path.is_some() {
+        // The model is sharded over the ranks during training; the full model exists again
+        // (from the last checkpoint) only at the end.
+        obs.log(&format!(
+            "warning: eval.interval = {} is not run between steps on several ranks; the held-out evaluation runs at the end",
+            trainer.cfg.eval.interval
+        ));
+    }
     let world_size = trainer.layouts.world;
     let timeout = Duration::from_secs_f64(trainer.cfg.parallel.timeout_s);
     let start_step = trainer.state.step;
@@ -164,12 +172,12 @@ fn rank_main(
             let _ = tx.send(e);
         }
     };
-    let mut engine = Engine::new(&t.model, Arc::clone(&world), t.layouts.clone(), cfg)?;
+    let mut engine = Engine::new(t.model, Arc::clone(&world), t.layouts.clone(), cfg)?;
     copy_moments(&mut engine, t)?;
     let resumed = t.resumed;
     let mut loader = Loader::open(
         &cfg.data.path,
-        &t.loader_cfg,
+        t.loader_cfg,
         0,
         1,
         resumed.then_some(t.state.loader),
@@ -241,7 +249,7 @@ fn rank_main(
             epoch: batch.epoch,
         })));
         let every = cfg.checkpoint.interval;
-        if step == cfg.train.steps || (every > 0 && step % every == 0) {
+        if step == cfg.train.steps || (every > 0 && step.is_multiple_of(every)) {
             let dir = ckpt::save(
                 &engine,
                 world.as_ref(),
