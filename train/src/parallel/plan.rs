@@ -222,8 +222,9 @@ impl StepPlan {
         self.microbatches.iter().filter(|m| m.dp == dp).collect()
     }
 
-    /// The bridge's routes: item `i` from its encoder replica's first TP rank (its grad
-    /// back to all of that replica's TP ranks, unless its branch is frozen) to the LLM's
+    /// The bridge's routes: item `i` from its encoder replica's first TP/CP rank of the
+    /// last stage (its grad back to all TP and CP ranks of that stage, unless its branch
+    /// is frozen) to the LLM's
     /// first stage of its replica: to each CP rank the rows whose placeholders it holds,
     /// to every TP rank of it, the grad taken from TP rank 0.
     pub fn routes(&self, layouts: &Layouts, width: usize, freeze: Freeze) -> Result<Routes> {
@@ -242,11 +243,13 @@ impl StepPlan {
                         it.kind
                     ))
                 })?;
+                // The encoder's last stage holds the output, on every TP and CP rank
+                // (CP gathers it); TP/CP rank 0 sends, all of them take the grad.
                 let src = grid.rank(Coord {
                     tp: 0,
                     cp: 0,
                     dp: it.enc_dp,
-                    pp: 0,
+                    pp: grid.dims.pp - 1,
                 });
                 let mb = self.microbatch(it.llm_dp, it.mb).ok_or_else(|| {
                     TrainError::Other(format!("item of row {} has no microbatch", it.row))
@@ -269,7 +272,7 @@ impl StepPlan {
                     })
                     .collect();
                 Ok(ItemPlacement {
-                    encoder_ranks: grid.group(src, &[Axis::Tp]).unwrap_or_default(),
+                    encoder_ranks: grid.group(src, &[Axis::Tp, Axis::Cp]).unwrap_or_default(),
                     frozen,
                     row_cp,
                     llm_ranks,

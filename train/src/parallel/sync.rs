@@ -143,10 +143,11 @@ fn all_reduce_bucketed(
     bucket_elems: usize,
 ) -> Result<()> {
     let mut grads: HashMap<String, Vec<f32>> = HashMap::new();
+    let wanted: std::collections::HashSet<&str> = names.iter().map(String::as_str).collect();
     let mut res = Ok(());
     model.visit_params(&mut |p| {
         if res.is_ok()
-            && names.contains(&p.name)
+            && wanted.contains(p.name.as_str())
             && let Some(g) = &p.grad
         {
             match g.to_vec_f32() {
@@ -221,24 +222,24 @@ pub fn local_sq_norm(model: &RankModel, plan: &ShardPlan) -> Result<f64> {
 /// After the owners' updates: every parameter's value broadcast from its owner to the
 /// rest of its replica group (ZeRO-1's all-gather of the updated shards).
 pub fn broadcast_updates(model: &mut RankModel, plan: &ShardPlan) -> Result<()> {
-    let groups: Vec<(ModuleGroups, Vec<String>)> = part_names(model);
-    for (g, names) in groups {
+    for (g, names) in part_names(model) {
         if g.replicas.size() == 1 {
             continue;
         }
-        for name in names {
-            let owner = plan.owner_of(&name)?;
-            let mut res = Ok(());
-            model.visit_params_mut(&mut |p| {
-                if res.is_ok() && p.name == name {
-                    res = g
-                        .replicas
-                        .broadcast(&mut p.value, owner)
-                        .map_err(TrainError::from);
-                }
+        let names: std::collections::HashSet<String> = names.into_iter().collect();
+        // One pass in visiting order, the same on every rank of the group.
+        let mut res = Ok(());
+        model.visit_params_mut(&mut |p| {
+            if res.is_err() || !names.contains(&p.name) {
+                return;
+            }
+            res = plan.owner_of(&p.name).and_then(|owner| {
+                g.replicas
+                    .broadcast(&mut p.value, owner)
+                    .map_err(TrainError::from)
             });
-            res?;
-        }
+        });
+        res?;
     }
     Ok(())
 }
