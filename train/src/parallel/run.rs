@@ -185,9 +185,12 @@ fn rank_main(
     .map_err(|e| TrainError::Data(format!("{}: {e}", cfg.data.path.display())))?;
     if rank == 0 {
         say(Event::Log(format!(
-            "{} ranks as threads; rank 0 holds {} parameter elements",
+            "{} ranks as threads; rank 0 holds {} parameter elements and {} of optimizer state (the whole model: {} and {})",
             t.layouts.world,
-            engine.model.num_params()
+            engine.model.num_params(),
+            engine.optim.num_state(),
+            t.model.num_params(),
+            t.optim.num_state()
         )));
     }
     let root = cfg.run.dir.join("checkpoints");
