@@ -9,27 +9,67 @@
 //! padded), short clips are NOT padded: a clip's output is what the same computation
 //! on its own frames gives, and attention never crosses clips.
 //!
-//! Tensor parallelism ([`WhisperEncoder::with_group`]): the blocks split their heads
+//! **Tensor parallelism** ([`WhisperEncoder::with_group`]): the blocks split their heads
 //! and MLP columns over the TP group. The conv stem (two small convolutions over
 //! n_mels and D channels, run once per clip), the position table and the LayerNorms
 //! are replicated: every rank holds the blocks' outputs in full, so they get the same
 //! full grads on every rank, with nothing to reduce.
+//!
+//! **Pipeline stages** ([`WhisperEncoder::stage`]): a stage holds the blocks of a
+//! contiguous layer range (names unchanged, `layers.{i}.*`), the conv stem and the
+//! position table when the range starts at 0, the final layer_norm when it ends at
+//! `encoder_layers`. Stages run through [`WhisperEncoder::forward_stage`] /
+//! [`WhisperEncoder::backward_stage`]; every stage knows the clips' mel frame counts
+//! (batch metadata), from which it derives the packed `cu_seqlens` and positions.
+//!
+//! **Context parallelism** ([`WhisperEncoder::with_cp`], a CP group of `cp > 1`
+//! ranks, all fed the same clips): the packed tokens are split with
+//! `CpPlan::new(cu_seqlens, cp, false)` (zigzag chunks of every clip, bidirectional).
+//! - First stage: the conv stem runs on the whole clips on every CP rank (it is
+//!   cheap and needs neighbouring frames), then each rank keeps its own tokens' rows.
+//! - Blocks run on this rank's tokens only (attention all-gathers K/V, nn's CP).
+//! - Last stage: the final layer_norm (per token) runs on this rank's tokens, then a
+//!   ragged all-gather (one all-to-all-v sending the rows to every rank) assembles the
+//!   full packed (T, D): every CP rank returns the same, full [`AudioOutput`].
+//! - Between stages travel this rank's rows (T_local, D), [`WhisperEncoder::hidden_tokens`].
+//!
+//! Backward is the adjoint, under the contract that the downstream of the encoder is
+//! replicated over the CP group, so the full output grad (T, D) arrives identical on
+//! every CP rank: the adjoint of the all-gather is then the slice of this rank's rows
+//! (a caller whose output grad differs between CP ranks must sum it over the group
+//! first). The layer_norm and blocks run backward on those rows; on the first stage
+//! this rank's token grads are scattered into a zero (T, D) buffer and the position
+//! table and conv stem run backward on that.
+//!
+//! **Grad-summing rule under CP**: every parameter grad a CP rank accumulates covers
+//! its own tokens only, so the true grad is the SUM over the CP ranks, for every
+//! parameter (blocks, final layer_norm, position table, conv stem alike: they are all
+//! linear in the per-token grads, and the tokens are partitioned). The trainer
+//! all-reduces every audio parameter grad over CP x DP, as it does over DP. Likewise
+//! the clip grads [`AudioStageGrad::Clips`] of one CP rank are partial: their sum over
+//! the CP ranks is the true grad. With no CP group (or one of one rank) the stages
+//! compute exactly what [`WhisperEncoder::forward`] / [`WhisperEncoder::backward`] do,
+//! bit for bit.
 
+mod stage;
+
+use std::ops::Range;
 use std::sync::Arc;
 
 use braid_comm::{Comm, SingleRank};
 use braid_kernels::ops::{self, Conv1dSpec};
 use braid_kernels::{Device, Tensor};
 use braid_nn::error::Context;
-use braid_nn::norm::LayerNormCache;
 use braid_nn::{
-    AttentionConfig, AttentionDims, BlockCache, BlockConfig, Error, Init, InitKind, LayerNorm,
-    MlpConfig, MlpKind, Module, NormKind, Param, Result, SeqInfo, Shard, TransformerBlock,
+    AttentionConfig, AttentionDims, BlockConfig, Error, Init, InitKind, LayerNorm, MlpConfig,
+    MlpKind, Module, NormKind, Param, Result, SeqInfo, Shard, TransformerBlock,
 };
 
 use crate::config::WhisperEncoderConfig;
 use crate::util::{ids, zeros};
 use crate::weights::{Shards, block_shards};
+
+pub use stage::{AudioCache, AudioStageCache, AudioStageGrad, AudioStageInput, AudioStageOutput};
 
 /// A `Conv1d` with bias: weight (CO, CI, K), bias (CO).
 #[derive(Debug)]
@@ -76,18 +116,32 @@ impl Conv1d {
     }
 }
 
-/// The encoder. Braid parameter names (HF names in [`crate::audio_hf`]): `conv1.*`,
-/// `conv2.*`, `embed_positions.weight` (MAXPOS, D), `layers.{i}.*` (nn's block names;
-/// k_proj has no bias, as in Whisper), `layer_norm.*`.
+/// The conv stem and the position table: the first stage's input layers.
 #[derive(Debug)]
-pub struct WhisperEncoder {
-    pub config: WhisperEncoderConfig,
+pub struct AudioStem {
     pub conv1: Conv1d,
     pub conv2: Conv1d,
     /// (MAXPOS, D)
     pub embed_positions: Param,
+}
+
+/// The encoder, or one pipeline stage of it. Braid parameter names (HF names in
+/// [`crate::audio_hf`]): `conv1.*`, `conv2.*`, `embed_positions.weight` (MAXPOS, D),
+/// `layers.{i}.*` (nn's block names; k_proj has no bias, as in Whisper),
+/// `layer_norm.*`.
+#[derive(Debug)]
+pub struct WhisperEncoder {
+    pub config: WhisperEncoderConfig,
+    /// The layers this stage holds; `0..encoder_layers` for the whole encoder.
+    pub layer_range: Range<usize>,
+    /// First stage (`layer_range.start == 0`) only.
+    pub stem: Option<AudioStem>,
+    /// Blocks `layer_range`, in order.
     pub layers: Vec<TransformerBlock>,
-    pub layer_norm: LayerNorm,
+    /// Last stage (`layer_range.end == encoder_layers`) only.
+    pub layer_norm: Option<LayerNorm>,
+    /// The context-parallel group when it has more than one rank (see the module doc).
+    pub cp: Option<Arc<dyn Comm>>,
 }
 
 /// The packed output: clip i is rows `cu_seqlens[i] .. cu_seqlens[i+1]` of `hidden`.
@@ -99,9 +153,9 @@ pub struct AudioOutput {
     pub cu_seqlens: Vec<usize>,
 }
 
-/// One clip's stem activations.
+/// The stem's activations for the clips of one length.
 #[derive(Debug)]
-struct StemCache {
+struct StemGroup {
     /// (N, M, F) the group's clips, conv1 output (pre-GELU), its GELU, conv2 output
     /// (pre-GELU)
     x: Tensor,
@@ -115,73 +169,18 @@ struct StemCache {
     clips: Vec<usize>,
 }
 
-/// What [`WhisperEncoder::backward`] needs.
+/// What the stem's backward needs.
 #[derive(Debug)]
-pub struct AudioCache {
-    stems: Vec<StemCache>,
+struct StemCache {
+    groups: Vec<StemGroup>,
     /// (T) u32
     pos_ids: Tensor,
-    layers: Vec<BlockCache>,
-    ln: LayerNormCache,
 }
 
-impl WhisperEncoder {
-    /// A randomly initialized encoder on one rank.
-    pub fn new(init: &Init, config: WhisperEncoderConfig) -> Result<Self> {
-        Self::with_group(init, config, Arc::new(SingleRank))
-    }
-
-    /// This rank's shard of the encoder over the tensor-parallel group `tp` (see the
-    /// module doc for what is split): the shards of the `tp` ranks together hold
-    /// exactly the weights [`Self::new`] draws from the same `init`.
-    pub fn with_group(
-        init: &Init,
-        config: WhisperEncoderConfig,
-        tp: Arc<dyn Comm>,
-    ) -> Result<Self> {
-        config.validate()?;
-        crate::vision::check_tp(
-            "audio encoder",
-            config.encoder_attention_heads,
-            config.encoder_ffn_dim,
-            tp.size(),
-        )?;
-        let group = tp;
+impl AudioStem {
+    fn new(init: &Init, config: &WhisperEncoderConfig) -> Result<Self> {
         let d = config.d_model;
-        let nh = config.encoder_attention_heads;
-        let block = BlockConfig {
-            attn: AttentionConfig {
-                dims: AttentionDims {
-                    c: d,
-                    nh,
-                    nkv: nh,
-                    hs: d / nh,
-                },
-                causal: false,
-                qkv_bias: true,
-                o_bias: true,
-                rope: None,
-            },
-            mlp: MlpConfig {
-                c: d,
-                ff: config.encoder_ffn_dim,
-                kind: MlpKind::Gelu(config.act.kernel()),
-                bias: true,
-            },
-            norm: NormKind::LayerNorm,
-            norm_eps: config.layer_norm_eps,
-        };
-        let layers = (0..config.encoder_layers)
-            .map(|i| {
-                let mut b =
-                    TransformerBlock::new(init, &format!("layers.{i}"), block, Arc::clone(&group))?;
-                // Whisper's k_proj has no bias (a key bias adds the same score to every
-                // key of a query and cancels in the softmax).
-                b.self_attn.k_proj.linear.bias = None;
-                Ok(b)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(WhisperEncoder {
+        Ok(AudioStem {
             conv1: Conv1d::new(
                 init,
                 "conv1",
@@ -208,74 +207,22 @@ impl WhisperEncoder {
                 InitKind::Normal(init.std),
                 Shard::Full,
             )?,
-            layers,
-            layer_norm: LayerNorm::new(init, "layer_norm", d, config.layer_norm_eps, true)?,
-            config,
         })
     }
 
-    /// The size of the tensor-parallel group the blocks are split over.
-    pub fn tp_size(&self) -> usize {
-        self.layers.first().map_or(1, |b| b.self_attn.group.size())
-    }
-
-    /// The parameters this rank holds a slice of (the blocks'), for loading full
-    /// checkpoint tensors into a shard; empty for a group of one.
-    pub fn tp_shards(&self) -> Shards {
-        let mut out = Shards::new();
-        for b in &self.layers {
-            block_shards(b, &mut out);
-        }
-        out
-    }
-
-    /// Checks clip `i` (n_mels, F) and returns F' = ceil(F / 2).
-    fn check_clip(&self, i: usize, x: &Tensor) -> Result<usize> {
-        let (m, maxpos) = (self.config.num_mel_bins, self.config.max_source_positions);
-        let &[xm, f] = x.dims() else {
-            return Err(Error::input(
-                "audio",
-                format!("clip {i} must be (n_mels, frames), got {}", x.shape()),
-            ));
-        };
-        if xm != m {
-            return Err(Error::input(
-                "audio",
-                format!(
-                    "clip {i} {} has {xm} mel bins, the model expects num_mel_bins = {m}",
-                    x.shape()
-                ),
-            ));
-        }
-        let fo = WhisperEncoderConfig::out_frames(f);
-        if f == 0 || fo > maxpos {
-            return Err(Error::input(
-                "audio",
-                format!(
-                    "clip {i} has {f} frames -> {fo} positions; allowed 1 ..= {} frames (max_source_positions = {maxpos})",
-                    2 * maxpos
-                ),
-            ));
-        }
-        Ok(fo)
-    }
-
-    /// clips, each (n_mels, F_i), all on one device -> packed (T, D).
-    pub fn forward(&self, clips: &[Tensor]) -> Result<(AudioOutput, AudioCache)> {
+    /// clips, each (n_mels, F_i) (checked), packed as `seq` -> (T, D) with positions.
+    fn forward(
+        &self,
+        cfg: &WhisperEncoderConfig,
+        clips: &[Tensor],
+        seq: &SeqInfo,
+    ) -> Result<(Tensor, StemCache)> {
         let Some(first) = clips.first() else {
             return Err(Error::input("audio", "no clips given"));
         };
         let dev = first.device();
-        let d = self.config.d_model;
-        let m = self.config.num_mel_bins;
-        let lens = clips
-            .iter()
-            .enumerate()
-            .map(|(i, x)| self.check_clip(i, x))
-            .collect::<Result<Vec<_>>>()?;
-        let seq = SeqInfo::packed(&lens);
-        let t = seq.num_tokens();
-        let mut h = zeros(&[t, d], dev)?; // (T, D)
+        let (d, m) = (cfg.d_model, cfg.num_mel_bins);
+        let mut h = zeros(&[seq.num_tokens(), d], dev)?; // (T, D)
         // Clips of equal length share one batched conv stem (the demo's and most batches'
         // clips are all 30 s or all one length): one kernel call per op instead of one per clip.
         let mut groups: Vec<(usize, Vec<usize>)> = Vec::new(); // (F, clip indices)
@@ -286,11 +233,11 @@ impl WhisperEncoder {
                 None => groups.push((f, vec![i])),
             }
         }
-        let act = self.config.act.kernel();
+        let act = cfg.act.kernel();
         let mut stems = Vec::with_capacity(groups.len());
         for (f, members) in groups {
             let n = members.len();
-            let fo = lens[members[0]];
+            let fo = WhisperEncoderConfig::out_frames(f);
             let x = if n == 1 {
                 clips[members[0]]
                     .try_clone()
@@ -325,7 +272,7 @@ impl WhisperEncoder {
                 .collect();
             let rows = ids(rows, dev)?;
             ops::scatter_rows(&mut h, &rows, &g2).ctx("audio", "pack clips")?;
-            stems.push(StemCache {
+            stems.push(StemGroup {
                 x,
                 c1,
                 g1,
@@ -338,54 +285,31 @@ impl WhisperEncoder {
         let pos =
             ops::gather_rows(&self.embed_positions.value, &pos_ids).ctx("audio", "positions")?; // (T, D)
         ops::add_assign(&mut h, &pos).ctx("audio", "add positions")?;
-        let mut caches = Vec::with_capacity(self.layers.len());
-        for layer in &self.layers {
-            let (y, c) = layer.forward_owned(h, &seq)?;
-            caches.push(c);
-            h = y;
-        }
-        let (hidden, ln) = self.layer_norm.forward_owned(h)?;
         Ok((
-            AudioOutput {
-                hidden,
-                cu_seqlens: seq.cu_seqlens,
-            },
-            AudioCache {
-                stems,
+            h,
+            StemCache {
+                groups: stems,
                 pos_ids,
-                layers: caches,
-                ln,
             },
         ))
     }
 
-    /// dy (T, D) -> the grad of each clip (n_mels, F_i); adds into the parameter grads.
-    pub fn backward(&mut self, cache: AudioCache, dy: &Tensor) -> Result<Vec<Tensor>> {
-        let AudioCache {
-            stems,
-            pos_ids,
-            layers,
-            ln,
-        } = cache;
-        let d = self.config.d_model;
-        let m = self.config.num_mel_bins;
-        let act = self.config.act.kernel();
-        if dy.dims() != ln.x.dims() {
-            return Err(Error::input(
-                "audio backward",
-                format!("dy {} must match the output {}", dy.shape(), ln.x.shape()),
-            ));
-        }
-        let mut dh = self.layer_norm.backward(ln, dy)?;
-        for (layer, c) in self.layers.iter_mut().zip(layers).rev() {
-            dh = layer.backward(c, &dh)?;
-        }
+    /// dh (T, D) -> the grad of each clip (n_mels, F_i); adds into the stem's grads.
+    fn backward(
+        &mut self,
+        cfg: &WhisperEncoderConfig,
+        cache: StemCache,
+        dh: &Tensor,
+    ) -> Result<Vec<Tensor>> {
+        let StemCache { groups, pos_ids } = cache;
+        let (d, m) = (cfg.d_model, cfg.num_mel_bins);
+        let act = cfg.act.kernel();
         if let Some(g) = self.embed_positions.grad.as_mut() {
-            ops::embedding_bwd(&dh, &pos_ids, g).ctx("audio backward", "positions")?;
+            ops::embedding_bwd(dh, &pos_ids, g).ctx("audio backward", "positions")?;
         }
-        let n_clips: usize = stems.iter().map(|s| s.clips.len()).sum();
+        let n_clips: usize = groups.iter().map(|s| s.clips.len()).sum();
         let mut dclips: Vec<Option<Tensor>> = (0..n_clips).map(|_| None).collect();
-        for s in stems {
+        for s in groups {
             let &[n, _, f] = s.x.dims() else {
                 return Err(Error::input(
                     "audio backward",
@@ -394,7 +318,7 @@ impl WhisperEncoder {
             };
             let fo = s.rows.dims()[0] / n;
             // (F'*N, D) -> (F', N*D, 1) -> transpose -> (N*D, F', 1) -> (N, D, F')
-            let dg2 = ops::gather_rows(&dh, &s.rows)
+            let dg2 = ops::gather_rows(dh, &s.rows)
                 .and_then(|g| g.reshape([fo, n * d, 1]))
                 .and_then(|g| ops::transpose01(&g))
                 .and_then(|g| g.reshape([n, d, fo]))
@@ -424,6 +348,200 @@ impl WhisperEncoder {
             })
             .collect()
     }
+}
+
+impl WhisperEncoder {
+    /// A randomly initialized encoder on one rank.
+    pub fn new(init: &Init, config: WhisperEncoderConfig) -> Result<Self> {
+        Self::with_group(init, config, Arc::new(SingleRank))
+    }
+
+    /// This rank's shard of the encoder over the tensor-parallel group `tp` (see the
+    /// module doc for what is split): the shards of the `tp` ranks together hold
+    /// exactly the weights [`Self::new`] draws from the same `init`.
+    pub fn with_group(
+        init: &Init,
+        config: WhisperEncoderConfig,
+        tp: Arc<dyn Comm>,
+    ) -> Result<Self> {
+        let layers = 0..config.encoder_layers;
+        Self::stage(init, config, layers, tp)
+    }
+
+    /// The pipeline stage of blocks `layers` over the tensor-parallel group `tp`: with
+    /// the conv stem and position table when `layers.start == 0`, the final layer_norm
+    /// when `layers.end == encoder_layers`. Its parameters are exactly the same-named
+    /// ones [`Self::with_group`] draws from the same `init`.
+    pub fn stage(
+        init: &Init,
+        config: WhisperEncoderConfig,
+        layers: Range<usize>,
+        tp: Arc<dyn Comm>,
+    ) -> Result<Self> {
+        config.validate()?;
+        if layers.start >= layers.end || layers.end > config.encoder_layers {
+            return Err(Error::config(
+                "audio encoder",
+                format!(
+                    "stage layers {layers:?} must be a non-empty range within 0..{} (encoder_layers)",
+                    config.encoder_layers
+                ),
+            ));
+        }
+        crate::vision::check_tp(
+            "audio encoder",
+            config.encoder_attention_heads,
+            config.encoder_ffn_dim,
+            tp.size(),
+        )?;
+        let d = config.d_model;
+        let nh = config.encoder_attention_heads;
+        let block = BlockConfig {
+            attn: AttentionConfig {
+                dims: AttentionDims {
+                    c: d,
+                    nh,
+                    nkv: nh,
+                    hs: d / nh,
+                },
+                causal: false,
+                qkv_bias: true,
+                o_bias: true,
+                rope: None,
+            },
+            mlp: MlpConfig {
+                c: d,
+                ff: config.encoder_ffn_dim,
+                kind: MlpKind::Gelu(config.act.kernel()),
+                bias: true,
+            },
+            norm: NormKind::LayerNorm,
+            norm_eps: config.layer_norm_eps,
+        };
+        let blocks = layers
+            .clone()
+            .map(|i| {
+                let mut b =
+                    TransformerBlock::new(init, &format!("layers.{i}"), block, Arc::clone(&tp))?;
+                // Whisper's k_proj has no bias (a key bias adds the same score to every
+                // key of a query and cancels in the softmax).
+                b.self_attn.k_proj.linear.bias = None;
+                Ok(b)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let stem = if layers.start == 0 {
+            Some(AudioStem::new(init, &config)?)
+        } else {
+            None
+        };
+        let layer_norm = if layers.end == config.encoder_layers {
+            Some(LayerNorm::new(
+                init,
+                "layer_norm",
+                d,
+                config.layer_norm_eps,
+                true,
+            )?)
+        } else {
+            None
+        };
+        Ok(WhisperEncoder {
+            layer_range: layers,
+            stem,
+            layers: blocks,
+            layer_norm,
+            cp: None,
+            config,
+        })
+    }
+
+    /// The first stage: it holds the conv stem and takes clips.
+    pub fn is_first(&self) -> bool {
+        self.layer_range.start == 0
+    }
+
+    /// The last stage: it holds the final layer_norm and returns the [`AudioOutput`].
+    pub fn is_last(&self) -> bool {
+        self.layer_range.end == self.config.encoder_layers
+    }
+
+    /// The size of the tensor-parallel group the blocks are split over.
+    pub fn tp_size(&self) -> usize {
+        self.layers.first().map_or(1, |b| b.self_attn.group.size())
+    }
+
+    /// The parameters this rank holds a slice of (the blocks'), for loading full
+    /// checkpoint tensors into a shard; empty for a group of one.
+    pub fn tp_shards(&self) -> Shards {
+        let mut out = Shards::new();
+        for b in &self.layers {
+            block_shards(b, &mut out);
+        }
+        out
+    }
+
+    /// Checks a clip of `f` mel frames (clip `i`) and returns F' = ceil(F / 2).
+    fn check_frames(&self, i: usize, f: usize) -> Result<usize> {
+        let maxpos = self.config.max_source_positions;
+        let fo = WhisperEncoderConfig::out_frames(f);
+        if f == 0 || fo > maxpos {
+            return Err(Error::input(
+                "audio",
+                format!(
+                    "clip {i} has {f} frames -> {fo} positions; allowed 1 ..= {} frames (max_source_positions = {maxpos})",
+                    2 * maxpos
+                ),
+            ));
+        }
+        Ok(fo)
+    }
+
+    /// Checks clip `i` (n_mels, F) and returns F' = ceil(F / 2).
+    fn check_clip(&self, i: usize, x: &Tensor) -> Result<usize> {
+        let m = self.config.num_mel_bins;
+        let &[xm, f] = x.dims() else {
+            return Err(Error::input(
+                "audio",
+                format!("clip {i} must be (n_mels, frames), got {}", x.shape()),
+            ));
+        };
+        if xm != m {
+            return Err(Error::input(
+                "audio",
+                format!(
+                    "clip {i} {} has {xm} mel bins, the model expects num_mel_bins = {m}",
+                    x.shape()
+                ),
+            ));
+        }
+        self.check_frames(i, f)
+    }
+
+    /// clips, each (n_mels, F_i), all on one device -> packed (T, D). Needs the whole
+    /// encoder (a stage runs [`Self::forward_stage`]); under CP every rank returns the
+    /// full output (see the module doc).
+    pub fn forward(&self, clips: &[Tensor]) -> Result<(AudioOutput, AudioCache)> {
+        self.check_whole("forward")?;
+        // Malformed clips are reported by forward_stage's checks.
+        let frames: Vec<usize> = clips
+            .iter()
+            .map(|x| x.dims().get(1).copied().unwrap_or(0))
+            .collect();
+        match self.forward_stage(AudioStageInput::Clips(clips), &frames)? {
+            (AudioStageOutput::Final(out), cache) => Ok((out, cache)),
+            (AudioStageOutput::Hidden(_), _) => Err(self.not_whole("forward")),
+        }
+    }
+
+    /// dy (T, D) -> the grad of each clip (n_mels, F_i); adds into the parameter grads.
+    /// Under CP both are this rank's share (summed over the CP ranks: the true grads).
+    pub fn backward(&mut self, cache: AudioCache, dy: &Tensor) -> Result<Vec<Tensor>> {
+        self.check_whole("backward")?;
+        match self.backward_stage(cache, dy)? {
+            AudioStageGrad::Clips(d) => Ok(d),
+            AudioStageGrad::Hidden(_) => Err(self.not_whole("backward")),
+        }
+    }
 
     /// Splits a batch (B, n_mels, F) of equal-length clips into B clips (n_mels, F),
     /// through the host (for tests and tools; a data pipeline builds clips directly).
@@ -446,25 +564,33 @@ impl WhisperEncoder {
 
 impl Module for WhisperEncoder {
     fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a Param)) {
-        f(&self.conv1.weight);
-        f(&self.conv1.bias);
-        f(&self.conv2.weight);
-        f(&self.conv2.bias);
-        f(&self.embed_positions);
+        if let Some(s) = &self.stem {
+            f(&s.conv1.weight);
+            f(&s.conv1.bias);
+            f(&s.conv2.weight);
+            f(&s.conv2.bias);
+            f(&s.embed_positions);
+        }
         for l in &self.layers {
             l.visit_params(f);
         }
-        self.layer_norm.visit_params(f);
+        if let Some(n) = &self.layer_norm {
+            n.visit_params(f);
+        }
     }
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
-        f(&mut self.conv1.weight);
-        f(&mut self.conv1.bias);
-        f(&mut self.conv2.weight);
-        f(&mut self.conv2.bias);
-        f(&mut self.embed_positions);
+        if let Some(s) = &mut self.stem {
+            f(&mut s.conv1.weight);
+            f(&mut s.conv1.bias);
+            f(&mut s.conv2.weight);
+            f(&mut s.conv2.bias);
+            f(&mut s.embed_positions);
+        }
         for l in &mut self.layers {
             l.visit_params_mut(f);
         }
-        self.layer_norm.visit_params_mut(f);
+        if let Some(n) = &mut self.layer_norm {
+            n.visit_params_mut(f);
+        }
     }
 }

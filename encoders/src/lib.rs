@@ -20,7 +20,10 @@ pub mod vision;
 pub mod vision_hf;
 pub mod weights;
 
-pub use audio::{AudioCache, AudioOutput, WhisperEncoder};
+pub use audio::{
+    AudioCache, AudioOutput, AudioStageCache, AudioStageGrad, AudioStageInput, AudioStageOutput,
+    AudioStem, WhisperEncoder,
+};
 pub use config::{Act, VisionConfig, VisionFamily, WhisperEncoderConfig};
 pub use projector::{AudioProjector, MlpProjector, ProjectorConfig};
 pub use vision::{VisionCache, VisionEncoder, VisionOutput};
