@@ -27,5 +27,6 @@ pub use audio::{
 pub use config::{Act, VisionConfig, VisionFamily, WhisperEncoderConfig};
 pub use projector::{AudioProjector, MlpProjector, ProjectorConfig};
 pub use vision::{VisionCache, VisionEncoder, VisionOutput};
+pub use vision::{VisionStageCache, VisionStageInput, VisionStageOutput};
 pub use vision_hf::HfImport;
 pub use weights::{Layout, MapEntry, NameMap};

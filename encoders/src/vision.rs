@@ -18,42 +18,57 @@
 //! as the blocks' are. Every rank holds the block outputs in full (the row-parallel
 //! layers all-reduce them), so the replicated parameters get the same full grad on
 //! every rank: nothing to reduce for them.
+//!
+//! Pipeline stages ([`VisionEncoder::stage`]) and context parallelism
+//! ([`VisionEncoder::with_cp`]): see [`stage`] for the stage API, the CP token split and
+//! which parameter grads each CP rank holds.
 
+pub mod stage;
+
+use std::ops::Range;
 use std::sync::Arc;
 
 use braid_comm::{Comm, SingleRank};
-use braid_kernels::{Shape, Tensor, ops};
+use braid_kernels::Tensor;
 use braid_nn::{
-    AttentionConfig, AttentionDims, BlockCache, BlockConfig, Error, Init, InitKind, LayerNorm,
-    Linear, LinearCache, MlpConfig, MlpKind, Module, NormKind, Param, Result, SeqInfo, Shard,
-    TransformerBlock, norm::LayerNormCache,
+    AttentionConfig, AttentionDims, BlockConfig, Error, Init, InitKind, LayerNorm, Linear,
+    MlpConfig, MlpKind, Module, NormKind, Param, Result, Shard, TransformerBlock,
 };
 
 use crate::config::{VisionConfig, VisionFamily};
-use crate::siglip_head::{AttentionPoolingHead, HeadCache};
-use crate::util::{ids, zeros};
+use crate::siglip_head::AttentionPoolingHead;
 use crate::weights::{Shards, block_shards, mlp_shards};
-use braid_nn::error::Context;
 
-/// The ViT. Braid parameter names (see [`crate::vision_hf`] for the HF names):
-/// `embeddings.patch_embedding` (D, C*P*P), `embeddings.class_embedding` (1, D),
-/// `embeddings.position_embedding.weight` (NPOS, D), `pre_layrnorm`,
-/// `encoder.layers.{i}.*` (nn's block names), `post_layernorm`, `head.*`.
+pub use stage::{VisionCache, VisionStageCache, VisionStageInput, VisionStageOutput};
+
+/// The ViT, or one pipeline stage of it (layers `layers`). Braid parameter names (see
+/// [`crate::vision_hf`] for the HF names): `embeddings.patch_embedding` (D, C*P*P),
+/// `embeddings.class_embedding` (1, D), `embeddings.position_embedding.weight`
+/// (NPOS, D), `pre_layrnorm`, `encoder.layers.{i}.*` (nn's block names),
+/// `post_layernorm`, `head.*`. A stage holds the embeddings (and CLIP's pre-norm) when
+/// it starts at layer 0, the post-norm and head when it ends at the last layer.
 #[derive(Debug)]
 pub struct VisionEncoder {
     pub config: VisionConfig,
-    /// Conv2d(C, D, P, stride P) as patchify + linear: (D, C*P*P), bias for SigLIP.
-    pub patch_embedding: Linear,
-    /// CLIP only: (1, D).
+    /// The encoder layers this stage runs (`0..num_layers` for the whole model).
+    pub layers: Range<usize>,
+    /// First stage. Conv2d(C, D, P, stride P) as patchify + linear: (D, C*P*P), bias
+    /// for SigLIP.
+    pub patch_embedding: Option<Linear>,
+    /// First stage, CLIP only: (1, D).
     pub class_embedding: Option<Param>,
-    /// (NPOS, D)
-    pub position_embedding: Param,
-    /// CLIP only.
+    /// First stage: (NPOS, D).
+    pub position_embedding: Option<Param>,
+    /// First stage, CLIP only.
     pub pre_layrnorm: Option<LayerNorm>,
+    /// Layers `layers` (block `i` is named `encoder.layers.{layers.start + i}`).
     pub blocks: Vec<TransformerBlock>,
-    pub post_layernorm: LayerNorm,
-    /// SigLIP's optional attention-pooling head.
+    /// Last stage.
+    pub post_layernorm: Option<LayerNorm>,
+    /// Last stage: SigLIP's optional attention-pooling head.
     pub head: Option<AttentionPoolingHead>,
+    /// The context-parallel group, when it has more than one rank ([`Self::with_cp`]).
+    pub cp: Option<Arc<dyn Comm>>,
 }
 
 /// What the encoder returns.
@@ -64,29 +79,6 @@ pub struct VisionOutput {
     /// (B, D): CLIP's post-normed class token, SigLIP's head output; None for a SigLIP
     /// without head.
     pub pooler_output: Option<Tensor>,
-}
-
-/// What [`VisionEncoder::backward`] needs.
-#[derive(Debug)]
-pub struct VisionCache {
-    image_shape: Shape,
-    /// B, N, S
-    b: usize,
-    n: usize,
-    s: usize,
-    patch: LinearCache,
-    /// (B*N) u32: the row of each patch token in the packed sequence
-    patch_rows: Tensor,
-    /// (B) u32: the row of each class token (CLIP), or of each image's first token
-    first_rows: Tensor,
-    /// (B) u32 zeros: broadcast of the class embedding
-    zeros_b: Tensor,
-    /// (B*S) u32: position of each token
-    pos_ids: Tensor,
-    pre: Option<LayerNormCache>,
-    blocks: Vec<BlockCache>,
-    post: Option<LayerNormCache>,
-    head: Option<HeadCache>,
 }
 
 impl VisionEncoder {
@@ -100,7 +92,31 @@ impl VisionEncoder {
     /// module doc for what is split): the shards of the `tp` ranks together hold
     /// exactly the weights [`Self::new`] draws from the same `init`.
     pub fn with_group(init: &Init, config: VisionConfig, tp: Arc<dyn Comm>) -> Result<Self> {
+        let layers = 0..config.num_layers;
+        Self::stage(init, config, layers, tp)
+    }
+
+    /// The pipeline stage of layers `layers` (non-empty, within `0..num_layers`), TP
+    /// shard over `tp` as in [`Self::with_group`]: the embeddings (and CLIP's
+    /// pre-norm) when `layers.start == 0`, the post-norm and pooling head when
+    /// `layers.end == num_layers`. Parameters keep the full model's names, so the
+    /// stages drawn from one `init` hold exactly the full model's weights.
+    pub fn stage(
+        init: &Init,
+        config: VisionConfig,
+        layers: Range<usize>,
+        tp: Arc<dyn Comm>,
+    ) -> Result<Self> {
         config.validate()?;
+        if layers.start >= layers.end || layers.end > config.num_layers {
+            return Err(Error::config(
+                "vision encoder stage",
+                format!(
+                    "layers {layers:?} must be a non-empty range within 0..{} (num_layers)",
+                    config.num_layers
+                ),
+            ));
+        }
         check_tp(
             "vision encoder",
             config.num_heads,
@@ -118,28 +134,33 @@ impl VisionEncoder {
         } = config;
         let clip = family == VisionFamily::Clip;
         let eps = config.layer_norm_eps;
-        let patch_embedding = Linear::new(init, "embeddings.patch_embedding", c * p * p, d, !clip)?;
-        let class_embedding = if clip {
-            Some(init.param(
-                "embeddings.class_embedding",
-                &[1, d],
-                InitKind::Normal(init.std),
-                Shard::Full,
-            )?)
-        } else {
-            None
-        };
-        let position_embedding = init.param(
-            "embeddings.position_embedding.weight",
-            &[config.num_positions(), d],
-            InitKind::Normal(init.std),
-            Shard::Full,
-        )?;
-        let pre_layrnorm = if clip {
-            Some(LayerNorm::new(init, "pre_layrnorm", d, eps, true)?)
-        } else {
-            None
-        };
+        let (first, last) = (layers.start == 0, layers.end == config.num_layers);
+        let patch_embedding = first
+            .then(|| Linear::new(init, "embeddings.patch_embedding", c * p * p, d, !clip))
+            .transpose()?;
+        let class_embedding = (first && clip)
+            .then(|| {
+                init.param(
+                    "embeddings.class_embedding",
+                    &[1, d],
+                    InitKind::Normal(init.std),
+                    Shard::Full,
+                )
+            })
+            .transpose()?;
+        let position_embedding = first
+            .then(|| {
+                init.param(
+                    "embeddings.position_embedding.weight",
+                    &[config.num_positions(), d],
+                    InitKind::Normal(init.std),
+                    Shard::Full,
+                )
+            })
+            .transpose()?;
+        let pre_layrnorm = (first && clip)
+            .then(|| LayerNorm::new(init, "pre_layrnorm", d, eps, true))
+            .transpose()?;
         let block = BlockConfig {
             attn: AttentionConfig {
                 dims: AttentionDims {
@@ -162,7 +183,8 @@ impl VisionEncoder {
             norm: NormKind::LayerNorm,
             norm_eps: eps,
         };
-        let blocks = (0..config.num_layers)
+        let blocks = layers
+            .clone()
             .map(|i| {
                 TransformerBlock::new(
                     init,
@@ -172,8 +194,10 @@ impl VisionEncoder {
                 )
             })
             .collect::<Result<Vec<_>>>()?;
-        let post_layernorm = LayerNorm::new(init, "post_layernorm", d, eps, true)?;
-        let head = if config.use_head {
+        let post_layernorm = last
+            .then(|| LayerNorm::new(init, "post_layernorm", d, eps, true))
+            .transpose()?;
+        let head = if last && config.use_head {
             // The head's MLP is split like the blocks'; its attention is replicated.
             Some(AttentionPoolingHead::new(init, "head", &config, group)?)
         } else {
@@ -181,6 +205,7 @@ impl VisionEncoder {
         };
         Ok(VisionEncoder {
             config,
+            layers,
             patch_embedding,
             class_embedding,
             position_embedding,
@@ -188,7 +213,35 @@ impl VisionEncoder {
             blocks,
             post_layernorm,
             head,
+            cp: None,
         })
+    }
+
+    /// The same encoder (or stage) with context parallelism over `cp`: the tokens of
+    /// every image are split over its ranks (see [`stage`]); a group of one rank is no
+    /// CP. Every stage of one pipeline must get the same CP group size.
+    pub fn with_cp(mut self, cp: Arc<dyn Comm>) -> Self {
+        let group = (cp.size() > 1).then_some(cp);
+        for b in &mut self.blocks {
+            b.self_attn.cp = group.clone();
+        }
+        self.cp = group;
+        self
+    }
+
+    /// Ranks in the context-parallel group (1 without CP).
+    pub fn cp_size(&self) -> usize {
+        self.cp.as_ref().map_or(1, |g| g.size())
+    }
+
+    /// Whether this stage starts at layer 0 (takes pixels, holds the embeddings).
+    pub fn is_first(&self) -> bool {
+        self.layers.start == 0
+    }
+
+    /// Whether this stage ends at the last layer (returns the [`VisionOutput`]).
+    pub fn is_last(&self) -> bool {
+        self.layers.end == self.config.num_layers
     }
 
     /// The size of the tensor-parallel group the blocks are split over.
@@ -261,199 +314,42 @@ impl VisionEncoder {
         Ok((b, (h / p) * (w / p)))
     }
 
-    /// pixel_values (B, C, H, W) -> last_hidden_state (B, S, D) and pooler_output.
+    /// pixel_values (B, C, H, W) -> last_hidden_state (B, S, D) and pooler_output:
+    /// [`Self::forward_stage`] of the whole model (an error on a partial stage).
     pub fn forward(&self, pixel_values: &Tensor) -> Result<(VisionOutput, VisionCache)> {
-        let (b, n) = self.check_images(pixel_values)?;
-        let d = self.config.hidden_size;
-        let dev = pixel_values.device();
-        let clip = self.class_embedding.is_some();
-        let s = n + usize::from(clip);
-        let t = b * s;
-
-        let patches = ops::patchify_fwd(pixel_values, self.config.patch_size)
-            .and_then(|x| {
-                let cpp = x.dims()[2];
-                x.reshape([b * n, cpp])
-            })
-            .ctx("vision", "patchify")?; // (B*N, C*P*P)
-        let (pe, patch) = self.patch_embedding.forward_owned(patches)?; // (B*N, D)
-
-        // Token rows in the packed sequence: image i occupies [i*S, (i+1)*S), its class
-        // token (CLIP) first.
-        let off = usize::from(clip);
-        let patch_rows: Vec<u32> = (0..b)
-            .flat_map(|i| (0..n).map(move |j| (i * s + off + j) as u32))
-            .collect();
-        let first_rows: Vec<u32> = (0..b).map(|i| (i * s) as u32).collect();
-        let pos: Vec<u32> = (0..b).flat_map(|_| 0..s as u32).collect();
-        let patch_rows = ids(patch_rows, dev)?;
-        let first_rows = ids(first_rows, dev)?;
-        let zeros_b = ids(vec![0; b], dev)?;
-        let pos_ids = ids(pos, dev)?;
-
-        let mut x = match &self.class_embedding {
-            Some(cls) => {
-                let mut x = zeros(&[t, d], dev)?; // (T, D)
-                ops::scatter_rows(&mut x, &patch_rows, &pe).ctx("vision", "place patches")?;
-                let cls = ops::gather_rows(&cls.value, &zeros_b).ctx("vision", "class token")?; // (B, D)
-                ops::scatter_rows(&mut x, &first_rows, &cls).ctx("vision", "place class")?;
-                x
-            }
-            None => pe,
-        };
-        let pos_emb = ops::gather_rows(&self.position_embedding.value, &pos_ids)
-            .ctx("vision", "positions")?; // (T, D)
-        ops::add_assign(&mut x, &pos_emb).ctx("vision", "add positions")?;
-
-        let (mut x, pre) = match &self.pre_layrnorm {
-            Some(ln) => {
-                let (y, c) = ln.forward_owned(x)?;
-                (y, Some(c))
-            }
-            None => (x, None),
-        };
-        let seq = SeqInfo::packed(&vec![s; b]);
-        let mut blocks = Vec::with_capacity(self.blocks.len());
-        for blk in &self.blocks {
-            let (y, c) = blk.forward_owned(x, &seq)?;
-            blocks.push(c);
-            x = y;
+        let (b, _) = self.check_images(pixel_values)?;
+        match self.forward_stage(VisionStageInput::Pixels(pixel_values), b)? {
+            (VisionStageOutput::Final(out), cache) => Ok((out, cache)),
+            (VisionStageOutput::Hidden(_), _) => Err(Error::input(
+                "vision",
+                format!(
+                    "forward needs the whole encoder, this is the stage of layers {:?} of {} (use forward_stage)",
+                    self.layers, self.config.num_layers
+                ),
+            )),
         }
-
-        let (last, pooled, post, head) = if clip {
-            let cls = ops::gather_rows(&x, &first_rows).ctx("vision", "pool class token")?; // (B, D)
-            let (pooled, post) = self.post_layernorm.forward_owned(cls)?;
-            (x, Some(pooled), Some(post), None)
-        } else {
-            let (y, post) = self.post_layernorm.forward_owned(x)?;
-            match &self.head {
-                Some(h) => {
-                    let (pooled, hc) = h.forward(&y, &seq, &first_rows)?;
-                    (y, Some(pooled), Some(post), Some(hc))
-                }
-                None => (y, None, Some(post), None),
-            }
-        };
-        let last = last.reshape([b, s, d]).ctx("vision", "output")?;
-        let cache = VisionCache {
-            image_shape: pixel_values.shape().clone(),
-            b,
-            n,
-            s,
-            patch,
-            patch_rows,
-            first_rows,
-            zeros_b,
-            pos_ids,
-            pre,
-            blocks,
-            post,
-            head,
-        };
-        Ok((
-            VisionOutput {
-                last_hidden_state: last,
-                pooler_output: pooled,
-            },
-            cache,
-        ))
     }
 
     /// Backward from d last_hidden_state (B, S, D) and, optionally, d pooler_output
-    /// (B, D): returns d pixel_values (B, C, H, W) and adds into the parameter grads.
+    /// (B, D): returns d pixel_values (B, C, H, W) and adds into the parameter grads
+    /// ([`Self::backward_stage`] of the whole model; under CP see [`stage`] for what
+    /// each rank returns).
     pub fn backward(
         &mut self,
         cache: VisionCache,
         d_last: &Tensor,
         d_pooled: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let VisionCache {
-            image_shape,
-            b,
-            n,
-            s,
-            patch,
-            patch_rows,
-            first_rows,
-            zeros_b,
-            pos_ids,
-            pre,
-            blocks,
-            post,
-            head,
-        } = cache;
-        let d = self.config.hidden_size;
-        let t = b * s;
-        if d_last.dims() != [b, s, d] {
+        if !self.is_first() || !self.is_last() {
             return Err(Error::input(
                 "vision backward",
                 format!(
-                    "d_last {} must be (B, S, D) = [{b}, {s}, {d}]",
-                    d_last.shape()
+                    "backward needs the whole encoder, this is the stage of layers {:?} of {} (use backward_stage)",
+                    self.layers, self.config.num_layers
                 ),
             ));
         }
-        if let Some(dp) = d_pooled
-            && dp.dims() != [b, d]
-        {
-            return Err(Error::input(
-                "vision backward",
-                format!("d_pooled {} must be (B, D) = [{b}, {d}]", dp.shape()),
-            ));
-        }
-        let mut dx = d_last
-            .try_clone()
-            .and_then(|x| x.reshape([t, d]))
-            .ctx("vision backward", "d_last")?; // (T, D)
-        let clip = self.class_embedding.is_some();
-        match (clip, post) {
-            (true, Some(post)) => {
-                if let Some(dp) = d_pooled {
-                    let dcls = self.post_layernorm.backward(post, dp)?; // (B, D)
-                    // Scatter-add into the class-token rows.
-                    ops::embedding_bwd(&dcls, &first_rows, &mut dx)
-                        .ctx("vision backward", "pool")?;
-                }
-            }
-            (false, Some(post)) => {
-                if let (Some(h), Some(hc), Some(dp)) = (self.head.as_mut(), head, d_pooled) {
-                    let dh = h.backward(hc, dp)?; // (T, D)
-                    ops::add_assign(&mut dx, &dh).ctx("vision backward", "head")?;
-                }
-                dx = self.post_layernorm.backward(post, &dx)?;
-            }
-            _ => {
-                return Err(Error::input(
-                    "vision backward",
-                    "cache does not match this model",
-                ));
-            }
-        }
-        for (blk, c) in self.blocks.iter_mut().zip(blocks).rev() {
-            dx = blk.backward(c, &dx)?;
-        }
-        if let (Some(ln), Some(c)) = (self.pre_layrnorm.as_mut(), pre) {
-            dx = ln.backward(c, &dx)?;
-        }
-        if let Some(g) = self.position_embedding.grad.as_mut() {
-            ops::embedding_bwd(&dx, &pos_ids, g).ctx("vision backward", "positions")?;
-        }
-        let dpe = if let Some(cls) = self.class_embedding.as_mut() {
-            if let Some(g) = cls.grad.as_mut() {
-                let dcls = ops::gather_rows(&dx, &first_rows).ctx("vision backward", "class")?; // (B, D)
-                ops::embedding_bwd(&dcls, &zeros_b, g).ctx("vision backward", "class")?;
-            }
-            ops::gather_rows(&dx, &patch_rows).ctx("vision backward", "patches")? // (B*N, D)
-        } else {
-            dx
-        };
-        let dpatches = self.patch_embedding.backward(patch, &dpe)?; // (B*N, C*P*P)
-        let cpp = dpatches.dims()[1];
-        let dpatches = dpatches
-            .reshape([b, n, cpp])
-            .ctx("vision backward", "patchify")?;
-        ops::patchify_bwd(&dpatches, &image_shape, self.config.patch_size)
-            .ctx("vision backward", "patchify")
+        self.backward_stage(cache, d_last, d_pooled)
     }
 }
 
@@ -481,35 +377,47 @@ pub(crate) fn check_tp(module: &str, heads: usize, ff: usize, tp: usize) -> Resu
 
 impl Module for VisionEncoder {
     fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a Param)) {
-        self.patch_embedding.visit_params(f);
+        if let Some(pe) = &self.patch_embedding {
+            pe.visit_params(f);
+        }
         if let Some(c) = &self.class_embedding {
             f(c);
         }
-        f(&self.position_embedding);
+        if let Some(p) = &self.position_embedding {
+            f(p);
+        }
         if let Some(ln) = &self.pre_layrnorm {
             ln.visit_params(f);
         }
         for b in &self.blocks {
             b.visit_params(f);
         }
-        self.post_layernorm.visit_params(f);
+        if let Some(ln) = &self.post_layernorm {
+            ln.visit_params(f);
+        }
         if let Some(h) = &self.head {
             h.visit_params(f);
         }
     }
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
-        self.patch_embedding.visit_params_mut(f);
+        if let Some(pe) = &mut self.patch_embedding {
+            pe.visit_params_mut(f);
+        }
         if let Some(c) = &mut self.class_embedding {
             f(c);
         }
-        f(&mut self.position_embedding);
+        if let Some(p) = &mut self.position_embedding {
+            f(p);
+        }
         if let Some(ln) = &mut self.pre_layrnorm {
             ln.visit_params_mut(f);
         }
         for b in &mut self.blocks {
             b.visit_params_mut(f);
         }
-        self.post_layernorm.visit_params_mut(f);
+        if let Some(ln) = &mut self.post_layernorm {
+            ln.visit_params_mut(f);
+        }
         if let Some(h) = &mut self.head {
             h.visit_params_mut(f);
         }
