@@ -4,8 +4,8 @@
 //! - the first step's gradient of every parameter (slices joined) within 1e-5 of the
 //!   one-rank gradient, relative to the tensor's largest entry;
 //! - 20 training steps whose losses match the one-rank run's within 1e-4 relative, for
-//!   layouts covering TP, CP, PP and DP, disjoint and colocated, uneven DP sizes between
-//!   modules, a frozen encoder, ZeRO-1 on and off;
+//!   layouts covering TP, CP, PP and DP on every module, disjoint and colocated, uneven DP
+//!   sizes between modules, a frozen encoder, ZeRO-1 on and off;
 //! - a checkpoint written under one layout resumed under another (and on one rank) gives
 //!   the same losses as not stopping.
 
@@ -63,7 +63,7 @@ fn fixture() -> &'static Path {
 }
 
 /// LLM: 4 layers, 4 heads, 2 KV heads, vocab 264 (divisible by 2, 4, 8); encoders with
-/// 2 heads each, so every module takes TP 2.
+/// 2 heads and 2 layers each, so every module takes TP 2 and PP 2.
 const RUN: &str = r#"
 [run]
 name = "par"
@@ -100,7 +100,7 @@ layer_norm_eps = 1e-6
 [model.audio]
 num_mel_bins = 80
 d_model = 16
-encoder_layers = 1
+encoder_layers = 2
 encoder_attention_heads = 2
 encoder_ffn_dim = 32
 max_source_positions = 1500
@@ -266,6 +266,31 @@ const LAYOUTS: &[(&str, &[&str], bool)] = &[
             "parallel.world_size=8",
             "parallel.llm.cp=3",
             "parallel.llm.tp=2",
+        ],
+        false,
+    ),
+    (
+        "encoders-cp2-pp2",
+        &[
+            "parallel.world_size=9",
+            "parallel.vision.cp=2",
+            "parallel.vision.pp=2",
+            "parallel.audio.cp=2",
+            "parallel.audio.pp=2",
+        ],
+        false,
+    ),
+    (
+        "colocated-encoder-stages",
+        &[
+            "parallel.world_size=4",
+            "parallel.placement=\"colocated\"",
+            "parallel.vision.pp=2",
+            "parallel.vision.dp=2",
+            "parallel.audio.cp=2",
+            "parallel.audio.dp=2",
+            "parallel.llm.tp=2",
+            "parallel.llm.dp=2",
         ],
         false,
     ),
@@ -471,7 +496,7 @@ fn layouts_that_do_not_fit_the_model_or_world_name_the_key() {
         e.contains("parallel.vision") && e.contains("whole world of 4"),
         "{e}"
     );
-    let e = full(&["parallel.world_size=4", "parallel.vision.pp=2"]);
+    let e = full(&["parallel.world_size=5", "parallel.vision.pp=3"]);
     assert!(e.contains("parallel.vision.pp"), "{e}");
     let e = full(&["parallel.world_size=4", "parallel.audio.tp=4"]);
     assert!(e.contains("parallel.audio.tp"), "{e}");

@@ -21,18 +21,16 @@ use braid_llm::{ModalityEmbeds, StageCache, StageInput, vocab_parallel_loss};
 use braid_nn::{Module, SeqInfo};
 
 use super::assign::{Assigner, Replicas, RoundRobin};
+use super::encode::{backward_clips, backward_images, encode_clips, encode_images};
 use super::layout::Layouts;
-use super::model::{AudioPart, LlmPart, RankModel, VisionPart};
-use super::plan::{ItemKind, StepPlan, TokenSplit, batch_shape};
+use super::model::{LlmPart, RankModel};
+use super::plan::{StepPlan, TokenSplit, batch_shape};
 use super::schedule::{Op, one_f_one_b};
 use super::sync::{ShardPlan, all_reduce_grads, broadcast_updates, local_sq_norm};
 use crate::config::RunConfig;
 use crate::data::rows_to_batch;
 use crate::error::{Result, TrainError};
-use crate::mllm::{
-    AudioBranch, Freeze, Mllm, MllmConfig, VisionBranch, audio_backward, audio_forward,
-    vision_backward, vision_forward,
-};
+use crate::mllm::{Freeze, Mllm, MllmConfig};
 use crate::optim::AdamW;
 
 /// What one forward/backward over the global batch measured (the same on every rank).
@@ -61,15 +59,6 @@ pub struct Engine {
     pub freeze: Freeze,
     bucket_elems: usize,
     zero1: bool,
-}
-
-/// An encoder's work kept for its backward.
-struct Encoded<B> {
-    /// Items (indices into the plan) in the order they were encoded.
-    items: Vec<usize>,
-    /// Embedding rows per item, same order.
-    rows: Vec<usize>,
-    branch: Option<B>,
 }
 
 impl Engine {
@@ -127,12 +116,13 @@ impl Engine {
 
         // Encoders, then the bridge to the LLM's first stage.
         let mut produced: Vec<(usize, Tensor)> = Vec::new();
+        let world = self.world.as_ref();
         let vision = match &self.model.vision {
-            Some(v) => encode_images(v, rows, &plan, &mut produced)?,
+            Some(v) => encode_images(v, world, rows, &plan, &mut produced)?,
             None => None,
         };
         let audio = match &self.model.audio {
-            Some(a) => encode_clips(a, rows, &plan, &mut produced)?,
+            Some(a) => encode_clips(a, world, rows, &plan, &mut produced)?,
             None => None,
         };
         let sent: Vec<(usize, &Tensor)> = produced.iter().map(|(i, t)| (*i, t)).collect();
@@ -160,17 +150,13 @@ impl Engine {
 
         // The bridge back and the encoders' backward.
         let grads = routes.backward(self.world.as_ref(), &dreceived)?;
-        if let (Some(enc), Some(v)) = (vision, &mut self.model.vision)
-            && let Some(b) = enc.branch
-        {
-            let dy = stack_grads(&grads, &enc.items, &enc.rows, c)?;
-            vision_backward(&mut v.encoder, &mut v.projector, b, &dy)?;
+        // Vision then audio on every rank: a fixed order, so stage-to-stage messages of
+        // the two encoders never wait on each other in a cycle.
+        if let (Some(work), Some(v)) = (vision, &mut self.model.vision) {
+            backward_images(v, self.world.as_ref(), work, &grads, c)?;
         }
-        if let (Some(enc), Some(a)) = (audio, &mut self.model.audio)
-            && let Some(b) = enc.branch
-        {
-            let dy = stack_grads(&grads, &enc.items, &enc.rows, c)?;
-            audio_backward(&mut a.encoder, &mut a.projector, b, &dy)?;
+        if let (Some(work), Some(a)) = (audio, &mut self.model.audio) {
+            backward_clips(a, self.world.as_ref(), work, &grads, c)?;
         }
         all_reduce_grads(&mut self.model, self.bucket_elems)?;
 
@@ -208,127 +194,6 @@ impl Engine {
         }
         Ok(())
     }
-}
-
-/// Rows `start .. start + n` of `x` (N, C).
-fn row_slice(x: &Tensor, start: usize, n: usize) -> Result<Tensor> {
-    let idx: Vec<u32> = (start as u32..(start + n) as u32).collect();
-    let idx = Tensor::from_vec_u32(idx, [n], x.device())?;
-    Ok(ops::gather_rows(x, &idx)?)
-}
-
-/// This replica's images through the vision encoder and projector; the first TP rank
-/// hands each image's rows to the bridge.
-fn encode_images(
-    part: &VisionPart,
-    rows: &[Row],
-    plan: &StepPlan,
-    produced: &mut Vec<(usize, Tensor)>,
-) -> Result<Option<Encoded<VisionBranch>>> {
-    let dp = part.groups.coord.dp;
-    let items: Vec<usize> = (0..plan.items.len())
-        .filter(|&i| plan.items[i].kind == ItemKind::Image && plan.items[i].enc_dp == dp)
-        .collect();
-    let Some(&first) = items.first() else {
-        return Ok(None);
-    };
-    let im0 = &rows[plan.items[first].row].images[plan.items[first].index];
-    let (h, w) = (im0.height, im0.width);
-    let mut pixels = Vec::with_capacity(items.len() * 3 * h * w); // (B, 3, H, W)
-    for &i in &items {
-        let it = &plan.items[i];
-        pixels.extend_from_slice(&rows[it.row].images[it.index].pixels);
-    }
-    let px = Tensor::from_vec(pixels, [items.len(), 3, h, w], Device::Cpu)?;
-    let (y, branch) = vision_forward(&part.encoder, &part.projector, &px)?; // (B * tpi, C)
-    let n_rows: Vec<usize> = items.iter().map(|&i| plan.items[i].rows).collect();
-    hand_over(&y, &items, &n_rows, part.groups.coord.tp == 0, produced)?;
-    Ok(Some(Encoded {
-        items,
-        rows: n_rows,
-        branch,
-    }))
-}
-
-/// This replica's clips through the audio encoder and projector.
-fn encode_clips(
-    part: &AudioPart,
-    rows: &[Row],
-    plan: &StepPlan,
-    produced: &mut Vec<(usize, Tensor)>,
-) -> Result<Option<Encoded<AudioBranch>>> {
-    let dp = part.groups.coord.dp;
-    let items: Vec<usize> = (0..plan.items.len())
-        .filter(|&i| plan.items[i].kind == ItemKind::Clip && plan.items[i].enc_dp == dp)
-        .collect();
-    if items.is_empty() {
-        return Ok(None);
-    }
-    let clips = items
-        .iter()
-        .map(|&i| {
-            let a = &rows[plan.items[i].row].audio[plan.items[i].index];
-            Tensor::from_vec(a.mel.clone(), [a.n_mels, a.frames], Device::Cpu)
-        })
-        .collect::<braid_kernels::Result<Vec<_>>>()?; // (n_mels, F) each
-    let (y, branch) = audio_forward(&part.encoder, &part.projector, &clips)?; // (G_a, C)
-    let n_rows: Vec<usize> = items.iter().map(|&i| plan.items[i].rows).collect();
-    hand_over(&y, &items, &n_rows, part.groups.coord.tp == 0, produced)?;
-    Ok(Some(Encoded {
-        items,
-        rows: n_rows,
-        branch,
-    }))
-}
-
-/// Splits `y` (sum of n_rows, C) into one tensor per item for the bridge (sender only).
-fn hand_over(
-    y: &Tensor,
-    items: &[usize],
-    n_rows: &[usize],
-    sender: bool,
-    produced: &mut Vec<(usize, Tensor)>,
-) -> Result<()> {
-    let total: usize = n_rows.iter().sum();
-    if y.dims()[0] != total {
-        return Err(TrainError::Other(format!(
-            "the encoder gave {} rows for {} placeholder tokens of {} items",
-            y.dims()[0],
-            total,
-            items.len()
-        )));
-    }
-    if !sender {
-        return Ok(());
-    }
-    let mut off = 0;
-    for (&i, &n) in items.iter().zip(n_rows) {
-        produced.push((i, row_slice(y, off, n)?));
-        off += n;
-    }
-    Ok(())
-}
-
-/// The grads of `items` from the bridge, stacked in that order: (sum of rows, C).
-fn stack_grads(
-    grads: &[(usize, Tensor)],
-    items: &[usize],
-    n_rows: &[usize],
-    c: usize,
-) -> Result<Tensor> {
-    let total: usize = n_rows.iter().sum();
-    let mut dy = Tensor::zeros(vec![total, c], DType::F32, Device::Cpu)?; // (N, C)
-    let mut off = 0;
-    for (&i, &n) in items.iter().zip(n_rows) {
-        let g = grads.iter().find(|(j, _)| *j == i).ok_or_else(|| {
-            TrainError::Other(format!("the bridge returned no grad for item {i}"))
-        })?;
-        let idx: Vec<u32> = (off as u32..(off + n) as u32).collect();
-        let idx = Tensor::from_vec_u32(idx, [n], Device::Cpu)?;
-        ops::scatter_rows(&mut dy, &idx, &g.1)?;
-        off += n;
-    }
-    Ok(dy)
 }
 
 /// A microbatch as this CP rank sees it: token ids, sample layout, next-token targets.

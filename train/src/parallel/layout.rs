@@ -104,20 +104,23 @@ impl Layouts {
                 model
                     .vision
                     .as_ref()
-                    .map(|v| (v.num_heads, v.intermediate_size)),
+                    .map(|v| (v.num_heads, v.intermediate_size, v.num_layers)),
             ),
             (
                 ModuleKind::Audio,
                 &p.audio,
-                model
-                    .audio
-                    .as_ref()
-                    .map(|a| (a.encoder_attention_heads, a.encoder_ffn_dim)),
+                model.audio.as_ref().map(|a| {
+                    (
+                        a.encoder_attention_heads,
+                        a.encoder_ffn_dim,
+                        a.encoder_layers,
+                    )
+                }),
             ),
         ];
         for (kind, layout, sizes) in encoders {
             let key = kind.key();
-            let Some((heads, ff)) = sizes else {
+            let Some((heads, ff, layers)) = sizes else {
                 if *layout != ModuleLayout::default() {
                     return Err(invalid(
                         format!("parallel.{key}"),
@@ -140,24 +143,22 @@ impl Layouts {
                 layout.tp,
                 "tp",
             )?;
-            if layout.pp != 1 {
+            if layout.pp > layers {
                 return Err(invalid(
                     format!("parallel.{key}.pp"),
                     format!(
-                        "{}: pipeline stages inside an encoder are not built yet; use pp = 1 and more dp or tp",
+                        "{} pipeline stages for the {key} encoder's {layers} layers: at most one stage per layer",
                         layout.pp
                     ),
                 ));
             }
-            if layout.cp != 1 {
-                return Err(invalid(
-                    format!("parallel.{key}.cp"),
-                    format!(
-                        "{}: context parallelism inside an encoder is not built yet; use cp = 1 and more dp or tp",
-                        layout.cp
-                    ),
-                ));
-            }
+            divisible(
+                &format!("parallel.{key}.pp"),
+                &format!("the {key} encoder's layers"),
+                layers,
+                layout.pp,
+                "pp",
+            )?;
         }
 
         let has_vision = model.vision.is_some();

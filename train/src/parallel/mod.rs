@@ -8,13 +8,14 @@
 //! - [`plan`]: one step's items, microbatches and bridge routes, the same on every rank;
 //! - [`model`]: one rank's share of the model and its groups;
 //! - [`schedule`]: the 1F1B pipeline order;
-//! - [`engine`]: one rank's step;
+//! - [`engine`]: one rank's step (`encode`: its encoder stages);
 //! - [`sync`]: gradient all-reduce, the global norm, ZeRO-1;
 //! - [`ckpt`]: checkpoints that any layout can load;
 //! - [`run`]: `braid train` with several ranks as threads.
 
 pub mod assign;
 pub mod ckpt;
+mod encode;
 pub mod engine;
 pub mod layout;
 pub mod model;

@@ -91,18 +91,18 @@ impl ModuleGroups {
     }
 }
 
-/// An encoder and its projector.
+/// A stage of an encoder, and its projector on the last stage.
 #[derive(Debug)]
 pub struct VisionPart {
     pub encoder: VisionEncoder,
-    pub projector: MlpProjector,
+    pub projector: Option<MlpProjector>,
     pub groups: ModuleGroups,
 }
 
 #[derive(Debug)]
 pub struct AudioPart {
     pub encoder: WhisperEncoder,
-    pub projector: AudioProjector,
+    pub projector: Option<AudioProjector>,
     pub groups: ModuleGroups,
 }
 
@@ -141,11 +141,21 @@ impl RankModel {
             && let Some(groups) =
                 ModuleGroups::new(world, layouts, ModuleKind::Vision, rank, false)?
         {
+            let layers = stage_layers(vc.num_layers, groups.grid.dims.pp, groups.coord.pp);
             let mut encoder =
-                VisionEncoder::with_group(&zeros, vc.clone(), Arc::clone(&groups.tp))?;
+                VisionEncoder::stage(&zeros, vc.clone(), layers, Arc::clone(&groups.tp))?;
+            if groups.grid.dims.cp > 1 {
+                encoder = encoder.with_cp(Arc::clone(&groups.cp));
+            }
             prefix(&mut encoder, VISION);
-            let projector = MlpProjector::new(&zeros, "vision_projector", pc.projector())?;
-            debug_assert!(projector.param_shapes()[0].0.starts_with(VISION_PROJECTOR));
+            // The projector sits on the encoder's last stage.
+            let projector = if groups.is_last_stage() {
+                let p = MlpProjector::new(&zeros, "vision_projector", pc.projector())?;
+                debug_assert!(p.param_shapes()[0].0.starts_with(VISION_PROJECTOR));
+                Some(p)
+            } else {
+                None
+            };
             model.vision = Some(VisionPart {
                 encoder,
                 projector,
@@ -155,18 +165,27 @@ impl RankModel {
         if let (Some(ac), Some(pc)) = (&cfg.audio, &cfg.audio_projector)
             && let Some(groups) = ModuleGroups::new(world, layouts, ModuleKind::Audio, rank, false)?
         {
+            let layers = stage_layers(ac.encoder_layers, groups.grid.dims.pp, groups.coord.pp);
             let mut encoder =
-                WhisperEncoder::with_group(&zeros, ac.clone(), Arc::clone(&groups.tp))?;
+                WhisperEncoder::stage(&zeros, ac.clone(), layers, Arc::clone(&groups.tp))?;
+            if groups.grid.dims.cp > 1 {
+                encoder = encoder.with_cp(Arc::clone(&groups.cp));
+            }
             prefix(&mut encoder, AUDIO);
-            let projector = AudioProjector::new(
-                &zeros,
-                "audio_projector",
-                pc.in_dim,
-                pc.out_dim,
-                pc.stride,
-                pc.activation(),
-            )?;
-            debug_assert!(projector.param_shapes()[0].0.starts_with(AUDIO_PROJECTOR));
+            let projector = if groups.is_last_stage() {
+                let p = AudioProjector::new(
+                    &zeros,
+                    "audio_projector",
+                    pc.in_dim,
+                    pc.out_dim,
+                    pc.stride,
+                    pc.activation(),
+                )?;
+                debug_assert!(p.param_shapes()[0].0.starts_with(AUDIO_PROJECTOR));
+                Some(p)
+            } else {
+                None
+            };
             model.audio = Some(AudioPart {
                 encoder,
                 projector,
@@ -236,11 +255,15 @@ impl Module for RankModel {
     fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a Param)) {
         if let Some(v) = &self.vision {
             v.encoder.visit_params(f);
-            v.projector.visit_params(f);
+            if let Some(p) = &v.projector {
+                p.visit_params(f);
+            }
         }
         if let Some(a) = &self.audio {
             a.encoder.visit_params(f);
-            a.projector.visit_params(f);
+            if let Some(p) = &a.projector {
+                p.visit_params(f);
+            }
         }
         if let Some(l) = &self.llm {
             l.stage.visit_params(f);
@@ -249,11 +272,15 @@ impl Module for RankModel {
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
         if let Some(v) = &mut self.vision {
             v.encoder.visit_params_mut(f);
-            v.projector.visit_params_mut(f);
+            if let Some(p) = &mut v.projector {
+                p.visit_params_mut(f);
+            }
         }
         if let Some(a) = &mut self.audio {
             a.encoder.visit_params_mut(f);
-            a.projector.visit_params_mut(f);
+            if let Some(p) = &mut a.projector {
+                p.visit_params_mut(f);
+            }
         }
         if let Some(l) = &mut self.llm {
             l.stage.visit_params_mut(f);

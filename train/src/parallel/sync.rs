@@ -22,13 +22,17 @@ fn parts(model: &RankModel) -> Vec<(&ModuleGroups, Vec<&Param>)> {
     if let Some(v) = &model.vision {
         let mut ps = Vec::new();
         v.encoder.visit_params(&mut |p| ps.push(p));
-        v.projector.visit_params(&mut |p| ps.push(p));
+        if let Some(pr) = &v.projector {
+            pr.visit_params(&mut |p| ps.push(p));
+        }
         out.push((&v.groups, ps));
     }
     if let Some(a) = &model.audio {
         let mut ps = Vec::new();
         a.encoder.visit_params(&mut |p| ps.push(p));
-        a.projector.visit_params(&mut |p| ps.push(p));
+        if let Some(pr) = &a.projector {
+            pr.visit_params(&mut |p| ps.push(p));
+        }
         out.push((&a.groups, ps));
     }
     if let Some(l) = &model.llm {
