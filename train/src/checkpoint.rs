@@ -241,9 +241,26 @@ pub fn read_state(dir: &Path) -> Result<TrainState> {
 pub fn load_weights<M: Module + ?Sized>(dir: &Path, model: &mut M, device: Device) -> Result<()> {
     let path = dir.join(MODEL_FILE);
     if !path.exists() {
-        return load_full(dir, "model", model, device);
+        // Written by several ranks: join their slices.
+        let full = crate::parallel::ckpt::read_full(dir, "model")?;
+        return load_each(model, full.len(), dir, |name, dims| {
+            full_tensor(&full, name, dims, dir, device)
+        });
     }
     let files = WeightFiles::open_files(std::slice::from_ref(&path))?;
+    load_each(model, files.names().count(), &path, |name, dims| {
+        Ok(files.load(name, dims, device)?)
+    })
+}
+
+/// Every parameter of `model` from `get(name, shape)`; `stored` tensors must be exactly
+/// the model's.
+fn load_each<M: Module + ?Sized>(
+    model: &mut M,
+    stored: usize,
+    origin: &Path,
+    get: impl Fn(&str, &[usize]) -> Result<braid_kernels::Tensor>,
+) -> Result<()> {
     let mut res: Result<()> = Ok(());
     let mut n = 0usize;
     model.visit_params_mut(&mut |p| {
@@ -251,17 +268,15 @@ pub fn load_weights<M: Module + ?Sized>(dir: &Path, model: &mut M, device: Devic
             return;
         }
         n += 1;
-        let dims = p.value.dims().to_vec();
-        match files.load(&p.name, &dims, device) {
+        match get(&p.name, p.value.dims()) {
             Ok(t) => p.value = t,
-            Err(e) => res = Err(e.into()),
+            Err(e) => res = Err(e),
         }
     });
     res?;
-    let stored = files.names().count();
     if stored != n {
         return Err(ckpt_err(
-            &path,
+            origin,
             format!(
                 "{stored} tensors stored but the model has {n} parameters: the checkpoint is of another model"
             ),
@@ -350,38 +365,4 @@ fn full_tensor(
         dims.to_vec(),
         device,
     )?)
-}
-
-/// Every weight of `model` from a checkpoint written by several ranks (their slices
-/// joined into full tensors).
-fn load_full<M: Module + ?Sized>(
-    dir: &Path,
-    kind: &str,
-    model: &mut M,
-    device: Device,
-) -> Result<()> {
-    let full = crate::parallel::ckpt::read_full(dir, kind)?;
-    let mut res: Result<()> = Ok(());
-    let mut n = 0usize;
-    model.visit_params_mut(&mut |p| {
-        if res.is_err() {
-            return;
-        }
-        n += 1;
-        match full_tensor(&full, &p.name, p.value.dims(), dir, device) {
-            Ok(t) => p.value = t,
-            Err(e) => res = Err(e),
-        }
-    });
-    res?;
-    if full.len() != n {
-        return Err(ckpt_err(
-            dir,
-            format!(
-                "{} tensors stored but the model has {n} parameters: the checkpoint is of another model",
-                full.len()
-            ),
-        ));
-    }
-    Ok(())
 }

@@ -374,21 +374,12 @@ impl Trainer {
         obs.start(&self.info);
         let total = self.cfg.train.steps;
         let started = Instant::now();
-        let mut recent: Vec<f64> = Vec::new();
-        let mut first_loss = None;
+        let mut trail = LossTrail::default();
         let mut last_ckpt = None;
-        let mut tokens = 0;
         let start_step = self.state.step;
         while self.state.step < total {
             let m = self.step()?;
-            tokens += m.tokens;
-            if !m.skipped {
-                first_loss.get_or_insert(m.loss);
-                recent.push(m.loss);
-                if recent.len() > 10 {
-                    recent.remove(0);
-                }
-            }
+            trail.record(&m);
             obs.step(&m, total);
             let every = self.cfg.checkpoint.interval;
             if m.step == total || (every > 0 && m.step % every == 0) {
@@ -416,18 +407,21 @@ impl Trainer {
         if last_ckpt.is_none() {
             last_ckpt = checkpoint::latest(&self.cfg.run.dir.join("checkpoints"))?.map(|(_, p)| p);
         }
-        self.finish(recent, first_loss, tokens, train_s, last_ckpt)
+        self.finish(trail, train_s, last_ckpt)
     }
 
     /// The end of a run: evaluation (`eval.json`), the Hugging Face export and the summary.
     pub(crate) fn finish(
         self,
-        recent: Vec<f64>,
-        first_loss: Option<f64>,
-        tokens: u64,
+        trail: LossTrail,
         train_s: f64,
         last_ckpt: Option<PathBuf>,
     ) -> Result<RunSummary> {
+        let LossTrail {
+            recent,
+            first: first_loss,
+            tokens,
+        } = trail;
         let eval = self.evaluate()?;
         if let Some(r) = &eval {
             braid_nn::hf::write_json(&self.cfg.run.dir.join("eval.json"), r)?;
@@ -449,6 +443,27 @@ impl Trainer {
             checkpoint: last_ckpt,
             export: Some(export),
         })
+    }
+}
+
+/// What a run's summary keeps of its steps: tokens, the first loss and the last 10.
+#[derive(Debug, Default)]
+pub(crate) struct LossTrail {
+    recent: Vec<f64>,
+    first: Option<f64>,
+    tokens: u64,
+}
+
+impl LossTrail {
+    pub(crate) fn record(&mut self, m: &StepMetrics) {
+        self.tokens += m.tokens;
+        if !m.skipped {
+            self.first.get_or_insert(m.loss);
+            self.recent.push(m.loss);
+            if self.recent.len() > 10 {
+                self.recent.remove(0);
+            }
+        }
     }
 }
 

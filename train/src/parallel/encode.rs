@@ -98,30 +98,31 @@ pub(crate) fn encode_images(
         let h = world.recv(&Shape::new([n, d]), neighbor(g, world, -1)?)?; // (N_local, D)
         part.encoder.forward_stage(VisionStageInput::Hidden(h), b)?
     };
-    let held = match out {
-        VisionStageOutput::Hidden(h) => {
-            world.send(&h, neighbor(g, world, 1)?)?;
-            Held::Middle(trains(&part.encoder).then_some(cache))
-        }
-        VisionStageOutput::Final(o) => {
-            let proj = last_stage_projector(part.projector.as_ref(), g)?;
-            let (y, branch) = vision_project(&part.encoder, proj, o.last_hidden_state, cache)?; // (B * tpi, C)
-            hand_over(
-                &y,
-                &items,
-                &n_rows,
-                g.coord.tp == 0 && g.coord.cp == 0,
-                produced,
-            )?;
-            Held::Last(branch)
-        }
+    let out = match out {
+        VisionStageOutput::Hidden(h) => Out::Hidden(h),
+        VisionStageOutput::Final(o) => Out::Final(o.last_hidden_state),
     };
-    Ok(Some(Encoded {
+    let work = Encoded {
         items,
         rows: n_rows,
         frames: Vec::new(),
-        held,
-    }))
+        held: Held::Last(None),
+    };
+    let trains = trains(&part.encoder);
+    hand_on(
+        g,
+        world,
+        out,
+        cache,
+        trains,
+        work,
+        produced,
+        |last, cache| {
+            let proj = last_stage_projector(part.projector.as_ref(), g)?;
+            Ok(vision_project(&part.encoder, proj, last, cache)?) // (B * tpi, C)
+        },
+    )
+    .map(Some)
 }
 
 /// The backward of [`encode_images`], given the bridge's grads.
@@ -134,24 +135,16 @@ pub(crate) fn backward_images(
 ) -> Result<()> {
     let g = part.groups.clone();
     let d = part.encoder.config.hidden_size;
-    let b = work.items.len();
-    let (cache, dout) = match work.held {
-        Held::Last(None) | Held::Middle(None) => return Ok(()),
-        Held::Last(Some(branch)) => {
-            let dy = stack_grads(grads, &work.items, &work.rows, c)?;
-            let proj = part.projector.as_mut().ok_or_else(|| no_projector(&g))?;
-            let back = vision_unproject(d, proj, branch, &dy)?;
-            replicated_over_cp(proj, &g)?;
-            match back {
-                Some(x) => x,
-                None => return Ok(()),
-            }
-        }
-        Held::Middle(Some(cache)) => {
-            let n = part.encoder.hidden_tokens(b)?;
-            let dh = world.recv(&Shape::new([n, d]), neighbor(&g, world, 1)?)?; // (N_local, D)
-            (cache, dh)
-        }
+    let n = part.encoder.hidden_tokens(work.items.len())?; // N_local
+    let projector = &mut part.projector;
+    let Some((cache, dout)) = grad_in(&g, world, work, grads, c, n, d, |branch, dy| {
+        let proj = projector.as_mut().ok_or_else(|| no_projector(&g))?;
+        let back = vision_unproject(d, proj, branch, dy)?;
+        replicated_over_cp(proj, &g)?;
+        Ok(back)
+    })?
+    else {
+        return Ok(());
     };
     let dx = part.encoder.backward_stage(cache, &dout, None)?;
     if g.coord.pp > 0 {
@@ -193,30 +186,28 @@ pub(crate) fn encode_clips(
         part.encoder
             .forward_stage(AudioStageInput::Hidden(h), &frames)?
     };
-    let held = match out {
-        AudioStageOutput::Hidden(h) => {
-            world.send(&h, neighbor(g, world, 1)?)?;
-            Held::Middle(trains(&part.encoder).then_some(cache))
-        }
-        AudioStageOutput::Final(o) => {
-            let proj = last_stage_projector(part.projector.as_ref(), g)?;
-            let (y, branch) = audio_project(&part.encoder, proj, &o.hidden, &o.cu_seqlens, cache)?; // (G_a, C)
-            hand_over(
-                &y,
-                &items,
-                &n_rows,
-                g.coord.tp == 0 && g.coord.cp == 0,
-                produced,
-            )?;
-            Held::Last(branch)
-        }
+    let out = match out {
+        AudioStageOutput::Hidden(h) => Out::Hidden(h),
+        AudioStageOutput::Final(o) => Out::Final(o),
     };
-    Ok(Some(Encoded {
+    let work = Encoded {
         items,
         rows: n_rows,
         frames,
-        held,
-    }))
+        held: Held::Last(None),
+    };
+    let trains = trains(&part.encoder);
+    hand_on(g, world, out, cache, trains, work, produced, |o, cache| {
+        let proj = last_stage_projector(part.projector.as_ref(), g)?;
+        Ok(audio_project(
+            &part.encoder,
+            proj,
+            &o.hidden,
+            &o.cu_seqlens,
+            cache,
+        )?) // (G_a, C)
+    })
+    .map(Some)
 }
 
 /// The backward of [`encode_clips`], given the bridge's grads.
@@ -227,26 +218,18 @@ pub(crate) fn backward_clips(
     grads: &[(usize, Tensor)],
     c: usize,
 ) -> Result<()> {
-    let frames = &work.frames;
     let g = part.groups.clone();
     let d = part.encoder.config.d_model;
-    let (cache, dout) = match work.held {
-        Held::Last(None) | Held::Middle(None) => return Ok(()),
-        Held::Last(Some(branch)) => {
-            let dy = stack_grads(grads, &work.items, &work.rows, c)?;
-            let proj = part.projector.as_mut().ok_or_else(|| no_projector(&g))?;
-            let back = audio_unproject(proj, branch, &dy)?;
-            replicated_over_cp(proj, &g)?;
-            match back {
-                Some(x) => x,
-                None => return Ok(()),
-            }
-        }
-        Held::Middle(Some(cache)) => {
-            let n = part.encoder.hidden_tokens(frames)?;
-            let dh = world.recv(&Shape::new([n, d]), neighbor(&g, world, 1)?)?; // (T_local, D)
-            (cache, dh)
-        }
+    let n = part.encoder.hidden_tokens(&work.frames)?; // T_local
+    let projector = &mut part.projector;
+    let Some((cache, dout)) = grad_in(&g, world, work, grads, c, n, d, |branch, dy| {
+        let proj = projector.as_mut().ok_or_else(|| no_projector(&g))?;
+        let back = audio_unproject(proj, branch, dy)?;
+        replicated_over_cp(proj, &g)?;
+        Ok(back)
+    })?
+    else {
+        return Ok(());
     };
     match part.encoder.backward_stage(cache, &dout)? {
         AudioStageGrad::Hidden(dh) => world.send(&dh, neighbor(&g, world, -1)?)?,
@@ -254,6 +237,68 @@ pub(crate) fn backward_clips(
         AudioStageGrad::Clips(_) => {}
     }
     Ok(())
+}
+
+/// A stage's output: hidden states for the next stage, or the encoder's final output.
+enum Out<F> {
+    Hidden(Tensor),
+    Final(F),
+}
+
+/// After a stage's forward: a middle stage sends its hidden states on and keeps its
+/// cache (when the encoder trains); the last stage projects the output (`project`) and,
+/// on TP/CP rank 0, hands each item's rows to the bridge.
+#[allow(clippy::too_many_arguments)]
+fn hand_on<F, B, C>(
+    g: &ModuleGroups,
+    world: &dyn Comm,
+    out: Out<F>,
+    cache: C,
+    trains: bool,
+    mut work: Encoded<B, C>,
+    produced: &mut Vec<(usize, Tensor)>,
+    project: impl FnOnce(F, C) -> Result<(Tensor, Option<B>)>,
+) -> Result<Encoded<B, C>> {
+    work.held = match out {
+        Out::Hidden(h) => {
+            world.send(&h, neighbor(g, world, 1)?)?;
+            Held::Middle(trains.then_some(cache))
+        }
+        Out::Final(o) => {
+            let (y, branch) = project(o, cache)?;
+            let sender = g.coord.tp == 0 && g.coord.cp == 0;
+            hand_over(&y, &work.items, &work.rows, sender, produced)?;
+            Held::Last(branch)
+        }
+    };
+    Ok(work)
+}
+
+/// The grad entering a stage's backward, with its cache: from the bridge through the
+/// projector (`unproject`) on the last stage, from the next stage otherwise (`n` rows of
+/// width `d`). `None` when nothing here runs backward.
+#[allow(clippy::too_many_arguments)]
+fn grad_in<B, C>(
+    g: &ModuleGroups,
+    world: &dyn Comm,
+    work: Encoded<B, C>,
+    grads: &[(usize, Tensor)],
+    c: usize,
+    n: usize,
+    d: usize,
+    unproject: impl FnOnce(B, &Tensor) -> Result<Option<(C, Tensor)>>,
+) -> Result<Option<(C, Tensor)>> {
+    match work.held {
+        Held::Last(None) | Held::Middle(None) => Ok(None),
+        Held::Last(Some(branch)) => {
+            let dy = stack_grads(grads, &work.items, &work.rows, c)?;
+            unproject(branch, &dy)
+        }
+        Held::Middle(Some(cache)) => {
+            let dh = world.recv(&Shape::new([n, d]), neighbor(g, world, 1)?)?; // (N_local, D)
+            Ok(Some((cache, dh)))
+        }
+    }
 }
 
 fn no_projector(g: &ModuleGroups) -> TrainError {

@@ -29,7 +29,7 @@ use crate::metrics::{MetricsWriter, StepMetrics};
 use crate::mllm::Mllm;
 use crate::optim::AdamW;
 use crate::optim::clip_factor;
-use crate::trainer::{Observer, RunSummary, Trainer};
+use crate::trainer::{LossTrail, Observer, RunSummary, Trainer};
 
 /// What rank 0 tells the caller's observer.
 enum Event {
@@ -82,23 +82,14 @@ pub fn run(mut trainer: Trainer, obs: &mut dyn Observer) -> Result<RunSummary> {
                 rank_main(comm, shared, events)
             })
         });
-        let mut recent: Vec<f64> = Vec::new();
-        let mut first_loss = None;
+        let mut trail = LossTrail::default();
         let mut last_ckpt = None;
-        let mut tokens = 0u64;
         let mut write_err = None;
         for ev in rx {
             match ev {
                 Event::Log(l) => obs.log(&l),
                 Event::Step(m) => {
-                    tokens += m.tokens;
-                    if !m.skipped {
-                        first_loss.get_or_insert(m.loss);
-                        recent.push(m.loss);
-                        if recent.len() > 10 {
-                            recent.remove(0);
-                        }
-                    }
+                    trail.record(&m);
                     if let Err(e) = metrics.append(&m) {
                         write_err.get_or_insert(e);
                     }
@@ -122,9 +113,9 @@ pub fn run(mut trainer: Trainer, obs: &mut dyn Observer) -> Result<RunSummary> {
         if let Some(e) = write_err {
             return Err(e);
         }
-        Ok((finals, recent, first_loss, last_ckpt, tokens))
+        Ok((finals, trail, last_ckpt))
     });
-    let (finals, recent, first_loss, mut last_ckpt, tokens) = outcome?;
+    let (finals, trail, mut last_ckpt) = outcome?;
     let train_s = started.elapsed().as_secs_f64();
     if let Some(state) = finals.into_iter().next() {
         trainer.state = state;
@@ -140,7 +131,7 @@ pub fn run(mut trainer: Trainer, obs: &mut dyn Observer) -> Result<RunSummary> {
     if let Some(dir) = &last_ckpt {
         checkpoint::load_weights(dir, &mut trainer.model, braid_kernels::Device::Cpu)?;
     }
-    trainer.finish(recent, first_loss, tokens, train_s, last_ckpt)
+    trainer.finish(trail, train_s, last_ckpt)
 }
 
 /// What every rank reads from the set-up (the loader itself is not shared: each rank
