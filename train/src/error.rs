@@ -16,6 +16,8 @@ pub enum TrainError {
     Comm(#[from] braid_comm::CommError),
     #[error(transparent)]
     Bridge(#[from] braid_bridge::BridgeError),
+    #[error(transparent)]
+    Assign(#[from] braid_balancer::AssignError),
     #[error("data: {0}")]
     Data(String),
     #[error("{}: cannot {op}: {source}", path.display())]

@@ -20,7 +20,6 @@ use braid_kernels::{DType, Device, Shape, Tensor, ops};
 use braid_llm::{ModalityEmbeds, StageCache, StageInput, vocab_parallel_loss};
 use braid_nn::{Module, SeqInfo};
 
-use super::assign::{Assigner, Replicas, RoundRobin};
 use super::encode::{backward_clips, backward_images, encode_clips, encode_images};
 use super::layout::Layouts;
 use super::model::{LlmPart, RankModel};
@@ -32,6 +31,7 @@ use crate::data::rows_to_batch;
 use crate::error::{Result, TrainError};
 use crate::mllm::{Freeze, Mllm, MllmConfig};
 use crate::optim::AdamW;
+use braid_balancer::{Assigner, Replicas, RoundRobin};
 
 /// What one forward/backward over the global batch measured (the same on every rank).
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -3,8 +3,8 @@
 //! multi-rank training loop.
 //!
 //! - [`layout`]: the grids from `[parallel]`, validated against the model;
-//! - [`assign`]: where each row, image and clip of a batch goes (an interface; the
-//!   balancer plugs in a data-aware one);
+//! - `braid_balancer::assign`: where each row, image and clip of a batch goes (the
+//!   interface, with a round-robin default; the balancer's data-aware one plugs in);
 //! - [`plan`]: one step's items, microbatches and bridge routes, the same on every rank;
 //! - [`model`]: one rank's share of the model and its groups;
 //! - [`schedule`]: the 1F1B pipeline order;
@@ -13,7 +13,6 @@
 //! - [`ckpt`]: checkpoints that any layout can load;
 //! - [`run`]: `braid train` with several ranks as threads.
 
-pub mod assign;
 pub mod ckpt;
 mod encode;
 pub mod engine;

@@ -8,10 +8,10 @@ use braid_dataloader::loader::Row;
 use braid_llm::next_token_targets;
 use braid_nn::{CpPlan, SeqInfo};
 
-use super::assign::{Assignment, BatchShape};
 use super::layout::Layouts;
 use crate::error::{Result, TrainError};
 use crate::mllm::Freeze;
+use braid_balancer::{Assignment, BatchShape};
 
 /// An image or a clip of the global batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

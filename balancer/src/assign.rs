@@ -1,9 +1,13 @@
 //! Where the samples of one global batch go: each packed row to an LLM data-parallel
 //! replica and a microbatch, each image and clip to an encoder replica. Every rank
-//! computes the same [`Assignment`] from the batch metadata it holds; the bridge then
-//! routes embeddings for whatever the assignment says, so an assigner only balances work.
+//! computes the same [`Assignment`] from the batch metadata it holds; the trainer's
+//! bridge then routes embeddings for whatever the assignment says, so an [`Assigner`]
+//! only balances work. [`RoundRobin`] is the default; a data-aware one lives here too.
 
-use crate::error::{Result, TrainError};
+/// An assignment that does not fit its batch or replica counts.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("batch assignment: {0}")]
+pub struct AssignError(pub String);
 
 /// What an assigner sees of one global batch (all ranks hold the same).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -48,8 +52,8 @@ pub struct Assignment {
 
 impl Assignment {
     /// Checks lengths and ranges against the batch and replica counts.
-    pub fn validate(&self, b: &BatchShape, r: &Replicas) -> Result<()> {
-        let bad = |m: String| Err(TrainError::Other(format!("batch assignment: {m}")));
+    pub fn validate(&self, b: &BatchShape, r: &Replicas) -> Result<(), AssignError> {
+        let bad = |m: String| Err(AssignError(m));
         if self.rows.len() != b.row_tokens.len() {
             return bad(format!(
                 "{} row places for {} rows",
@@ -122,10 +126,10 @@ impl Assigner for RoundRobin {
         let mut rows = vec![(0, 0); n];
         for dp in 0..r.llm_dp {
             let mine: Vec<usize> = (dp..n).step_by(r.llm_dp).collect();
-            for (mb, range) in crate::data::split_even(mine.len(), r.microbatches)
-                .into_iter()
-                .enumerate()
-            {
+            // Contiguous microbatches whose row counts differ by at most one.
+            let parts = r.microbatches.clamp(1, mine.len().max(1));
+            for mb in 0..parts {
+                let range = (mb * mine.len() / parts)..((mb + 1) * mine.len() / parts);
                 for &i in &mine[range] {
                     rows[i] = (dp, mb);
                 }
