@@ -14,8 +14,12 @@ pub struct AssignError(pub String);
 pub struct BatchShape {
     /// Tokens of each packed row.
     pub row_tokens: Vec<usize>,
+    /// Sum over each row's samples of (sample length)^2: the attention term.
+    pub row_sq: Vec<u64>,
     /// Images of each row (in row order: the global image order).
     pub row_images: Vec<usize>,
+    /// Each image's vision-encoder sequence length (global image order).
+    pub image_tokens: Vec<usize>,
     /// Clips of each row, and each clip's mel frames (global clip order).
     pub row_clips: Vec<usize>,
     pub clip_frames: Vec<usize>,
@@ -151,7 +155,9 @@ mod tests {
     fn round_robin_covers_every_row_and_item_once() {
         let b = BatchShape {
             row_tokens: vec![10; 7],
+            row_sq: vec![100; 7],
             row_images: vec![1, 0, 2, 1, 0, 0, 1],
+            image_tokens: vec![16; 5],
             row_clips: vec![0, 1, 0, 0, 2, 0, 0],
             clip_frames: vec![30, 40, 50],
         };

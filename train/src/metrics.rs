@@ -58,6 +58,20 @@ pub struct StepMetrics {
     /// The step was skipped (non-finite loss or grad norm): no update.
     pub skipped: bool,
     pub epoch: u64,
+    /// On several ranks: how even this step's assignment was (absent on one rank).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub balance: Option<BalanceMetrics>,
+}
+
+/// Max over mean of the estimated load (forward FLOPs of the balancer's cost model) over
+/// the LLM's replicas, over every (replica, microbatch), and over each encoder's
+/// replicas: 1.0 is perfectly even.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BalanceMetrics {
+    pub llm: f64,
+    pub microbatch: f64,
+    pub vision: f64,
+    pub audio: f64,
 }
 
 /// JSON has no NaN or infinity (serde_json writes them as null): null reads back as NaN.

@@ -332,6 +332,7 @@ impl Trainer {
             data_time_s,
             skipped,
             epoch: batch.epoch,
+            balance: None,
         };
         self.metrics.append(&m)?;
         Ok(m)

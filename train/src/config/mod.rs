@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 pub use model::{ModelSection, ModuleSpec, ProjectorSection};
-pub use parallel::{Device, ModuleLayout, ParallelConfig, Placement};
+pub use parallel::{AssignPolicy, Device, ModuleLayout, ParallelConfig, Placement};
 pub use set::apply_set;
 
 use crate::checkpoint::CheckpointConfig;

@@ -24,6 +24,17 @@ pub enum Placement {
     Colocated,
 }
 
+/// How each step's rows, images and clips are spread over the replicas.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AssignPolicy {
+    /// By estimated cost, largest first to the least-loaded replica (and microbatch).
+    #[default]
+    Balanced,
+    /// Dealt in turn, blind to lengths.
+    RoundRobin,
+}
+
 /// One module's grid: tensor, context, pipeline and data parallel sizes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -77,6 +88,9 @@ pub struct ParallelConfig {
     /// parameters only, updates that share and broadcasts it.
     #[serde(default = "yes")]
     pub zero1: bool,
+    /// Where each step's rows, images and clips go.
+    #[serde(default)]
+    pub assign: AssignPolicy,
 }
 
 fn one() -> usize {
@@ -107,6 +121,7 @@ impl Default for ParallelConfig {
             timeout_s: default_timeout_s(),
             bucket_mb: default_bucket_mb(),
             zero1: true,
+            assign: AssignPolicy::Balanced,
         }
     }
 }

@@ -26,12 +26,12 @@ use super::model::{LlmPart, RankModel};
 use super::plan::{StepPlan, TokenSplit, batch_shape};
 use super::schedule::{Op, one_f_one_b};
 use super::sync::{ShardPlan, all_reduce_grads, broadcast_updates, local_sq_norm};
-use crate::config::RunConfig;
+use crate::config::{AssignPolicy, RunConfig};
 use crate::data::rows_to_batch;
 use crate::error::{Result, TrainError};
 use crate::mllm::{Freeze, Mllm, MllmConfig};
 use crate::optim::AdamW;
-use braid_balancer::{Assigner, Replicas, RoundRobin};
+use braid_balancer::{Assigner, Balanced, Imbalance, Replicas, RoundRobin, TokenCost};
 
 /// What one forward/backward over the global batch measured (the same on every rank).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -42,6 +42,8 @@ pub struct Pass {
     pub tokens: usize,
     pub images: usize,
     pub clips: usize,
+    /// How even the step's assignment was under the balancer's cost model.
+    pub imbalance: Imbalance,
 }
 
 /// One rank's model, optimizer and groups.
@@ -55,6 +57,8 @@ pub struct Engine {
     pub plan: ShardPlan,
     pub optim: AdamW,
     pub assigner: Box<dyn Assigner>,
+    /// The cost model the step's imbalance is measured with.
+    pub costs: Balanced,
     pub microbatches: usize,
     pub freeze: Freeze,
     bucket_elems: usize,
@@ -82,7 +86,11 @@ impl Engine {
             model,
             plan,
             optim,
-            assigner: Box::new(RoundRobin),
+            costs: balanced(&full.config),
+            assigner: match cfg.parallel.assign {
+                AssignPolicy::Balanced => Box::new(balanced(&full.config)),
+                AssignPolicy::RoundRobin => Box::new(RoundRobin),
+            },
             microbatches: cfg.train.microbatches,
             freeze: Freeze::from_names(&cfg.train.freeze)?,
             bucket_elems: ((cfg.parallel.bucket_mb * 1024.0 * 1024.0) / 4.0).max(1.0) as usize,
@@ -108,6 +116,7 @@ impl Engine {
         let replicas = self.replicas();
         let a = self.assigner.assign(&shape, &replicas);
         a.validate(&shape, &replicas)?;
+        let imbalance = self.costs.imbalance(&shape, &replicas, &a);
         let cp = self.layouts.llm.dims.cp;
         let plan = StepPlan::new(rows, &a, replicas.llm_dp, &|cu| TokenSplit::causal(cu, cp))?;
         let c = self.mconfig.llm.hidden;
@@ -169,6 +178,7 @@ impl Engine {
             tokens: plan.tokens,
             images: shape.num_images(),
             clips: shape.num_clips(),
+            imbalance,
         })
     }
 
@@ -193,6 +203,39 @@ impl Engine {
             broadcast_updates(&mut self.model, &self.plan)?;
         }
         Ok(())
+    }
+}
+
+/// The cost model of the data-aware assignment for `m`: forward FLOPs per token and per
+/// attended pair of each module (SwiGLU LLM with its head; GELU encoders).
+pub fn balanced(m: &MllmConfig) -> Balanced {
+    let l = &m.llm;
+    let none = TokenCost {
+        per_token: 0.0,
+        per_pair: 0.0,
+    };
+    Balanced {
+        llm: TokenCost::transformer(
+            l.layers,
+            l.hidden,
+            l.intermediate,
+            3,
+            l.hidden * l.vocab,
+            true,
+        ),
+        vision: m.vision.as_ref().map_or(none, |v| {
+            TokenCost::transformer(
+                v.num_layers,
+                v.hidden_size,
+                v.intermediate_size,
+                2,
+                0,
+                false,
+            )
+        }),
+        audio: m.audio.as_ref().map_or(none, |a| {
+            TokenCost::transformer(a.encoder_layers, a.d_model, a.encoder_ffn_dim, 2, 0, false)
+        }),
     }
 }
 

@@ -109,7 +109,20 @@ pub struct StepPlan {
 pub fn batch_shape(rows: &[Row]) -> BatchShape {
     BatchShape {
         row_tokens: rows.iter().map(Row::len).collect(),
+        row_sq: rows
+            .iter()
+            .map(|r| {
+                r.sample_offsets
+                    .windows(2)
+                    .map(|w| u64::from(w[1] - w[0]).pow(2))
+                    .sum()
+            })
+            .collect(),
         row_images: rows.iter().map(|r| r.images.len()).collect(),
+        image_tokens: rows
+            .iter()
+            .flat_map(|r| r.images.iter().map(|im| im.patches))
+            .collect(),
         row_clips: rows.iter().map(|r| r.audio.len()).collect(),
         clip_frames: rows
             .iter()

@@ -25,7 +25,7 @@ use super::layout::Layouts;
 use crate::checkpoint::{self, TrainState};
 use crate::config::RunConfig;
 use crate::error::{Result, TrainError};
-use crate::metrics::{MetricsWriter, StepMetrics};
+use crate::metrics::{BalanceMetrics, MetricsWriter, StepMetrics};
 use crate::mllm::Mllm;
 use crate::optim::AdamW;
 use crate::optim::clip_factor;
@@ -241,6 +241,12 @@ fn rank_main(
             data_time_s,
             skipped,
             epoch: batch.epoch,
+            balance: Some(BalanceMetrics {
+                llm: pass.imbalance.llm,
+                microbatch: pass.imbalance.microbatch,
+                vision: pass.imbalance.vision,
+                audio: pass.imbalance.audio,
+            }),
         })));
         let every = cfg.checkpoint.interval;
         if step == cfg.train.steps || (every > 0 && step.is_multiple_of(every)) {

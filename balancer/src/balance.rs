@@ -1,0 +1,182 @@
+//! Data-aware assignment of one global batch: rows to LLM replicas and microbatches,
+//! images and clips to encoder replicas, each balanced by its estimated cost with the
+//! longest-processing-time rule (largest first, to the least-loaded bin), O(n log n).
+//!
+//! Costs are forward FLOPs per module, as in the dataloader's per-sample cost: a linear
+//! term per token and an attention term per (query, key) pair of each packed sample
+//! (causal: half). Relative costs are all that matter here.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use crate::assign::{Assigner, Assignment, BatchShape, Replicas, RoundRobin};
+
+/// FLOPs of a module per token and per attended (query, key) pair.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TokenCost {
+    pub per_token: f64,
+    pub per_pair: f64,
+}
+
+impl TokenCost {
+    /// A transformer of `layers` blocks of width `hidden`, MLP width `ff` (`mlp_mats` weight
+    /// matrices: 2 for GELU, 3 for SwiGLU), plus `extra` matmul parameters per token (an
+    /// LM head); `causal` halves the attention pairs.
+    pub fn transformer(
+        layers: usize,
+        hidden: usize,
+        ff: usize,
+        mlp_mats: usize,
+        extra: usize,
+        causal: bool,
+    ) -> TokenCost {
+        let (l, h, f) = (layers as f64, hidden as f64, ff as f64);
+        let per_layer = 4.0 * h * h + mlp_mats as f64 * h * f; // matmul weights a token meets
+        TokenCost {
+            per_token: 2.0 * (l * per_layer + extra as f64),
+            per_pair: 4.0 * l * h * if causal { 0.5 } else { 1.0 },
+        }
+    }
+
+    /// `tokens` tokens in sequences whose squared lengths sum to `sq`.
+    pub fn of(&self, tokens: f64, sq: f64) -> f64 {
+        self.per_token * tokens + self.per_pair * sq
+    }
+}
+
+/// The costs of the three modules.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Balanced {
+    pub llm: TokenCost,
+    pub vision: TokenCost,
+    pub audio: TokenCost,
+}
+
+/// Per-item costs of a batch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BatchCosts {
+    pub rows: Vec<f64>,
+    pub images: Vec<f64>,
+    pub clips: Vec<f64>,
+}
+
+impl Balanced {
+    pub fn costs(&self, b: &BatchShape) -> BatchCosts {
+        BatchCosts {
+            rows: b
+                .row_tokens
+                .iter()
+                .zip(&b.row_sq)
+                .map(|(&t, &sq)| self.llm.of(t as f64, sq as f64))
+                .collect(),
+            images: b
+                .image_tokens
+                .iter()
+                .map(|&p| self.vision.of(p as f64, (p * p) as f64))
+                .collect(),
+            // The conv stem halves the mel frames.
+            clips: b
+                .clip_frames
+                .iter()
+                .map(|&f| {
+                    let t = f.div_ceil(2) as f64;
+                    self.audio.of(t, t * t)
+                })
+                .collect(),
+        }
+    }
+}
+
+/// The bin of each item: largest first, each to the least-loaded bin (ties to the lowest
+/// bin, then the earlier item), so the result is deterministic.
+pub fn lpt(costs: &[f64], bins: usize) -> Vec<usize> {
+    let bins = bins.max(1);
+    let mut order: Vec<usize> = (0..costs.len()).collect();
+    order.sort_by(|&a, &b| costs[b].total_cmp(&costs[a]).then(a.cmp(&b)));
+    // Min-heap of (load, bin); loads as ordered bits (costs are >= 0).
+    let mut heap: BinaryHeap<Reverse<(u64, usize)>> = (0..bins).map(|b| Reverse((0, b))).collect();
+    let mut out = vec![0; costs.len()];
+    for i in order {
+        let Some(Reverse((load, bin))) = heap.pop() else {
+            break;
+        };
+        out[i] = bin;
+        let next = f64::from_bits(load) + costs[i].max(0.0);
+        heap.push(Reverse((next.to_bits(), bin)));
+    }
+    out
+}
+
+impl Assigner for Balanced {
+    fn assign(&self, b: &BatchShape, r: &Replicas) -> Assignment {
+        let c = self.costs(b);
+        let replica = lpt(&c.rows, r.llm_dp);
+        let mut rows = vec![(0, 0); c.rows.len()];
+        for dp in 0..r.llm_dp {
+            let mine: Vec<usize> = (0..c.rows.len()).filter(|&i| replica[i] == dp).collect();
+            // Microbatches of near-equal cost shrink the pipeline's bubbles.
+            let mbs = r.microbatches.clamp(1, mine.len().max(1));
+            let costs: Vec<f64> = mine.iter().map(|&i| c.rows[i]).collect();
+            for (k, mb) in lpt(&costs, mbs).into_iter().enumerate() {
+                rows[mine[k]] = (dp, mb);
+            }
+        }
+        Assignment {
+            rows,
+            images: lpt(&c.images, r.vision_dp),
+            clips: lpt(&c.clips, r.audio_dp),
+        }
+    }
+}
+
+/// Max over mean of the bins' loads (1 = perfect; 1 when there is no load).
+pub fn max_over_mean(loads: &[f64]) -> f64 {
+    let total: f64 = loads.iter().sum();
+    if loads.is_empty() || total <= 0.0 {
+        return 1.0;
+    }
+    let max = loads.iter().copied().fold(0.0, f64::max);
+    max / (total / loads.len() as f64)
+}
+
+/// How even an assignment is, per module: max/mean load over the LLM replicas, over every
+/// (replica, microbatch), over the vision and over the audio replicas.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Imbalance {
+    pub llm: f64,
+    pub microbatch: f64,
+    pub vision: f64,
+    pub audio: f64,
+}
+
+impl Balanced {
+    /// The [`Imbalance`] of `a` under these costs.
+    pub fn imbalance(&self, b: &BatchShape, r: &Replicas, a: &Assignment) -> Imbalance {
+        let c = self.costs(b);
+        let mut llm = vec![0.0; r.llm_dp];
+        let mut mb = vec![0.0; r.llm_dp * r.microbatches];
+        for (i, &(d, m)) in a.rows.iter().enumerate() {
+            llm[d] += c.rows[i];
+            mb[d * r.microbatches + m] += c.rows[i];
+        }
+        let used: Vec<f64> = mb.into_iter().filter(|&x| x > 0.0).collect();
+        let load = |costs: &[f64], to: &[usize], n: usize| {
+            let mut l = vec![0.0; n];
+            costs.iter().zip(to).for_each(|(x, &d)| l[d] += x);
+            max_over_mean(&l)
+        };
+        Imbalance {
+            llm: max_over_mean(&llm),
+            microbatch: max_over_mean(&used),
+            vision: load(&c.images, &a.images, r.vision_dp),
+            audio: load(&c.clips, &a.clips, r.audio_dp),
+        }
+    }
+
+    /// The imbalance of the round-robin default and of this assigner on one batch.
+    pub fn report(&self, b: &BatchShape, r: &Replicas) -> (Imbalance, Imbalance) {
+        let before = RoundRobin.assign(b, r);
+        let after = self.assign(b, r);
+        (self.imbalance(b, r, &before), self.imbalance(b, r, &after))
+    }
+}
