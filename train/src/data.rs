@@ -19,22 +19,14 @@ use crate::mllm::MllmBatch;
 /// Concatenates packed rows into one model batch (the samples of every row back to back),
 /// with next-token targets from the loss masks.
 pub fn rows_to_batch(rows: &[&Row], device: Device) -> Result<MllmBatch> {
-    let t: usize = rows.iter().map(|r| r.len()).sum();
-    let mut ids = Vec::with_capacity(t); // (T)
-    let mut positions = Vec::with_capacity(t); // (T)
-    let mut mask = Vec::with_capacity(t); // (T)
-    let mut cu_seqlens = vec![0usize];
+    let text = rows_to_text(rows)?;
     let mut pixels = Vec::new(); // (B_img, 3, H, W)
     let mut image_hw: Option<(usize, usize)> = None;
     let mut image_positions = Vec::new();
     let mut clips = Vec::new();
     let mut clip_positions = Vec::new();
+    let mut off = 0;
     for r in rows {
-        let off = ids.len();
-        ids.extend_from_slice(&r.ids);
-        positions.extend_from_slice(&r.positions);
-        mask.extend(r.loss_mask.iter().map(|&m| m != 0));
-        cu_seqlens.extend(r.sample_offsets.iter().skip(1).map(|&o| off + o as usize));
         for im in &r.images {
             match image_hw {
                 None => image_hw = Some((im.height, im.width)),
@@ -63,13 +55,8 @@ pub fn rows_to_batch(rows: &[&Row], device: Device) -> Result<MllmBatch> {
                     .collect(),
             );
         }
+        off += r.len();
     }
-    let seq = SeqInfo {
-        cu_seqlens,
-        positions,
-        cp: None,
-    };
-    let targets = next_token_targets(&ids, &seq, Some(&mask))?;
     let images = match image_hw {
         None => None,
         Some((h, w)) => {
@@ -77,16 +64,51 @@ pub fn rows_to_batch(rows: &[&Row], device: Device) -> Result<MllmBatch> {
             Some(Tensor::from_vec(pixels, [b, 3, h, w], device).ctx("batch", "pixel values")?)
         }
     };
-    let ids = Tensor::from_vec_u32(ids, [t], device).ctx("batch", "token ids")?;
+    let t = text.ids.len();
+    let ids = Tensor::from_vec_u32(text.ids, [t], device).ctx("batch", "token ids")?;
     Ok(MllmBatch {
         ids,
-        seq,
-        targets,
+        seq: text.seq,
+        targets: text.targets,
         images,
         image_positions,
         clips,
         clip_positions,
     })
+}
+
+/// The text of packed rows concatenated into one packed sequence (no media copied).
+#[derive(Debug)]
+pub struct PackedText {
+    /// (T) token ids.
+    pub ids: Vec<u32>,
+    pub seq: SeqInfo,
+    /// (T) next-token targets, [`braid_llm::IGNORE_INDEX`] where there is no loss.
+    pub targets: Vec<u32>,
+}
+
+/// The token ids, sample layout and next-token targets (from the loss masks) of `rows`
+/// back to back: the text half of [`rows_to_batch`].
+pub fn rows_to_text(rows: &[&Row]) -> Result<PackedText> {
+    let t: usize = rows.iter().map(|r| r.len()).sum();
+    let mut ids = Vec::with_capacity(t); // (T)
+    let mut positions = Vec::with_capacity(t); // (T)
+    let mut mask = Vec::with_capacity(t); // (T)
+    let mut cu_seqlens = vec![0usize];
+    for r in rows {
+        let off = ids.len();
+        ids.extend_from_slice(&r.ids);
+        positions.extend_from_slice(&r.positions);
+        mask.extend(r.loss_mask.iter().map(|&m| m != 0));
+        cu_seqlens.extend(r.sample_offsets.iter().skip(1).map(|&o| off + o as usize));
+    }
+    let seq = SeqInfo {
+        cu_seqlens,
+        positions,
+        cp: None,
+    };
+    let targets = next_token_targets(&ids, &seq, Some(&mask))?;
+    Ok(PackedText { ids, seq, targets })
 }
 
 /// Splits `n` rows into `parts` contiguous groups whose sizes differ by at most one.

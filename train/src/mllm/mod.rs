@@ -132,7 +132,7 @@ impl MllmCache {
 }
 
 /// Whether any parameter of `m` has a grad buffer.
-fn trainable<M: Module + ?Sized>(m: &M) -> bool {
+pub(crate) fn trainable<M: Module + ?Sized>(m: &M) -> bool {
     let mut any = false;
     m.visit_params(&mut |p| any |= p.is_trainable());
     any

@@ -7,7 +7,8 @@
 //!
 //! Atomicity is the single-rank protocol: rank 0 creates `.tmp-step-N`, every rank
 //! writes its files (each synced), and after a barrier rank 0 writes `state.json`, the
-//! config and data files, and renames the folder into place.
+//! config and data files, and renames the folder into place. Loading goes through
+//! [`read_full`] (`checkpoint::load_weights` / `load_optim` on the full model).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -15,7 +16,6 @@ use std::path::{Path, PathBuf};
 use braid_comm::Comm;
 use braid_kernels::{Device, Tensor};
 use braid_nn::hf::{WeightFiles, save_safetensors};
-use braid_nn::param::cut_shard;
 use braid_nn::{Module, Shard};
 
 use super::engine::Engine;
@@ -211,41 +211,10 @@ pub fn save(
     Ok(dst)
 }
 
-/// Restores the AdamW moments this rank holds from checkpoint `dir` (any layout).
-pub fn load_optim(engine: &mut Engine, dir: &Path, optimizer_step: u64) -> Result<()> {
-    let full = read_full(dir, "optim")?;
-    let mut shards: HashMap<String, Shard> = HashMap::new();
-    engine.model.visit_params(&mut |p| {
-        shards.insert(p.name.clone(), p.shard);
-    });
-    for m in &mut engine.optim.moments {
-        let shard = shards.get(&m.name).copied().unwrap_or(Shard::Full);
-        for (suffix, t) in [
-            ("exp_avg", &mut m.exp_avg),
-            ("exp_avg_sq", &mut m.exp_avg_sq),
-        ] {
-            let key = format!("{}.{suffix}", m.name);
-            let (data, dims) = full.get(&key).ok_or_else(|| TrainError::Checkpoint {
-                path: dir.to_path_buf(),
-                reason: format!("no `{key}` (were other modules frozen?)"),
-            })?;
-            let (data, local) = cut_shard(&key, data.clone(), dims, shard)?;
-            if local != t.dims() {
-                return Err(TrainError::Checkpoint {
-                    path: dir.to_path_buf(),
-                    reason: format!("`{key}` is {dims:?}, which does not fit {:?}", t.dims()),
-                });
-            }
-            *t = Tensor::from_vec(data, local, Device::Cpu)?;
-        }
-    }
-    engine.optim.step = optimizer_step;
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use braid_nn::param::cut_shard;
 
     #[test]
     fn slices_join_back_to_the_full_tensor() {

@@ -21,7 +21,8 @@ use super::model::{AudioPart, ModuleGroups, VisionPart};
 use super::plan::{ItemKind, StepPlan};
 use crate::error::{Result, TrainError};
 use crate::mllm::{
-    AudioBranch, VisionBranch, audio_project, audio_unproject, vision_project, vision_unproject,
+    AudioBranch, VisionBranch, audio_project, audio_unproject, trainable, vision_project,
+    vision_unproject,
 };
 
 /// What a stage keeps for its backward.
@@ -46,12 +47,6 @@ pub(crate) struct Encoded<B, C> {
 
 pub(crate) type VisionWork = Encoded<VisionBranch<VisionStageCache>, VisionStageCache>;
 pub(crate) type AudioWork = Encoded<AudioBranch<AudioStageCache>, AudioStageCache>;
-
-fn trains<M: Module + ?Sized>(m: &M) -> bool {
-    let mut any = false;
-    m.visit_params(&mut |p| any |= p.is_trainable());
-    any
-}
 
 /// The items of `kind` this replica encodes, in plan order.
 fn my_items(plan: &StepPlan, kind: ItemKind, dp: usize) -> Vec<usize> {
@@ -108,7 +103,7 @@ pub(crate) fn encode_images(
         frames: Vec::new(),
         held: Held::Last(None),
     };
-    let trains = trains(&part.encoder);
+    let trains = trainable(&part.encoder);
     hand_on(
         g,
         world,
@@ -196,7 +191,7 @@ pub(crate) fn encode_clips(
         frames,
         held: Held::Last(None),
     };
-    let trains = trains(&part.encoder);
+    let trains = trainable(&part.encoder);
     hand_on(g, world, out, cache, trains, work, produced, |o, cache| {
         let proj = last_stage_projector(part.projector.as_ref(), g)?;
         Ok(audio_project(

@@ -27,7 +27,7 @@ use super::plan::{StepPlan, TokenSplit, batch_shape};
 use super::schedule::{Op, one_f_one_b};
 use super::sync::{ShardPlan, all_reduce_grads, broadcast_updates, local_sq_norm};
 use crate::config::{AssignPolicy, RunConfig};
-use crate::data::rows_to_batch;
+use crate::data::rows_to_text;
 use crate::error::{Result, TrainError};
 use crate::mllm::{Freeze, Mllm, MllmConfig};
 use crate::optim::AdamW;
@@ -248,23 +248,24 @@ struct LocalBatch {
 
 fn local_batch(rows: &[Row], mb: &super::plan::Microbatch, cp_rank: usize) -> Result<LocalBatch> {
     let refs: Vec<&Row> = mb.rows.iter().map(|&r| &rows[r]).collect();
-    let b = rows_to_batch(&refs, Device::Cpu)?;
+    // Text only: the LLM never reads this microbatch's pixels or mel frames.
+    let text = rows_to_text(&refs)?;
     let Some(plan) = &mb.split.plan else {
+        let t = text.ids.len();
         return Ok(LocalBatch {
-            ids: b.ids,
-            seq: b.seq,
-            targets: b.targets,
+            ids: Tensor::from_vec_u32(text.ids, [t], Device::Cpu)?,
+            seq: text.seq,
+            targets: text.targets,
         });
     };
     // Targets look one token ahead (possibly on another CP rank): taken on the whole
     // microbatch, then this rank's tokens kept.
     let mine = plan.tokens(cp_rank)?;
-    let ids = b.ids.to_vec_u32()?;
-    let local_ids: Vec<u32> = mine.iter().map(|&i| ids[i]).collect();
+    let local_ids: Vec<u32> = mine.iter().map(|&i| text.ids[i]).collect();
     Ok(LocalBatch {
         ids: Tensor::from_vec_u32(local_ids, [mine.len()], Device::Cpu)?,
-        seq: plan.seq_info(cp_rank, &b.seq)?,
-        targets: mine.iter().map(|&i| b.targets[i]).collect(),
+        seq: plan.seq_info(cp_rank, &text.seq)?,
+        targets: mine.iter().map(|&i| text.targets[i]).collect(),
     })
 }
 

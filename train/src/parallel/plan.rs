@@ -5,10 +5,10 @@
 use braid_bridge::{ItemPlacement, Routes, routes_for};
 use braid_comm::grid::{Axis, Coord, Grid};
 use braid_dataloader::loader::Row;
-use braid_llm::next_token_targets;
-use braid_nn::{CpPlan, SeqInfo};
+use braid_nn::CpPlan;
 
 use super::layout::Layouts;
+use crate::data::rows_to_text;
 use crate::error::{Result, TrainError};
 use crate::mllm::Freeze;
 use braid_balancer::{Assignment, BatchShape};
@@ -133,14 +133,12 @@ pub fn batch_shape(rows: &[Row]) -> BatchShape {
 
 /// Valid next-token targets of one row.
 fn row_targets(r: &Row) -> Result<usize> {
-    let seq = SeqInfo {
-        cu_seqlens: r.sample_offsets.iter().map(|&o| o as usize).collect(),
-        positions: r.positions.clone(),
-        cp: None,
-    };
-    let mask: Vec<bool> = r.loss_mask.iter().map(|&m| m != 0).collect();
-    let t = next_token_targets(&r.ids, &seq, Some(&mask))?;
-    Ok(t.iter().filter(|&&x| x != braid_llm::IGNORE_INDEX).count())
+    let text = rows_to_text(&[r])?;
+    Ok(text
+        .targets
+        .iter()
+        .filter(|&&x| x != braid_llm::IGNORE_INDEX)
+        .count())
 }
 
 impl StepPlan {
