@@ -7,10 +7,10 @@
 use crate::assign::BatchShape;
 
 /// A small deterministic generator (Knuth's MMIX LCG).
-struct Lcg(u64);
+pub(crate) struct Lcg(pub(crate) u64);
 
 impl Lcg {
-    fn next_f64(&mut self) -> f64 {
+    pub(crate) fn next_f64(&mut self) -> f64 {
         self.0 = self
             .0
             .wrapping_mul(6364136223846793005)
@@ -19,7 +19,7 @@ impl Lcg {
     }
 
     /// exp(N(mu, sigma)) by Box-Muller.
-    fn lognormal(&mut self, mu: f64, sigma: f64) -> f64 {
+    pub(crate) fn lognormal(&mut self, mu: f64, sigma: f64) -> f64 {
         let (u1, u2) = (self.next_f64().max(1e-12), self.next_f64());
         let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
         (mu + sigma * z).exp()

@@ -1,0 +1,246 @@
+//! The hardware a plan is for: GPUs per node, memory, the achieved matmul rate as a
+//! function of GEMM size, and the bandwidth and latency of links inside and between
+//! nodes. Read from a cluster TOML (`braid profile` writes one) or a preset.
+
+use serde::{Deserialize, Serialize};
+
+/// One measured point of the achieved matmul rate: GEMMs of `flops` (2·M·N·K) run at
+/// `tflops`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RatePoint {
+    pub flops: f64,
+    pub tflops: f64,
+}
+
+/// A link: achieved bandwidth per GPU (GB/s, one direction) and latency per message.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Link {
+    pub bandwidth_gbs: f64,
+    pub latency_us: f64,
+}
+
+impl Link {
+    /// Seconds to move `bytes` point to point.
+    pub fn send(&self, bytes: f64) -> f64 {
+        if bytes <= 0.0 {
+            return 0.0;
+        }
+        self.latency_us * 1e-6 + bytes / (self.bandwidth_gbs * 1e9)
+    }
+
+    /// Ring all-reduce of `bytes` per rank over `n` ranks.
+    pub fn all_reduce(&self, bytes: f64, n: usize) -> f64 {
+        2.0 * self.gather(bytes, n)
+    }
+
+    /// Ring all-gather (or reduce-scatter) whose full result is `bytes` per rank.
+    pub fn gather(&self, bytes: f64, n: usize) -> f64 {
+        if n <= 1 || bytes <= 0.0 {
+            return 0.0;
+        }
+        let k = (n - 1) as f64;
+        k * self.latency_us * 1e-6 + k / n as f64 * bytes / (self.bandwidth_gbs * 1e9)
+    }
+}
+
+/// A cluster of identical nodes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Cluster {
+    pub name: String,
+    pub gpus_per_node: usize,
+    /// Device memory per GPU.
+    pub memory_gib: f64,
+    /// The share of it a plan may fill (the rest: allocator slack, workspace, NCCL).
+    #[serde(default = "default_usable")]
+    pub usable_memory: f64,
+    /// Achieved bf16 matmul rate by GEMM size, ascending in `flops`; interpolated
+    /// log-log between points, flat beyond the ends.
+    pub matmul: Vec<RatePoint>,
+    /// Attention (flash) runs at this share of the matmul rate at the same size.
+    #[serde(default = "default_attention")]
+    pub attention_efficiency: f64,
+    /// Fixed time per transformer block per pass (kernel launches, synchronization).
+    #[serde(default)]
+    pub layer_overhead_us: f64,
+    /// Inside a node (NVLink).
+    pub intra: Link,
+    /// Between nodes (InfiniBand / RoCE), per GPU.
+    pub inter: Link,
+    /// All ranks share one device's compute (ranks are threads on one CPU): concurrent
+    /// ranks slow each other down. False for GPUs.
+    #[serde(default)]
+    pub shared_compute: bool,
+}
+
+fn default_usable() -> f64 {
+    0.9
+}
+fn default_attention() -> f64 {
+    0.6
+}
+
+/// The errors of a cluster description.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("cluster {path}: {msg}")]
+    Invalid { path: String, msg: String },
+}
+
+impl Cluster {
+    /// A built-in description by name: `h100` or `h200` (8-GPU HGX nodes, NDR InfiniBand).
+    pub fn preset(name: &str) -> Option<Cluster> {
+        let (memory_gib, name) = match name {
+            "h100" => (80.0, "h100"),
+            "h200" => (141.0 * 1e9 / (1u64 << 30) as f64, "h200"),
+            _ => return None,
+        };
+        // Dense bf16 peak is 989 TFLOP/s; cuBLAS reaches ~70 % on large GEMMs and far
+        // less on small ones (launch- and wave-quantization-bound).
+        let matmul = [
+            (1e8, 25.0),
+            (1e9, 160.0),
+            (1e10, 450.0),
+            (1e11, 640.0),
+            (1e12, 700.0),
+        ]
+        .map(|(flops, tflops)| RatePoint { flops, tflops })
+        .to_vec();
+        Some(Cluster {
+            name: name.to_string(),
+            gpus_per_node: 8,
+            memory_gib,
+            usable_memory: default_usable(),
+            matmul,
+            attention_efficiency: default_attention(),
+            layer_overhead_us: 30.0,
+            // NVLink 4 (450 GB/s each way; ~360 GB/s achieved bus bandwidth).
+            intra: Link {
+                bandwidth_gbs: 360.0,
+                latency_us: 3.0,
+            },
+            // One 400 Gb/s NDR port per GPU (~45 GB/s achieved).
+            inter: Link {
+                bandwidth_gbs: 45.0,
+                latency_us: 8.0,
+            },
+            shared_compute: false,
+        })
+    }
+
+    /// A preset name or a TOML file.
+    pub fn load(spec: &str) -> Result<Cluster, ClusterError> {
+        if let Some(c) = Cluster::preset(spec) {
+            return Ok(c);
+        }
+        let bad = |msg: String| ClusterError::Invalid {
+            path: spec.to_string(),
+            msg,
+        };
+        let text = std::fs::read_to_string(spec).map_err(|e| {
+            bad(format!(
+                "not a preset (h100, h200) and not a readable file: {e}"
+            ))
+        })?;
+        let c: Cluster = toml::from_str(&text).map_err(|e| bad(e.to_string()))?;
+        c.validate().map_err(bad)?;
+        Ok(c)
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).unwrap_or_default()
+    }
+
+    /// Every field in range; the message names the key.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.gpus_per_node == 0 {
+            return Err("gpus_per_node must be at least 1".into());
+        }
+        if self.memory_gib <= 0.0 || !(0.0..=1.0).contains(&self.usable_memory) {
+            return Err("memory_gib must be > 0 and usable_memory in (0, 1]".into());
+        }
+        if self.matmul.is_empty() {
+            return Err("matmul needs at least one { flops, tflops } point".into());
+        }
+        if self
+            .matmul
+            .windows(2)
+            .any(|w| w[0].flops >= w[1].flops)
+            || self.matmul.iter().any(|p| p.flops <= 0.0 || p.tflops <= 0.0)
+        {
+            return Err("matmul points must be positive and ascending in flops".into());
+        }
+        for (key, l) in [("intra", self.intra), ("inter", self.inter)] {
+            if l.bandwidth_gbs <= 0.0 || l.latency_us < 0.0 {
+                return Err(format!(
+                    "{key}.bandwidth_gbs must be > 0 and latency_us >= 0"
+                ));
+            }
+        }
+        if !(0.0..=1.0).contains(&self.attention_efficiency) || self.attention_efficiency == 0.0 {
+            return Err("attention_efficiency must be in (0, 1]".into());
+        }
+        Ok(())
+    }
+
+    /// Bytes a plan may use per GPU.
+    pub fn usable_bytes(&self) -> f64 {
+        self.memory_gib * (1u64 << 30) as f64 * self.usable_memory
+    }
+
+    /// Achieved FLOP/s of a GEMM of `flops`.
+    pub fn matmul_rate(&self, flops: f64) -> f64 {
+        let pts = &self.matmul;
+        let tf = if flops <= pts[0].flops {
+            pts[0].tflops
+        } else if let Some(w) = pts.windows(2).find(|w| flops <= w[1].flops) {
+            let t = (flops.ln() - w[0].flops.ln()) / (w[1].flops.ln() - w[0].flops.ln());
+            (w[0].tflops.ln() + t * (w[1].tflops.ln() - w[0].tflops.ln())).exp()
+        } else {
+            pts[pts.len() - 1].tflops
+        };
+        tf * 1e12
+    }
+
+    /// The link a group of `span` consecutive ranks (with `stride` between members)
+    /// uses: NVLink when the whole group sits in one node.
+    pub fn link(&self, span: usize) -> Link {
+        if span <= self.gpus_per_node {
+            self.intra
+        } else {
+            self.inter
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_validate_and_interpolate() {
+        let c = Cluster::preset("h100").unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.matmul_rate(1e10), 450e12);
+        let mid = c.matmul_rate(10f64.powf(10.5));
+        assert!(mid > 450e12 && mid < 640e12);
+        assert_eq!(c.matmul_rate(1.0), 25e12);
+        assert_eq!(c.matmul_rate(1e15), 700e12);
+        assert!(Cluster::preset("h200").unwrap().memory_gib > 130.0);
+        let back: Cluster = toml::from_str(&c.to_toml()).unwrap();
+        assert_eq!(back, c);
+        assert!(c.inter.all_reduce(1e9, 8) > c.intra.all_reduce(1e9, 8));
+        assert_eq!(c.intra.all_reduce(1e9, 1), 0.0);
+    }
+
+    #[test]
+    fn bad_files_name_the_key() {
+        let mut c = Cluster::preset("h100").unwrap();
+        c.matmul.reverse();
+        assert!(c.validate().unwrap_err().contains("ascending"));
+        let e = Cluster::load("/nonexistent/c.toml").unwrap_err().to_string();
+        assert!(e.contains("not a preset"), "{e}");
+    }
+}

@@ -1,0 +1,243 @@
+//! Time and memory of one module's pipeline stage under a layout: FLOPs of a load
+//! (linear terms per token, attention per attended pair) at the achieved matmul rate for
+//! the GEMM sizes the layout leaves each GPU, TP all-reduces and CP K/V exchanges per
+//! block, PP sends, the DP gradient sync, and weights, gradients, AdamW state (ZeRO-1) and
+//! activations (with or without recomputation) per GPU.
+
+use crate::cluster::Cluster;
+use crate::dims::ModuleDims;
+use crate::plan::layout::Layout;
+
+/// Seconds of one task: `compute` occupies the device (shared between ranks on a CPU),
+/// `comm` is waiting on links.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Cost {
+    pub compute: f64,
+    pub comm: f64,
+}
+
+impl Cost {
+    pub fn total(&self) -> f64 {
+        self.compute + self.comm
+    }
+    pub fn add(self, o: Cost) -> Cost {
+        Cost {
+            compute: self.compute + o.compute,
+            comm: self.comm + o.comm,
+        }
+    }
+}
+
+/// Bytes per GPU of one stage.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Memory {
+    pub weights: f64,
+    pub grads: f64,
+    pub optimizer: f64,
+    pub activations: f64,
+}
+
+impl Memory {
+    pub fn total(&self) -> f64 {
+        self.weights + self.grads + self.optimizer + self.activations
+    }
+}
+
+/// One module under one layout on one cluster.
+#[derive(Clone, Copy, Debug)]
+pub struct StageCost<'a> {
+    pub dims: &'a ModuleDims,
+    pub layout: Layout,
+    pub cluster: &'a Cluster,
+    pub recompute: bool,
+    pub zero1: bool,
+    /// A frozen module has no backward, gradients, optimizer state or sync.
+    pub frozen: bool,
+}
+
+impl StageCost<'_> {
+    /// Blocks per stage.
+    fn layers(&self) -> f64 {
+        (self.dims.layers / self.layout.pp.max(1)) as f64
+    }
+
+    fn last(&self, stage: usize) -> bool {
+        stage + 1 == self.layout.pp
+    }
+
+    /// Forward of `tokens` tokens whose sequences' squared lengths sum to `sq`, on one
+    /// GPU of stage `stage`.
+    pub fn forward(&self, stage: usize, tokens: f64, sq: f64) -> Cost {
+        if tokens <= 0.0 {
+            return Cost::default();
+        }
+        let (d, l, c) = (self.dims, self.layout, self.cluster);
+        let split = (l.tp * l.cp) as f64;
+        let rows = tokens / l.cp as f64; // GEMM rows on one GPU
+        let layers = self.layers();
+        // The representative GEMM: the MLP's up projection on this GPU's share.
+        let gemm = 2.0 * rows * d.hidden as f64 * (d.ffn / l.tp).max(1) as f64;
+        let rate = c.matmul_rate(gemm);
+        let mut linear = tokens * layers * d.layer_flops_per_token() / split;
+        if self.last(stage) && d.vocab > 0 {
+            linear += 2.0 * tokens * (d.vocab * d.hidden) as f64 / split;
+        }
+        let attention = layers * d.attention_flops_per_pair() * sq / split;
+        let compute = linear / rate
+            + attention / (rate * c.attention_efficiency)
+            + layers * c.layer_overhead_us * 1e-6;
+        // Sequence-parallel TP: a reduce-scatter and an all-gather around attention and
+        // around the MLP (the volume of two all-reduces) per block.
+        let act = rows * d.hidden as f64 * 2.0;
+        let tp = 2.0 * layers * c.intra.all_reduce(act, l.tp);
+        // CP: each rank gathers the K and V of its TP head shard from the other CP ranks.
+        let kv = 2.0 * tokens * (d.kv_heads * d.head_dim) as f64 * 2.0 / l.tp as f64;
+        let cp = layers * c.link(l.tp * l.cp).gather(kv, l.cp);
+        Cost {
+            compute,
+            comm: tp + cp,
+        }
+    }
+
+    /// Backward: twice the forward's FLOPs (input and weight grads), plus a forward with
+    /// recomputation; the adjoint collectives of the forward's.
+    pub fn backward(&self, stage: usize, tokens: f64, sq: f64) -> Cost {
+        if self.frozen {
+            return Cost::default();
+        }
+        let f = self.forward(stage, tokens, sq);
+        let again = if self.recompute { 1.0 } else { 0.0 };
+        Cost {
+            compute: (2.0 + again) * f.compute,
+            comm: (1.0 + again) * f.comm,
+        }
+    }
+
+    /// Sending one microbatch's boundary activations to the next stage (each TP rank its
+    /// sequence shard).
+    pub fn send(&self, tokens: f64) -> f64 {
+        let l = self.layout;
+        if l.pp <= 1 {
+            return 0.0;
+        }
+        let bytes = tokens / (l.cp * l.tp) as f64 * self.dims.hidden as f64 * 2.0;
+        self.cluster.link(l.block() * l.dp + 1).send(bytes)
+    }
+
+    /// Parameters of stage `stage` on one GPU.
+    pub fn params(&self, stage: usize) -> f64 {
+        let d = self.dims;
+        let mut p = self.layers() * d.layer_params() as f64;
+        if stage == 0 {
+            p += (d.vocab * d.hidden) as f64 + d.extra_params as f64;
+        }
+        if self.last(stage) && !d.tied {
+            p += (d.vocab * d.hidden) as f64;
+        }
+        p / self.layout.tp as f64
+    }
+
+    /// The gradient sync after the last backward: f32 grads reduce-scattered to their
+    /// ZeRO-1 owners and bf16 params all-gathered back (or one all-reduce without ZeRO-1)
+    /// over the stage's CP × DP ranks.
+    pub fn dp_sync(&self, stage: usize) -> f64 {
+        let l = self.layout;
+        let n = l.cp * l.dp;
+        if self.frozen || n <= 1 {
+            return 0.0;
+        }
+        let p = self.params(stage);
+        let link = self.cluster.link(l.block() * l.dp);
+        if self.zero1 {
+            link.gather(4.0 * p, n) + link.gather(2.0 * p, n)
+        } else {
+            link.all_reduce(4.0 * p, n)
+        }
+    }
+
+    /// Memory per GPU of stage `stage` holding activations of `inflight` tokens (every
+    /// microbatch in flight) whose largest microbatch has `largest` tokens.
+    pub fn memory(&self, stage: usize, inflight: f64, largest: f64) -> Memory {
+        let (d, l) = (self.dims, self.layout);
+        let p = self.params(stage);
+        let (grads, optimizer) = if self.frozen {
+            (0.0, 0.0)
+        } else {
+            let owners = if self.zero1 { (l.dp * l.cp) as f64 } else { 1.0 };
+            (4.0 * p, 12.0 * p / owners)
+        };
+        let per_cp = |t: f64| t / l.cp as f64;
+        let mut activations = if self.frozen {
+            // Inference only: one block's working set.
+            per_cp(largest) * d.act_bytes_per_token(l.tp, false)
+        } else {
+            let mut a = per_cp(inflight) * self.layers() * d.act_bytes_per_token(l.tp, self.recompute);
+            if self.recompute {
+                a += per_cp(largest) * d.act_bytes_per_token(l.tp, false);
+            }
+            a
+        };
+        if self.last(stage) && d.vocab > 0 {
+            // f32 logits of the vocab shard and their grad.
+            activations += per_cp(largest) * (d.vocab / l.tp) as f64 * 8.0;
+        }
+        Memory {
+            weights: 2.0 * p,
+            grads,
+            optimizer,
+            activations,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn llama7b() -> ModuleDims {
+        ModuleDims {
+            layers: 32,
+            hidden: 4096,
+            heads: 32,
+            kv_heads: 32,
+            head_dim: 128,
+            ffn: 11008,
+            mlp_mats: 3,
+            causal: true,
+            vocab: 32000,
+            tied: false,
+            extra_params: 0,
+        }
+    }
+
+    #[test]
+    fn splitting_cuts_time_and_memory_and_costs_communication() {
+        let c = Cluster::preset("h100").unwrap();
+        let d = llama7b();
+        let at = |tp, pp, recompute| StageCost {
+            dims: &d,
+            layout: Layout { tp, cp: 1, pp, dp: 8 },
+            cluster: &c,
+            recompute,
+            zero1: true,
+            frozen: false,
+        };
+        let (t, sq) = (4096.0, 4096.0 * 4096.0);
+        let one = at(1, 1, false).forward(0, t, sq);
+        let tp2 = at(2, 1, false).forward(0, t, sq);
+        assert!(tp2.compute < one.compute && tp2.compute > one.compute / 2.2);
+        assert!(tp2.comm > 0.0 && one.comm == 0.0);
+        // 7B at 4k tokens: ~55 TFLOP forward at ~650 TFLOP/s is ~90 ms.
+        assert!(one.compute > 0.06 && one.compute < 0.15, "{}", one.compute);
+        let b = at(1, 1, true).backward(0, t, sq);
+        assert!((b.compute / one.compute - 3.0).abs() < 1e-9);
+        // 6.74 B params: weights 13.5 GB, grads 27 GB, AdamW 81 GB / 8.
+        let m = at(1, 1, false).memory(0, t, t);
+        assert!((m.weights / 1e9 - 13.5).abs() < 0.1, "{}", m.weights);
+        assert!((m.optimizer / 1e9 - 10.1).abs() < 0.1, "{}", m.optimizer);
+        let r = at(1, 1, true).memory(0, t, t);
+        assert!(r.activations < m.activations / 5.0);
+        assert!(at(1, 2, false).params(0) < at(1, 1, false).params(0) * 0.6);
+        assert!(at(1, 1, false).dp_sync(0) > 0.0);
+    }
+}

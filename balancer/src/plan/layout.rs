@@ -1,0 +1,180 @@
+//! A candidate plan: per module `(tp, cp, pp, dp)`, how the module grids share GPUs, the
+//! microbatch count and recomputation. The grid order is the trainer's (TP fastest, then
+//! CP, DP, PP), so a TP group is `tp` consecutive GPUs.
+
+use serde::{Deserialize, Serialize};
+
+use crate::cluster::Cluster;
+use crate::dims::{ModelDims, Module};
+
+/// One module's grid.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Layout {
+    pub tp: usize,
+    pub cp: usize,
+    pub pp: usize,
+    pub dp: usize,
+}
+
+impl Layout {
+    pub const ONE: Layout = Layout {
+        tp: 1,
+        cp: 1,
+        pp: 1,
+        dp: 1,
+    };
+
+    pub fn gpus(&self) -> usize {
+        self.tp * self.cp * self.pp * self.dp
+    }
+
+    /// GPUs of one pipeline stage of one replica (a TP × CP block).
+    pub fn block(&self) -> usize {
+        self.tp * self.cp
+    }
+}
+
+impl std::fmt::Display for Layout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "tp{} cp{} pp{} dp{}",
+            self.tp, self.cp, self.pp, self.dp
+        )
+    }
+}
+
+/// How module grids share the GPUs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Placement {
+    /// Each module on its own GPUs (encoders first, then the LLM).
+    Disjoint,
+    /// Every module over all GPUs, taking turns.
+    Colocated,
+    /// The baseline most frameworks use: each encoder runs inside the LLM's first pipeline
+    /// stage with the LLM's TP and DP (no CP, no stages of its own).
+    LlmCentric,
+}
+
+/// How a step is scheduled across modules.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Schedule {
+    /// What `braid train` runs: encoders forward every microbatch, the bridge, the LLM's
+    /// 1F1B, the bridge back, the encoders' backward.
+    Phased,
+    /// 1F1B over the module graph: an encoder's microbatch feeds the LLM's first stage as
+    /// soon as it is done (disjoint placement only; not yet run by `braid train`).
+    Overlapped,
+}
+
+/// A full candidate.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Plan {
+    pub placement: Placement,
+    pub schedule: Schedule,
+    /// LLM microbatches per replica per step.
+    pub microbatches: usize,
+    /// Full activation recomputation (per block) in the LLM, and in the encoders.
+    pub recompute: bool,
+    pub recompute_encoders: bool,
+    /// AdamW state sharded over each module's data-parallel ranks.
+    pub zero1: bool,
+    pub llm: Layout,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vision: Option<Layout>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub audio: Option<Layout>,
+}
+
+impl Plan {
+    pub fn layout(&self, m: Module) -> Option<Layout> {
+        match m {
+            Module::Llm => Some(self.llm),
+            Module::Vision => self.vision,
+            Module::Audio => self.audio,
+        }
+    }
+
+    /// GPUs the plan occupies.
+    pub fn gpus(&self) -> usize {
+        let enc = [self.vision, self.audio].into_iter().flatten();
+        match self.placement {
+            Placement::Disjoint => self.llm.gpus() + enc.map(|l| l.gpus()).sum::<usize>(),
+            Placement::Colocated => enc.map(|l| l.gpus()).fold(self.llm.gpus(), usize::max),
+            Placement::LlmCentric => self.llm.gpus(),
+        }
+    }
+
+    /// The first GPU of each module's grid (disjoint: vision, audio, then the LLM).
+    pub fn offset(&self, m: Module) -> usize {
+        if self.placement != Placement::Disjoint {
+            return 0;
+        }
+        let before: &[Option<Layout>] = match m {
+            Module::Vision => &[],
+            Module::Audio => &[self.vision],
+            Module::Llm => &[self.vision, self.audio],
+        };
+        before.iter().flatten().map(Layout::gpus).sum()
+    }
+
+    /// Structural checks against the model and the cluster (memory is the cost
+    /// model's): divisibility, TP inside a node, the world, rows per replica.
+    pub fn check(
+        &self,
+        model: &ModelDims,
+        cluster: &Cluster,
+        gpus: usize,
+        batch_rows: usize,
+    ) -> Result<(), String> {
+        for m in model.modules() {
+            let Some(l) = self.layout(m) else {
+                return Err(format!("{} has no layout", m.name()));
+            };
+            let dims = model.module(m).ok_or("no dims")?;
+            dims.fits(l.tp, l.pp).map_err(|e| format!("{}: {e}", m.name()))?;
+            if l.tp > cluster.gpus_per_node || cluster.gpus_per_node % l.tp != 0 {
+                return Err(format!(
+                    "{}: tp {} must divide the {} GPUs of a node",
+                    m.name(),
+                    l.tp,
+                    cluster.gpus_per_node
+                ));
+            }
+            if l.gpus() == 0 {
+                return Err(format!("{}: a zero-sized grid", m.name()));
+            }
+        }
+        for m in model.modules() {
+            if self.layout(m).is_some() && model.module(m).is_none() {
+                return Err(format!("{} has a layout but no module", m.name()));
+            }
+        }
+        if self.gpus() != gpus {
+            return Err(format!("uses {} GPUs, not {gpus}", self.gpus()));
+        }
+        if self.placement == Placement::Colocated
+            && model
+                .modules()
+                .iter()
+                .any(|&m| self.layout(m).is_some_and(|l| l.gpus() != gpus))
+        {
+            return Err("colocated grids must each span every GPU".into());
+        }
+        if self.schedule == Schedule::Overlapped && self.placement != Placement::Disjoint {
+            return Err("the overlapped schedule needs disjoint placement".into());
+        }
+        let rows = batch_rows / self.llm.dp;
+        if rows == 0 || self.microbatches == 0 || self.microbatches > rows {
+            return Err(format!(
+                "{batch_rows} rows over llm dp {} leave {rows} per replica for {} microbatches",
+                self.llm.dp, self.microbatches
+            ));
+        }
+        Ok(())
+    }
+}

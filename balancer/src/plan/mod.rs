@@ -1,0 +1,13 @@
+//! Planning: the cost model ([`cost`]), the event-driven step simulator ([`dag`],
+//! [`step`]), candidate layouts ([`layout`]) and the search over them ([`search`]).
+
+pub mod cost;
+pub mod dag;
+pub mod layout;
+pub mod step;
+
+pub use cost::{Cost, Memory, StageCost};
+pub use layout::{Layout, Placement, Plan, Schedule};
+pub use step::{Problem, StepSim};
+pub mod search;
+pub use search::{Found, Outcome, Space, search};

@@ -1,0 +1,432 @@
+//! The simulated step of one plan on one global batch: the batch is assigned (the
+//! data-aware assigner for Braid's plans; rows round-robin with their media for the
+//! LLM-centric baseline), each lane's tasks are costed, laid out in the schedule's order
+//! (1F1B per stage) and run by the event-driven [`Dag`]. Out come the step time, the
+//! bubble fraction, per-module busy time and the peak memory per GPU.
+
+use crate::assign::{Assigner, BatchShape, Replicas, RoundRobin};
+use crate::balance::lpt;
+use crate::cluster::Cluster;
+use crate::dims::{ModelDims, Module};
+use crate::plan::cost::{Cost, StageCost};
+use crate::plan::dag::Dag;
+use crate::plan::layout::{Layout, Placement, Plan, Schedule};
+use crate::workload::{RowShape, shape_of};
+
+/// What is being planned.
+#[derive(Clone, Debug)]
+pub struct Problem {
+    pub model: ModelDims,
+    pub cluster: Cluster,
+    /// Modules trained with frozen weights.
+    pub frozen: Vec<Module>,
+}
+
+/// One simulated step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepSim {
+    pub step_s: f64,
+    /// Share of GPU time not computing (idle or waiting on communication).
+    pub bubble: f64,
+    /// Peak bytes on the fullest GPU.
+    pub peak_memory: f64,
+    /// Per module: mean busy seconds of its GPUs, and its fullest GPU's bytes.
+    pub busy: Vec<(Module, f64)>,
+    pub memory: Vec<(Module, f64)>,
+    /// Seconds of the bridge (both ways) and of the slowest gradient sync.
+    pub bridge_s: f64,
+    pub dp_sync_s: f64,
+}
+
+/// A load of tokens: their count, the sum of squared sequence lengths, the longest.
+#[derive(Clone, Copy, Debug, Default)]
+struct Load {
+    tokens: f64,
+    sq: f64,
+}
+
+impl Load {
+    fn add(&mut self, t: f64) {
+        self.tokens += t;
+        self.sq += t * t;
+    }
+}
+
+/// Each image's and clip's (row, encoder tokens, LLM tokens).
+fn items(b: &BatchShape, model: &ModelDims, m: Module) -> Vec<(usize, f64, f64)> {
+    let (per_row, sizes, ratio, stem) = match m {
+        Module::Vision => (&b.row_images, &b.image_tokens, model.vision_llm_ratio, 1),
+        Module::Audio => (&b.row_clips, &b.clip_frames, model.audio_llm_ratio, 2),
+        Module::Llm => return Vec::new(),
+    };
+    let mut out = Vec::with_capacity(sizes.len());
+    let mut k = 0;
+    for (row, &n) in per_row.iter().enumerate() {
+        for &s in &sizes[k..k + n] {
+            out.push((row, s.div_ceil(stem) as f64, (s as f64 * ratio).ceil()));
+        }
+        k += n;
+    }
+    out
+}
+
+/// Task ids of a lane's forwards and backwards per microbatch.
+struct LaneTasks {
+    lane: usize,
+    f: Vec<usize>,
+    b: Vec<usize>,
+}
+
+/// 1F1B on a lane `depth` stages from the end of the pipeline: warm-up forwards, then
+/// alternating, then cool-down backwards. `(forward?, microbatch)`.
+fn one_f_one_b(m: usize, depth: usize, backward: bool) -> Vec<(bool, usize)> {
+    if !backward {
+        return (0..m).map(|i| (true, i)).collect();
+    }
+    let warm = depth.saturating_sub(1).min(m);
+    let mut out: Vec<(bool, usize)> = (0..warm).map(|i| (true, i)).collect();
+    for i in 0..m - warm {
+        out.push((true, warm + i));
+        out.push((false, i));
+    }
+    out.extend((m - warm..m).map(|i| (false, i)));
+    out
+}
+
+/// Pushes a stage lane's tasks (deps filled later).
+fn stage_lane(
+    g: &mut Dag,
+    ranks: usize,
+    label: String,
+    order: &[(bool, usize)],
+    cost: impl Fn(bool, usize) -> Cost,
+    m: usize,
+) -> LaneTasks {
+    let lane = g.lane(ranks, label);
+    let (mut f, mut b) = (vec![usize::MAX; m], vec![usize::MAX; m]);
+    for &(fwd, i) in order {
+        let id = g.push(lane, cost(fwd, i), Vec::new());
+        if fwd {
+            f[i] = id;
+        } else {
+            b[i] = id;
+        }
+    }
+    LaneTasks { lane, f, b }
+}
+
+impl Problem {
+    fn stage_cost<'a>(&'a self, m: Module, layout: Layout, plan: &Plan) -> Option<StageCost<'a>> {
+        Some(StageCost {
+            dims: self.model.module(m)?,
+            layout,
+            cluster: &self.cluster,
+            recompute: if m == Module::Llm {
+                plan.recompute
+            } else {
+                plan.recompute_encoders
+            },
+            zero1: plan.zero1,
+            frozen: self.frozen.contains(&m),
+        })
+    }
+
+    /// Simulates `plan` on the global batch `rows`.
+    pub fn simulate(&self, plan: &Plan, rows: &[RowShape]) -> Result<StepSim, String> {
+        let b = shape_of(rows);
+        let (llm, m) = (plan.llm, plan.microbatches);
+        let encoders: Vec<Module> = [Module::Vision, Module::Audio]
+            .into_iter()
+            .filter(|&e| self.model.module(e).is_some())
+            .collect();
+        let dp_of = |e: Module| plan.layout(e).map_or(1, |l| l.dp);
+        let rep = Replicas {
+            llm_dp: llm.dp,
+            microbatches: m,
+            vision_dp: dp_of(Module::Vision),
+            audio_dp: dp_of(Module::Audio),
+        };
+        let costs = self.model.balanced();
+        let a = if plan.placement == Placement::LlmCentric {
+            RoundRobin.assign(&b, &rep)
+        } else {
+            costs.assign(&b, &rep)
+        };
+        // (B_dp, M) loads of the LLM and the LLM tokens its media bring (bridge volume).
+        let mut llm_load = vec![vec![Load::default(); m]; llm.dp];
+        let mut media = vec![vec![0.0; m]; llm.dp];
+        for (r, &(d, i)) in a.rows.iter().enumerate() {
+            let mb = i.min(m - 1);
+            llm_load[d][mb].tokens += b.row_tokens[r] as f64;
+            llm_load[d][mb].sq += b.row_sq[r] as f64;
+        }
+        let hidden = self.model.llm.hidden as f64;
+        let overlapped = plan.schedule == Schedule::Overlapped;
+        // Encoders run the items of LLM microbatch i as their chunk i: in the phased
+        // schedule every chunk's forward before the bridge (GPipe), in the overlapped one
+        // 1F1B with the LLM downstream.
+        let chunks = m;
+        // Per encoder: (R_dp, chunks) loads; the LLM-centric baseline's are (B_dp, M).
+        let mut enc_load: Vec<Vec<Vec<Load>>> = Vec::new();
+        let mut enc_out: Vec<Vec<Vec<f64>>> = Vec::new(); // LLM tokens each replica sends
+        for &e in &encoders {
+            let its = items(&b, &self.model, e);
+            let (reps, nchunks) = if plan.placement == Placement::LlmCentric {
+                (llm.dp, m)
+            } else {
+                (dp_of(e), chunks)
+            };
+            let mut load = vec![vec![Load::default(); nchunks]; reps];
+            let mut out = vec![vec![0.0; nchunks]; reps];
+            let chunk_of = |row: usize| if nchunks > 1 { a.rows[row].1.min(m - 1) } else { 0 };
+            let mut by_chunk: Vec<Vec<usize>> = vec![Vec::new(); nchunks];
+            for (k, it) in its.iter().enumerate() {
+                by_chunk[chunk_of(it.0)].push(k);
+                media[a.rows[it.0].0][a.rows[it.0].1.min(m - 1)] += it.2;
+            }
+            let assigned = if e == Module::Vision { &a.images } else { &a.clips };
+            for (c, ks) in by_chunk.iter().enumerate() {
+                let to: Vec<usize> = match plan.placement {
+                    Placement::LlmCentric => ks.iter().map(|&k| a.rows[its[k].0].0).collect(),
+                    _ if overlapped => {
+                        let tc = if e == Module::Vision { costs.vision } else { costs.audio };
+                        let cs: Vec<f64> = ks.iter().map(|&k| tc.of(its[k].1, its[k].1 * its[k].1)).collect();
+                        lpt(&cs, reps)
+                    }
+                    _ => ks.iter().map(|&k| assigned[k]).collect(),
+                };
+                for (&k, r) in ks.iter().zip(to) {
+                    load[r][c].add(its[k].1);
+                    out[r][c] += its[k].2;
+                }
+            }
+            enc_load.push(load);
+            enc_out.push(out);
+        }
+        let link = self.cluster.link(plan.gpus());
+        // The bridge of chunk c (or the whole step): the busiest sender or receiver.
+        let bridge = |c: Option<usize>| -> f64 {
+            let pick = |v: &[f64]| c.map_or_else(|| v.iter().sum(), |c| v[c]);
+            let recv = media
+                .iter()
+                .map(|v| pick(v) / llm.cp as f64)
+                .fold(0.0, f64::max);
+            let send = enc_out
+                .iter()
+                .zip(&encoders)
+                .flat_map(|(o, &e)| {
+                    let n = plan.layout(e).map_or(1, |l| l.block()) as f64;
+                    o.iter().map(move |v| pick(v) / n)
+                })
+                .fold(0.0, f64::max);
+            link.send(recv.max(send) * hidden * 2.0)
+        };
+
+        let mut g = Dag::default();
+        let mut bridge_s = 0.0;
+        // Encoder lanes (not in the baseline): [encoder][replica][stage].
+        let mut enc_lanes: Vec<Vec<Vec<LaneTasks>>> = Vec::new();
+        if plan.placement != Placement::LlmCentric {
+            for (k, &e) in encoders.iter().enumerate() {
+                let (Some(l), Some(sc)) = (plan.layout(e), plan.layout(e).and_then(|l| self.stage_cost(e, l, plan))) else {
+                    return Err(format!("{} has no layout", e.name()));
+                };
+                let mut reps = Vec::new();
+                for (r, load) in enc_load[k].iter().enumerate() {
+                    let mut stages = Vec::new();
+                    for s in 0..l.pp {
+                        // Phased: every forward, then (after the LLM) every backward.
+                        let depth = if overlapped { l.pp - s + llm.pp } else { usize::MAX };
+                        let order = one_f_one_b(chunks, depth, !sc.frozen);
+                        let cost = |fwd: bool, c: usize| {
+                            let x = load[c];
+                            let send = if s > 0 { sc.send(x.tokens) } else { 0.0 };
+                            let mut t = if fwd { sc.forward(s, x.tokens, x.sq) } else { sc.backward(s, x.tokens, x.sq) };
+                            t.comm += send;
+                            t
+                        };
+                        stages.push(stage_lane(&mut g, l.block(), format!("{} r{r} s{s}", e.name()), &order, cost, chunks));
+                    }
+                    reps.push(stages);
+                }
+                enc_lanes.push(reps);
+            }
+        }
+        // LLM lanes: [replica][stage].
+        let sc = self.stage_cost(Module::Llm, llm, plan).ok_or("no LLM")?;
+        let centric: Vec<(usize, StageCost)> = if plan.placement == Placement::LlmCentric {
+            let l = Layout { tp: llm.tp, cp: 1, pp: 1, dp: llm.dp };
+            encoders
+                .iter()
+                .enumerate()
+                .filter_map(|(k, &e)| Some((k, self.stage_cost(e, l, plan)?)))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let mut llm_lanes: Vec<Vec<LaneTasks>> = Vec::new();
+        for d in 0..llm.dp {
+            let mut stages = Vec::new();
+            for s in 0..llm.pp {
+                let order = one_f_one_b(m, llm.pp - s, true);
+                let cost = |fwd: bool, i: usize| {
+                    let x = llm_load[d][i];
+                    let mut t = if fwd { sc.forward(s, x.tokens, x.sq) } else { sc.backward(s, x.tokens, x.sq) };
+                    t.comm += sc.send(x.tokens) * f64::from(u8::from(if fwd { s > 0 } else { s + 1 < llm.pp }));
+                    if s == 0 {
+                        for (k, ec) in &centric {
+                            let y = enc_load[*k][d][i];
+                            t = t.add(if fwd { ec.forward(0, y.tokens, y.sq) } else { ec.backward(0, y.tokens, y.sq) });
+                        }
+                    }
+                    t
+                };
+                stages.push(stage_lane(&mut g, llm.block(), format!("llm r{d} s{s}"), &order, cost, m));
+            }
+            llm_lanes.push(stages);
+        }
+        // Dependencies along each pipeline.
+        let set = |g: &mut Dag, t: usize, dep: usize| {
+            if t != usize::MAX && dep != usize::MAX {
+                g.tasks[t].deps.push(dep);
+            }
+        };
+        for stages in enc_lanes.iter().flatten().chain(llm_lanes.iter()) {
+            for s in 1..stages.len() {
+                for i in 0..stages[s].f.len() {
+                    set(&mut g, stages[s].f[i], stages[s - 1].f[i]);
+                    set(&mut g, stages[s - 1].b[i], stages[s].b[i]);
+                }
+            }
+        }
+        // The bridge between encoder last stages and LLM first stages.
+        if !enc_lanes.is_empty() {
+            let colocated = plan.placement == Placement::Colocated;
+            for c in 0..if overlapped { chunks } else { 1 } {
+                let t = bridge(overlapped.then_some(c));
+                bridge_s += 2.0 * t;
+                let lane = g.lane(0, format!("bridge {c}"));
+                let fwd = g.push(lane, Cost { compute: 0.0, comm: t }, Vec::new());
+                let lane = g.lane(0, format!("bridge back {c}"));
+                let bwd = g.push(lane, Cost { compute: 0.0, comm: t }, Vec::new());
+                let mbs: Vec<usize> = if overlapped { vec![c] } else { (0..m).collect() };
+                for reps in &enc_lanes {
+                    for stages in reps {
+                        let last = &stages[stages.len() - 1];
+                        for &i in &mbs {
+                            set(&mut g, fwd, last.f[i]);
+                            set(&mut g, last.b[i], bwd);
+                        }
+                    }
+                }
+                for stages in &llm_lanes {
+                    for &i in &mbs {
+                        set(&mut g, stages[0].f[i], fwd);
+                        set(&mut g, bwd, stages[0].b[i]);
+                    }
+                }
+            }
+            // Colocated encoders take turns on the same GPUs: the second starts (and its
+            // backward ends) after the first.
+            if colocated && enc_lanes.len() == 2 {
+                for r2 in &enc_lanes[1] {
+                    for r1 in &enc_lanes[0] {
+                        let (last1, first2) = (&r1[r1.len() - 1], &r2[0]);
+                        set(&mut g, first2.f[0], last1.f[m - 1]);
+                        set(&mut g, last1.b[m - 1], first2.b[m - 1]);
+                    }
+                }
+            }
+        }
+        // The gradient sync after each lane's last backward.
+        let mut dp_sync_s = 0.0f64;
+        let mut sync = |g: &mut Dag, lane: usize, sc: &StageCost, s: usize| {
+            let t = sc.dp_sync(s);
+            dp_sync_s = dp_sync_s.max(t);
+            if t > 0.0 {
+                g.push(lane, Cost { compute: 0.0, comm: t }, Vec::new());
+            }
+        };
+        for (k, &e) in encoders.iter().enumerate() {
+            if let (Some(l), Some(reps)) = (plan.layout(e), enc_lanes.get(k))
+                && let Some(esc) = self.stage_cost(e, l, plan)
+            {
+                for stages in reps {
+                    for (s, st) in stages.iter().enumerate() {
+                        sync(&mut g, st.lane, &esc, s);
+                    }
+                }
+            }
+        }
+        for stages in &llm_lanes {
+            for (s, st) in stages.iter().enumerate() {
+                sync(&mut g, st.lane, &sc, s);
+            }
+        }
+        let tl = g.simulate(self.cluster.shared_compute)?;
+
+        // Busy time and memory per module.
+        let gpus = plan.gpus() as f64;
+        let used: f64 = g.lanes.iter().zip(&tl.compute).map(|(l, b)| l.ranks as f64 * b).sum();
+        let module_busy = |lanes: &[&LaneTasks], n: usize| {
+            lanes.iter().map(|t| tl.busy[t.lane] * g.lanes[t.lane].ranks as f64).sum::<f64>() / n.max(1) as f64
+        };
+        let mut busy = Vec::new();
+        let mut memory = Vec::new();
+        let llm_refs: Vec<&LaneTasks> = llm_lanes.iter().flatten().collect();
+        busy.push((Module::Llm, module_busy(&llm_refs, llm.gpus())));
+        let max_mb = |d: &[Load]| d.iter().map(|x| x.tokens).fold(0.0, f64::max);
+        let mut llm_mem = 0.0f64;
+        for s in 0..llm.pp {
+            let largest = llm_load.iter().map(|d| max_mb(d)).fold(0.0, f64::max);
+            let inflight = largest * (llm.pp - s).min(m) as f64;
+            let mut bytes = sc.memory(s, inflight, largest).total();
+            if s == 0 {
+                for (k, ec) in &centric {
+                    let big = enc_load[*k].iter().map(|d| max_mb(d)).fold(0.0, f64::max);
+                    bytes += ec.memory(0, big * llm.pp.min(m) as f64, big).total();
+                }
+            }
+            llm_mem = llm_mem.max(bytes);
+        }
+        memory.push((Module::Llm, llm_mem));
+        for (k, &e) in encoders.iter().enumerate() {
+            let (Some(l), Some(reps)) = (plan.layout(e), enc_lanes.get(k)) else {
+                continue;
+            };
+            let Some(esc) = self.stage_cost(e, l, plan) else { continue };
+            let refs: Vec<&LaneTasks> = reps.iter().flatten().collect();
+            busy.push((e, module_busy(&refs, l.gpus())));
+            let largest = enc_load[k].iter().map(|d| max_mb(d)).fold(0.0, f64::max);
+            let whole = enc_load[k]
+                .iter()
+                .map(|d| d.iter().map(|x| x.tokens).sum::<f64>())
+                .fold(0.0, f64::max);
+            let mut mem = 0.0f64;
+            for s in 0..l.pp {
+                // Phased: every chunk's activations wait for the LLM; overlapped: 1F1B.
+                let held = if overlapped {
+                    largest * (l.pp - s + llm.pp).min(chunks) as f64
+                } else {
+                    whole
+                };
+                mem = mem.max(esc.memory(s, held, largest).total());
+            }
+            memory.push((e, mem));
+        }
+        let peak_memory = if plan.placement == Placement::Colocated {
+            memory.iter().map(|x| x.1).sum()
+        } else {
+            memory.iter().map(|x| x.1).fold(0.0, f64::max)
+        };
+        Ok(StepSim {
+            step_s: tl.makespan,
+            bubble: 1.0 - used / (gpus * tl.makespan).max(1e-30),
+            peak_memory,
+            busy,
+            memory,
+            bridge_s,
+            dp_sync_s,
+        })
+    }
+}
