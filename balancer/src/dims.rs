@@ -113,19 +113,19 @@ impl ModuleDims {
     /// The divisibility a layout needs: TP must divide heads, KV heads and the MLP (and
     /// the vocabulary); PP must divide the layers.
     pub fn fits(&self, tp: usize, pp: usize) -> Result<(), String> {
-        if self.heads % tp != 0 || self.kv_heads % tp != 0 {
+        if !self.heads.is_multiple_of(tp) || !self.kv_heads.is_multiple_of(tp) {
             return Err(format!(
                 "tp {tp} does not divide heads {} / kv heads {}",
                 self.heads, self.kv_heads
             ));
         }
-        if self.ffn % tp != 0 || (self.vocab > 0 && self.vocab % tp != 0) {
+        if !self.ffn.is_multiple_of(tp) || (self.vocab > 0 && !self.vocab.is_multiple_of(tp)) {
             return Err(format!(
                 "tp {tp} does not divide the MLP width {} or the vocabulary {}",
                 self.ffn, self.vocab
             ));
         }
-        if self.layers % pp != 0 {
+        if !self.layers.is_multiple_of(pp) {
             return Err(format!("pp {pp} does not divide {} layers", self.layers));
         }
         Ok(())

@@ -117,7 +117,9 @@ pub fn generate(
                         .map(|&f| (f as f64 * media.llm_per_frame).ceil() as usize)
                         .sum::<usize>()
             };
-            while media_tokens(&images, &clips) + 8 > seq_len && !(images.is_empty() && clips.is_empty()) {
+            while media_tokens(&images, &clips) + 8 > seq_len
+                && !(images.is_empty() && clips.is_empty())
+            {
                 if clips.len() >= images.len() {
                     clips.pop();
                 } else {
@@ -174,7 +176,8 @@ impl Workload {
     /// Mean tokens, images and clips per row: the summary `braid plan` prints.
     pub fn summary(&self) -> (f64, f64, f64) {
         let n = self.rows.len().max(1) as f64;
-        let sum = |f: &dyn Fn(&RowShape) -> usize| self.rows.iter().map(f).sum::<usize>() as f64 / n;
+        let sum =
+            |f: &dyn Fn(&RowShape) -> usize| self.rows.iter().map(f).sum::<usize>() as f64 / n;
         (
             sum(&RowShape::tokens),
             sum(&|r| r.images.len()),

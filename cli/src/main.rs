@@ -1,12 +1,12 @@
 //! The `braid` command: one subcommand per job (see DESIGN.md, "Who uses it, and how").
 //!
-//! `plan` arrives with the balancer issue and, until then, says so and exits with status 2.
 
 mod demo;
 mod forward;
 mod generate;
 mod inspect;
 mod pack;
+mod plan;
 mod plot;
 mod train;
 
@@ -63,20 +63,9 @@ enum Command {
     Pack(pack::PackArgs),
     /// Statistics of a packed dataset; `--plots DIR` writes the histograms as PNG.
     Inspect(inspect::InspectArgs),
-    /// Choose a layout per module (arrives with the balancer issue).
-    Plan {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
-        args: Vec<String>,
-    },
-}
-
-fn not_yet(what: &str) -> ExitCode {
-    eprintln!(
-        "braid {}: `{what}` is not available in this build yet; today braid has the compute \
-         core, the models, `braid train`, `braid pack`, `braid inspect` and `braid forward` (see README.md)",
-        env!("CARGO_PKG_VERSION")
-    );
-    ExitCode::from(2)
+    /// Choose a layout per module for N GPUs: predicted step time and memory per GPU next
+    /// to the LLM-centric layout; writes a plan file for `parallel.plan`.
+    Plan(plan::PlanArgs),
 }
 
 fn main() -> ExitCode {
@@ -98,6 +87,6 @@ fn main() -> ExitCode {
         Command::Generate(args) => generate::run(args),
         Command::Pack(args) => ExitCode::from(pack::run(args)),
         Command::Inspect(args) => ExitCode::from(inspect::run(args)),
-        Command::Plan { .. } => not_yet("plan"),
+        Command::Plan(args) => ExitCode::from(plan::run(args)),
     }
 }

@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod mllm;
 pub mod optim;
 pub mod parallel;
+pub mod planning;
 pub mod resume;
 pub mod trainer;
 

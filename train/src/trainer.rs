@@ -98,6 +98,13 @@ impl Trainer {
     /// Makes the datasets if needed, builds the model and optimizer, and (with `resume`)
     /// restores the newest complete checkpoint of `run.dir`.
     pub fn new(cfg: RunConfig, resume: bool, obs: &mut dyn Observer) -> Result<Self> {
+        // `parallel.plan` first: it decides the world and every layout below.
+        let mut cfg = cfg;
+        for note in crate::planning::apply(&mut cfg)? {
+            obs.log(&note);
+        }
+        cfg.parallel.plan = None;
+        cfg.validate()?;
         let device = Device::Cpu;
         let run_dir = cfg.run.dir.clone();
         let ckpt_root = run_dir.join("checkpoints");

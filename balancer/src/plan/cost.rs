@@ -20,7 +20,7 @@ impl Cost {
     pub fn total(&self) -> f64 {
         self.compute + self.comm
     }
-    pub fn add(self, o: Cost) -> Cost {
+    pub fn plus(self, o: Cost) -> Cost {
         Cost {
             compute: self.compute + o.compute,
             comm: self.comm + o.comm,
@@ -163,7 +163,11 @@ impl StageCost<'_> {
         let (grads, optimizer) = if self.frozen {
             (0.0, 0.0)
         } else {
-            let owners = if self.zero1 { (l.dp * l.cp) as f64 } else { 1.0 };
+            let owners = if self.zero1 {
+                (l.dp * l.cp) as f64
+            } else {
+                1.0
+            };
             (4.0 * p, 12.0 * p / owners)
         };
         let per_cp = |t: f64| t / l.cp as f64;
@@ -171,7 +175,8 @@ impl StageCost<'_> {
             // Inference only: one block's working set.
             per_cp(largest) * d.act_bytes_per_token(l.tp, false)
         } else {
-            let mut a = per_cp(inflight) * self.layers() * d.act_bytes_per_token(l.tp, self.recompute);
+            let mut a =
+                per_cp(inflight) * self.layers() * d.act_bytes_per_token(l.tp, self.recompute);
             if self.recompute {
                 a += per_cp(largest) * d.act_bytes_per_token(l.tp, false);
             }
@@ -216,7 +221,12 @@ mod tests {
         let d = llama7b();
         let at = |tp, pp, recompute| StageCost {
             dims: &d,
-            layout: Layout { tp, cp: 1, pp, dp: 8 },
+            layout: Layout {
+                tp,
+                cp: 1,
+                pp,
+                dp: 8,
+            },
             cluster: &c,
             recompute,
             zero1: true,

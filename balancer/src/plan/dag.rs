@@ -160,11 +160,11 @@ impl Dag {
         let mut now = 0.0f64;
         let mut done = 0;
         loop {
-            for l in 0..self.lanes.len() {
+            for (l, &at) in next.iter().enumerate() {
                 if running.iter().any(|r| self.tasks[r.0].lane == l) {
                     continue;
                 }
-                if let Some(&t) = self.order[l].get(next[l])
+                if let Some(&t) = self.order[l].get(at)
                     && pending[t] == 0
                 {
                     start[t] = now;

@@ -37,11 +37,7 @@ impl Layout {
 
 impl std::fmt::Display for Layout {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "tp{} cp{} pp{} dp{}",
-            self.tp, self.cp, self.pp, self.dp
-        )
+        write!(f, "tp{} cp{} pp{} dp{}", self.tp, self.cp, self.pp, self.dp)
     }
 }
 
@@ -136,8 +132,9 @@ impl Plan {
                 return Err(format!("{} has no layout", m.name()));
             };
             let dims = model.module(m).ok_or("no dims")?;
-            dims.fits(l.tp, l.pp).map_err(|e| format!("{}: {e}", m.name()))?;
-            if l.tp > cluster.gpus_per_node || cluster.gpus_per_node % l.tp != 0 {
+            dims.fits(l.tp, l.pp)
+                .map_err(|e| format!("{}: {e}", m.name()))?;
+            if l.tp > cluster.gpus_per_node || !cluster.gpus_per_node.is_multiple_of(l.tp) {
                 return Err(format!(
                     "{}: tp {} must divide the {} GPUs of a node",
                     m.name(),

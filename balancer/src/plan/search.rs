@@ -39,7 +39,7 @@ impl Space {
             placements: vec![Placement::Colocated, Placement::Disjoint],
             recompute: vec![false, true],
             zero1: true,
-            top_k: 24,
+            top_k: 12,
             batches: 3,
             brute_limit: 4000,
         }
@@ -113,7 +113,7 @@ fn pow2_divisors(n: usize, max: usize) -> Vec<usize> {
     (0..16)
         .map(|k| 1usize << k)
         .take_while(|&d| d <= max)
-        .filter(|d| n % d == 0)
+        .filter(|d| n.is_multiple_of(*d))
         .collect()
 }
 
@@ -125,11 +125,15 @@ fn layouts(p: &Problem, m: Module, g: usize, rows: usize) -> Vec<Layout> {
     let node = p.cluster.gpus_per_node;
     let mut out = Vec::new();
     for tp in pow2_divisors(node, node) {
-        let cps: &[usize] = if m == Module::Llm { &[1, 2, 4, 8] } else { &[1, 2] };
+        let cps: &[usize] = if m == Module::Llm {
+            &[1, 2, 4, 8]
+        } else {
+            &[1, 2]
+        };
         for &cp in cps {
             for pp in (1..=d.layers.min(32)).filter(|&pp| d.layers % pp == 0) {
                 let block = tp * cp * pp;
-                if g % block != 0 || d.fits(tp, pp).is_err() {
+                if !g.is_multiple_of(block) || d.fits(tp, pp).is_err() {
                     continue;
                 }
                 let dp = g / block;
@@ -144,7 +148,13 @@ fn layouts(p: &Problem, m: Module, g: usize, rows: usize) -> Vec<Layout> {
 }
 
 impl Problem {
-    fn cost(&self, m: Module, layout: Layout, recompute: bool, zero1: bool) -> Option<StageCost<'_>> {
+    fn cost(
+        &self,
+        m: Module,
+        layout: Layout,
+        recompute: bool,
+        zero1: bool,
+    ) -> Option<StageCost<'_>> {
         Some(StageCost {
             dims: self.model.module(m)?,
             layout,
@@ -190,7 +200,15 @@ impl Problem {
     }
 
     /// Options for module `m` on `g` GPUs (LLM: with microbatch counts).
-    fn options(&self, m: Module, g: usize, t: &Totals, space: &Space, rows: usize, chunks: usize) -> Vec<Opt> {
+    fn options(
+        &self,
+        m: Module,
+        g: usize,
+        t: &Totals,
+        space: &Space,
+        rows: usize,
+        chunks: usize,
+    ) -> Vec<Opt> {
         let mut out = Vec::new();
         let total = match m {
             Module::Llm => t.llm,
@@ -200,13 +218,15 @@ impl Problem {
         for layout in layouts(self, m, g, rows) {
             let per_rep = rows / layout.dp;
             let mbs: Vec<usize> = if m == Module::Llm {
-                let mut v: Vec<usize> = (0..12).map(|k| 1usize << k).filter(|&x| x <= per_rep).collect();
+                let mut v: Vec<usize> = (0..12)
+                    .map(|k| 1usize << k)
+                    .filter(|&x| x <= per_rep)
+                    .collect();
                 v.push(per_rep);
                 v.dedup();
                 v
             } else {
-                // Phased encoders run 8 chunks (a typical microbatch count) and hold them all.
-                vec![if chunks == 1 { 8 } else { chunks }]
+                vec![chunks]
             };
             for &recompute in &space.recompute {
                 let Some(sc) = self.cost(m, layout, recompute, space.zero1) else {
@@ -214,8 +234,16 @@ impl Problem {
                 };
                 for &mb in &mbs {
                     let n = (layout.dp * mb) as f64;
-                    let hold_all = m != Module::Llm && chunks == 1;
-                    let (time, mem) = self.estimate(&sc, mb, (total.0 / n, total.1 / n), None, hold_all);
+                    let phased_encoder = m != Module::Llm && chunks == 1;
+                    let load = (total.0 / n, total.1 / n);
+                    let (time, mut mem) = self.estimate(&sc, mb, load, None, phased_encoder);
+                    if phased_encoder {
+                        // Every chunk's activations wait for the LLM; the working set is
+                        // one chunk (~1/8 of the replica's items at typical microbatch counts).
+                        mem = (0..layout.pp)
+                            .map(|s| sc.memory(s, load.0, load.0 / 8.0).total())
+                            .fold(0.0, f64::max);
+                    }
                     out.push(Opt {
                         layout,
                         microbatches: mb,
@@ -248,7 +276,13 @@ struct Combo {
     plan: Plan,
 }
 
-fn plan_of(placement: Placement, schedule: Schedule, zero1: bool, llm: &Opt, enc: &[(Module, Opt)]) -> Plan {
+fn plan_of(
+    placement: Placement,
+    schedule: Schedule,
+    zero1: bool,
+    llm: &Opt,
+    enc: &[(Module, Opt)],
+) -> Plan {
     let get = |m: Module| enc.iter().find(|e| e.0 == m).map(|e| e.1.layout);
     Plan {
         placement,
@@ -263,6 +297,9 @@ fn plan_of(placement: Placement, schedule: Schedule, zero1: bool, llm: &Opt, enc
     }
 }
 
+/// Turns a combination into its estimate and plan.
+type MakePlan<'a> = dyn Fn(&Opt, &[(Module, Opt)]) -> (f64, Plan) + 'a;
+
 /// Combinations of one option per module with the same recomputation, under the memory
 /// budget (summed on colocated GPUs), ranked by `est`.
 fn combine(
@@ -270,14 +307,17 @@ fn combine(
     enc: &[(Module, Vec<Opt>)],
     budget: f64,
     colocated: bool,
-    mk: &dyn Fn(&Opt, &[(Module, Opt)]) -> (f64, Plan),
+    mk: &MakePlan,
     out: &mut Vec<Combo>,
 ) {
     let mut idx = vec![0usize; enc.len()];
     for l in llm {
         loop {
-            let chosen: Vec<(Module, Opt)> = enc.iter().zip(&idx).map(|(e, &i)| (e.0, e.1[i])).collect();
-            let same = chosen.windows(2).all(|w| w[0].1.recompute == w[1].1.recompute);
+            let chosen: Vec<(Module, Opt)> =
+                enc.iter().zip(&idx).map(|(e, &i)| (e.0, e.1[i])).collect();
+            let same = chosen
+                .windows(2)
+                .all(|w| w[0].1.recompute == w[1].1.recompute);
             let mem = if colocated {
                 l.mem + chosen.iter().map(|c| c.1.mem).sum::<f64>()
             } else {
@@ -307,7 +347,9 @@ fn combine(
 /// Searches `space` for `problem` on `workload`.
 pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<Outcome, String> {
     let t0 = Instant::now();
-    let batches: Vec<Vec<RowShape>> = (0..space.batches.max(1)).map(|k| workload.batch(k)).collect();
+    let batches: Vec<Vec<RowShape>> = (0..space.batches.max(1))
+        .map(|k| workload.batch(k))
+        .collect();
     let t = totals(problem, &batches);
     let rows = workload.batch_rows;
     let g = space.gpus;
@@ -331,12 +373,22 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
         match placement {
             Placement::Colocated if !overlapped => {
                 let llm = opts(Module::Llm, g, 1);
-                let enc: Vec<(Module, Vec<Opt>)> = encoders.iter().map(|&e| (e, opts(e, g, 1))).collect();
+                let enc: Vec<(Module, Vec<Opt>)> =
+                    encoders.iter().map(|&e| (e, opts(e, g, 1))).collect();
                 let mk = |l: &Opt, c: &[(Module, Opt)]| {
                     let est = l.time + c.iter().map(|x| x.1.time).sum::<f64>();
                     (est, plan_of(placement, space.schedule, space.zero1, l, c))
                 };
-                combine(&pareto(llm.clone()), &enc.iter().map(|(m, v)| (*m, pareto(v.clone()))).collect::<Vec<_>>(), budget, true, &mk, &mut pruned);
+                combine(
+                    &pareto(llm.clone()),
+                    &enc.iter()
+                        .map(|(m, v)| (*m, pareto(v.clone())))
+                        .collect::<Vec<_>>(),
+                    budget,
+                    true,
+                    &mk,
+                    &mut pruned,
+                );
                 let n = llm.len() * enc.iter().map(|e| e.1.len()).product::<usize>();
                 combinations += n;
                 if n <= space.brute_limit {
@@ -356,18 +408,31 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
                 let splits: Vec<Vec<usize>> = match encoders.len() {
                     0 => vec![vec![]],
                     1 => counts.iter().map(|&a| vec![a]).collect(),
-                    _ => counts.iter().flat_map(|&a| counts.iter().map(move |&b| vec![a, b])).filter(|s| s.iter().sum::<usize>() < g).collect(),
+                    _ => counts
+                        .iter()
+                        .flat_map(|&a| counts.iter().map(move |&b| vec![a, b]))
+                        .filter(|s| s.iter().sum::<usize>() < g)
+                        .collect(),
                 };
                 let mut ranked: Vec<(f64, Vec<usize>)> = Vec::new();
                 for s in &splits {
                     let gl = g - s.iter().sum::<usize>();
-                    let best = |v: &[Opt]| v.iter().filter(|o| o.mem <= budget).map(|o| o.time).fold(f64::INFINITY, f64::min);
+                    let best = |v: &[Opt]| {
+                        v.iter()
+                            .filter(|o| o.mem <= budget)
+                            .map(|o| o.time)
+                            .fold(f64::INFINITY, f64::min)
+                    };
                     let mut enc_t = 0.0f64;
                     for (k, &e) in encoders.iter().enumerate() {
                         enc_t = enc_t.max(best(&opts(e, s[k], if overlapped { 8 } else { 1 })));
                     }
                     let llm_t = best(&opts(Module::Llm, gl, 1));
-                    let est = if overlapped { enc_t.max(llm_t) } else { enc_t + llm_t };
+                    let est = if overlapped {
+                        enc_t.max(llm_t)
+                    } else {
+                        enc_t + llm_t
+                    };
                     if est.is_finite() {
                         ranked.push((est, s.clone()));
                     }
@@ -386,11 +451,21 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
                             .collect();
                         let mk = |l: &Opt, c: &[(Module, Opt)]| {
                             let e = c.iter().map(|x| x.1.time).fold(0.0, f64::max);
-                            let est = if overlapped { l.time.max(e) } else { l.time + e };
+                            let est = if overlapped {
+                                l.time.max(e)
+                            } else {
+                                l.time + e
+                            };
                             (est, plan_of(placement, space.schedule, space.zero1, l, c))
                         };
                         let one = std::slice::from_ref(l);
-                        if rank < 8 && front.iter().any(|f| f.layout == l.layout && f.microbatches == l.microbatches && f.recompute == l.recompute) {
+                        if rank < 8
+                            && front.iter().any(|f| {
+                                f.layout == l.layout
+                                    && f.microbatches == l.microbatches
+                                    && f.recompute == l.recompute
+                            })
+                        {
                             let enc_front: Vec<(Module, Vec<Opt>)> =
                                 enc.iter().map(|(m, v)| (*m, pareto(v.clone()))).collect();
                             combine(one, &enc_front, budget, false, &mk, &mut pruned);
@@ -406,8 +481,21 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
         }
     }
     let mut simulated = 0;
-    let best = pick(problem, &batches, &mut pruned, space.top_k, g, budget, &mut simulated)?
-        .ok_or_else(|| format!("no plan fits {g} GPUs in {:.0} GiB each", problem.cluster.memory_gib))?;
+    let best = pick(
+        problem,
+        &batches,
+        &mut pruned,
+        space.top_k,
+        g,
+        budget,
+        &mut simulated,
+    )?
+    .ok_or_else(|| {
+        format!(
+            "no plan fits {g} GPUs in {:.0} GiB each",
+            problem.cluster.memory_gib
+        )
+    })?;
     let baseline = baseline(problem, &batches, &t, space, &mut simulated)?;
     let brute = if combinations <= space.brute_limit && !full.is_empty() {
         let n = full.len();
@@ -444,7 +532,17 @@ fn pick(
         let sim = mean_sim(p, &c.plan, batches)?;
         *simulated += 1;
         if std::env::var("BRAID_PLAN_DEBUG").is_ok() {
-            eprintln!("cand est {:.3} sim {:.3} mem {:.1} GiB {:?} {:?}", c.est, sim.step_s, sim.peak_memory / 1073741824.0, sim.memory.iter().map(|m| (m.0, m.1 / 1073741824.0)).collect::<Vec<_>>(), c.plan);
+            eprintln!(
+                "cand est {:.3} sim {:.3} mem {:.1} GiB {:?} {:?}",
+                c.est,
+                sim.step_s,
+                sim.peak_memory / 1073741824.0,
+                sim.memory
+                    .iter()
+                    .map(|m| (m.0, m.1 / 1073741824.0))
+                    .collect::<Vec<_>>(),
+                c.plan
+            );
         }
         if sim.peak_memory > budget {
             continue;
@@ -496,7 +594,13 @@ pub fn mean_sim(p: &Problem, plan: &Plan, batches: &[Vec<RowShape>]) -> Result<S
 
 /// The best LLM-centric plan: the LLM's layouts, each encoder inside stage 0 with the
 /// LLM's TP and DP.
-fn baseline(p: &Problem, batches: &[Vec<RowShape>], t: &Totals, space: &Space, simulated: &mut usize) -> Result<Found, String> {
+fn baseline(
+    p: &Problem,
+    batches: &[Vec<RowShape>],
+    t: &Totals,
+    space: &Space,
+    simulated: &mut usize,
+) -> Result<Found, String> {
     let rows = batches[0].len();
     let g = space.gpus;
     let budget = p.cluster.usable_bytes();
@@ -509,12 +613,23 @@ fn baseline(p: &Problem, batches: &[Vec<RowShape>], t: &Totals, space: &Space, s
         let mut est = 0.0f64;
         let mut mem = 0.0f64;
         for (m, tot) in [(Module::Vision, t.vision), (Module::Audio, t.audio)] {
-            let el = Layout { tp: o.layout.tp, cp: 1, pp: 1, dp: o.layout.dp };
+            let el = Layout {
+                tp: o.layout.tp,
+                cp: 1,
+                pp: 1,
+                dp: o.layout.dp,
+            };
             if let Some(ec) = p.cost(m, el, o.recompute, space.zero1) {
                 if p.model.module(m).is_some_and(|d| d.fits(el.tp, 1).is_err()) {
                     est = f64::INFINITY;
                 }
-                let (e, b) = p.estimate(&sc, o.microbatches, (t.llm.0 / n, t.llm.1 / n), Some((&ec, (tot.0 / n, tot.1 / n))), false);
+                let (e, b) = p.estimate(
+                    &sc,
+                    o.microbatches,
+                    (t.llm.0 / n, t.llm.1 / n),
+                    Some((&ec, (tot.0 / n, tot.1 / n))),
+                    false,
+                );
                 est = est.max(e);
                 mem = mem.max(b);
             }
@@ -534,8 +649,18 @@ fn baseline(p: &Problem, batches: &[Vec<RowShape>], t: &Totals, space: &Space, s
                     recompute_encoders: o.recompute,
                     zero1: space.zero1,
                     llm: o.layout,
-                    vision: p.model.vision.as_ref().map(|_| Layout { tp: o.layout.tp, cp: 1, pp: 1, dp: o.layout.dp }),
-                    audio: p.model.audio.as_ref().map(|_| Layout { tp: o.layout.tp, cp: 1, pp: 1, dp: o.layout.dp }),
+                    vision: p.model.vision.as_ref().map(|_| Layout {
+                        tp: o.layout.tp,
+                        cp: 1,
+                        pp: 1,
+                        dp: o.layout.dp,
+                    }),
+                    audio: p.model.audio.as_ref().map(|_| Layout {
+                        tp: o.layout.tp,
+                        cp: 1,
+                        pp: 1,
+                        dp: o.layout.dp,
+                    }),
                 },
             });
         }
@@ -546,7 +671,10 @@ fn baseline(p: &Problem, batches: &[Vec<RowShape>], t: &Totals, space: &Space, s
         let sim = mean_sim(p, &c.plan, batches)?;
         *simulated += 1;
         if sim.peak_memory <= budget && best.as_ref().is_none_or(|b| sim.step_s < b.sim.step_s) {
-            best = Some(Found { plan: c.plan.clone(), sim });
+            best = Some(Found {
+                plan: c.plan.clone(),
+                sim,
+            });
         }
     }
     best.ok_or_else(|| format!("no LLM-centric layout fits {g} GPUs"))

@@ -178,19 +178,36 @@ impl Problem {
             };
             let mut load = vec![vec![Load::default(); nchunks]; reps];
             let mut out = vec![vec![0.0; nchunks]; reps];
-            let chunk_of = |row: usize| if nchunks > 1 { a.rows[row].1.min(m - 1) } else { 0 };
+            let chunk_of = |row: usize| {
+                if nchunks > 1 {
+                    a.rows[row].1.min(m - 1)
+                } else {
+                    0
+                }
+            };
             let mut by_chunk: Vec<Vec<usize>> = vec![Vec::new(); nchunks];
             for (k, it) in its.iter().enumerate() {
                 by_chunk[chunk_of(it.0)].push(k);
                 media[a.rows[it.0].0][a.rows[it.0].1.min(m - 1)] += it.2;
             }
-            let assigned = if e == Module::Vision { &a.images } else { &a.clips };
+            let assigned = if e == Module::Vision {
+                &a.images
+            } else {
+                &a.clips
+            };
             for (c, ks) in by_chunk.iter().enumerate() {
                 let to: Vec<usize> = match plan.placement {
                     Placement::LlmCentric => ks.iter().map(|&k| a.rows[its[k].0].0).collect(),
                     _ if overlapped => {
-                        let tc = if e == Module::Vision { costs.vision } else { costs.audio };
-                        let cs: Vec<f64> = ks.iter().map(|&k| tc.of(its[k].1, its[k].1 * its[k].1)).collect();
+                        let tc = if e == Module::Vision {
+                            costs.vision
+                        } else {
+                            costs.audio
+                        };
+                        let cs: Vec<f64> = ks
+                            .iter()
+                            .map(|&k| tc.of(its[k].1, its[k].1 * its[k].1))
+                            .collect();
                         lpt(&cs, reps)
                     }
                     _ => ks.iter().map(|&k| assigned[k]).collect(),
@@ -228,7 +245,10 @@ impl Problem {
         let mut enc_lanes: Vec<Vec<Vec<LaneTasks>>> = Vec::new();
         if plan.placement != Placement::LlmCentric {
             for (k, &e) in encoders.iter().enumerate() {
-                let (Some(l), Some(sc)) = (plan.layout(e), plan.layout(e).and_then(|l| self.stage_cost(e, l, plan))) else {
+                let (Some(l), Some(sc)) = (
+                    plan.layout(e),
+                    plan.layout(e).and_then(|l| self.stage_cost(e, l, plan)),
+                ) else {
                     return Err(format!("{} has no layout", e.name()));
                 };
                 let mut reps = Vec::new();
@@ -236,16 +256,31 @@ impl Problem {
                     let mut stages = Vec::new();
                     for s in 0..l.pp {
                         // Phased: every forward, then (after the LLM) every backward.
-                        let depth = if overlapped { l.pp - s + llm.pp } else { usize::MAX };
+                        let depth = if overlapped {
+                            l.pp - s + llm.pp
+                        } else {
+                            usize::MAX
+                        };
                         let order = one_f_one_b(chunks, depth, !sc.frozen);
                         let cost = |fwd: bool, c: usize| {
                             let x = load[c];
                             let send = if s > 0 { sc.send(x.tokens) } else { 0.0 };
-                            let mut t = if fwd { sc.forward(s, x.tokens, x.sq) } else { sc.backward(s, x.tokens, x.sq) };
+                            let mut t = if fwd {
+                                sc.forward(s, x.tokens, x.sq)
+                            } else {
+                                sc.backward(s, x.tokens, x.sq)
+                            };
                             t.comm += send;
                             t
                         };
-                        stages.push(stage_lane(&mut g, l.block(), format!("{} r{r} s{s}", e.name()), &order, cost, chunks));
+                        stages.push(stage_lane(
+                            &mut g,
+                            l.block(),
+                            format!("{} r{r} s{s}", e.name()),
+                            &order,
+                            cost,
+                            chunks,
+                        ));
                     }
                     reps.push(stages);
                 }
@@ -255,7 +290,12 @@ impl Problem {
         // LLM lanes: [replica][stage].
         let sc = self.stage_cost(Module::Llm, llm, plan).ok_or("no LLM")?;
         let centric: Vec<(usize, StageCost)> = if plan.placement == Placement::LlmCentric {
-            let l = Layout { tp: llm.tp, cp: 1, pp: 1, dp: llm.dp };
+            let l = Layout {
+                tp: llm.tp,
+                cp: 1,
+                pp: 1,
+                dp: llm.dp,
+            };
             encoders
                 .iter()
                 .enumerate()
@@ -271,17 +311,33 @@ impl Problem {
                 let order = one_f_one_b(m, llm.pp - s, true);
                 let cost = |fwd: bool, i: usize| {
                     let x = llm_load[d][i];
-                    let mut t = if fwd { sc.forward(s, x.tokens, x.sq) } else { sc.backward(s, x.tokens, x.sq) };
-                    t.comm += sc.send(x.tokens) * f64::from(u8::from(if fwd { s > 0 } else { s + 1 < llm.pp }));
+                    let mut t = if fwd {
+                        sc.forward(s, x.tokens, x.sq)
+                    } else {
+                        sc.backward(s, x.tokens, x.sq)
+                    };
+                    t.comm += sc.send(x.tokens)
+                        * f64::from(u8::from(if fwd { s > 0 } else { s + 1 < llm.pp }));
                     if s == 0 {
                         for (k, ec) in &centric {
                             let y = enc_load[*k][d][i];
-                            t = t.add(if fwd { ec.forward(0, y.tokens, y.sq) } else { ec.backward(0, y.tokens, y.sq) });
+                            t = t.plus(if fwd {
+                                ec.forward(0, y.tokens, y.sq)
+                            } else {
+                                ec.backward(0, y.tokens, y.sq)
+                            });
                         }
                     }
                     t
                 };
-                stages.push(stage_lane(&mut g, llm.block(), format!("llm r{d} s{s}"), &order, cost, m));
+                stages.push(stage_lane(
+                    &mut g,
+                    llm.block(),
+                    format!("llm r{d} s{s}"),
+                    &order,
+                    cost,
+                    m,
+                ));
             }
             llm_lanes.push(stages);
         }
@@ -306,10 +362,28 @@ impl Problem {
                 let t = bridge(overlapped.then_some(c));
                 bridge_s += 2.0 * t;
                 let lane = g.lane(0, format!("bridge {c}"));
-                let fwd = g.push(lane, Cost { compute: 0.0, comm: t }, Vec::new());
+                let fwd = g.push(
+                    lane,
+                    Cost {
+                        compute: 0.0,
+                        comm: t,
+                    },
+                    Vec::new(),
+                );
                 let lane = g.lane(0, format!("bridge back {c}"));
-                let bwd = g.push(lane, Cost { compute: 0.0, comm: t }, Vec::new());
-                let mbs: Vec<usize> = if overlapped { vec![c] } else { (0..m).collect() };
+                let bwd = g.push(
+                    lane,
+                    Cost {
+                        compute: 0.0,
+                        comm: t,
+                    },
+                    Vec::new(),
+                );
+                let mbs: Vec<usize> = if overlapped {
+                    vec![c]
+                } else {
+                    (0..m).collect()
+                };
                 for reps in &enc_lanes {
                     for stages in reps {
                         let last = &stages[stages.len() - 1];
@@ -344,7 +418,14 @@ impl Problem {
             let t = sc.dp_sync(s);
             dp_sync_s = dp_sync_s.max(t);
             if t > 0.0 {
-                g.push(lane, Cost { compute: 0.0, comm: t }, Vec::new());
+                g.push(
+                    lane,
+                    Cost {
+                        compute: 0.0,
+                        comm: t,
+                    },
+                    Vec::new(),
+                );
             }
         };
         for (k, &e) in encoders.iter().enumerate() {
@@ -367,9 +448,18 @@ impl Problem {
 
         // Busy time and memory per module.
         let gpus = plan.gpus() as f64;
-        let used: f64 = g.lanes.iter().zip(&tl.compute).map(|(l, b)| l.ranks as f64 * b).sum();
+        let used: f64 = g
+            .lanes
+            .iter()
+            .zip(&tl.compute)
+            .map(|(l, b)| l.ranks as f64 * b)
+            .sum();
         let module_busy = |lanes: &[&LaneTasks], n: usize| {
-            lanes.iter().map(|t| tl.busy[t.lane] * g.lanes[t.lane].ranks as f64).sum::<f64>() / n.max(1) as f64
+            lanes
+                .iter()
+                .map(|t| tl.busy[t.lane] * g.lanes[t.lane].ranks as f64)
+                .sum::<f64>()
+                / n.max(1) as f64
         };
         let mut busy = Vec::new();
         let mut memory = Vec::new();
@@ -394,7 +484,9 @@ impl Problem {
             let (Some(l), Some(reps)) = (plan.layout(e), enc_lanes.get(k)) else {
                 continue;
             };
-            let Some(esc) = self.stage_cost(e, l, plan) else { continue };
+            let Some(esc) = self.stage_cost(e, l, plan) else {
+                continue;
+            };
             let refs: Vec<&LaneTasks> = reps.iter().flatten().collect();
             busy.push((e, module_busy(&refs, l.gpus())));
             let largest = enc_load[k].iter().map(|d| max_mb(d)).fold(0.0, f64::max);

@@ -206,6 +206,9 @@ pub struct RunConfig {
     pub parallel: ParallelConfig,
     #[serde(default)]
     pub fault: FaultConfig,
+    /// `[plan]`: defaults for `braid plan` (cluster, GPUs, the synthetic data mix).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan: Option<crate::planning::PlanSection>,
 }
 
 impl RunConfig {

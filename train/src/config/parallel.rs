@@ -91,6 +91,10 @@ pub struct ParallelConfig {
     /// Where each step's rows, images and clips go.
     #[serde(default)]
     pub assign: AssignPolicy,
+    /// A plan file written by `braid plan` (or "auto": plan for `world_size` now); it
+    /// sets `world_size`, `placement`, every module's layout and `train.microbatches`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan: Option<String>,
 }
 
 fn one() -> usize {
@@ -122,6 +126,7 @@ impl Default for ParallelConfig {
             bucket_mb: default_bucket_mb(),
             zero1: true,
             assign: AssignPolicy::Balanced,
+            plan: None,
         }
     }
 }

@@ -1,0 +1,133 @@
+//! `braid plan`: the reference config plans with every JSON key the issue names and
+//! writes a plan file; bad input exits 2 saying what to fix.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn braid(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_braid"))
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+        .args(args)
+        .output()
+        .expect("run braid")
+}
+
+#[test]
+fn the_7b_reference_plans_on_64_gpus() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("plan.toml");
+    let res = braid(&[
+        "plan",
+        "--config",
+        "configs/plan-7b.toml",
+        "--gpus",
+        "64",
+        "--json",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&res.stdout).unwrap();
+    for key in ["step_time_s", "baseline_step_time_s", "speedup", "search_s"] {
+        assert!(v[key].as_f64().is_some_and(|x| x > 0.0), "{key}: {v}");
+    }
+    let ratio = v["baseline_step_time_s"].as_f64().unwrap() / v["step_time_s"].as_f64().unwrap();
+    assert!((ratio - v["speedup"].as_f64().unwrap()).abs() < 1e-9);
+    let mut gpus = Vec::new();
+    for m in ["llm", "vision", "audio"] {
+        let l = &v[m];
+        let n: u64 = ["tp", "cp", "pp", "dp"]
+            .iter()
+            .map(|k| l[*k].as_u64().unwrap())
+            .product();
+        assert_eq!(l["gpus"].as_u64(), Some(n), "{m}: {l}");
+        gpus.push(n);
+    }
+    match v["placement"].as_str() {
+        Some("colocated") => assert!(gpus.iter().all(|&g| g == 64), "{gpus:?}"),
+        Some("disjoint") => assert_eq!(gpus.iter().sum::<u64>(), 64),
+        p => panic!("placement {p:?}"),
+    }
+    assert!(v["peak_memory_gib"].as_f64().unwrap() < 80.0);
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert!(
+        text.contains("gpus = 64") && text.contains("[plan.llm]"),
+        "{text}"
+    );
+    // The text report says what binds and writes the same plan.
+    let res = braid(&[
+        "plan",
+        "--config",
+        "configs/plan-7b.toml",
+        "--gpus",
+        "64",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let s = String::from_utf8_lossy(&res.stdout);
+    assert!(
+        s.contains("LLM-centric") && s.contains("speedup") && s.contains("binds"),
+        "{s}"
+    );
+}
+
+#[test]
+fn bad_input_exits_2_naming_the_fix() {
+    let out = Path::new("/nonexistent-dir/plan.toml").to_str().unwrap();
+    for (args, says) in [
+        (
+            vec!["plan", "--config", "configs/tiny.toml", "--out", out],
+            "--gpus",
+        ),
+        (
+            vec![
+                "plan",
+                "--config",
+                "configs/tiny.toml",
+                "--gpus",
+                "4",
+                "--out",
+                out,
+            ],
+            "[plan.mix]",
+        ),
+        (
+            vec![
+                "plan",
+                "--config",
+                "configs/plan-7b.toml",
+                "--gpus",
+                "8",
+                "--cluster",
+                "b200",
+                "--out",
+                out,
+            ],
+            "not a preset",
+        ),
+        (
+            vec![
+                "plan",
+                "--config",
+                "configs/plan-7b.toml",
+                "--gpus",
+                "8",
+                "--schedule",
+                "zigzag",
+                "--out",
+                out,
+            ],
+            "--schedule",
+        ),
+    ] {
+        let res = braid(&args);
+        assert_eq!(res.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&res.stderr);
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+}

@@ -1,0 +1,452 @@
+//! From a run config to the balancer's planner and back: the model's sizes as
+//! [`ModelDims`], the workload (rows of real shards, or the `[plan]` section's synthetic
+//! mix), the search, and the plan file that `braid train` reads through
+//! `parallel.plan = "PATH"` (or `"auto"`, which searches for `parallel.world_size` first).
+
+use std::path::{Path, PathBuf};
+
+use braid_balancer::cluster::Cluster;
+use braid_balancer::plan::search::{Outcome, Space, search};
+use braid_balancer::workload::{MediaTokens, Mix, RowShape, Workload, generate};
+use braid_balancer::{ModelDims, Module, ModuleDims, Placement, Plan, Problem, Schedule};
+use braid_dataloader::dataset::DatasetInfo;
+use serde::{Deserialize, Serialize};
+
+use crate::config::{ModuleLayout, RunConfig};
+use crate::error::{Result, TrainError};
+use crate::mllm::MllmConfig;
+
+/// `[plan]`: what `braid plan` plans for when the command line does not say.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlanSection {
+    /// A preset (`h100`, `h200`) or a cluster TOML (`braid profile` writes one).
+    #[serde(default = "default_cluster")]
+    pub cluster: String,
+    /// GPUs to plan for (`--gpus` overrides).
+    #[serde(default)]
+    pub gpus: Option<usize>,
+    /// Tokens per packed row (default: the packed data's `max_seq_len`, else 4096).
+    #[serde(default)]
+    pub seq_len: Option<usize>,
+    /// Sampled batches each candidate's simulated step is averaged over.
+    #[serde(default = "default_batches")]
+    pub batches: usize,
+    /// `phased` (what `braid train` runs) or `overlapped` (1F1B across modules).
+    #[serde(default = "default_schedule")]
+    pub schedule: Schedule,
+    /// The synthetic sample distribution used without `--data`.
+    #[serde(default)]
+    pub mix: Option<Mix>,
+}
+
+fn default_cluster() -> String {
+    "h100".into()
+}
+fn default_batches() -> usize {
+    3
+}
+fn default_schedule() -> Schedule {
+    Schedule::Phased
+}
+
+impl Default for PlanSection {
+    fn default() -> Self {
+        PlanSection {
+            cluster: default_cluster(),
+            gpus: None,
+            seq_len: None,
+            batches: default_batches(),
+            schedule: default_schedule(),
+            mix: None,
+        }
+    }
+}
+
+fn err(msg: String) -> TrainError {
+    TrainError::Other(msg)
+}
+
+/// The balancer's view of `m`.
+pub fn model_dims(m: &MllmConfig) -> ModelDims {
+    let l = &m.llm;
+    let vision = m.vision.as_ref().map(|v| ModuleDims {
+        layers: v.num_layers,
+        hidden: v.hidden_size,
+        heads: v.num_heads,
+        kv_heads: v.num_heads,
+        head_dim: v.hidden_size / v.num_heads.max(1),
+        ffn: v.intermediate_size,
+        mlp_mats: 2,
+        causal: false,
+        vocab: 0,
+        tied: false,
+        extra_params: (v.num_channels * v.patch_size * v.patch_size * v.hidden_size) as u64
+            + m.vision_projector.as_ref().map_or(0, |p| {
+                let merged = p.in_dim * p.spatial_merge * p.spatial_merge;
+                (merged * p.out_dim + p.out_dim * p.out_dim) as u64
+            }),
+    });
+    let audio = m.audio.as_ref().map(|a| ModuleDims {
+        layers: a.encoder_layers,
+        hidden: a.d_model,
+        heads: a.encoder_attention_heads,
+        kv_heads: a.encoder_attention_heads,
+        head_dim: a.d_model / a.encoder_attention_heads.max(1),
+        ffn: a.encoder_ffn_dim,
+        mlp_mats: 2,
+        causal: false,
+        vocab: 0,
+        tied: false,
+        extra_params: (3 * a.num_mel_bins * a.d_model + 3 * a.d_model * a.d_model) as u64
+            + m.audio_projector.as_ref().map_or(0, |p| {
+                (p.in_dim * p.stride * p.out_dim + p.out_dim * p.out_dim) as u64
+            }),
+    });
+    let merge = m
+        .vision_projector
+        .as_ref()
+        .map_or(1, |p| p.spatial_merge.max(1));
+    let stride = m.audio_projector.as_ref().map_or(4, |p| p.stride.max(1));
+    ModelDims {
+        llm: ModuleDims {
+            layers: l.layers,
+            hidden: l.hidden,
+            heads: l.heads,
+            kv_heads: l.kv_heads,
+            head_dim: l.head_dim,
+            ffn: l.intermediate,
+            mlp_mats: 3,
+            causal: true,
+            vocab: l.vocab,
+            tied: l.tie_embeddings,
+            extra_params: 0,
+        },
+        vision,
+        audio,
+        vision_llm_ratio: 1.0 / (merge * merge) as f64,
+        audio_llm_ratio: 1.0 / (2 * stride) as f64,
+    }
+}
+
+/// Vision-encoder tokens per image and the LLM tokens they become.
+fn media_tokens(m: &MllmConfig, dims: &ModelDims) -> MediaTokens {
+    let image_encoder = m.vision.as_ref().map_or(0, |v| {
+        let side = v.image_size / v.patch_size.max(1);
+        side * side
+    });
+    MediaTokens {
+        image_encoder,
+        image_llm: (image_encoder as f64 * dims.vision_llm_ratio).round() as usize,
+        llm_per_frame: dims.audio_llm_ratio,
+    }
+}
+
+/// Rows of the packed dataset in `dir` (up to `limit` packs, in order).
+fn rows_of_shards(dir: &Path, limit: usize) -> Result<(Vec<RowShape>, usize)> {
+    let (info, ds) =
+        DatasetInfo::open(dir).map_err(|e| err(format!("--data {}: {e}", dir.display())))?;
+    let mut rows = Vec::new();
+    for p in 0..ds.packs().len().min(limit) {
+        let samples = ds
+            .read_pack(p)
+            .map_err(|e| err(format!("--data {}: pack {p}: {e}", dir.display())))?;
+        let mut r = RowShape::default();
+        for s in samples {
+            r.samples.push(s.meta.llm_len);
+            r.images.extend(s.meta.images.iter().map(|i| i.patches));
+            r.clips.extend(s.meta.audio.iter().map(|a| a.mel_frames));
+        }
+        rows.push(r);
+    }
+    if rows.is_empty() {
+        return Err(err(format!(
+            "--data {}: the dataset has no rows",
+            dir.display()
+        )));
+    }
+    Ok((rows, info.max_seq_len as usize))
+}
+
+/// The rows the planner draws batches from: real shards, or the `[plan]` mix.
+pub fn workload(cfg: &RunConfig, model: &MllmConfig, data: Option<&Path>) -> Result<Workload> {
+    let batch_rows = cfg.train.batch_rows.ok_or_else(|| {
+        err("planning needs train.batch_rows (the global batch in packed rows)".into())
+    })?;
+    let sec = cfg.plan.clone().unwrap_or_default();
+    if let Some(dir) = data {
+        let (rows, max_len) = rows_of_shards(dir, batch_rows * sec.batches.max(1))?;
+        return Ok(Workload {
+            rows,
+            batch_rows,
+            seq_len: sec.seq_len.unwrap_or(max_len),
+        });
+    }
+    let mix = sec.mix.clone().ok_or_else(|| {
+        err("planning needs --data DIR (packed shards) or a [plan.mix] section (a synthetic length distribution)".into())
+    })?;
+    let seq_len = sec.seq_len.unwrap_or(4096);
+    let dims = model_dims(model);
+    let media = media_tokens(model, &dims);
+    // Enough samples for every sampled batch (rows hold ~seq_len / mean-sample tokens).
+    let mean = mix.text_median * 1.3
+        + mix.image_prob * (1.0 + mix.images_max as f64) / 2.0 * media.image_llm as f64
+        + mix.audio_prob * (1.0 + mix.clips_max as f64) / 2.0 * 1500.0 * media.llm_per_frame;
+    let n = ((batch_rows * sec.batches.max(1) + 1) as f64 * seq_len as f64 / mean.max(1.0) * 1.2)
+        as usize;
+    Ok(Workload {
+        rows: generate(&mix, media, n, seq_len, cfg.run.seed),
+        batch_rows,
+        seq_len,
+    })
+}
+
+/// What `braid plan` found.
+#[derive(Debug)]
+pub struct Planned {
+    pub problem: Problem,
+    pub workload: Workload,
+    pub outcome: Outcome,
+    pub gpus: usize,
+    pub cluster: String,
+}
+
+/// Searches a plan for `cfg` on `gpus` GPUs.
+pub fn plan(
+    cfg: &RunConfig,
+    gpus: usize,
+    cluster: Option<&str>,
+    data: Option<&Path>,
+    schedule: Option<Schedule>,
+) -> Result<Planned> {
+    if gpus == 0 {
+        return Err(err("--gpus must be at least 1".into()));
+    }
+    let model = crate::assemble::model_config(cfg)?;
+    let sec = cfg.plan.clone().unwrap_or_default();
+    let cluster_name = cluster.map_or(sec.cluster.clone(), str::to_string);
+    let c = Cluster::load(&cluster_name).map_err(|e| err(e.to_string()))?;
+    let frozen = cfg
+        .train
+        .freeze
+        .iter()
+        .filter_map(|f| match f.as_str() {
+            "vision" => Some(Module::Vision),
+            "audio" => Some(Module::Audio),
+            "llm" => Some(Module::Llm),
+            _ => None,
+        })
+        .collect();
+    let problem = Problem {
+        model: model_dims(&model),
+        cluster: c,
+        frozen,
+    };
+    let workload = workload(cfg, &model, data)?;
+    let mut space = Space::new(gpus);
+    space.batches = sec.batches.max(1);
+    space.schedule = schedule.unwrap_or(sec.schedule);
+    if space.schedule == Schedule::Overlapped {
+        space.placements = vec![Placement::Disjoint];
+    }
+    let outcome = search(&problem, &workload, &space).map_err(err)?;
+    Ok(Planned {
+        problem,
+        workload,
+        outcome,
+        gpus,
+        cluster: cluster_name,
+    })
+}
+
+/// The plan file: the chosen plan and the predictions it was chosen on.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlanFile {
+    pub gpus: usize,
+    pub cluster: String,
+    pub step_time_s: f64,
+    pub baseline_step_time_s: f64,
+    pub plan: Plan,
+}
+
+impl PlanFile {
+    pub fn read(path: &Path) -> Result<PlanFile> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| err(format!("parallel.plan = {:?}: {e}", path.display())))?;
+        toml::from_str(&text).map_err(|e| err(format!("parallel.plan = {:?}: {e}", path.display())))
+    }
+
+    /// Writes atomically (a temporary file, then a rename).
+    pub fn write(&self, path: &Path) -> Result<()> {
+        let text = toml::to_string(self).map_err(|e| err(format!("plan file: {e}")))?;
+        let tmp = path.with_extension("toml.tmp");
+        let body = format!(
+            "# Written by `braid plan`; use it with parallel.plan = {:?}.\n{text}",
+            path.display()
+        );
+        std::fs::write(&tmp, body)
+            .and_then(|()| std::fs::rename(&tmp, path))
+            .map_err(|e| err(format!("writing {}: {e}", path.display())))
+    }
+}
+
+fn module_layout(l: Option<braid_balancer::Layout>) -> ModuleLayout {
+    let l = l.unwrap_or(braid_balancer::Layout::ONE);
+    ModuleLayout {
+        tp: l.tp,
+        cp: l.cp,
+        pp: l.pp,
+        dp: l.dp,
+    }
+}
+
+/// Applies `parallel.plan` to `cfg`: world size, placement, every module's layout and the
+/// microbatch count. Returns notes for the log (what the trainer does not do yet).
+pub fn apply(cfg: &mut RunConfig) -> Result<Vec<String>> {
+    let Some(spec) = cfg.parallel.plan.clone() else {
+        return Ok(Vec::new());
+    };
+    let file = if spec == "auto" {
+        let gpus = cfg.parallel.world_size;
+        let p = plan(cfg, gpus, None, None, Some(Schedule::Phased))?;
+        PlanFile {
+            gpus,
+            cluster: p.cluster,
+            step_time_s: p.outcome.best.sim.step_s,
+            baseline_step_time_s: p.outcome.baseline.sim.step_s,
+            plan: p.outcome.best.plan,
+        }
+    } else {
+        PlanFile::read(&PathBuf::from(&spec))?
+    };
+    let p = &file.plan;
+    let placement = match p.placement {
+        Placement::Disjoint => crate::config::Placement::Disjoint,
+        Placement::Colocated => crate::config::Placement::Colocated,
+        Placement::LlmCentric => {
+            return Err(err(format!(
+                "parallel.plan = {spec:?}: an LLM-centric plan is the baseline, not something braid train runs"
+            )));
+        }
+    };
+    let mut notes = Vec::new();
+    if p.schedule == Schedule::Overlapped {
+        notes.push(
+            "the plan assumes the overlapped schedule; braid train runs the phased one".into(),
+        );
+    }
+    if p.recompute || p.recompute_encoders {
+        notes.push("the plan assumes activation recomputation, which braid train does not do yet: memory per rank will be higher than planned".into());
+    }
+    cfg.parallel.world_size = file.gpus;
+    cfg.parallel.placement = placement;
+    cfg.parallel.llm = module_layout(Some(p.llm));
+    cfg.parallel.vision = module_layout(p.vision);
+    cfg.parallel.audio = module_layout(p.audio);
+    cfg.parallel.zero1 = p.zero1;
+    cfg.train.microbatches = p.microbatches;
+    notes.push(format!(
+        "parallel.plan {spec}: {} GPUs, {:?}, llm {}, {} microbatches (predicted {:.3} s/step on {})",
+        file.gpus, p.placement, p.llm, p.microbatches, file.step_time_s, file.cluster
+    ));
+    Ok(notes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// configs/tiny.toml's model and batch, with a synthetic mix to plan on.
+    fn tiny(sets: &[&str]) -> RunConfig {
+        let text =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../configs/tiny.toml"))
+                .unwrap();
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        RunConfig::from_toml(&text, "tiny.toml", &sets).unwrap()
+    }
+
+    #[test]
+    fn a_plan_file_sets_the_world_layouts_and_microbatches() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("plan.toml");
+        let file = PlanFile {
+            gpus: 4,
+            cluster: "h100".into(),
+            step_time_s: 1.0,
+            baseline_step_time_s: 2.0,
+            plan: Plan {
+                placement: Placement::Colocated,
+                schedule: Schedule::Phased,
+                microbatches: 2,
+                recompute: false,
+                recompute_encoders: false,
+                zero1: false,
+                llm: braid_balancer::Layout {
+                    tp: 2,
+                    cp: 1,
+                    pp: 2,
+                    dp: 1,
+                },
+                vision: Some(braid_balancer::Layout {
+                    tp: 1,
+                    cp: 1,
+                    pp: 1,
+                    dp: 4,
+                }),
+                audio: None,
+            },
+        };
+        file.write(&path).unwrap();
+        assert_eq!(PlanFile::read(&path).unwrap(), file);
+        let mut cfg = tiny(&[&format!("parallel.plan={}", path.display())]);
+        let notes = apply(&mut cfg).unwrap();
+        assert!(notes.iter().any(|n| n.contains("4 GPUs")), "{notes:?}");
+        assert_eq!(cfg.parallel.world_size, 4);
+        assert_eq!(cfg.parallel.placement, crate::config::Placement::Colocated);
+        assert_eq!((cfg.parallel.llm.tp, cfg.parallel.llm.pp), (2, 2));
+        assert_eq!(cfg.parallel.vision.dp, 4);
+        assert_eq!(cfg.parallel.audio.dp, 1);
+        assert_eq!(cfg.train.microbatches, 2);
+        assert!(!cfg.parallel.zero1);
+        // A missing file names the key.
+        let mut bad = tiny(&["parallel.plan=/nonexistent/plan.toml"]);
+        let e = apply(&mut bad).unwrap_err().to_string();
+        assert!(e.contains("parallel.plan"), "{e}");
+    }
+
+    #[test]
+    fn auto_plans_the_tiny_model_for_its_world() {
+        let mix = "plan.mix={text_median=40.0,text_sigma=0.5,image_prob=0.8,audio_prob=0.3}";
+        let mut cfg = tiny(&[
+            "parallel.plan=auto",
+            "parallel.world_size=4",
+            mix,
+            "plan.seq_len=256",
+        ]);
+        apply(&mut cfg).unwrap();
+        assert_eq!(cfg.parallel.world_size, 4);
+        let l = &cfg.parallel.llm;
+        let ranks = l.tp * l.cp * l.pp * l.dp;
+        match cfg.parallel.placement {
+            crate::config::Placement::Colocated => assert_eq!(ranks, 4),
+            crate::config::Placement::Disjoint => assert!(ranks < 4),
+        }
+        // Without a mix or data, planning says what it needs.
+        let mut none = tiny(&["parallel.plan=auto", "parallel.world_size=4"]);
+        let e = apply(&mut none).unwrap_err().to_string();
+        assert!(e.contains("[plan.mix]"), "{e}");
+    }
+
+    #[test]
+    fn the_dims_of_the_tiny_model() {
+        let cfg = tiny(&[]);
+        let m = crate::assemble::model_config(&cfg).unwrap();
+        let d = model_dims(&m);
+        assert_eq!(d.llm.layers, 4);
+        assert_eq!(d.llm.heads, 4);
+        assert_eq!(d.vision.as_ref().unwrap().head_dim, 8);
+        assert_eq!(d.audio_llm_ratio, 1.0 / 8.0);
+        assert_eq!(media_tokens(&m, &d).image_encoder, 16);
+    }
+}
