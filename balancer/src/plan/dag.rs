@@ -11,7 +11,6 @@ use crate::plan::cost::Cost;
 pub struct Task {
     pub lane: usize,
     pub cost: Cost,
-    pub deps: Vec<usize>,
 }
 
 /// A lane and the GPUs (ranks) it stands for; 0 ranks for the network (the bridge).
@@ -27,6 +26,22 @@ pub struct Dag {
     pub tasks: Vec<Task>,
     pub lanes: Vec<Lane>,
     order: Vec<Vec<usize>>,
+    /// (task, the task it waits for): one flat list (steps have ~10^5 tasks).
+    edges: Vec<(u32, u32)>,
+}
+
+/// Compressed adjacency: the tasks waiting on each task.
+struct Dependents {
+    start: Vec<u32>,
+    out: Vec<u32>,
+}
+
+impl Dependents {
+    fn of(&self, t: usize) -> impl Iterator<Item = usize> + '_ {
+        self.out[self.start[t] as usize..self.start[t + 1] as usize]
+            .iter()
+            .map(|&u| u as usize)
+    }
 }
 
 /// When every task ran.
@@ -61,11 +76,19 @@ impl Dag {
     }
 
     /// Appends a task to `lane`'s order.
-    pub fn push(&mut self, lane: usize, cost: Cost, deps: Vec<usize>) -> usize {
+    pub fn push(&mut self, lane: usize, cost: Cost, deps: &[usize]) -> usize {
         let id = self.tasks.len();
-        self.tasks.push(Task { lane, cost, deps });
+        self.tasks.push(Task { lane, cost });
         self.order[lane].push(id);
+        for &d in deps {
+            self.wait(id, d);
+        }
         id
+    }
+
+    /// Task `t` starts after task `dep` ends.
+    pub fn wait(&mut self, t: usize, dep: usize) {
+        self.edges.push((t as u32, dep as u32));
     }
 
     /// Runs the schedule; an error names a lane stuck waiting (a schedule that deadlocks).
@@ -77,16 +100,26 @@ impl Dag {
         }
     }
 
-    fn dependents(&self) -> (Vec<Vec<usize>>, Vec<usize>) {
-        let mut out = vec![Vec::new(); self.tasks.len()];
-        let mut pending = vec![0; self.tasks.len()];
-        for (i, t) in self.tasks.iter().enumerate() {
-            for &d in &t.deps {
-                out[d].push(i);
-            }
-            pending[i] = t.deps.len();
+    /// Who waits on each task (CSR: `out[start[t]..start[t + 1]]`) and how many tasks
+    /// each task waits on.
+    fn dependents(&self) -> (Dependents, Vec<usize>) {
+        let n = self.tasks.len();
+        let mut start = vec![0u32; n + 1];
+        let mut pending = vec![0; n];
+        for &(t, d) in &self.edges {
+            start[d as usize + 1] += 1;
+            pending[t as usize] += 1;
         }
-        (out, pending)
+        for i in 0..n {
+            start[i + 1] += start[i];
+        }
+        let mut fill = start.clone();
+        let mut out = vec![0u32; self.edges.len()];
+        for &(t, d) in &self.edges {
+            out[fill[d as usize] as usize] = t;
+            fill[d as usize] += 1;
+        }
+        (Dependents { start, out }, pending)
     }
 
     fn stuck(&self, next: &[usize]) -> String {
@@ -124,7 +157,7 @@ impl Dag {
                 busy[l] += d;
                 next[l] += 1;
                 done += 1;
-                for &u in &dependents[t] {
+                for u in dependents.of(t) {
                     ready[u] = ready[u].max(end[t]);
                     pending[u] -= 1;
                     let ul = self.tasks[u].lane;
@@ -207,7 +240,7 @@ impl Dag {
                 busy[l] += now - start[t];
                 next[l] += 1;
                 done += 1;
-                for &u in &dependents[t] {
+                for u in dependents.of(t) {
                     pending[u] -= 1;
                 }
             }
@@ -237,10 +270,10 @@ mod tests {
     fn a_two_stage_pipeline_overlaps_and_a_shared_device_does_not() {
         let mut g = Dag::default();
         let (a, b) = (g.lane(1, "s0"), g.lane(1, "s1"));
-        let f0 = g.push(a, c(1.0), vec![]);
-        let f1 = g.push(a, c(1.0), vec![]);
-        g.push(b, c(1.0), vec![f0]);
-        g.push(b, c(1.0), vec![f1]);
+        let f0 = g.push(a, c(1.0), &[]);
+        let f1 = g.push(a, c(1.0), &[]);
+        g.push(b, c(1.0), &[f0]);
+        g.push(b, c(1.0), &[f1]);
         let t = g.simulate(false).unwrap();
         assert_eq!(t.makespan, 3.0);
         assert_eq!(t.busy, vec![2.0, 2.0]);
@@ -254,11 +287,11 @@ mod tests {
         let mut g = Dag::default();
         let (a, b) = (g.lane(1, "a"), g.lane(1, "b"));
         // a runs x then y; b runs z; y needs z, z needs y: stuck.
-        g.push(a, c(1.0), vec![]);
+        g.push(a, c(1.0), &[]);
         let y = 1;
         let z = 2;
-        g.push(a, c(1.0), vec![z]);
-        g.push(b, c(1.0), vec![y]);
+        g.push(a, c(1.0), &[z]);
+        g.push(b, c(1.0), &[y]);
         assert!(g.simulate(false).unwrap_err().contains("deadlocks"));
         assert!(g.simulate(true).unwrap_err().contains("deadlocks"));
     }

@@ -4,6 +4,7 @@
 pub mod cost;
 pub mod dag;
 pub mod layout;
+mod options;
 pub mod step;
 
 pub use cost::{Cost, Memory, StageCost};

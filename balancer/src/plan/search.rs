@@ -7,13 +7,15 @@
 //! brute force (every combination simulated) runs where the space is small enough.
 
 use std::collections::HashMap;
+
+use rayon::prelude::*;
 use std::time::Instant;
 
 use crate::dims::Module;
-use crate::plan::cost::StageCost;
 use crate::plan::layout::{Layout, Placement, Plan, Schedule};
+use crate::plan::options::{Knobs, Opt, Totals, encoder_tp, pareto};
 use crate::plan::step::{Problem, StepSim};
-use crate::workload::{RowShape, Workload, shape_of};
+use crate::workload::{RowShape, Workload};
 
 /// What the search may choose from.
 #[derive(Clone, Debug)]
@@ -64,210 +66,6 @@ pub struct Outcome {
     pub combinations: usize,
     pub simulated: usize,
     pub search_s: f64,
-}
-
-/// One module's option: a layout with its microbatches (LLM) and estimates.
-#[derive(Clone, Copy, Debug)]
-struct Opt {
-    layout: Layout,
-    microbatches: usize,
-    recompute: bool,
-    time: f64,
-    mem: f64,
-}
-
-/// Mean per-batch (tokens, sum of squared lengths) of each module, and LLM rows.
-struct Totals {
-    llm: (f64, f64),
-    vision: (f64, f64),
-    audio: (f64, f64),
-}
-
-fn totals(p: &Problem, batches: &[Vec<RowShape>]) -> Totals {
-    let n = batches.len().max(1) as f64;
-    let (mut l, mut v, mut a) = ((0.0, 0.0), (0.0, 0.0), (0.0, 0.0));
-    for rows in batches {
-        let b = shape_of(rows);
-        l.0 += b.row_tokens.iter().sum::<usize>() as f64 / n;
-        l.1 += b.row_sq.iter().sum::<u64>() as f64 / n;
-        for &t in &b.image_tokens {
-            v.0 += t as f64 / n;
-            v.1 += (t * t) as f64 / n;
-        }
-        for &f in &b.clip_frames {
-            let t = f.div_ceil(2) as f64;
-            a.0 += t / n;
-            a.1 += t * t / n;
-        }
-    }
-    let _ = p;
-    Totals {
-        llm: l,
-        vision: v,
-        audio: a,
-    }
-}
-
-/// Powers of two up to `max` that divide `n`.
-fn pow2_divisors(n: usize, max: usize) -> Vec<usize> {
-    (0..16)
-        .map(|k| 1usize << k)
-        .take_while(|&d| d <= max)
-        .filter(|d| n.is_multiple_of(*d))
-        .collect()
-}
-
-/// Every layout of module `m` on `g` GPUs.
-fn layouts(p: &Problem, m: Module, g: usize, rows: usize) -> Vec<Layout> {
-    let Some(d) = p.model.module(m) else {
-        return Vec::new();
-    };
-    let node = p.cluster.gpus_per_node;
-    let mut out = Vec::new();
-    for tp in pow2_divisors(node, node) {
-        let cps: &[usize] = if m == Module::Llm {
-            &[1, 2, 4, 8]
-        } else {
-            &[1, 2]
-        };
-        for &cp in cps {
-            for pp in (1..=d.layers.min(32)).filter(|&pp| d.layers % pp == 0) {
-                let block = tp * cp * pp;
-                if !g.is_multiple_of(block) || d.fits(tp, pp).is_err() {
-                    continue;
-                }
-                let dp = g / block;
-                if m == Module::Llm && dp > rows {
-                    continue;
-                }
-                out.push(Layout { tp, cp, pp, dp });
-            }
-        }
-    }
-    out
-}
-
-impl Problem {
-    fn cost(
-        &self,
-        m: Module,
-        layout: Layout,
-        recompute: bool,
-        zero1: bool,
-    ) -> Option<StageCost<'_>> {
-        Some(StageCost {
-            dims: self.model.module(m)?,
-            layout,
-            cluster: &self.cluster,
-            recompute,
-            zero1,
-            frozen: self.frozen.contains(&m),
-        })
-    }
-
-    /// Analytic step estimate of a pipeline of `l.pp` stages running `mbs` microbatches
-    /// of `(tokens, sq)` each, plus its gradient sync; and its fullest stage's memory.
-    /// `extra` adds work (an LLM-centric encoder) to stage 0.
-    fn estimate(
-        &self,
-        sc: &StageCost,
-        mbs: usize,
-        load: (f64, f64),
-        extra: Option<(&StageCost, (f64, f64))>,
-        hold_all: bool,
-    ) -> (f64, f64) {
-        let l = sc.layout;
-        let (mut sum, mut worst, mut sync, mut mem) = (0.0, 0.0f64, 0.0f64, 0.0f64);
-        for s in 0..l.pp {
-            let mut t = sc.forward(s, load.0, load.1).total()
-                + sc.backward(s, load.0, load.1).total()
-                + 2.0 * sc.send(load.0);
-            let held = if hold_all { mbs } else { (l.pp - s).min(mbs) };
-            let inflight = load.0 * held as f64;
-            let mut bytes = sc.memory(s, inflight, load.0).total();
-            if s == 0
-                && let Some((ec, e)) = extra
-            {
-                t += ec.forward(0, e.0, e.1).total() + ec.backward(0, e.0, e.1).total();
-                bytes += ec.memory(0, e.0 * l.pp.min(mbs) as f64, e.0).total();
-            }
-            sum += t;
-            worst = worst.max(t);
-            sync = sync.max(sc.dp_sync(s));
-            mem = mem.max(bytes);
-        }
-        (sum + (mbs as f64 - 1.0) * worst + sync, mem)
-    }
-
-    /// Options for module `m` on `g` GPUs (LLM: with microbatch counts).
-    fn options(
-        &self,
-        m: Module,
-        g: usize,
-        t: &Totals,
-        space: &Space,
-        rows: usize,
-        chunks: usize,
-    ) -> Vec<Opt> {
-        let mut out = Vec::new();
-        let total = match m {
-            Module::Llm => t.llm,
-            Module::Vision => t.vision,
-            Module::Audio => t.audio,
-        };
-        for layout in layouts(self, m, g, rows) {
-            let per_rep = rows / layout.dp;
-            let mbs: Vec<usize> = if m == Module::Llm {
-                let mut v: Vec<usize> = (0..12)
-                    .map(|k| 1usize << k)
-                    .filter(|&x| x <= per_rep)
-                    .collect();
-                v.push(per_rep);
-                v.dedup();
-                v
-            } else {
-                vec![chunks]
-            };
-            for &recompute in &space.recompute {
-                let Some(sc) = self.cost(m, layout, recompute, space.zero1) else {
-                    continue;
-                };
-                for &mb in &mbs {
-                    let n = (layout.dp * mb) as f64;
-                    let phased_encoder = m != Module::Llm && chunks == 1;
-                    let load = (total.0 / n, total.1 / n);
-                    let (time, mut mem) = self.estimate(&sc, mb, load, None, phased_encoder);
-                    if phased_encoder {
-                        // Every chunk's activations wait for the LLM; the working set is
-                        // one chunk (~1/8 of the replica's items at typical microbatch counts).
-                        mem = (0..layout.pp)
-                            .map(|s| sc.memory(s, load.0, load.0 / 8.0).total())
-                            .fold(0.0, f64::max);
-                    }
-                    out.push(Opt {
-                        layout,
-                        microbatches: mb,
-                        recompute,
-                        time,
-                        mem,
-                    });
-                }
-            }
-        }
-        out
-    }
-}
-
-/// Keeps the options no other option beats in both time and memory.
-fn pareto(mut v: Vec<Opt>) -> Vec<Opt> {
-    v.sort_by(|a, b| a.time.total_cmp(&b.time).then(a.mem.total_cmp(&b.mem)));
-    let mut out: Vec<Opt> = Vec::new();
-    for o in v {
-        if out.iter().all(|k| k.mem > o.mem) {
-            out.push(o);
-        }
-    }
-    out
 }
 
 /// A combination: per module its option; the estimate; the plan.
@@ -344,13 +142,27 @@ fn combine(
     }
 }
 
+/// The step estimate of a combination: the modules' pipelines in the schedule's order;
+/// the LLM's gradient sync overlaps the encoders' backward (two thirds of their time).
+fn combo_estimate(placement: Placement, schedule: Schedule, l: &Opt, enc: &[(Module, Opt)]) -> f64 {
+    let enc_sum: f64 = enc.iter().map(|e| e.1.time).sum();
+    let enc_max = enc.iter().map(|e| e.1.time).fold(0.0, f64::max);
+    let enc_sync = enc.iter().map(|e| e.1.sync).fold(0.0, f64::max);
+    let tail = |enc_t: f64| (l.sync - 2.0 / 3.0 * enc_t).max(enc_sync).max(0.0);
+    match (placement, schedule) {
+        (_, Schedule::Overlapped) => enc_max.max(l.time) + l.sync.max(enc_sync),
+        (Placement::Colocated, _) => l.time + enc_sum + tail(enc_sum),
+        _ => l.time + enc_max + tail(enc_max),
+    }
+}
+
 /// Searches `space` for `problem` on `workload`.
 pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<Outcome, String> {
     let t0 = Instant::now();
     let batches: Vec<Vec<RowShape>> = (0..space.batches.max(1))
         .map(|k| workload.batch(k))
         .collect();
-    let t = totals(problem, &batches);
+    let t = Totals::of(&batches);
     let rows = workload.batch_rows;
     let g = space.gpus;
     let budget = problem.cluster.usable_bytes();
@@ -362,50 +174,39 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
     let mut pruned: Vec<Combo> = Vec::new();
     let mut full: Vec<Combo> = Vec::new();
     let mut combinations = 0usize;
+    let knobs = Knobs {
+        totals: &t,
+        recompute: &space.recompute,
+        zero1: space.zero1,
+        rows,
+        overlapped,
+    };
     let mut cache: HashMap<(Module, usize, usize), Vec<Opt>> = HashMap::new();
     let mut opts = |m: Module, gm: usize, chunks: usize| -> Vec<Opt> {
         cache
             .entry((m, gm, chunks))
-            .or_insert_with(|| problem.options(m, gm, &t, space, rows, chunks))
+            .or_insert_with(|| problem.options(m, gm, chunks, &knobs))
             .clone()
     };
+    let same = |a: &Opt, b: &Opt| {
+        a.layout == b.layout && a.microbatches == b.microbatches && a.recompute == b.recompute
+    };
     for &placement in &space.placements {
-        match placement {
-            Placement::Colocated if !overlapped => {
-                let llm = opts(Module::Llm, g, 1);
-                let enc: Vec<(Module, Vec<Opt>)> =
-                    encoders.iter().map(|&e| (e, opts(e, g, 1))).collect();
-                let mk = |l: &Opt, c: &[(Module, Opt)]| {
-                    let est = l.time + c.iter().map(|x| x.1.time).sum::<f64>();
-                    (est, plan_of(placement, space.schedule, space.zero1, l, c))
-                };
-                combine(
-                    &pareto(llm.clone()),
-                    &enc.iter()
-                        .map(|(m, v)| (*m, pareto(v.clone())))
-                        .collect::<Vec<_>>(),
-                    budget,
-                    true,
-                    &mk,
-                    &mut pruned,
-                );
-                let n = llm.len() * enc.iter().map(|e| e.1.len()).product::<usize>();
-                combinations += n;
-                if n <= space.brute_limit {
-                    combine(&llm, &enc, budget, true, &mk, &mut full);
-                }
-            }
+        // Per placement: (GPUs of each encoder, GPUs of the LLM) splits to consider, and
+        // which of them the pruned search takes.
+        let splits: Vec<(Vec<usize>, usize, bool)> = match placement {
+            Placement::Colocated if !overlapped => vec![(vec![g; encoders.len()], g, true)],
             Placement::Disjoint => {
-                // Encoder GPU counts: powers of two and multiples of a node.
+                // Encoder GPU counts on a geometric grid: powers of two, and 3 x powers
+                // of two in whole nodes, at most half the GPUs; splits ranked by the best
+                // estimate of each module on its share, the best 8 searched.
                 let node = problem.cluster.gpus_per_node;
-                // Encoder GPU counts on a geometric grid: powers of two, and 3 x powers of
-                // two from a node up (whole nodes), at most half the GPUs.
                 let mut counts: Vec<usize> = (0..20)
                     .flat_map(|k| [1usize << k, 3 << k])
                     .filter(|&c| c <= g / 2 && (c.is_power_of_two() || c % node == 0))
                     .collect();
                 counts.sort_unstable();
-                let splits: Vec<Vec<usize>> = match encoders.len() {
+                let all: Vec<Vec<usize>> = match encoders.len() {
                     0 => vec![vec![]],
                     1 => counts.iter().map(|&a| vec![a]).collect(),
                     _ => counts
@@ -414,18 +215,18 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
                         .filter(|s| s.iter().sum::<usize>() < g)
                         .collect(),
                 };
+                let best = |v: &[Opt]| {
+                    v.iter()
+                        .filter(|o| o.mem <= budget)
+                        .map(|o| o.time + o.sync)
+                        .fold(f64::INFINITY, f64::min)
+                };
                 let mut ranked: Vec<(f64, Vec<usize>)> = Vec::new();
-                for s in &splits {
+                for s in all {
                     let gl = g - s.iter().sum::<usize>();
-                    let best = |v: &[Opt]| {
-                        v.iter()
-                            .filter(|o| o.mem <= budget)
-                            .map(|o| o.time)
-                            .fold(f64::INFINITY, f64::min)
-                    };
                     let mut enc_t = 0.0f64;
                     for (k, &e) in encoders.iter().enumerate() {
-                        enc_t = enc_t.max(best(&opts(e, s[k], if overlapped { 8 } else { 1 })));
+                        enc_t = enc_t.max(best(&opts(e, s[k], 8)));
                     }
                     let llm_t = best(&opts(Module::Llm, gl, 1));
                     let est = if overlapped {
@@ -434,51 +235,73 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
                         enc_t + llm_t
                     };
                     if est.is_finite() {
-                        ranked.push((est, s.clone()));
+                        ranked.push((est, s));
                     }
                 }
                 ranked.sort_by(|a, b| a.0.total_cmp(&b.0));
-                for (rank, (_, s)) in ranked.iter().enumerate() {
-                    let gl = g - s.iter().sum::<usize>();
-                    let llm = opts(Module::Llm, gl, 1);
-                    let front = pareto(llm.clone());
-                    for l in &llm {
-                        let chunks = if overlapped { l.microbatches } else { 1 };
-                        let enc: Vec<(Module, Vec<Opt>)> = encoders
-                            .iter()
-                            .enumerate()
-                            .map(|(k, &e)| (e, opts(e, s[k], chunks)))
-                            .collect();
-                        let mk = |l: &Opt, c: &[(Module, Opt)]| {
-                            let e = c.iter().map(|x| x.1.time).fold(0.0, f64::max);
-                            let est = if overlapped {
-                                l.time.max(e)
-                            } else {
-                                l.time + e
-                            };
-                            (est, plan_of(placement, space.schedule, space.zero1, l, c))
-                        };
-                        let one = std::slice::from_ref(l);
-                        if rank < 8
-                            && front.iter().any(|f| {
-                                f.layout == l.layout
-                                    && f.microbatches == l.microbatches
-                                    && f.recompute == l.recompute
-                            })
-                        {
-                            let enc_front: Vec<(Module, Vec<Opt>)> =
-                                enc.iter().map(|(m, v)| (*m, pareto(v.clone()))).collect();
-                            combine(one, &enc_front, budget, false, &mk, &mut pruned);
-                        }
-                        combinations += enc.iter().map(|e| e.1.len()).product::<usize>();
-                        if combinations <= space.brute_limit {
-                            combine(one, &enc, budget, false, &mk, &mut full);
-                        }
-                    }
+                ranked
+                    .into_iter()
+                    .enumerate()
+                    .map(|(rank, (_, s))| {
+                        let gl = g - s.iter().sum::<usize>();
+                        (s, gl, rank < 8)
+                    })
+                    .collect()
+            }
+            _ => Vec::new(),
+        };
+        let mk = |l: &Opt, c: &[(Module, Opt)]| {
+            (
+                combo_estimate(placement, space.schedule, l, c),
+                plan_of(placement, space.schedule, space.zero1, l, c),
+            )
+        };
+        let colocated = placement == Placement::Colocated;
+        for (s, gl, searched) in splits {
+            let llm = opts(Module::Llm, gl, 1);
+            // Dominance only among equal microbatch counts: the count also sets the
+            // encoders' chunks.
+            let mut counts: Vec<usize> = llm.iter().map(|o| o.microbatches).collect();
+            counts.sort_unstable();
+            counts.dedup();
+            let front: Vec<Opt> = counts
+                .iter()
+                .flat_map(|&m| {
+                    pareto(
+                        llm.iter()
+                            .filter(|o| o.microbatches == m)
+                            .copied()
+                            .collect(),
+                    )
+                })
+                .collect();
+            for l in &llm {
+                // Encoders run the LLM's microbatches as their chunks.
+                let enc: Vec<(Module, Vec<Opt>)> = encoders
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &e)| (e, opts(e, s[k], l.microbatches)))
+                    .collect();
+                let one = std::slice::from_ref(l);
+                if searched && front.iter().any(|f| same(f, l)) {
+                    let enc_front: Vec<(Module, Vec<Opt>)> =
+                        enc.iter().map(|(m, v)| (*m, pareto(v.clone()))).collect();
+                    combine(one, &enc_front, budget, colocated, &mk, &mut pruned);
+                }
+                combinations += enc.iter().map(|e| e.1.len()).product::<usize>();
+                if combinations <= space.brute_limit {
+                    combine(one, &enc, budget, colocated, &mk, &mut full);
                 }
             }
-            _ => {}
         }
+    }
+    let debug = std::env::var("BRAID_PLAN_DEBUG").is_ok();
+    if debug {
+        eprintln!(
+            "enumerated {} pruned combos in {:.2} s",
+            pruned.len(),
+            t0.elapsed().as_secs_f64()
+        );
     }
     let mut simulated = 0;
     let best = pick(
@@ -486,7 +309,7 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
         &batches,
         &mut pruned,
         space.top_k,
-        g,
+        Some(g),
         budget,
         &mut simulated,
     )?
@@ -496,10 +319,24 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
             problem.cluster.memory_gib
         )
     })?;
+    if debug {
+        eprintln!("simulated the best at {:.2} s", t0.elapsed().as_secs_f64());
+    }
     let baseline = baseline(problem, &batches, &t, space, &mut simulated)?;
+    if debug {
+        eprintln!("baseline at {:.2} s", t0.elapsed().as_secs_f64());
+    }
     let brute = if combinations <= space.brute_limit && !full.is_empty() {
         let n = full.len();
-        pick(problem, &batches, &mut full, n, g, budget, &mut simulated)?
+        pick(
+            problem,
+            &batches,
+            &mut full,
+            n,
+            Some(g),
+            budget,
+            &mut simulated,
+        )?
     } else {
         None
     };
@@ -513,41 +350,46 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
     })
 }
 
-/// Simulates the `k` best-estimated combinations; the fastest that fits wins.
+/// Simulates the `k` best-estimated combinations (in parallel); the fastest that fits
+/// wins, ties to the better estimate. `gpus`: check each plan against the world first
+/// (the LLM-centric baseline is not a plan `braid train` runs, so it skips the check).
 fn pick(
     p: &Problem,
     batches: &[Vec<RowShape>],
     combos: &mut [Combo],
     k: usize,
-    gpus: usize,
+    gpus: Option<usize>,
     budget: f64,
     simulated: &mut usize,
 ) -> Result<Option<Found>, String> {
     combos.sort_by(|a, b| a.est.total_cmp(&b.est));
+    let top = &combos[..k.min(combos.len())];
+    let sims: Vec<Result<StepSim, String>> = top
+        .par_iter()
+        .map(|c| {
+            if let Some(g) = gpus {
+                c.plan
+                    .check(&p.model, &p.cluster, g, batches[0].len())
+                    .map_err(|e| format!("internal: a candidate fails its own checks: {e}"))?;
+            }
+            mean_sim(p, &c.plan, batches)
+        })
+        .collect();
+    *simulated += sims.len();
+    let debug = std::env::var("BRAID_PLAN_DEBUG").is_ok();
     let mut best: Option<Found> = None;
-    for c in combos.iter().take(k) {
-        c.plan
-            .check(&p.model, &p.cluster, gpus, batches[0].len())
-            .map_err(|e| format!("internal: a candidate fails its own checks: {e}"))?;
-        let sim = mean_sim(p, &c.plan, batches)?;
-        *simulated += 1;
-        if std::env::var("BRAID_PLAN_DEBUG").is_ok() {
+    for (c, sim) in top.iter().zip(sims) {
+        let sim = sim?;
+        if debug {
             eprintln!(
-                "cand est {:.3} sim {:.3} mem {:.1} GiB {:?} {:?}",
+                "cand est {:.3} sim {:.3} mem {:.1} GiB {:?}",
                 c.est,
                 sim.step_s,
-                sim.peak_memory / 1073741824.0,
-                sim.memory
-                    .iter()
-                    .map(|m| (m.0, m.1 / 1073741824.0))
-                    .collect::<Vec<_>>(),
+                sim.peak_memory / (1u64 << 30) as f64,
                 c.plan
             );
         }
-        if sim.peak_memory > budget {
-            continue;
-        }
-        if best.as_ref().is_none_or(|b| sim.step_s < b.sim.step_s) {
+        if sim.peak_memory <= budget && best.as_ref().is_none_or(|b| sim.step_s < b.sim.step_s) {
             best = Some(Found {
                 plan: c.plan.clone(),
                 sim,
@@ -593,7 +435,7 @@ pub fn mean_sim(p: &Problem, plan: &Plan, batches: &[Vec<RowShape>]) -> Result<S
 }
 
 /// The best LLM-centric plan: the LLM's layouts, each encoder inside stage 0 with the
-/// LLM's TP and DP.
+/// LLM's TP (or the largest its heads allow) and DP, with and without recomputation.
 fn baseline(
     p: &Problem,
     batches: &[Vec<RowShape>],
@@ -604,78 +446,68 @@ fn baseline(
     let rows = batches[0].len();
     let g = space.gpus;
     let budget = p.cluster.usable_bytes();
+    let encoders: Vec<Module> = [Module::Vision, Module::Audio]
+        .into_iter()
+        .filter(|&m| p.model.module(m).is_some())
+        .collect();
     let mut combos = Vec::new();
-    for o in p.options(Module::Llm, g, t, space, rows, 1) {
+    let knobs = Knobs {
+        totals: t,
+        recompute: &space.recompute,
+        zero1: space.zero1,
+        rows,
+        overlapped: false,
+    };
+    for o in p.options(Module::Llm, g, 1, &knobs) {
         let Some(sc) = p.cost(Module::Llm, o.layout, o.recompute, space.zero1) else {
             continue;
         };
         let n = (o.layout.dp * o.microbatches) as f64;
-        let mut est = 0.0f64;
-        let mut mem = 0.0f64;
-        for (m, tot) in [(Module::Vision, t.vision), (Module::Audio, t.audio)] {
-            let el = Layout {
-                tp: o.layout.tp,
-                cp: 1,
-                pp: 1,
-                dp: o.layout.dp,
-            };
-            if let Some(ec) = p.cost(m, el, o.recompute, space.zero1) {
-                if p.model.module(m).is_some_and(|d| d.fits(el.tp, 1).is_err()) {
-                    est = f64::INFINITY;
-                }
-                let (e, b) = p.estimate(
-                    &sc,
-                    o.microbatches,
-                    (t.llm.0 / n, t.llm.1 / n),
-                    Some((&ec, (tot.0 / n, tot.1 / n))),
-                    false,
-                );
-                est = est.max(e);
-                mem = mem.max(b);
+        let enc_layout = |e: Module| Layout {
+            tp: encoder_tp(p, e, o.layout.tp),
+            cp: 1,
+            pp: 1,
+            dp: o.layout.dp,
+        };
+        for &rc in &space.recompute {
+            let extra: Vec<_> = encoders
+                .iter()
+                .filter_map(|&e| {
+                    let tot = t.module(e);
+                    Some((
+                        p.cost(e, enc_layout(e), rc, space.zero1)?,
+                        (tot.0 / n, tot.1 / n),
+                    ))
+                })
+                .collect();
+            let load = (t.llm.0 / n, t.llm.1 / n);
+            let (time, sync, mem) = p.estimate(&sc, o.microbatches, load, &extra, false);
+            if mem <= budget {
+                combos.push(Combo {
+                    est: time + sync,
+                    plan: Plan {
+                        placement: Placement::LlmCentric,
+                        schedule: Schedule::Phased,
+                        microbatches: o.microbatches,
+                        recompute: o.recompute,
+                        recompute_encoders: rc,
+                        zero1: space.zero1,
+                        llm: o.layout,
+                        vision: p.model.vision.as_ref().map(|_| enc_layout(Module::Vision)),
+                        audio: p.model.audio.as_ref().map(|_| enc_layout(Module::Audio)),
+                    },
+                });
             }
         }
-        if est == 0.0 {
-            est = o.time;
-            mem = o.mem;
-        }
-        if est.is_finite() && mem <= budget {
-            combos.push(Combo {
-                est,
-                plan: Plan {
-                    placement: Placement::LlmCentric,
-                    schedule: Schedule::Phased,
-                    microbatches: o.microbatches,
-                    recompute: o.recompute,
-                    recompute_encoders: o.recompute,
-                    zero1: space.zero1,
-                    llm: o.layout,
-                    vision: p.model.vision.as_ref().map(|_| Layout {
-                        tp: o.layout.tp,
-                        cp: 1,
-                        pp: 1,
-                        dp: o.layout.dp,
-                    }),
-                    audio: p.model.audio.as_ref().map(|_| Layout {
-                        tp: o.layout.tp,
-                        cp: 1,
-                        pp: 1,
-                        dp: o.layout.dp,
-                    }),
-                },
-            });
-        }
     }
-    combos.sort_by(|a, b| a.est.total_cmp(&b.est));
-    let mut best: Option<Found> = None;
-    for c in combos.iter().take(space.top_k) {
-        let sim = mean_sim(p, &c.plan, batches)?;
-        *simulated += 1;
-        if sim.peak_memory <= budget && best.as_ref().is_none_or(|b| sim.step_s < b.sim.step_s) {
-            best = Some(Found {
-                plan: c.plan.clone(),
-                sim,
-            });
-        }
-    }
+    let best = pick(
+        p,
+        batches,
+        &mut combos,
+        space.top_k,
+        None,
+        budget,
+        simulated,
+    )?;
     best.ok_or_else(|| format!("no LLM-centric layout fits {g} GPUs"))
 }

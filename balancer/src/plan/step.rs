@@ -105,7 +105,7 @@ fn stage_lane(
     let lane = g.lane(ranks, label);
     let (mut f, mut b) = (vec![usize::MAX; m], vec![usize::MAX; m]);
     for &(fwd, i) in order {
-        let id = g.push(lane, cost(fwd, i), Vec::new());
+        let id = g.push(lane, cost(fwd, i), &[]);
         if fwd {
             f[i] = id;
         } else {
@@ -290,16 +290,21 @@ impl Problem {
         // LLM lanes: [replica][stage].
         let sc = self.stage_cost(Module::Llm, llm, plan).ok_or("no LLM")?;
         let centric: Vec<(usize, StageCost)> = if plan.placement == Placement::LlmCentric {
-            let l = Layout {
-                tp: llm.tp,
-                cp: 1,
-                pp: 1,
-                dp: llm.dp,
-            };
+            // Each encoder with its own TP (the LLM's, or less where its heads require)
+            // on the LLM's DP ranks.
             encoders
                 .iter()
                 .enumerate()
-                .filter_map(|(k, &e)| Some((k, self.stage_cost(e, l, plan)?)))
+                .filter_map(|(k, &e)| {
+                    let tp = plan.layout(e).map_or(llm.tp, |l| l.tp);
+                    let l = Layout {
+                        tp,
+                        cp: 1,
+                        pp: 1,
+                        dp: llm.dp,
+                    };
+                    Some((k, self.stage_cost(e, l, plan)?))
+                })
                 .collect()
         } else {
             Vec::new()
@@ -344,7 +349,7 @@ impl Problem {
         // Dependencies along each pipeline.
         let set = |g: &mut Dag, t: usize, dep: usize| {
             if t != usize::MAX && dep != usize::MAX {
-                g.tasks[t].deps.push(dep);
+                g.wait(t, dep);
             }
         };
         for stages in enc_lanes.iter().flatten().chain(llm_lanes.iter()) {
@@ -368,7 +373,7 @@ impl Problem {
                         compute: 0.0,
                         comm: t,
                     },
-                    Vec::new(),
+                    &[],
                 );
                 let lane = g.lane(0, format!("bridge back {c}"));
                 let bwd = g.push(
@@ -377,7 +382,7 @@ impl Problem {
                         compute: 0.0,
                         comm: t,
                     },
-                    Vec::new(),
+                    &[],
                 );
                 let mbs: Vec<usize> = if overlapped {
                     vec![c]
@@ -424,7 +429,7 @@ impl Problem {
                         compute: 0.0,
                         comm: t,
                     },
-                    Vec::new(),
+                    &[],
                 );
             }
         };

@@ -1,0 +1,245 @@
+//! Per-module options for the search: every layout of a module that fits on a GPU count
+//! (TP dividing heads, KV heads, MLP and vocabulary inside a node; PP dividing the
+//! layers; a row per LLM replica), costed analytically on the batch's mean loads: the
+//! pipeline's time (one microbatch through every stage plus the rest at the slowest
+//! stage), its gradient sync and its fullest GPU's memory.
+
+use crate::dims::Module;
+use crate::plan::cost::StageCost;
+use crate::plan::layout::Layout;
+use crate::plan::step::Problem;
+use crate::workload::{RowShape, shape_of};
+
+/// One module's option: a layout with its microbatch (chunk) count and estimates.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Opt {
+    pub layout: Layout,
+    pub microbatches: usize,
+    pub recompute: bool,
+    /// Seconds of the pipeline, of the gradient sync after it, bytes on the fullest GPU.
+    pub time: f64,
+    pub sync: f64,
+    pub mem: f64,
+}
+
+/// Mean per-batch (tokens, sum of squared lengths) of each module.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Totals {
+    pub llm: (f64, f64),
+    pub vision: (f64, f64),
+    pub audio: (f64, f64),
+}
+
+impl Totals {
+    pub fn of(batches: &[Vec<RowShape>]) -> Totals {
+        let n = batches.len().max(1) as f64;
+        let (mut l, mut v, mut a) = ((0.0, 0.0), (0.0, 0.0), (0.0, 0.0));
+        for rows in batches {
+            let b = shape_of(rows);
+            l.0 += b.row_tokens.iter().sum::<usize>() as f64 / n;
+            l.1 += b.row_sq.iter().sum::<u64>() as f64 / n;
+            for &t in &b.image_tokens {
+                v.0 += t as f64 / n;
+                v.1 += (t * t) as f64 / n;
+            }
+            for &f in &b.clip_frames {
+                let t = f.div_ceil(2) as f64;
+                a.0 += t / n;
+                a.1 += t * t / n;
+            }
+        }
+        Totals {
+            llm: l,
+            vision: v,
+            audio: a,
+        }
+    }
+
+    pub fn module(&self, m: Module) -> (f64, f64) {
+        match m {
+            Module::Llm => self.llm,
+            Module::Vision => self.vision,
+            Module::Audio => self.audio,
+        }
+    }
+}
+
+/// What every option of one search shares: the batch's loads, the recomputation choices,
+/// ZeRO-1, rows per batch, and whether encoders run 1F1B with the LLM (overlapped).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Knobs<'a> {
+    pub totals: &'a Totals,
+    pub recompute: &'a [bool],
+    pub zero1: bool,
+    pub rows: usize,
+    pub overlapped: bool,
+}
+
+/// Powers of two up to `max` that divide `n`.
+fn pow2_divisors(n: usize, max: usize) -> Vec<usize> {
+    (0..16)
+        .map(|k| 1usize << k)
+        .take_while(|&d| d <= max)
+        .filter(|d| n.is_multiple_of(*d))
+        .collect()
+}
+
+/// Every layout of module `m` on `g` GPUs.
+pub(crate) fn layouts(p: &Problem, m: Module, g: usize, rows: usize) -> Vec<Layout> {
+    let Some(d) = p.model.module(m) else {
+        return Vec::new();
+    };
+    let node = p.cluster.gpus_per_node;
+    let cps: &[usize] = if m == Module::Llm {
+        &[1, 2, 4, 8]
+    } else {
+        &[1, 2]
+    };
+    let mut out = Vec::new();
+    for tp in pow2_divisors(node, node) {
+        for &cp in cps {
+            for pp in (1..=d.layers.min(32)).filter(|&pp| d.layers % pp == 0) {
+                let block = tp * cp * pp;
+                if !g.is_multiple_of(block) || d.fits(tp, pp).is_err() {
+                    continue;
+                }
+                let dp = g / block;
+                if m == Module::Llm && dp > rows {
+                    continue;
+                }
+                out.push(Layout { tp, cp, pp, dp });
+            }
+        }
+    }
+    out
+}
+
+/// The largest power-of-two TP up to `tp` that module `m` allows (the LLM-centric
+/// baseline runs an encoder with the LLM's TP where its heads divide, else less).
+pub(crate) fn encoder_tp(p: &Problem, m: Module, tp: usize) -> usize {
+    let Some(d) = p.model.module(m) else {
+        return 1;
+    };
+    let mut t = tp.max(1);
+    while t > 1 && d.fits(t, 1).is_err() {
+        t /= 2;
+    }
+    t
+}
+
+impl Problem {
+    pub(crate) fn cost(
+        &self,
+        m: Module,
+        layout: Layout,
+        recompute: bool,
+        zero1: bool,
+    ) -> Option<StageCost<'_>> {
+        Some(StageCost {
+            dims: self.model.module(m)?,
+            layout,
+            cluster: &self.cluster,
+            recompute,
+            zero1,
+            frozen: self.frozen.contains(&m),
+        })
+    }
+
+    /// `(time, sync, memory)` of a pipeline of `sc.layout.pp` stages running `mbs`
+    /// microbatches of `load = (tokens, sq)` each. `hold_all`: every microbatch's
+    /// activations are held to the end (phased encoders) instead of 1F1B's `pp - s`.
+    /// `extra` adds encoders' work (LLM-centric) to stage 0, each with its own load.
+    pub(crate) fn estimate(
+        &self,
+        sc: &StageCost,
+        mbs: usize,
+        load: (f64, f64),
+        extra: &[(StageCost, (f64, f64))],
+        hold_all: bool,
+    ) -> (f64, f64, f64) {
+        let l = sc.layout;
+        let (mut sum, mut worst, mut sync, mut mem) = (0.0, 0.0f64, 0.0f64, 0.0f64);
+        for s in 0..l.pp {
+            let mut t = sc.forward(s, load.0, load.1).total()
+                + sc.backward(s, load.0, load.1).total()
+                + 2.0 * sc.send(load.0);
+            let held = if hold_all { mbs } else { (l.pp - s).min(mbs) };
+            // A held chunk's working set is one chunk.
+            let mut bytes = sc.memory(s, load.0 * held as f64, load.0).total();
+            if s == 0 {
+                for (ec, e) in extra {
+                    t += ec.forward(0, e.0, e.1).total() + ec.backward(0, e.0, e.1).total();
+                    bytes += ec.memory(0, e.0 * l.pp.min(mbs) as f64, e.0).total();
+                    sync = sync.max(ec.dp_sync(0));
+                }
+            }
+            sum += t;
+            worst = worst.max(t);
+            sync = sync.max(sc.dp_sync(s));
+            mem = mem.max(bytes);
+        }
+        (sum + (mbs as f64 - 1.0) * worst, sync, mem)
+    }
+
+    /// Options for module `m` on `g` GPUs: the LLM with every microbatch count (powers of
+    /// two up to its rows per replica, and that count); an encoder with `chunks` chunks
+    /// (the LLM's microbatches), held to the end unless `overlapped`.
+    pub(crate) fn options(&self, m: Module, g: usize, chunks: usize, k: &Knobs) -> Vec<Opt> {
+        let (t, rows) = (k.totals, k.rows);
+        let total = t.module(m);
+        let mut out = Vec::new();
+        for layout in layouts(self, m, g, rows) {
+            let per_rep = rows / layout.dp;
+            let mbs: Vec<usize> = if m == Module::Llm {
+                let mut v: Vec<usize> = (0..12)
+                    .map(|k| 1usize << k)
+                    .filter(|&x| x <= per_rep)
+                    .collect();
+                if v.last() != Some(&per_rep) {
+                    v.push(per_rep);
+                }
+                v
+            } else {
+                vec![chunks.max(1)]
+            };
+            for &rc in k.recompute {
+                let Some(sc) = self.cost(m, layout, rc, k.zero1) else {
+                    continue;
+                };
+                for &mb in &mbs {
+                    let n = (layout.dp * mb) as f64;
+                    let hold_all = m != Module::Llm && !k.overlapped;
+                    let (time, sync, mem) =
+                        self.estimate(&sc, mb, (total.0 / n, total.1 / n), &[], hold_all);
+                    out.push(Opt {
+                        layout,
+                        microbatches: mb,
+                        recompute: rc,
+                        time,
+                        sync,
+                        mem,
+                    });
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Keeps the options no other option beats in pipeline time, sync time and memory at
+/// once (the sync counts separately: it can hide behind the encoders' backward).
+pub(crate) fn pareto(mut v: Vec<Opt>) -> Vec<Opt> {
+    v.sort_by(|a, b| a.time.total_cmp(&b.time).then(a.mem.total_cmp(&b.mem)));
+    let beats = |k: &Opt, o: &Opt| {
+        k.time <= o.time
+            && k.sync <= o.sync
+            && k.mem <= o.mem
+            && (k.time < o.time || k.sync < o.sync || k.mem < o.mem)
+    };
+    let keep: Vec<bool> = v.iter().map(|o| !v.iter().any(|k| beats(k, o))).collect();
+    v.into_iter()
+        .zip(keep)
+        .filter(|x| x.1)
+        .map(|x| x.0)
+        .collect()
+}
