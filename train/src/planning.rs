@@ -309,7 +309,10 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Vec<String>> {
     };
     let file = if spec == "auto" {
         let gpus = cfg.parallel.world_size;
-        let p = plan(cfg, gpus, None, None, Some(Schedule::Phased))?;
+        // The run's own packed rows when they exist, else the [plan.mix].
+        let own = cfg.data.path.join(braid_dataloader::dataset::DATASET_JSON);
+        let data = own.exists().then_some(cfg.data.path.as_path());
+        let p = plan(cfg, gpus, None, data, Some(Schedule::Phased))?;
         PlanFile {
             gpus,
             cluster: p.cluster,
