@@ -189,13 +189,12 @@ impl ModelDims {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    /// Llama-2-7B: 6.74 B parameters.
-    #[test]
-    fn llama_7b_has_its_published_parameter_count() {
-        let d = ModuleDims {
+    /// Llama-2-7B's sizes.
+    pub(crate) fn llama_7b() -> ModuleDims {
+        ModuleDims {
             layers: 32,
             hidden: 4096,
             heads: 32,
@@ -207,7 +206,13 @@ mod tests {
             vocab: 32000,
             tied: false,
             extra_params: 0,
-        };
+        }
+    }
+
+    /// Llama-2-7B: 6.74 B parameters.
+    #[test]
+    fn llama_7b_has_its_published_parameter_count() {
+        let d = llama_7b();
         let p = d.params() as f64 / 1e9;
         assert!((p - 6.74).abs() < 0.01, "{p}");
         assert!(d.fits(8, 4).is_ok());

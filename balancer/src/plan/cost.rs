@@ -198,22 +198,7 @@ impl StageCost<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn llama7b() -> ModuleDims {
-        ModuleDims {
-            layers: 32,
-            hidden: 4096,
-            heads: 32,
-            kv_heads: 32,
-            head_dim: 128,
-            ffn: 11008,
-            mlp_mats: 3,
-            causal: true,
-            vocab: 32000,
-            tied: false,
-            extra_params: 0,
-        }
-    }
+    use crate::dims::tests::llama_7b as llama7b;
 
     #[test]
     fn splitting_cuts_time_and_memory_and_costs_communication() {
