@@ -53,6 +53,10 @@ pub struct StageCost<'a> {
     pub zero1: bool,
     /// A frozen module has no backward, gradients, optimizer state or sync.
     pub frozen: bool,
+    /// Recomputation keeps only each microbatch's stage input (encoders: their chunks
+    /// wait for the whole LLM, so per-block inputs would pile up) instead of every
+    /// block's input (the LLM).
+    pub checkpoint_stages: bool,
 }
 
 impl StageCost<'_> {
@@ -175,10 +179,16 @@ impl StageCost<'_> {
             // Inference only: one block's working set.
             per_cp(largest) * d.act_bytes_per_token(l.tp, false)
         } else {
-            let mut a =
-                per_cp(inflight) * self.layers() * d.act_bytes_per_token(l.tp, self.recompute);
+            let kept = if self.recompute && self.checkpoint_stages {
+                1.0
+            } else {
+                self.layers()
+            };
+            let mut a = per_cp(inflight) * kept * d.act_bytes_per_token(l.tp, self.recompute);
             if self.recompute {
-                a += per_cp(largest) * d.act_bytes_per_token(l.tp, false);
+                // The recomputed working set: one block, or the whole stage of one chunk.
+                let span = if self.checkpoint_stages { self.layers() } else { 1.0 };
+                a += per_cp(largest) * span * d.act_bytes_per_token(l.tp, false);
             }
             a
         };
@@ -216,6 +226,7 @@ mod tests {
             recompute,
             zero1: true,
             frozen: false,
+            checkpoint_stages: false,
         };
         let (t, sq) = (4096.0, 4096.0 * 4096.0);
         let one = at(1, 1, false).forward(0, t, sq);

@@ -142,6 +142,7 @@ impl Problem {
             recompute,
             zero1,
             frozen: self.frozen.contains(&m),
+            checkpoint_stages: m != Module::Llm,
         })
     }
 

@@ -12,6 +12,7 @@ use rayon::prelude::*;
 use std::time::Instant;
 
 use crate::dims::Module;
+use crate::plan::cost::StageCost;
 use crate::plan::layout::{Layout, Placement, Plan, Schedule};
 use crate::plan::options::{Knobs, Opt, Totals, encoder_tp, pareto};
 use crate::plan::step::{Problem, StepSim};
@@ -474,10 +475,12 @@ fn baseline(
                 .iter()
                 .filter_map(|&e| {
                     let tot = t.module(e);
-                    Some((
-                        p.cost(e, enc_layout(e), rc, space.zero1)?,
-                        (tot.0 / n, tot.1 / n),
-                    ))
+                    // Inside a 1F1B stage, an encoder checkpoints per block like the LLM.
+                    let ec = StageCost {
+                        checkpoint_stages: false,
+                        ..p.cost(e, enc_layout(e), rc, space.zero1)?
+                    };
+                    Some((ec, (tot.0 / n, tot.1 / n)))
                 })
                 .collect();
             let load = (t.llm.0 / n, t.llm.1 / n);

@@ -128,6 +128,7 @@ impl Problem {
             },
             zero1: plan.zero1,
             frozen: self.frozen.contains(&m),
+            checkpoint_stages: m != Module::Llm,
         })
     }
 
@@ -303,7 +304,12 @@ impl Problem {
                         pp: 1,
                         dp: llm.dp,
                     };
-                    Some((k, self.stage_cost(e, l, plan)?))
+                    // Inside a 1F1B stage: per-block checkpoints, like the LLM.
+                    let sc = StageCost {
+                        checkpoint_stages: false,
+                        ..self.stage_cost(e, l, plan)?
+                    };
+                    Some((k, sc))
                 })
                 .collect()
         } else {
