@@ -51,6 +51,24 @@ pub fn run(a: PlanArgs) -> u8 {
 
 const GIB: f64 = (1u64 << 30) as f64;
 
+/// Seconds as s or ms, whichever reads better.
+fn secs(x: f64) -> String {
+    if x < 0.1 {
+        format!("{:.3} ms", x * 1e3)
+    } else {
+        format!("{x:.3} s")
+    }
+}
+
+/// Bytes as GiB or MiB.
+fn bytes(x: f64) -> String {
+    if x < 0.1 * GIB {
+        format!("{:.1} MiB", x / (1u64 << 20) as f64)
+    } else {
+        format!("{:.1} GiB", x / GIB)
+    }
+}
+
 fn plan_cmd(a: &PlanArgs) -> Result<(), String> {
     let cfg = RunConfig::from_file(&a.config, &a.sets).map_err(|e| e.to_string())?;
     let gpus = a
@@ -157,18 +175,18 @@ fn explain(p: &Planned) -> Vec<String> {
         .map(|(m, s)| format!("{} {:.0}%", m.name(), 100.0 * s / step))
         .collect();
     out.push(format!(
-        "GPU time per step: {}; idle or waiting {:.0}% (pipeline bubbles, the bridge {:.3} s, gradient sync {:.3} s)",
+        "GPU time per step (compute and its collectives): {}; not computing {:.0}% (pipeline bubbles, the bridge {}, gradient sync {})",
         shares.join(", "),
         100.0 * b.sim.bubble,
-        b.sim.bridge_s,
-        b.sim.dp_sync_s
+        secs(b.sim.bridge_s),
+        secs(b.sim.dp_sync_s)
     ));
     let mem = b.sim.peak_memory / usable;
     if mem > 0.85 {
         out.push(format!(
-            "memory binds: the fullest GPU holds {:.1} of {:.1} usable GiB, which rules out fewer pipeline stages or no recomputation",
-            b.sim.peak_memory / GIB,
-            usable / GIB
+            "memory binds: the fullest GPU holds {} of {} usable, which rules out fewer pipeline stages or no recomputation",
+            bytes(b.sim.peak_memory),
+            bytes(usable)
         ));
     } else if b.sim.bubble > 0.3 {
         out.push(format!(
@@ -179,11 +197,11 @@ fn explain(p: &Planned) -> Vec<String> {
         out.push("compute binds: the GPUs are busy most of the step".into());
     }
     out.push(format!(
-        "the LLM-centric layout (llm {}, {} microbatches) runs every encoder inside the LLM's first pipeline stage with the LLM's TP and DP; its step takes {:.3} s against {:.3} s here ({:.2}x)",
+        "the LLM-centric layout (llm {}, {} microbatches) runs every encoder inside the LLM's first pipeline stage with the LLM's TP and DP; its step takes {} against {} here ({:.2}x)",
         layout_str(base.plan.llm),
         base.plan.microbatches,
-        base.sim.step_s,
-        b.sim.step_s,
+        secs(base.sim.step_s),
+        secs(b.sim.step_s),
         base.sim.step_s / step
     ));
     out
@@ -230,15 +248,15 @@ fn print_text(p: &Planned, a: &PlanArgs) {
                 .memory
                 .iter()
                 .find(|x| x.0 == m)
-                .map_or(0.0, |x| x.1 / GIB);
+                .map_or(0.0, |x| x.1);
             let busy = b.sim.busy.iter().find(|x| x.0 == m).map_or(0.0, |x| x.1);
             println!(
-                "  {:<7} {:<22} {:>6} {:>7.1} GiB {:>10.3} s",
+                "  {:<7} {:<22} {:>6} {:>11} {:>12}",
                 m.name(),
                 layout_str(l),
                 l.gpus(),
-                mem,
-                busy
+                bytes(mem),
+                secs(busy)
             );
         }
     }
@@ -251,14 +269,14 @@ fn print_text(p: &Planned, a: &PlanArgs) {
         b.plan.recompute_encoders
     );
     println!(
-        "  predicted step   {:>8.3} s   (idle {:.0}%, peak {:.1} GiB)",
-        b.sim.step_s,
+        "  predicted step   {:>10}   (idle {:.0}%, peak {})",
+        secs(b.sim.step_s),
         100.0 * b.sim.bubble,
-        b.sim.peak_memory / GIB
+        bytes(b.sim.peak_memory)
     );
     println!(
-        "  LLM-centric      {:>8.3} s   (llm {}, encoders in stage 0)",
-        o.baseline.sim.step_s,
+        "  LLM-centric      {:>10}   (llm {}, encoders in stage 0)",
+        secs(o.baseline.sim.step_s),
         layout_str(o.baseline.plan.llm)
     );
     println!(
@@ -267,8 +285,8 @@ fn print_text(p: &Planned, a: &PlanArgs) {
     );
     match &o.brute {
         Some(bf) => println!(
-            "  brute force      {:>8.3} s   (every combination simulated; the search is {:.1}% slower)",
-            bf.sim.step_s,
+            "  brute force      {:>10}   (every combination simulated; the search is {:.1}% slower)",
+            secs(bf.sim.step_s),
             100.0 * (b.sim.step_s / bf.sim.step_s - 1.0)
         ),
         None => println!(
