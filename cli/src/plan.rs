@@ -243,12 +243,7 @@ fn print_text(p: &Planned, a: &PlanArgs) {
     );
     for m in [Module::Vision, Module::Audio, Module::Llm] {
         if let Some(l) = b.plan.layout(m) {
-            let mem = b
-                .sim
-                .memory
-                .iter()
-                .find(|x| x.0 == m)
-                .map_or(0.0, |x| x.1);
+            let mem = b.sim.memory.iter().find(|x| x.0 == m).map_or(0.0, |x| x.1);
             let busy = b.sim.busy.iter().find(|x| x.0 == m).map_or(0.0, |x| x.1);
             println!(
                 "  {:<7} {:<22} {:>6} {:>11} {:>12}",

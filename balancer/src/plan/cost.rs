@@ -187,7 +187,11 @@ impl StageCost<'_> {
             let mut a = per_cp(inflight) * kept * d.act_bytes_per_token(l.tp, self.recompute);
             if self.recompute {
                 // The recomputed working set: one block, or the whole stage of one chunk.
-                let span = if self.checkpoint_stages { self.layers() } else { 1.0 };
+                let span = if self.checkpoint_stages {
+                    self.layers()
+                } else {
+                    1.0
+                };
                 a += per_cp(largest) * span * d.act_bytes_per_token(l.tp, false);
             }
             a

@@ -147,8 +147,9 @@ impl Problem {
     }
 
     /// `(time, sync, memory)` of a pipeline of `sc.layout.pp` stages running `mbs`
-    /// microbatches of `load = (tokens, sq)` each. `hold_all`: every microbatch's
-    /// activations are held to the end (phased encoders) instead of 1F1B's `pp - s`.
+    /// microbatches of `load = (tokens, sq)` each. Stage `s` holds 1F1B's `pp - s +
+    /// beyond` microbatches' activations (`beyond`: stages downstream of this module, the
+    /// LLM's for an overlapped encoder; `usize::MAX`: every microbatch, phased encoders).
     /// `extra` adds encoders' work (LLM-centric) to stage 0, each with its own load.
     pub(crate) fn estimate(
         &self,
@@ -156,7 +157,7 @@ impl Problem {
         mbs: usize,
         load: (f64, f64),
         extra: &[(StageCost, (f64, f64))],
-        hold_all: bool,
+        beyond: usize,
     ) -> (f64, f64, f64) {
         let l = sc.layout;
         let (mut sum, mut worst, mut sync, mut mem) = (0.0, 0.0f64, 0.0f64, 0.0f64);
@@ -164,7 +165,7 @@ impl Problem {
             let mut t = sc.forward(s, load.0, load.1).total()
                 + sc.backward(s, load.0, load.1).total()
                 + 2.0 * sc.send(load.0);
-            let held = if hold_all { mbs } else { (l.pp - s).min(mbs) };
+            let held = (l.pp - s).saturating_add(beyond).min(mbs);
             // A held chunk's working set is one chunk.
             let mut bytes = sc.memory(s, load.0 * held as f64, load.0).total();
             if s == 0 {
@@ -185,7 +186,15 @@ impl Problem {
     /// Options for module `m` on `g` GPUs: the LLM with every microbatch count (powers of
     /// two up to its rows per replica, and that count); an encoder with `chunks` chunks
     /// (the LLM's microbatches), held to the end unless `overlapped`.
-    pub(crate) fn options(&self, m: Module, g: usize, chunks: usize, k: &Knobs) -> Vec<Opt> {
+    /// `beyond`: the LLM's stages downstream of an overlapped encoder.
+    pub(crate) fn options(
+        &self,
+        m: Module,
+        g: usize,
+        chunks: usize,
+        beyond: usize,
+        k: &Knobs,
+    ) -> Vec<Opt> {
         let (t, rows) = (k.totals, k.rows);
         let total = t.module(m);
         let mut out = Vec::new();
@@ -209,9 +218,13 @@ impl Problem {
                 };
                 for &mb in &mbs {
                     let n = (layout.dp * mb) as f64;
-                    let hold_all = m != Module::Llm && !k.overlapped;
+                    let beyond = match (m, k.overlapped) {
+                        (Module::Llm, _) => 0,
+                        (_, true) => beyond,
+                        (_, false) => usize::MAX,
+                    };
                     let (time, sync, mem) =
-                        self.estimate(&sc, mb, (total.0 / n, total.1 / n), &[], hold_all);
+                        self.estimate(&sc, mb, (total.0 / n, total.1 / n), &[], beyond);
                     out.push(Opt {
                         layout,
                         microbatches: mb,

@@ -182,11 +182,11 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
         rows,
         overlapped,
     };
-    let mut cache: HashMap<(Module, usize, usize), Vec<Opt>> = HashMap::new();
-    let mut opts = |m: Module, gm: usize, chunks: usize| -> Vec<Opt> {
+    let mut cache: HashMap<(Module, usize, usize, usize), Vec<Opt>> = HashMap::new();
+    let mut opts = |m: Module, gm: usize, chunks: usize, beyond: usize| -> Vec<Opt> {
         cache
-            .entry((m, gm, chunks))
-            .or_insert_with(|| problem.options(m, gm, chunks, &knobs))
+            .entry((m, gm, chunks, beyond))
+            .or_insert_with(|| problem.options(m, gm, chunks, beyond, &knobs))
             .clone()
     };
     let same = |a: &Opt, b: &Opt| {
@@ -227,9 +227,9 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
                     let gl = g - s.iter().sum::<usize>();
                     let mut enc_t = 0.0f64;
                     for (k, &e) in encoders.iter().enumerate() {
-                        enc_t = enc_t.max(best(&opts(e, s[k], 8)));
+                        enc_t = enc_t.max(best(&opts(e, s[k], 8, 1)));
                     }
-                    let llm_t = best(&opts(Module::Llm, gl, 1));
+                    let llm_t = best(&opts(Module::Llm, gl, 1, 0));
                     let est = if overlapped {
                         enc_t.max(llm_t)
                     } else {
@@ -259,7 +259,7 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
         };
         let colocated = placement == Placement::Colocated;
         for (s, gl, searched) in splits {
-            let llm = opts(Module::Llm, gl, 1);
+            let llm = opts(Module::Llm, gl, 1, 0);
             // Dominance only among equal microbatch counts: the count also sets the
             // encoders' chunks.
             let mut counts: Vec<usize> = llm.iter().map(|o| o.microbatches).collect();
@@ -281,7 +281,7 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
                 let enc: Vec<(Module, Vec<Opt>)> = encoders
                     .iter()
                     .enumerate()
-                    .map(|(k, &e)| (e, opts(e, s[k], l.microbatches)))
+                    .map(|(k, &e)| (e, opts(e, s[k], l.microbatches, l.layout.pp)))
                     .collect();
                 let one = std::slice::from_ref(l);
                 if searched && front.iter().any(|f| same(f, l)) {
@@ -459,7 +459,7 @@ fn baseline(
         rows,
         overlapped: false,
     };
-    for o in p.options(Module::Llm, g, 1, &knobs) {
+    for o in p.options(Module::Llm, g, 1, 0, &knobs) {
         let Some(sc) = p.cost(Module::Llm, o.layout, o.recompute, space.zero1) else {
             continue;
         };
@@ -484,7 +484,7 @@ fn baseline(
                 })
                 .collect();
             let load = (t.llm.0 / n, t.llm.1 / n);
-            let (time, sync, mem) = p.estimate(&sc, o.microbatches, load, &extra, false);
+            let (time, sync, mem) = p.estimate(&sc, o.microbatches, load, &extra, 0);
             if mem <= budget {
                 combos.push(Combo {
                     est: time + sync,

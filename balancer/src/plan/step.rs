@@ -70,6 +70,17 @@ fn items(b: &BatchShape, model: &ModelDims, m: Module) -> Vec<(usize, f64, f64)>
     out
 }
 
+/// The largest token sum of `w` consecutive loads.
+fn window_max(loads: &[Load], w: usize) -> f64 {
+    let mut sum: f64 = loads.iter().take(w).map(|x| x.tokens).sum();
+    let mut best = sum;
+    for i in w..loads.len() {
+        sum += loads[i].tokens - loads[i - w].tokens;
+        best = best.max(sum);
+    }
+    best
+}
+
 /// Task ids of a lane's forwards and backwards per microbatch.
 struct LaneTasks {
     lane: usize,
@@ -507,9 +518,14 @@ impl Problem {
                 .fold(0.0, f64::max);
             let mut mem = 0.0f64;
             for s in 0..l.pp {
-                // Phased: every chunk's activations wait for the LLM; overlapped: 1F1B.
+                // Phased: every chunk's activations wait for the LLM; overlapped: 1F1B
+                // keeps a window of consecutive chunks in flight.
                 let held = if overlapped {
-                    largest * (l.pp - s + llm.pp).min(chunks) as f64
+                    let w = (l.pp - s + llm.pp).min(chunks).max(1);
+                    enc_load[k]
+                        .iter()
+                        .map(|d| window_max(d, w))
+                        .fold(0.0, f64::max)
                 } else {
                     whole
                 };
