@@ -65,6 +65,12 @@ pub struct Cluster {
     /// Fixed time per transformer block per pass (kernel launches, synchronization).
     #[serde(default)]
     pub layer_overhead_us: f64,
+    /// Non-matmul work of a block per activation value (token x hidden) per pass, in ns:
+    /// norms, residuals, RoPE, activations, allocation. Memory-bound, so it does not
+    /// shrink with GEMM size; on a CPU at small widths it rivals the matmuls. 0 (folded
+    /// into the matmul rate) in the GPU presets.
+    #[serde(default)]
+    pub elementwise_ns: f64,
     /// Inside a node (NVLink).
     pub intra: Link,
     /// Between nodes (InfiniBand / RoCE), per GPU.
@@ -116,6 +122,7 @@ impl Cluster {
             matmul,
             attention_efficiency: default_attention(),
             layer_overhead_us: 30.0,
+            elementwise_ns: 0.0,
             // NVLink 4 (450 GB/s each way; ~360 GB/s achieved bus bandwidth).
             intra: Link {
                 bandwidth_gbs: 360.0,
@@ -178,6 +185,9 @@ impl Cluster {
                     "{key}.bandwidth_gbs must be > 0 and latency_us >= 0"
                 ));
             }
+        }
+        if self.layer_overhead_us < 0.0 || self.elementwise_ns < 0.0 {
+            return Err("layer_overhead_us and elementwise_ns must be >= 0".into());
         }
         if !(0.0..=1.0).contains(&self.attention_efficiency) || self.attention_efficiency == 0.0 {
             return Err("attention_efficiency must be in (0, 1]".into());

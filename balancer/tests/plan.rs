@@ -66,6 +66,7 @@ fn uniform_one_f_one_b_matches_the_closed_form() {
         model: llm_only(8),
         cluster: free_links(),
         frozen: vec![],
+        input_s: 0.0,
     };
     // Eight equal rows: one per microbatch.
     let rows: Vec<RowShape> = (0..8)
@@ -129,6 +130,7 @@ fn a_shared_device_runs_the_same_work_in_its_sum() {
         model: llm_only(8),
         cluster: c,
         frozen: vec![],
+        input_s: 0.0,
     };
     let rows: Vec<RowShape> = (0..8)
         .map(|_| RowShape {
@@ -167,6 +169,7 @@ fn more_stages_and_recomputation_cut_memory_and_tp_costs_communication() {
         model: llm_only(8),
         cluster: Cluster::preset("h100").unwrap(),
         frozen: vec![],
+        input_s: 0.0,
     };
     let rows: Vec<RowShape> = (0..8)
         .map(|_| RowShape {
@@ -246,6 +249,7 @@ fn small() -> (Problem, Workload) {
             model,
             cluster,
             frozen: vec![],
+            input_s: 0.0,
         },
         w,
     )

@@ -8,6 +8,7 @@ mod inspect;
 mod pack;
 mod plan;
 mod plot;
+mod profile;
 mod train;
 
 use std::path::PathBuf;
@@ -66,6 +67,11 @@ enum Command {
     /// Choose a layout per module for N GPUs: predicted step time and memory per GPU next
     /// to the LLM-centric layout; writes a plan file for `parallel.plan`.
     Plan(plan::PlanArgs),
+    /// Measure this machine for the planner: achieved matmul rate by size, attention's
+    /// share of it, per-block overhead, all-reduce latency and bandwidth between ranks.
+    /// Writes a cluster TOML for `braid plan --cluster`. Measures the CPU (ranks are
+    /// threads); GPUs come with the CUDA backend.
+    Profile(profile::ProfileArgs),
 }
 
 fn main() -> ExitCode {
@@ -88,5 +94,6 @@ fn main() -> ExitCode {
         Command::Pack(args) => ExitCode::from(pack::run(args)),
         Command::Inspect(args) => ExitCode::from(inspect::run(args)),
         Command::Plan(args) => ExitCode::from(plan::run(args)),
+        Command::Profile(args) => ExitCode::from(profile::run(args)),
     }
 }

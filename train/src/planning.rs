@@ -241,6 +241,8 @@ pub fn plan(
         model: model_dims(&model),
         cluster: c,
         frozen,
+        // Loader time matters only on a shared CPU, and depends on the data: not planned.
+        input_s: 0.0,
     };
     let workload = workload(cfg, &model, data)?;
     let mut space = Space::new(gpus);

@@ -87,8 +87,10 @@ impl StageCost<'_> {
             linear += 2.0 * tokens * (d.vocab * d.hidden) as f64 / split;
         }
         let attention = layers * d.attention_flops_per_pair() * sq / split;
+        let elementwise = layers * tokens / split * d.hidden as f64 * c.elementwise_ns * 1e-9;
         let compute = linear / rate
             + attention / (rate * c.attention_efficiency)
+            + elementwise
             + layers * c.layer_overhead_us * 1e-6;
         // Sequence-parallel TP: a reduce-scatter and an all-gather around attention and
         // around the MLP (the volume of two all-reduces) per block.

@@ -20,6 +20,11 @@ pub struct Problem {
     pub cluster: Cluster,
     /// Modules trained with frozen weights.
     pub frozen: Vec<Module>,
+    /// Compute seconds each rank spends per step reading and decoding its input: `braid
+    /// train`'s ranks each run a loader over the whole global batch. It runs beside the
+    /// step (prefetched), so it only costs where ranks share the device
+    /// (`cluster.shared_compute`); 0 when unknown.
+    pub input_s: f64,
 }
 
 /// One simulated step.
@@ -465,6 +470,19 @@ impl Problem {
             for (s, st) in stages.iter().enumerate() {
                 sync(&mut g, st.lane, &sc, s);
             }
+        }
+        // The loaders: one per rank, decoding the next batch while the step runs; on a
+        // shared device they take their share of it.
+        if self.cluster.shared_compute && self.input_s > 0.0 {
+            let lane = g.lane(plan.gpus(), "input");
+            g.push(
+                lane,
+                Cost {
+                    compute: self.input_s,
+                    comm: 0.0,
+                },
+                Vec::new(),
+            );
         }
         let tl = g.simulate(self.cluster.shared_compute)?;
 

@@ -1,0 +1,331 @@
+//! Validation of the balancer's cost model against measured CPU runs (issue 7, item 7):
+//! trains `configs/tiny.toml` under several parallel layouts (ranks are threads), takes
+//! each layout's median step time, predicts it with `Problem::simulate` on a profiled
+//! cluster (`braid profile`) and the run's real batches, and prints both with the
+//! Spearman rank correlation and the mean absolute relative error.
+//!
+//! ```text
+//! cargo run --release -p braid -- profile --out /tmp/cpu.toml
+//! cargo run --release -p braid-train --example validate_plan -- --cluster /tmp/cpu.toml [--steps 12] [--only NAME,NAME]
+//! ```
+//! Run from the repository root (the config's data paths are relative to it).
+
+use std::path::{Path, PathBuf};
+
+use braid_balancer::cluster::Cluster;
+use braid_balancer::{Layout, Module, Placement, Plan, Problem, Schedule};
+use braid_dataloader::loader::{Loader, LoaderConfig};
+use braid_train::config::Placement as RunPlacement;
+use braid_train::data::ensure_dataset;
+use braid_train::metrics::StepMetrics;
+use braid_train::planning::{PlanSection, model_dims, workload};
+use braid_train::trainer::train;
+use braid_train::{Observer, RunConfig};
+
+/// Like the `braid` binary, so the measured steps allocate as `braid train`'s do.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+type Res<T> = Result<T, String>;
+
+/// (name, `--set`s): the layouts measured.
+const LAYOUTS: &[(&str, &[&str])] = &[
+    ("1 rank", &[]),
+    ("disjoint 3 (v1 a1 llm1)", &["parallel.world_size=3"]),
+    ("llm dp2", &["parallel.world_size=4", "parallel.llm.dp=2"]),
+    ("llm tp2", &["parallel.world_size=4", "parallel.llm.tp=2"]),
+    (
+        "llm pp2 m4",
+        &["parallel.world_size=4", "parallel.llm.pp=2"],
+    ),
+    (
+        "colocated 4",
+        &[
+            "parallel.world_size=4",
+            "parallel.placement=\"colocated\"",
+            "parallel.llm.tp=2",
+            "parallel.llm.dp=2",
+            "parallel.vision.dp=4",
+            "parallel.audio.dp=4",
+        ],
+    ),
+    (
+        "llm pp2 dp2 + v dp2 + a dp2",
+        &[
+            "parallel.world_size=8",
+            "parallel.llm.pp=2",
+            "parallel.llm.dp=2",
+            "parallel.vision.dp=2",
+            "parallel.audio.dp=2",
+        ],
+    ),
+    (
+        "8: llm tp2 pp2 + v dp2 + a dp2",
+        &[
+            "parallel.world_size=8",
+            "parallel.llm.tp=2",
+            "parallel.llm.pp=2",
+            "parallel.vision.dp=2",
+            "parallel.audio.dp=2",
+        ],
+    ),
+];
+
+/// Keeps every step's wall time.
+struct Steps(Vec<f64>);
+
+impl Observer for Steps {
+    fn log(&mut self, _line: &str) {}
+    fn step(&mut self, m: &StepMetrics, _total: u64) {
+        self.0.push(m.step_time_s);
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => 0.5 * (v[n / 2 - 1] + v[n / 2]),
+    }
+}
+
+/// Ranks (1-based, ties averaged).
+fn ranks(x: &[f64]) -> Vec<f64> {
+    let mut idx: Vec<usize> = (0..x.len()).collect();
+    idx.sort_by(|&a, &b| x[a].total_cmp(&x[b]));
+    let mut r = vec![0.0; x.len()];
+    let mut i = 0;
+    while i < idx.len() {
+        let mut j = i;
+        while j + 1 < idx.len() && x[idx[j + 1]] == x[idx[i]] {
+            j += 1;
+        }
+        for &k in &idx[i..=j] {
+            r[k] = (i + j) as f64 / 2.0 + 1.0;
+        }
+        i = j + 1;
+    }
+    r
+}
+
+/// Spearman's rank correlation: Pearson's on the ranks.
+fn spearman(a: &[f64], b: &[f64]) -> f64 {
+    let (ra, rb) = (ranks(a), ranks(b));
+    let n = ra.len() as f64;
+    let (ma, mb) = (ra.iter().sum::<f64>() / n, rb.iter().sum::<f64>() / n);
+    let cov: f64 = ra.iter().zip(&rb).map(|(x, y)| (x - ma) * (y - mb)).sum();
+    let va: f64 = ra.iter().map(|x| (x - ma).powi(2)).sum();
+    let vb: f64 = rb.iter().map(|y| (y - mb).powi(2)).sum();
+    cov / (va * vb).sqrt()
+}
+
+/// The balancer's plan for the layout `cfg` trains with.
+fn plan_of(cfg: &RunConfig, dims: &braid_balancer::ModelDims) -> Plan {
+    let p = &cfg.parallel;
+    let l = |m: &braid_train::config::ModuleLayout| Layout {
+        tp: m.tp,
+        cp: m.cp,
+        pp: m.pp,
+        dp: m.dp,
+    };
+    // One rank runs every module on it: the colocated plan of one GPU.
+    let placement = if p.world_size == 1 || p.placement == RunPlacement::Colocated {
+        Placement::Colocated
+    } else {
+        Placement::Disjoint
+    };
+    Plan {
+        placement,
+        schedule: Schedule::Phased,
+        microbatches: cfg.train.microbatches,
+        recompute: false,
+        recompute_encoders: false,
+        zero1: p.zero1,
+        llm: l(&p.llm),
+        vision: dims.vision.as_ref().map(|_| l(&p.vision)),
+        audio: dims.audio.as_ref().map(|_| l(&p.audio)),
+    }
+}
+
+struct Args {
+    cluster: String,
+    config: PathBuf,
+    steps: u64,
+    batches: usize,
+    only: Option<Vec<String>>,
+}
+
+fn args() -> Res<Args> {
+    let mut a = Args {
+        cluster: String::new(),
+        config: PathBuf::from("configs/tiny.toml"),
+        steps: 12,
+        batches: 8,
+        only: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(k) = it.next() {
+        let mut v = || it.next().ok_or(format!("{k} needs a value"));
+        match k.as_str() {
+            "--cluster" => a.cluster = v()?,
+            "--config" => a.config = PathBuf::from(v()?),
+            "--steps" => a.steps = v()?.parse().map_err(|e| format!("--steps: {e}"))?,
+            "--batches" => a.batches = v()?.parse().map_err(|e| format!("--batches: {e}"))?,
+            "--only" => a.only = Some(v()?.split(',').map(str::to_string).collect()),
+            _ => return Err(format!("unknown argument {k}")),
+        }
+    }
+    if a.cluster.is_empty() {
+        return Err("--cluster PATH (from `braid profile`) is required".into());
+    }
+    if a.steps < 4 {
+        return Err("--steps must be at least 4 (the first 2 are not timed)".into());
+    }
+    Ok(a)
+}
+
+fn config(a: &Args, dir: &Path, sets: &[&str]) -> Res<RunConfig> {
+    let mut all = vec![
+        format!("run.dir={}", dir.display()),
+        format!("train.steps={}", a.steps),
+        "checkpoint.interval=0".to_string(),
+        // Short runs: the schedule does not change a step's work.
+        "optim.warmup_steps=1".to_string(),
+    ];
+    all.extend(sets.iter().map(|s| s.to_string()));
+    let mut cfg = RunConfig::from_file(&a.config, &all).map_err(|e| e.to_string())?;
+    // No held-out evaluation: it runs after the timed steps and only slows the check.
+    cfg.eval.path = None;
+    cfg.eval.input = None;
+    Ok(cfg)
+}
+
+/// Compute seconds one rank's loader spends on a global batch, in device-seconds (the
+/// CPU's matmul rates were measured on all its cores; a loader uses `workers` of them):
+/// the time per batch of a loader nobody else competes with, after a warm-up batch.
+fn input_seconds(cfg: &RunConfig, batches: usize) -> Res<f64> {
+    let d = &cfg.data;
+    let lc = LoaderConfig {
+        seed: cfg.run.seed,
+        batch_rows: cfg.train.batch_rows.ok_or("train.batch_rows")?,
+        workers: d.workers,
+        prefetch: d.prefetch,
+        shuffle: d.shuffle,
+    };
+    let mut loader = Loader::open(&d.path, &lc, 0, 1, None).map_err(|e| e.to_string())?;
+    loader.next_batch().map_err(|e| e.to_string())?;
+    let t = std::time::Instant::now();
+    for _ in 0..batches {
+        loader.next_batch().map_err(|e| e.to_string())?;
+    }
+    let per_batch = t.elapsed().as_secs_f64() / batches as f64;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    Ok(per_batch * d.workers.min(cores) as f64 / cores as f64)
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("validate_plan: error: {e}");
+        std::process::exit(2);
+    }
+}
+
+fn run() -> Res<()> {
+    let a = args()?;
+    let cluster = Cluster::load(&a.cluster).map_err(|e| e.to_string())?;
+    let root = std::env::temp_dir().join(format!("braid-validate-{}", std::process::id()));
+    let probe = config(&a, &root.join("probe"), &[])?;
+    let d = &probe.data;
+    ensure_dataset(
+        &d.path,
+        d.build.as_deref(),
+        None,
+        d.demo.as_deref(),
+        &mut |l| eprintln!("  {l}"),
+    )
+    .map_err(|e| e.to_string())?;
+    let mcfg = braid_train::assemble::model_config(&probe).map_err(|e| e.to_string())?;
+    let mut wcfg = probe.clone();
+    wcfg.plan = Some(PlanSection {
+        batches: a.batches,
+        ..PlanSection::default()
+    });
+    let work = workload(&wcfg, &mcfg, Some(&d.path)).map_err(|e| e.to_string())?;
+    let input_s = input_seconds(&probe, 2 * a.batches)?;
+    let problem = Problem {
+        model: model_dims(&mcfg),
+        cluster: cluster.clone(),
+        frozen: Vec::<Module>::new(),
+        input_s,
+    };
+    // The cost model before this check added loader time and elementwise work: shown
+    // next to the full one.
+    let mut flops_only = problem.clone();
+    flops_only.input_s = 0.0;
+    flops_only.cluster.elementwise_ns = 0.0;
+    eprintln!(
+        "input: {:.4} device-seconds per rank per step (loader alone); elementwise {:.2} ns/value",
+        input_s, cluster.elementwise_ns
+    );
+    let mut rows = Vec::new();
+    for (name, sets) in LAYOUTS {
+        if a.only
+            .as_ref()
+            .is_some_and(|o| !o.iter().any(|x| x == name))
+        {
+            continue;
+        }
+        let dir = root.join(format!("run{}", rows.len()));
+        let cfg = config(&a, &dir, sets)?;
+        let plan = plan_of(&cfg, &problem.model);
+        let predict = |p: &Problem| -> Res<f64> {
+            let mut sum = 0.0;
+            for k in 0..a.batches {
+                sum += p.simulate(&plan, &work.batch(k))?.step_s;
+            }
+            Ok(sum / a.batches as f64)
+        };
+        let (predicted, base) = (predict(&problem)?, predict(&flops_only)?);
+        eprintln!("{name}: training {} steps ...", a.steps);
+        let mut obs = Steps(Vec::new());
+        train(cfg, false, &mut obs).map_err(|e| format!("{name}: {e}"))?;
+        let measured = median(obs.0.iter().skip(2).copied().collect());
+        eprintln!("{name}: measured {measured:.4} s, predicted {predicted:.4} s");
+        rows.push((name.to_string(), measured, predicted, base));
+        // Each run writes a final checkpoint; drop it before the next.
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    let _ = std::fs::remove_dir_all(&root);
+    println!(
+        "\n{:<32} {:>10} {:>10} {:>6} {:>12} {:>6}",
+        "layout", "measured s", "predicted", "ratio", "FLOPs-only", "ratio"
+    );
+    for (n, m, p, b) in &rows {
+        println!(
+            "{n:<32} {m:>10.4} {p:>10.4} {:>6.2} {b:>12.4} {:>6.2}",
+            p / m,
+            b / m
+        );
+    }
+    let ms: Vec<f64> = rows.iter().map(|r| r.1).collect();
+    for (what, k) in [("full model", 2), ("FLOPs-only", 3)] {
+        let ps: Vec<f64> = rows
+            .iter()
+            .map(|r| if k == 2 { r.2 } else { r.3 })
+            .collect();
+        let mare = ms
+            .iter()
+            .zip(&ps)
+            .map(|(m, p)| (p / m - 1.0).abs())
+            .sum::<f64>()
+            / rows.len() as f64;
+        println!(
+            "{what}: Spearman rank correlation {:.3} over {} layouts; mean |predicted/measured - 1| = {:.1}%",
+            spearman(&ms, &ps),
+            rows.len(),
+            100.0 * mare
+        );
+    }
+    Ok(())
+}
