@@ -481,7 +481,7 @@ impl Problem {
                     compute: self.input_s,
                     comm: 0.0,
                 },
-                Vec::new(),
+                &[],
             );
         }
         let tl = g.simulate(self.cluster.shared_compute)?;
