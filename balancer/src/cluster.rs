@@ -62,9 +62,16 @@ pub struct Cluster {
     /// Attention (flash) runs at this share of the matmul rate at the same size.
     #[serde(default = "default_attention")]
     pub attention_efficiency: f64,
-    /// Fixed time per transformer block per pass (kernel launches, synchronization).
+    /// Attention's backward takes this many times its forward (flash attention's
+    /// backward does 2.5x the forward's FLOPs, recomputing the scores).
+    #[serde(default = "default_attention_backward")]
+    pub attention_backward: f64,
+    /// Fixed time per transformer block of a forward (kernel launches, synchronization).
     #[serde(default)]
     pub layer_overhead_us: f64,
+    /// Fixed time per block of a backward; absent: twice `layer_overhead_us`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backward_overhead_us: Option<f64>,
     /// Non-matmul work of a block per activation value (token x hidden) per pass, in ns:
     /// norms, residuals, RoPE, activations, allocation. Memory-bound, so it does not
     /// shrink with GEMM size; on a CPU at small widths it rivals the matmuls. 0 (folded
@@ -87,6 +94,9 @@ fn default_usable() -> f64 {
 fn default_attention() -> f64 {
     0.6
 }
+fn default_attention_backward() -> f64 {
+    2.0
+}
 
 /// The errors of a cluster description.
 #[derive(Debug, thiserror::Error)]
@@ -103,26 +113,39 @@ impl Cluster {
             "h200" => (141.0 * 1e9 / (1u64 << 30) as f64, "h200"),
             _ => return None,
         };
-        // Dense bf16 peak is 989 TFLOP/s; cuBLAS reaches ~70 % on large GEMMs and far
-        // less on small ones (launch- and wave-quantization-bound).
+        // Measured on an H200 with PyTorch 2.11 / cuBLAS (CUDA 13.0):
+        // `python3 tools/gpu_calibrate.py`, kept in balancer/tests/fixtures/h200.json and
+        // checked by balancer/tests/gpu_calibration.rs. Each point is the median rate of
+        // the reference models' GEMMs near that size; dense bf16 peak is 989 TFLOP/s.
+        // The H100 SXM has the same tensor cores and clocks; its HBM (3.35 TB/s against
+        // 4.8) makes the memory-bound work between the matmuls ~1.4x slower.
         let matmul = [
-            (1e8, 25.0),
-            (1e9, 160.0),
-            (1e10, 450.0),
+            (2.7e8, 23.0),
+            (1e9, 95.0),
+            (4.3e9, 380.0),
+            (1.15e10, 460.0),
+            (3.6e10, 600.0),
             (1e11, 640.0),
-            (1e12, 700.0),
+            (3e11, 660.0),
+            (3e12, 675.0),
         ]
         .map(|(flops, tflops)| RatePoint { flops, tflops })
         .to_vec();
+        let hbm_slowdown = if name == "h100" { 4.8 / 3.35 } else { 1.0 };
         Some(Cluster {
             name: name.to_string(),
             gpus_per_node: 8,
             memory_gib,
             usable_memory: default_usable(),
             matmul,
-            attention_efficiency: default_attention(),
-            layer_overhead_us: 30.0,
-            elementwise_ns: 0.0,
+            // Fitted to the same file's flash-attention sweep and whole blocks (forward
+            // and backward): the backward's fixed cost is eager PyTorch's per-kernel
+            // launch cost (~40 kernels), which small encoder blocks cannot hide.
+            attention_efficiency: 0.36,
+            attention_backward: 2.5,
+            layer_overhead_us: 40.0,
+            backward_overhead_us: Some(360.0),
+            elementwise_ns: 0.008 * hbm_slowdown,
             // NVLink 4 (450 GB/s each way; ~360 GB/s achieved bus bandwidth).
             intra: Link {
                 bandwidth_gbs: 360.0,
@@ -186,13 +209,27 @@ impl Cluster {
                 ));
             }
         }
-        if self.layer_overhead_us < 0.0 || self.elementwise_ns < 0.0 {
-            return Err("layer_overhead_us and elementwise_ns must be >= 0".into());
+        if self.layer_overhead_us < 0.0
+            || self.elementwise_ns < 0.0
+            || self.backward_overhead_us.is_some_and(|x| x < 0.0)
+        {
+            return Err(
+                "layer_overhead_us, backward_overhead_us and elementwise_ns must be >= 0".into(),
+            );
+        }
+        if self.attention_backward <= 0.0 {
+            return Err("attention_backward must be > 0".into());
         }
         if !(0.0..=1.0).contains(&self.attention_efficiency) || self.attention_efficiency == 0.0 {
             return Err("attention_efficiency must be in (0, 1]".into());
         }
         Ok(())
+    }
+
+    /// Fixed time per block of a backward pass.
+    pub fn backward_overhead_us(&self) -> f64 {
+        self.backward_overhead_us
+            .unwrap_or(2.0 * self.layer_overhead_us)
     }
 
     /// Bytes a plan may use per GPU.
@@ -233,11 +270,12 @@ mod tests {
     fn presets_validate_and_interpolate() {
         let c = Cluster::preset("h100").unwrap();
         c.validate().unwrap();
-        assert!((c.matmul_rate(1e10) / 450e12 - 1.0).abs() < 1e-12);
-        let mid = c.matmul_rate(10f64.powf(10.5));
-        assert!(mid > 450e12 && mid < 640e12);
-        assert_eq!(c.matmul_rate(1.0), 25e12);
-        assert_eq!(c.matmul_rate(1e15), 700e12);
+        assert!((c.matmul_rate(1e11) / 640e12 - 1.0).abs() < 1e-12);
+        let mid = c.matmul_rate(2e10);
+        assert!(mid > 460e12 && mid < 600e12);
+        assert_eq!(c.matmul_rate(1.0), 23e12);
+        assert_eq!(c.matmul_rate(1e15), 675e12);
+        assert_eq!(c.backward_overhead_us(), 360.0);
         assert!(Cluster::preset("h200").unwrap().memory_gib > 130.0);
         let back: Cluster = toml::from_str(&c.to_toml().unwrap()).unwrap();
         assert_eq!(back, c);

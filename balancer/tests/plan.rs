@@ -67,6 +67,7 @@ fn uniform_one_f_one_b_matches_the_closed_form() {
         cluster: free_links(),
         frozen: vec![],
         input_s: 0.0,
+        overlap_sync: false,
     };
     // Eight equal rows: one per microbatch.
     let rows: Vec<RowShape> = (0..8)
@@ -131,6 +132,7 @@ fn a_shared_device_runs_the_same_work_in_its_sum() {
         cluster: c,
         frozen: vec![],
         input_s: 0.0,
+        overlap_sync: false,
     };
     let rows: Vec<RowShape> = (0..8)
         .map(|_| RowShape {
@@ -170,6 +172,7 @@ fn more_stages_and_recomputation_cut_memory_and_tp_costs_communication() {
         cluster: Cluster::preset("h100").unwrap(),
         frozen: vec![],
         input_s: 0.0,
+        overlap_sync: false,
     };
     let rows: Vec<RowShape> = (0..8)
         .map(|_| RowShape {
@@ -250,6 +253,7 @@ fn small() -> (Problem, Workload) {
             cluster,
             frozen: vec![],
             input_s: 0.0,
+            overlap_sync: false,
         },
         w,
     )
@@ -305,4 +309,52 @@ fn an_impossible_world_is_an_error_naming_the_memory() {
     p.cluster.memory_gib = 0.5;
     let e = search(&p, &w, &Space::new(16)).unwrap_err();
     assert!(e.contains("GiB"), "{e}");
+}
+
+/// With the sync overlapped, a data-parallel step waits only for what the last backward
+/// and the first forward do not cover; without it, for the whole reduce-scatter and
+/// all-gather after the backward.
+#[test]
+fn overlapping_the_gradient_sync_hides_it_behind_the_passes() {
+    let mut c = Cluster::preset("h100").unwrap();
+    c.layer_overhead_us = 0.0;
+    let mut p = Problem {
+        model: llm_only(8),
+        cluster: c,
+        frozen: vec![],
+        input_s: 0.0,
+        overlap_sync: false,
+    };
+    let rows: Vec<RowShape> = (0..64)
+        .map(|_| RowShape {
+            samples: vec![4096],
+            images: vec![],
+            clips: vec![],
+        })
+        .collect();
+    // 16 replicas over two nodes: the sync crosses the network.
+    let dp = plan(
+        Layout {
+            tp: 1,
+            cp: 1,
+            pp: 1,
+            dp: 16,
+        },
+        1,
+    );
+    let serial = p.simulate(&dp, &rows).unwrap();
+    p.overlap_sync = true;
+    let over = p.simulate(&dp, &rows).unwrap();
+    assert!(serial.dp_sync_s > 0.0);
+    // The step shrinks by exactly the sync it no longer waits for.
+    let saved = serial.dp_sync_s - over.dp_sync_s;
+    assert!(saved > 0.5 * serial.dp_sync_s, "{serial:?} {over:?}");
+    assert!(
+        ((serial.step_s - over.step_s) / saved - 1.0).abs() < 1e-9,
+        "{} - {} vs {saved}",
+        serial.step_s,
+        over.step_s
+    );
+    // One block's bucket (of 8) always waits.
+    assert!(over.dp_sync_s >= serial.dp_sync_s / 8.0 - 1e-12);
 }

@@ -141,6 +141,7 @@ fn to_json(p: &Planned, a: &PlanArgs) -> Value {
     let extra = json!({
         "gpus": p.gpus,
         "cluster": p.cluster,
+        "overlap_grad_sync": p.problem.overlap_sync,
         "baseline_step_time_s": o.baseline.sim.step_s,
         "speedup": o.baseline.sim.step_s / o.best.sim.step_s,
         "brute_force_step_time_s": o.brute.as_ref().map(|b| b.sim.step_s),
@@ -233,8 +234,15 @@ fn print_text(p: &Planned, a: &PlanArgs) {
                 .to_string())
     );
     println!(
-        "  search     {} combinations, {} simulated, {:.2} s",
-        o.combinations, o.simulated, o.search_s
+        "  search     {} combinations, {} simulated, {:.2} s; gradient sync {} (plan.overlap_grad_sync)",
+        o.combinations,
+        o.simulated,
+        o.search_s,
+        if p.problem.overlap_sync {
+            "overlapped with the passes"
+        } else {
+            "after the backward"
+        }
     );
     let b = &o.best;
     println!(

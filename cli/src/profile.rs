@@ -203,7 +203,7 @@ fn time_block(e: Effort, c: usize, nh: usize, nseq: usize, len: usize) -> Res<(f
 /// matmul and attention rates alone.
 fn flop_time(c: &Cluster, [linear, attention, gemm]: [f64; 3]) -> f64 {
     let rate = c.matmul_rate(gemm);
-    3.0 * (linear / rate + attention / (rate * c.attention_efficiency))
+    3.0 * linear / rate + (1.0 + c.attention_backward) * attention / (rate * c.attention_efficiency)
 }
 
 /// Fixed cost of a transformer block per pass: a tiny block's (16 tokens, width 16)
@@ -345,7 +345,11 @@ fn profile(a: &ProfileArgs) -> Res<()> {
         usable_memory: 0.9,
         matmul,
         attention_efficiency: 1.0,
+        // What the profile assumes when it splits a block's forward + backward into
+        // passes: the backward is twice the forward, fixed costs included.
+        attention_backward: 2.0,
         layer_overhead_us: 0.0,
+        backward_overhead_us: None,
         elementwise_ns: 0.0,
         intra: Link {
             bandwidth_gbs: 1.0,

@@ -13,6 +13,7 @@
 use std::path::{Path, PathBuf};
 
 use braid_balancer::cluster::Cluster;
+use braid_balancer::plan::check::{median, spearman};
 use braid_balancer::{Layout, Module, Placement, Plan, Problem, Schedule};
 use braid_dataloader::loader::{Loader, LoaderConfig};
 use braid_train::config::Placement as RunPlacement;
@@ -79,45 +80,6 @@ impl Observer for Steps {
     fn step(&mut self, m: &StepMetrics, _total: u64) {
         self.0.push(m.step_time_s);
     }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => 0.5 * (v[n / 2 - 1] + v[n / 2]),
-    }
-}
-
-/// Ranks (1-based, ties averaged).
-fn ranks(x: &[f64]) -> Vec<f64> {
-    let mut idx: Vec<usize> = (0..x.len()).collect();
-    idx.sort_by(|&a, &b| x[a].total_cmp(&x[b]));
-    let mut r = vec![0.0; x.len()];
-    let mut i = 0;
-    while i < idx.len() {
-        let mut j = i;
-        while j + 1 < idx.len() && x[idx[j + 1]] == x[idx[i]] {
-            j += 1;
-        }
-        for &k in &idx[i..=j] {
-            r[k] = (i + j) as f64 / 2.0 + 1.0;
-        }
-        i = j + 1;
-    }
-    r
-}
-
-/// Spearman's rank correlation: Pearson's on the ranks.
-fn spearman(a: &[f64], b: &[f64]) -> f64 {
-    let (ra, rb) = (ranks(a), ranks(b));
-    let n = ra.len() as f64;
-    let (ma, mb) = (ra.iter().sum::<f64>() / n, rb.iter().sum::<f64>() / n);
-    let cov: f64 = ra.iter().zip(&rb).map(|(x, y)| (x - ma) * (y - mb)).sum();
-    let va: f64 = ra.iter().map(|x| (x - ma).powi(2)).sum();
-    let vb: f64 = rb.iter().map(|y| (y - mb).powi(2)).sum();
-    cov / (va * vb).sqrt()
 }
 
 /// The balancer's plan for the layout `cfg` trains with.
@@ -258,6 +220,8 @@ fn run() -> Res<()> {
         cluster: cluster.clone(),
         frozen: Vec::<Module>::new(),
         input_s,
+        // `braid train` on CPU ranks syncs gradients after the backward.
+        overlap_sync: false,
     };
     // The cost model before this check added loader time and elementwise work: shown
     // next to the full one.
@@ -290,7 +254,7 @@ fn run() -> Res<()> {
         eprintln!("{name}: training {} steps ...", a.steps);
         let mut obs = Steps(Vec::new());
         train(cfg, false, &mut obs).map_err(|e| format!("{name}: {e}"))?;
-        let measured = median(obs.0.iter().skip(2).copied().collect());
+        let measured = median(&obs.0.iter().skip(2).copied().collect::<Vec<_>>());
         eprintln!("{name}: measured {measured:.4} s, predicted {predicted:.4} s");
         rows.push((name.to_string(), measured, predicted, base));
         // Each run writes a final checkpoint; drop it before the next.

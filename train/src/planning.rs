@@ -38,6 +38,13 @@ pub struct PlanSection {
     /// The synthetic sample distribution used without `--data`.
     #[serde(default)]
     pub mix: Option<Mix>,
+    /// Whether the runtime hides the gradient sync behind compute (bucketed reduce during
+    /// the last backward, parameter all-gather during the next forward, as PyTorch DDP,
+    /// FSDP and Megatron do). Default: yes on GPU clusters, no on a shared CPU
+    /// (`braid train`'s thread ranks sync after the backward). Applies to the plan and
+    /// the LLM-centric baseline alike.
+    #[serde(default)]
+    pub overlap_grad_sync: Option<bool>,
 }
 
 fn default_cluster() -> String {
@@ -59,6 +66,7 @@ impl Default for PlanSection {
             batches: default_batches(),
             schedule: default_schedule(),
             mix: None,
+            overlap_grad_sync: None,
         }
     }
 }
@@ -237,12 +245,14 @@ pub fn plan(
             _ => None,
         })
         .collect();
+    let overlap_sync = sec.overlap_grad_sync.unwrap_or(!c.shared_compute);
     let problem = Problem {
         model: model_dims(&model),
         cluster: c,
         frozen,
         // Loader time matters only on a shared CPU, and depends on the data: not planned.
         input_s: 0.0,
+        overlap_sync,
     };
     let workload = workload(cfg, &model, data)?;
     let mut space = Space::new(gpus);

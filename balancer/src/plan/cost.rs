@@ -28,6 +28,26 @@ impl Cost {
     }
 }
 
+/// The seconds of one forward pass by kind: matmuls and the memory-bound work between
+/// them, attention, fixed per-block costs (forward and backward), collectives.
+#[derive(Clone, Copy, Debug, Default)]
+struct Pass {
+    matmul: f64,
+    attention: f64,
+    fixed: f64,
+    fixed_backward: f64,
+    comm: f64,
+}
+
+impl Pass {
+    fn forward(&self) -> Cost {
+        Cost {
+            compute: self.matmul + self.attention + self.fixed,
+            comm: self.comm,
+        }
+    }
+}
+
 /// Bytes per GPU of one stage.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Memory {
@@ -57,6 +77,10 @@ pub struct StageCost<'a> {
     /// wait for the whole LLM, so per-block inputs would pile up) instead of every
     /// block's input (the LLM).
     pub checkpoint_stages: bool,
+    /// The gradient sync runs in buckets beside the compute (NCCL on its own stream): the
+    /// reduce behind the last backward, the parameter all-gather behind the next
+    /// step's first forward. False: after the backward, as CPU ranks run it.
+    pub overlap_sync: bool,
 }
 
 impl StageCost<'_> {
@@ -72,8 +96,13 @@ impl StageCost<'_> {
     /// Forward of `tokens` tokens whose sequences' squared lengths sum to `sq`, on one
     /// GPU of stage `stage`.
     pub fn forward(&self, stage: usize, tokens: f64, sq: f64) -> Cost {
+        self.pass(stage, tokens, sq).forward()
+    }
+
+    /// The forward's parts, which the backward scales differently.
+    fn pass(&self, stage: usize, tokens: f64, sq: f64) -> Pass {
         if tokens <= 0.0 {
-            return Cost::default();
+            return Pass::default();
         }
         let (d, l, c) = (self.dims, self.layout, self.cluster);
         let split = (l.tp * l.cp) as f64;
@@ -88,10 +117,8 @@ impl StageCost<'_> {
         }
         let attention = layers * d.attention_flops_per_pair() * sq / split;
         let elementwise = layers * tokens / split * d.hidden as f64 * c.elementwise_ns * 1e-9;
-        let compute = linear / rate
-            + attention / (rate * c.attention_efficiency)
-            + elementwise
-            + layers * c.layer_overhead_us * 1e-6;
+        let matmul = linear / rate + elementwise;
+        let attention = attention / (rate * c.attention_efficiency);
         // Sequence-parallel TP: a reduce-scatter and an all-gather around attention and
         // around the MLP (the volume of two all-reduces) per block.
         let act = rows * d.hidden as f64 * 2.0;
@@ -99,23 +126,31 @@ impl StageCost<'_> {
         // CP: each rank gathers the K and V of its TP head shard from the other CP ranks.
         let kv = 2.0 * tokens * (d.kv_heads * d.head_dim) as f64 * 2.0 / l.tp as f64;
         let cp = layers * c.link(l.tp * l.cp).gather(kv, l.cp);
-        Cost {
-            compute,
+        Pass {
+            matmul,
+            attention,
+            fixed: layers * c.layer_overhead_us * 1e-6,
+            fixed_backward: layers * c.backward_overhead_us() * 1e-6,
             comm: tp + cp,
         }
     }
 
-    /// Backward: twice the forward's FLOPs (input and weight grads), plus a forward with
-    /// recomputation; the adjoint collectives of the forward's.
+    /// Backward: twice the forward's linear FLOPs (input and weight grads), attention's
+    /// backward at `cluster.attention_backward` times its forward (flash: 2.5), the
+    /// backward's own fixed cost, plus a forward with recomputation; the adjoint
+    /// collectives of the forward's.
     pub fn backward(&self, stage: usize, tokens: f64, sq: f64) -> Cost {
         if self.frozen {
             return Cost::default();
         }
-        let f = self.forward(stage, tokens, sq);
+        let p = self.pass(stage, tokens, sq);
         let again = if self.recompute { 1.0 } else { 0.0 };
         Cost {
-            compute: (2.0 + again) * f.compute,
-            comm: (1.0 + again) * f.comm,
+            compute: 2.0 * p.matmul
+                + self.cluster.attention_backward * p.attention
+                + p.fixed_backward
+                + again * p.forward().compute,
+            comm: (1.0 + again) * p.comm,
         }
     }
 
@@ -147,18 +182,39 @@ impl StageCost<'_> {
     /// ZeRO-1 owners and bf16 params all-gathered back (or one all-reduce without ZeRO-1)
     /// over the stage's CP × DP ranks.
     pub fn dp_sync(&self, stage: usize) -> f64 {
+        let (reduce, gather) = self.sync_parts(stage);
+        reduce + gather
+    }
+
+    /// `(before the optimizer step, after it)` seconds of the gradient sync.
+    fn sync_parts(&self, stage: usize) -> (f64, f64) {
         let l = self.layout;
         let n = l.cp * l.dp;
         if self.frozen || n <= 1 {
-            return 0.0;
+            return (0.0, 0.0);
         }
         let p = self.params(stage);
         let link = self.cluster.link(l.block() * l.dp);
         if self.zero1 {
-            link.gather(4.0 * p, n) + link.gather(2.0 * p, n)
+            (link.gather(4.0 * p, n), link.gather(2.0 * p, n))
         } else {
-            link.all_reduce(4.0 * p, n)
+            (link.all_reduce(4.0 * p, n), 0.0)
         }
+    }
+
+    /// The part of the gradient sync the step waits for, given the seconds of this
+    /// stage's last backward (the reduce's window: its grads become final block by block)
+    /// and of its first forward (the all-gather's, the next step's). Without overlap: all
+    /// of it. With it: what the window does not cover, and at least one block's share
+    /// (the last bucket starts when the pass ends).
+    pub fn exposed_sync(&self, stage: usize, last_backward: f64, first_forward: f64) -> f64 {
+        let (reduce, gather) = self.sync_parts(stage);
+        if !self.overlap_sync {
+            return reduce + gather;
+        }
+        let layers = self.layers().max(1.0);
+        let hidden = |t: f64, window: f64| (t - window * (1.0 - 1.0 / layers)).max(t / layers);
+        hidden(reduce, last_backward) + hidden(gather, first_forward)
     }
 
     /// Memory per GPU of stage `stage` holding activations of `inflight` tokens (every
@@ -233,6 +289,7 @@ mod tests {
             zero1: true,
             frozen: false,
             checkpoint_stages: false,
+            overlap_sync: false,
         };
         let (t, sq) = (4096.0, 4096.0 * 4096.0);
         let one = at(1, 1, false).forward(0, t, sq);
@@ -241,8 +298,11 @@ mod tests {
         assert!(tp2.comm > 0.0 && one.comm == 0.0);
         // 7B at 4k tokens: ~55 TFLOP forward at ~650 TFLOP/s is ~90 ms.
         assert!(one.compute > 0.06 && one.compute < 0.15, "{}", one.compute);
-        let b = at(1, 1, true).backward(0, t, sq);
-        assert!((b.compute / one.compute - 3.0).abs() < 1e-9);
+        // Recomputation adds one forward to the backward.
+        let b = at(1, 1, false).backward(0, t, sq);
+        let br = at(1, 1, true).backward(0, t, sq);
+        assert!((br.compute - b.compute - one.compute).abs() < 1e-12);
+        assert!(b.compute > 2.0 * one.compute && b.compute < 2.5 * one.compute);
         // 6.74 B params: weights 13.5 GB, grads 27 GB, AdamW 81 GB / 8.
         let m = at(1, 1, false).memory(0, t, t);
         assert!((m.weights / 1e9 - 13.5).abs() < 0.1, "{}", m.weights);
@@ -250,6 +310,15 @@ mod tests {
         let r = at(1, 1, true).memory(0, t, t);
         assert!(r.activations < m.activations / 5.0);
         assert!(at(1, 2, false).params(0) < at(1, 1, false).params(0) * 0.6);
-        assert!(at(1, 1, false).dp_sync(0) > 0.0);
+        let sync = at(1, 1, false).dp_sync(0);
+        assert!(sync > 0.0);
+        assert_eq!(at(1, 1, false).exposed_sync(0, 1.0, 1.0), sync);
+        // Overlapped behind a long enough pass, only the last block's bucket waits.
+        let over = StageCost {
+            overlap_sync: true,
+            ..at(1, 1, false)
+        };
+        assert!((over.exposed_sync(0, 10.0, 10.0) - sync / 32.0).abs() < 1e-12);
+        assert!((over.exposed_sync(0, 0.0, 0.0) - sync).abs() < 1e-12);
     }
 }

@@ -143,6 +143,7 @@ impl Problem {
             zero1,
             frozen: self.frozen.contains(&m),
             checkpoint_stages: m != Module::Llm,
+            overlap_sync: self.overlap_sync,
         })
     }
 
@@ -162,22 +163,30 @@ impl Problem {
         let l = sc.layout;
         let (mut sum, mut worst, mut sync, mut mem) = (0.0, 0.0f64, 0.0f64, 0.0f64);
         for s in 0..l.pp {
-            let mut t = sc.forward(s, load.0, load.1).total()
-                + sc.backward(s, load.0, load.1).total()
-                + 2.0 * sc.send(load.0);
+            let (f, b) = (
+                sc.forward(s, load.0, load.1).total(),
+                sc.backward(s, load.0, load.1).total(),
+            );
+            let mut t = f + b + 2.0 * sc.send(load.0);
+            let mut stage_sync = sc.exposed_sync(s, b, f);
             let held = (l.pp - s).saturating_add(beyond).min(mbs);
             // A held chunk's working set is one chunk.
             let mut bytes = sc.memory(s, load.0 * held as f64, load.0).total();
             if s == 0 {
                 for (ec, e) in extra {
-                    t += ec.forward(0, e.0, e.1).total() + ec.backward(0, e.0, e.1).total();
+                    let (ef, eb) = (
+                        ec.forward(0, e.0, e.1).total(),
+                        ec.backward(0, e.0, e.1).total(),
+                    );
+                    t += ef + eb;
                     bytes += ec.memory(0, e.0 * l.pp.min(mbs) as f64, e.0).total();
-                    sync = sync.max(ec.dp_sync(0));
+                    // The encoders' grads sync on the same GPUs, after the LLM's.
+                    stage_sync += ec.exposed_sync(0, eb, ef);
                 }
             }
             sum += t;
             worst = worst.max(t);
-            sync = sync.max(sc.dp_sync(s));
+            sync = sync.max(stage_sync);
             mem = mem.max(bytes);
         }
         (sum + (mbs as f64 - 1.0) * worst, sync, mem)

@@ -25,6 +25,9 @@ pub struct Problem {
     /// step (prefetched), so it only costs where ranks share the device
     /// (`cluster.shared_compute`); 0 when unknown.
     pub input_s: f64,
+    /// The runtime overlaps the gradient sync with compute (GPUs: NCCL beside the
+    /// kernels); see [`StageCost::overlap_sync`]. `braid train`'s CPU ranks do not.
+    pub overlap_sync: bool,
 }
 
 /// One simulated step.
@@ -133,19 +136,12 @@ fn stage_lane(
 
 impl Problem {
     fn stage_cost<'a>(&'a self, m: Module, layout: Layout, plan: &Plan) -> Option<StageCost<'a>> {
-        Some(StageCost {
-            dims: self.model.module(m)?,
-            layout,
-            cluster: &self.cluster,
-            recompute: if m == Module::Llm {
-                plan.recompute
-            } else {
-                plan.recompute_encoders
-            },
-            zero1: plan.zero1,
-            frozen: self.frozen.contains(&m),
-            checkpoint_stages: m != Module::Llm,
-        })
+        let recompute = if m == Module::Llm {
+            plan.recompute
+        } else {
+            plan.recompute_encoders
+        };
+        self.cost(m, layout, recompute, plan.zero1)
     }
 
     /// Simulates `plan` on the global batch `rows`.
@@ -439,11 +435,19 @@ impl Problem {
                 }
             }
         }
-        // The gradient sync after each lane's last backward.
+        // The gradient sync after each lane's last backward: what of it the lane's last
+        // backward and first forward do not hide (all of it without overlap).
         let mut dp_sync_s = 0.0f64;
-        let mut sync = |g: &mut Dag, lane: usize, sc: &StageCost, s: usize| {
-            let t = sc.dp_sync(s);
+        let mut sync = |g: &mut Dag, st: &LaneTasks, scs: &[&StageCost], s: usize| {
+            let pass = |ids: &[usize], last: bool| {
+                let id = if last { ids.last() } else { ids.first() };
+                id.filter(|&&i| i != usize::MAX)
+                    .map_or(0.0, |&i| g.tasks[i].cost.total())
+            };
+            let (bwd, fwd) = (pass(&st.b, true), pass(&st.f, false));
+            let t: f64 = scs.iter().map(|sc| sc.exposed_sync(s, bwd, fwd)).sum();
             dp_sync_s = dp_sync_s.max(t);
+            let lane = st.lane;
             if t > 0.0 {
                 g.push(
                     lane,
@@ -461,14 +465,19 @@ impl Problem {
             {
                 for stages in reps {
                     for (s, st) in stages.iter().enumerate() {
-                        sync(&mut g, st.lane, &esc, s);
+                        sync(&mut g, st, &[&esc], s);
                     }
                 }
             }
         }
         for stages in &llm_lanes {
             for (s, st) in stages.iter().enumerate() {
-                sync(&mut g, st.lane, &sc, s);
+                // LLM-centric: stage 0's GPUs also sync the encoders they run.
+                let mut scs = vec![&sc];
+                if s == 0 {
+                    scs.extend(centric.iter().map(|(_, ec)| ec));
+                }
+                sync(&mut g, st, &scs, s);
             }
         }
         // The loaders: one per rank, decoding the next batch while the step runs; on a
