@@ -205,6 +205,20 @@ fn explain(p: &Planned) -> Vec<String> {
         secs(b.sim.step_s),
         base.sim.step_s / step
     ));
+    if base.sim.step_s < b.sim.step_s {
+        out.push(format!(
+            "the LLM-centric layout is faster here: the encoders' share is too small for grids of their own to repay what the phased step adds, the bridge ({}) and its two all-to-alls, at which every replica waits for the slowest{}",
+            secs(b.sim.bridge_s),
+            if base.plan.llm.pp == 1 {
+                format!(
+                    "; its LLM grid ({}) with colocated encoders at the same TP and DP comes closest in `braid train`",
+                    layout_str(base.plan.llm)
+                )
+            } else {
+                String::new()
+            }
+        ));
+    }
     out
 }
 
