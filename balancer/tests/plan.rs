@@ -46,6 +46,17 @@ fn llm_only(layers: usize) -> ModelDims {
     }
 }
 
+/// A problem with no frozen modules, no loader time and the sync after the backward.
+fn problem(model: ModelDims, cluster: Cluster) -> Problem {
+    Problem {
+        model,
+        cluster,
+        frozen: vec![],
+        input_s: 0.0,
+        overlap_sync: false,
+    }
+}
+
 fn plan(llm: Layout, m: usize) -> Plan {
     Plan {
         placement: Placement::Disjoint,
@@ -62,13 +73,7 @@ fn plan(llm: Layout, m: usize) -> Plan {
 
 #[test]
 fn uniform_one_f_one_b_matches_the_closed_form() {
-    let p = Problem {
-        model: llm_only(8),
-        cluster: free_links(),
-        frozen: vec![],
-        input_s: 0.0,
-        overlap_sync: false,
-    };
+    let p = problem(llm_only(8), free_links());
     // Eight equal rows: one per microbatch.
     let rows: Vec<RowShape> = (0..8)
         .map(|_| RowShape {
@@ -127,13 +132,7 @@ fn uniform_one_f_one_b_matches_the_closed_form() {
 fn a_shared_device_runs_the_same_work_in_its_sum() {
     let mut c = free_links();
     c.shared_compute = true;
-    let p = Problem {
-        model: llm_only(8),
-        cluster: c,
-        frozen: vec![],
-        input_s: 0.0,
-        overlap_sync: false,
-    };
+    let p = problem(llm_only(8), c);
     let rows: Vec<RowShape> = (0..8)
         .map(|_| RowShape {
             samples: vec![512],
@@ -167,13 +166,7 @@ fn a_shared_device_runs_the_same_work_in_its_sum() {
 
 #[test]
 fn more_stages_and_recomputation_cut_memory_and_tp_costs_communication() {
-    let p = Problem {
-        model: llm_only(8),
-        cluster: Cluster::preset("h100").unwrap(),
-        frozen: vec![],
-        input_s: 0.0,
-        overlap_sync: false,
-    };
+    let p = problem(llm_only(8), Cluster::preset("h100").unwrap());
     let rows: Vec<RowShape> = (0..8)
         .map(|_| RowShape {
             samples: vec![2048, 2048],
@@ -247,16 +240,7 @@ fn small() -> (Problem, Workload) {
         batch_rows: 32,
         seq_len: 4096,
     };
-    (
-        Problem {
-            model,
-            cluster,
-            frozen: vec![],
-            input_s: 0.0,
-            overlap_sync: false,
-        },
-        w,
-    )
+    (problem(model, cluster), w)
 }
 
 #[test]
@@ -318,13 +302,7 @@ fn an_impossible_world_is_an_error_naming_the_memory() {
 fn overlapping_the_gradient_sync_hides_it_behind_the_passes() {
     let mut c = Cluster::preset("h100").unwrap();
     c.layer_overhead_us = 0.0;
-    let mut p = Problem {
-        model: llm_only(8),
-        cluster: c,
-        frozen: vec![],
-        input_s: 0.0,
-        overlap_sync: false,
-    };
+    let mut p = problem(llm_only(8), c);
     let rows: Vec<RowShape> = (0..64)
         .map(|_| RowShape {
             samples: vec![4096],

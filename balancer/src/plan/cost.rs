@@ -208,10 +208,10 @@ impl StageCost<'_> {
     /// of it. With it: what the window does not cover, and at least one block's share
     /// (the last bucket starts when the pass ends).
     pub fn exposed_sync(&self, stage: usize, last_backward: f64, first_forward: f64) -> f64 {
-        let (reduce, gather) = self.sync_parts(stage);
         if !self.overlap_sync {
-            return reduce + gather;
+            return self.dp_sync(stage);
         }
+        let (reduce, gather) = self.sync_parts(stage);
         let layers = self.layers().max(1.0);
         let hidden = |t: f64, window: f64| (t - window * (1.0 - 1.0 / layers)).max(t / layers);
         hidden(reduce, last_backward) + hidden(gather, first_forward)
