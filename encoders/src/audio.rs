@@ -51,6 +51,7 @@
 //! compute exactly what [`WhisperEncoder::forward`] / [`WhisperEncoder::backward`] do,
 //! bit for bit.
 
+mod recompute;
 mod stage;
 
 use std::ops::Range;
@@ -69,7 +70,8 @@ use crate::config::WhisperEncoderConfig;
 use crate::util::{ids, zeros};
 use crate::weights::{Shards, block_shards};
 
-pub use stage::{AudioCache, AudioStageCache, AudioStageGrad, AudioStageInput, AudioStageOutput};
+pub use recompute::{AudioCache, AudioStageCache};
+pub use stage::{AudioStageGrad, AudioStageInput, AudioStageOutput};
 
 /// A `Conv1d` with bias: weight (CO, CI, K), bias (CO).
 #[derive(Debug)]
@@ -142,6 +144,9 @@ pub struct WhisperEncoder {
     pub layer_norm: Option<LayerNorm>,
     /// The context-parallel group when it has more than one rank (see the module doc).
     pub cp: Option<Arc<dyn Comm>>,
+    /// Activation recomputation: each block keeps only its input between the forward
+    /// and the backward, which runs its forward again (false by default).
+    pub recompute: bool,
 }
 
 /// The packed output: clip i is rows `cu_seqlens[i] .. cu_seqlens[i+1]` of `hidden`.
@@ -451,6 +456,7 @@ impl WhisperEncoder {
             layers: blocks,
             layer_norm,
             cp: None,
+            recompute: false,
             config,
         })
     }

@@ -23,6 +23,7 @@
 //! ([`VisionEncoder::with_cp`]): see [`stage`] for the stage API, the CP token split and
 //! which parameter grads each CP rank holds.
 
+mod recompute;
 pub mod stage;
 
 use std::ops::Range;
@@ -39,7 +40,8 @@ use crate::config::{VisionConfig, VisionFamily};
 use crate::siglip_head::AttentionPoolingHead;
 use crate::weights::{Shards, block_shards, mlp_shards};
 
-pub use stage::{VisionCache, VisionStageCache, VisionStageInput, VisionStageOutput};
+pub use recompute::{VisionCache, VisionStageCache};
+pub use stage::{VisionStageInput, VisionStageOutput};
 
 /// The ViT, or one pipeline stage of it (layers `layers`). Braid parameter names (see
 /// [`crate::vision_hf`] for the HF names): `embeddings.patch_embedding` (D, C*P*P),
@@ -69,6 +71,9 @@ pub struct VisionEncoder {
     pub head: Option<AttentionPoolingHead>,
     /// The context-parallel group, when it has more than one rank ([`Self::with_cp`]).
     pub cp: Option<Arc<dyn Comm>>,
+    /// Activation recomputation: each block keeps only its input between the forward
+    /// and the backward, which runs its forward again (false by default).
+    pub recompute: bool,
 }
 
 /// What the encoder returns.
@@ -214,6 +219,7 @@ impl VisionEncoder {
             post_layernorm,
             head,
             cp: None,
+            recompute: false,
         })
     }
 

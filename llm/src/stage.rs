@@ -20,7 +20,7 @@ use braid_nn::error::Context;
 use braid_nn::norm::RmsNormCache;
 use braid_nn::regions::{copy_to_tp_bwd, copy_to_tp_fwd};
 use braid_nn::{
-    AttentionConfig, AttentionDims, BlockCache, BlockConfig, ColumnParallelLinear, Error, Init,
+    AttentionConfig, AttentionDims, BlockConfig, BlockSaved, ColumnParallelLinear, Error, Init,
     MlpConfig, MlpKind, Module, NormKind, Param, Result, RmsNorm, RopeConfig, SeqInfo,
     TransformerBlock, VocabParallelCache, VocabParallelEmbedding,
 };
@@ -76,7 +76,9 @@ struct HeadCache {
 #[derive(Debug)]
 pub struct StageCache {
     input: InputCache,
-    blocks: Vec<BlockCache>,
+    blocks: Vec<BlockSaved>,
+    /// The forward's packing, kept when the blocks are recomputed.
+    seq: Option<SeqInfo>,
     head: Option<HeadCache>,
 }
 
@@ -107,6 +109,9 @@ pub struct LlmStage {
     pub lm_head: Option<ColumnParallelLinear>,
     /// The tensor-parallel group of the blocks, the embedding and the head.
     pub group: Arc<dyn Comm>,
+    /// Activation recomputation: each block keeps only its input (T, C) between the
+    /// forward and the backward, which runs its forward again (false by default).
+    pub recompute: bool,
 }
 
 impl LlmStage {
@@ -211,6 +216,7 @@ impl LlmStage {
             norm,
             lm_head,
             group,
+            recompute: false,
         })
     }
 
@@ -259,8 +265,8 @@ impl LlmStage {
         };
         let mut blocks = Vec::with_capacity(self.blocks.len());
         for block in &self.blocks {
-            let (y, cache) = block.forward_owned(h, seq)?; // (T, C)
-            blocks.push(cache);
+            let (y, saved) = block.forward_saving(h, seq, self.recompute)?; // (T, C)
+            blocks.push(saved);
             h = y;
         }
         let (out, head) = match (&self.norm, self.head_weight()) {
@@ -283,6 +289,7 @@ impl LlmStage {
             StageCache {
                 input: input_cache,
                 blocks,
+                seq: self.recompute.then(|| seq.clone()),
                 head,
             },
         ))
@@ -364,8 +371,20 @@ impl LlmStage {
         let StageCache {
             input,
             blocks,
+            seq,
             head,
         } = cache;
+        if blocks.len() != self.blocks.len() {
+            return Err(Error::input(
+                "llm backward",
+                format!(
+                    "the cache holds {} blocks, the stage of layers {:?} has {}",
+                    blocks.len(),
+                    self.layers,
+                    self.blocks.len()
+                ),
+            ));
+        }
         // d hidden (T, C); `None` while it is still `dout` itself (no copy of it).
         let mut dh: Option<Tensor> = match head {
             Some(HeadCache { norm, xn }) => {
@@ -375,8 +394,9 @@ impl LlmStage {
             }
             None => None,
         };
-        for (block, bc) in self.blocks.iter_mut().zip(blocks).rev() {
-            dh = Some(block.backward(bc, dh.as_ref().unwrap_or(dout))?); // (T, C)
+        for (block, saved) in self.blocks.iter_mut().zip(blocks).rev() {
+            let dy = dh.as_ref().unwrap_or(dout); // (T, C)
+            dh = Some(block.backward_saved(saved, seq.as_ref(), dy)?);
         }
         let mut dh = match dh {
             Some(d) => d,

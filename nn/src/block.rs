@@ -69,6 +69,16 @@ pub struct BlockCache {
     mlp: MlpCache,
 }
 
+/// What a block keeps between its forward and its backward: every intermediate, or
+/// under activation recomputation only its input, the forward re-run by the backward
+/// (Megatron's "full" recomputation, one block at a time).
+#[derive(Debug)]
+pub enum BlockSaved {
+    Cache(Box<BlockCache>),
+    /// x (T, C)
+    Input(Tensor),
+}
+
 impl TransformerBlock {
     pub fn new(init: &Init, name: &str, config: BlockConfig, group: Arc<dyn Comm>) -> Result<Self> {
         config.validate(group.size())?;
@@ -119,6 +129,46 @@ impl TransformerBlock {
                 mlp,
             },
         ))
+    }
+
+    /// [`Self::forward_owned`] keeping everything (`recompute` false) or only `x`: the
+    /// intermediates are freed as soon as `y` is computed, and
+    /// [`Self::backward_saved`] computes them again. The re-run issues the forward's
+    /// collectives (TP, CP) again, in the same order on every rank of the group.
+    pub fn forward_saving(
+        &self,
+        x: Tensor,
+        seq: &SeqInfo,
+        recompute: bool,
+    ) -> Result<(Tensor, BlockSaved)> {
+        if !recompute {
+            let (y, cache) = self.forward_owned(x, seq)?;
+            return Ok((y, BlockSaved::Cache(Box::new(cache))));
+        }
+        let (y, cache) = self.forward(&x, seq)?; // (T, C)
+        drop(cache);
+        Ok((y, BlockSaved::Input(x)))
+    }
+
+    /// Backward of [`Self::forward_saving`]; `seq` is the one the forward was given
+    /// (read only to recompute, so callers that keep everything may pass `None`).
+    pub fn backward_saved(
+        &mut self,
+        saved: BlockSaved,
+        seq: Option<&SeqInfo>,
+        dy: &Tensor,
+    ) -> Result<Tensor> {
+        let cache = match (saved, seq) {
+            (BlockSaved::Cache(c), _) => *c,
+            (BlockSaved::Input(x), Some(seq)) => self.forward_owned(x, seq)?.1,
+            (BlockSaved::Input(_), None) => {
+                return Err(Error::input(
+                    &self.name,
+                    "recomputing the forward needs the packing (SeqInfo) it was given",
+                ));
+            }
+        };
+        self.backward(cache, dy)
     }
 
     pub fn backward(&mut self, cache: BlockCache, dy: &Tensor) -> Result<Tensor> {

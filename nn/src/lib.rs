@@ -29,7 +29,7 @@ pub mod rope;
 pub mod vocab;
 
 pub use attention::{Attention, AttentionCache, AttentionConfig, AttentionDims};
-pub use block::{BlockCache, BlockConfig, TransformerBlock};
+pub use block::{BlockCache, BlockConfig, BlockSaved, TransformerBlock};
 pub use cp::{CpLocal, CpPlan};
 pub use embedding::{Embedding, EmbeddingCache};
 pub use error::{Error, Result};

@@ -13,8 +13,8 @@ use braid_kernels::ops::Activation;
 use braid_kernels::testing::{FdTolerance, assert_close};
 use braid_kernels::{Device, Tensor};
 use braid_nn::{
-    Attention, AttentionConfig, AttentionDims, BlockConfig, MlpConfig, MlpKind, Module, NormKind,
-    RopeConfig, SeqInfo, TransformerBlock,
+    Attention, AttentionConfig, AttentionDims, BlockConfig, BlockSaved, MlpConfig, MlpKind, Module,
+    NormKind, RopeConfig, SeqInfo, TransformerBlock,
 };
 use common::*;
 
@@ -322,6 +322,32 @@ fn block_is_deterministic(dev: Device) -> TestResult {
     Ok(())
 }
 
+/// Recomputation keeps only the block's input and gives the same output, input grad
+/// and param grads bit for bit; without the packing the backward cannot recompute and
+/// says so.
+fn recomputed_block_equals_kept_activations(dev: Device) -> TestResult {
+    let seq = SeqInfo::packed(&[4, 3]);
+    let x = randn(12, 7 * 8);
+    let dy = randn(13, 7 * 8);
+    let run = |recompute: bool| -> TestResult<Outcome> {
+        let mut b = TransformerBlock::new(&test_init(14, dev), "blocks.0", rms_swiglu(), single())?;
+        let (y, saved) = b.forward_saving(tensor(&x, &[7, 8], dev)?, &seq, recompute)?;
+        assert_eq!(matches!(saved, BlockSaved::Input(_)), recompute);
+        let dx = b.backward_saved(saved, Some(&seq), &tensor(&dy, &[7, 8], dev)?)?;
+        Ok((y.to_vec_f32()?, dx.to_vec_f32()?, grads(&b)?))
+    };
+    let (kept, again) = (run(false)?, run(true)?);
+    assert!(kept == again, "recomputing changed the output or a grad");
+    let mut b = TransformerBlock::new(&test_init(14, dev), "blocks.0", rms_swiglu(), single())?;
+    let (_, saved) = b.forward_saving(tensor(&x, &[7, 8], dev)?, &seq, true)?;
+    let e = b
+        .backward_saved(saved, None, &tensor(&dy, &[7, 8], dev)?)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("blocks.0") && e.contains("SeqInfo"), "{e}");
+    Ok(())
+}
+
 fn block_param_names_and_shapes(dev: Device) -> TestResult {
     let b = TransformerBlock::new(&test_init(1, dev), "blocks.3", rms_swiglu(), single())?;
     let want: Vec<(String, Vec<usize>)> = [
@@ -515,6 +541,7 @@ braid_kernels::test_on_devices!(
     block_grads,
     packed_block_equals_separate_samples,
     block_is_deterministic,
+    recomputed_block_equals_kept_activations,
     block_param_names_and_shapes,
     config_errors_say_what_is_wrong,
     block_tp2_matches_single_rank,

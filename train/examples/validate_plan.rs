@@ -32,12 +32,28 @@ type Res<T> = Result<T, String>;
 /// (name, `--set`s): the layouts measured.
 const LAYOUTS: &[(&str, &[&str])] = &[
     ("1 rank", &[]),
+    (
+        "1 rank, recompute",
+        &[
+            "parallel.llm.recompute=true",
+            "parallel.vision.recompute=true",
+            "parallel.audio.recompute=true",
+        ],
+    ),
     ("disjoint 3 (v1 a1 llm1)", &["parallel.world_size=3"]),
     ("llm dp2", &["parallel.world_size=4", "parallel.llm.dp=2"]),
     ("llm tp2", &["parallel.world_size=4", "parallel.llm.tp=2"]),
     (
         "llm pp2 m4",
         &["parallel.world_size=4", "parallel.llm.pp=2"],
+    ),
+    (
+        "llm pp2 m4, recompute",
+        &[
+            "parallel.world_size=4",
+            "parallel.llm.pp=2",
+            "parallel.llm.recompute=true",
+        ],
     ),
     (
         "colocated 4",
@@ -101,8 +117,9 @@ fn plan_of(cfg: &RunConfig, dims: &braid_balancer::ModelDims) -> Plan {
         placement,
         schedule: Schedule::Phased,
         microbatches: cfg.train.microbatches,
-        recompute: false,
-        recompute_encoders: false,
+        recompute: p.llm.recompute,
+        // The plan has one switch for both encoders; the layouts above set them alike.
+        recompute_encoders: p.vision.recompute || p.audio.recompute,
         zero1: p.zero1,
         llm: l(&p.llm),
         vision: dims.vision.as_ref().map(|_| l(&p.vision)),

@@ -164,6 +164,16 @@ pub fn build_model(cfg: &RunConfig, config: MllmConfig, seed: u64, device: Devic
     }
     let freeze = Freeze::from_names(&cfg.train.freeze)?;
     model.apply_freeze(freeze)?;
+    // `parallel.<module>.recompute` for the one-rank run (a parallel rank's shard gets
+    // it in `Engine::new`).
+    let p = &cfg.parallel;
+    model.llm.stage.recompute = p.llm.recompute;
+    if let Some(v) = &mut model.vision {
+        v.recompute = p.vision.recompute;
+    }
+    if let Some(a) = &mut model.audio {
+        a.recompute = p.audio.recompute;
+    }
     Ok(model)
 }
 

@@ -303,13 +303,14 @@ impl PlanFile {
     }
 }
 
-fn module_layout(l: Option<braid_balancer::Layout>) -> ModuleLayout {
+fn module_layout(l: Option<braid_balancer::Layout>, recompute: bool) -> ModuleLayout {
     let l = l.unwrap_or(braid_balancer::Layout::ONE);
     ModuleLayout {
         tp: l.tp,
         cp: l.cp,
         pp: l.pp,
         dp: l.dp,
+        recompute,
     }
 }
 
@@ -351,19 +352,23 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Vec<String>> {
             "the plan assumes the overlapped schedule; braid train runs the phased one".into(),
         );
     }
-    if p.recompute || p.recompute_encoders {
-        notes.push("the plan assumes activation recomputation, which braid train does not do yet: memory per rank will be higher than planned".into());
-    }
     cfg.parallel.world_size = file.gpus;
     cfg.parallel.placement = placement;
-    cfg.parallel.llm = module_layout(Some(p.llm));
-    cfg.parallel.vision = module_layout(p.vision);
-    cfg.parallel.audio = module_layout(p.audio);
+    cfg.parallel.llm = module_layout(Some(p.llm), p.recompute);
+    cfg.parallel.vision = module_layout(p.vision, p.recompute_encoders);
+    cfg.parallel.audio = module_layout(p.audio, p.recompute_encoders);
     cfg.parallel.zero1 = p.zero1;
     cfg.train.microbatches = p.microbatches;
     notes.push(format!(
-        "parallel.plan {spec}: {} GPUs, {:?}, llm {}, {} microbatches (predicted {:.3} s/step on {})",
-        file.gpus, p.placement, p.llm, p.microbatches, file.step_time_s, file.cluster
+        "parallel.plan {spec}: {} GPUs, {:?}, llm {}, {} microbatches, recompute llm {} / encoders {} (predicted {:.3} s/step on {})",
+        file.gpus,
+        p.placement,
+        p.llm,
+        p.microbatches,
+        p.recompute,
+        p.recompute_encoders,
+        file.step_time_s,
+        file.cluster
     ));
     Ok(notes)
 }
@@ -394,7 +399,7 @@ mod tests {
                 placement: Placement::Colocated,
                 schedule: Schedule::Phased,
                 microbatches: 2,
-                recompute: false,
+                recompute: true,
                 recompute_encoders: false,
                 zero1: false,
                 llm: braid_balancer::Layout {
@@ -422,6 +427,9 @@ mod tests {
         assert_eq!((cfg.parallel.llm.tp, cfg.parallel.llm.pp), (2, 2));
         assert_eq!(cfg.parallel.vision.dp, 4);
         assert_eq!(cfg.parallel.audio.dp, 1);
+        // Recomputation is the plan's, per module.
+        assert!(cfg.parallel.llm.recompute);
+        assert!(!cfg.parallel.vision.recompute && !cfg.parallel.audio.recompute);
         assert_eq!(cfg.train.microbatches, 2);
         assert!(!cfg.parallel.zero1);
         // A missing file names the key.

@@ -5,7 +5,8 @@
 //!   one-rank gradient, relative to the tensor's largest entry;
 //! - 20 training steps whose losses match the one-rank run's within 1e-4 relative, for
 //!   layouts covering TP, CP, PP and DP on every module, disjoint and colocated, uneven DP
-//!   sizes between modules, a frozen encoder, ZeRO-1 on and off;
+//!   sizes between modules, a frozen encoder, ZeRO-1 on and off, activation
+//!   recomputation (one rank, TP, CP + PP on the LLM and on both encoders);
 //! - a checkpoint written under one layout resumed under another (and on one rank) gives
 //!   the same losses as not stopping.
 
@@ -188,16 +189,26 @@ fn assert_same_losses(what: &str, got: &[(f64, f64)], want: &[(f64, f64)]) {
 /// The layouts checked over 20 steps: (name, `--set`s, frozen vision).
 const LAYOUTS: &[(&str, &[&str], bool)] = &[
     (
+        "one-rank-recompute",
+        &[
+            "parallel.llm.recompute=true",
+            "parallel.vision.recompute=true",
+            "parallel.audio.recompute=true",
+        ],
+        false,
+    ),
+    (
         "llm-tp2",
         &["parallel.world_size=4", "parallel.llm.tp=2"],
         false,
     ),
     (
-        "llm-cp2-pp2",
+        "llm-cp2-pp2-recompute",
         &[
             "parallel.world_size=6",
             "parallel.llm.cp=2",
             "parallel.llm.pp=2",
+            "parallel.llm.recompute=true",
         ],
         false,
     ),
@@ -213,10 +224,11 @@ const LAYOUTS: &[(&str, &[&str], bool)] = &[
         false,
     ),
     (
-        "colocated-4",
+        "colocated-4-llm-tp2-recompute",
         &[
             "parallel.world_size=4",
             "parallel.placement=\"colocated\"",
+            "parallel.llm.recompute=true",
             "parallel.llm.tp=2",
             "parallel.llm.dp=2",
             "parallel.vision.dp=4",
@@ -270,13 +282,15 @@ const LAYOUTS: &[(&str, &[&str], bool)] = &[
         false,
     ),
     (
-        "encoders-cp2-pp2",
+        "encoders-cp2-pp2-recompute",
         &[
             "parallel.world_size=9",
             "parallel.vision.cp=2",
             "parallel.vision.pp=2",
+            "parallel.vision.recompute=true",
             "parallel.audio.cp=2",
             "parallel.audio.pp=2",
+            "parallel.audio.recompute=true",
         ],
         false,
     ),

@@ -49,10 +49,9 @@ struct CpShare {
     group: Arc<dyn Comm>,
 }
 
-/// What [`WhisperEncoder::backward`] / [`WhisperEncoder::backward_stage`] need; one
-/// per microbatch in flight.
+/// Every activation a stage's backward needs (see [`super::AudioCache`]).
 #[derive(Debug)]
-pub struct AudioCache {
+pub(super) struct StageActs {
     /// First stage.
     stem: Option<StemCache>,
     layers: Vec<BlockCache>,
@@ -62,9 +61,6 @@ pub struct AudioCache {
     /// Rows of the stage's hidden states on this rank.
     t_local: usize,
 }
-
-/// The cache of a stage (the same type as the whole encoder's).
-pub type AudioStageCache = AudioCache;
 
 impl WhisperEncoder {
     /// The encoder over the context-parallel group `cp` (see the module doc): with more
@@ -137,16 +133,12 @@ impl WhisperEncoder {
         }
     }
 
-    /// One stage's forward for clips of `frames` mel frames each (known to every
-    /// stage): clips on the first stage, this rank's hidden rows (T_local, D)
-    /// elsewhere; returns hidden rows (T_local, D) for the next stage, or on the last
-    /// stage the full output. The whole encoder without CP computes exactly
-    /// [`Self::forward`].
-    pub fn forward_stage(
+    /// [`Self::forward_stage`] keeping every activation.
+    pub(super) fn forward_acts(
         &self,
         input: AudioStageInput<'_>,
         frames: &[usize],
-    ) -> Result<(AudioStageOutput, AudioCache)> {
+    ) -> Result<(AudioStageOutput, StageActs)> {
         let d = self.config.d_model;
         let full = self.packed(frames)?;
         let cp = self.cp_share(&full.cu_seqlens)?;
@@ -244,7 +236,7 @@ impl WhisperEncoder {
         };
         Ok((
             out,
-            AudioCache {
+            StageActs {
                 stem: stem_cache,
                 layers,
                 ln,
@@ -254,12 +246,13 @@ impl WhisperEncoder {
         ))
     }
 
-    /// Backward of [`Self::forward_stage`] given the grad of its output: d output
-    /// hidden (T, D) on the last stage (the full rows, identical on every CP rank), d
-    /// hidden (T_local, D) elsewhere. Adds into the parameter grads (under CP, this
-    /// rank's share: see the module doc) and returns the grad of the stage's input.
-    pub fn backward_stage(&mut self, cache: AudioCache, dout: &Tensor) -> Result<AudioStageGrad> {
-        let AudioCache {
+    /// [`Self::backward_stage`] from every activation.
+    pub(super) fn backward_acts(
+        &mut self,
+        cache: StageActs,
+        dout: &Tensor,
+    ) -> Result<AudioStageGrad> {
+        let StageActs {
             stem,
             layers,
             ln,

@@ -121,18 +121,14 @@ enum FinalCache {
     },
 }
 
-/// What [`VisionEncoder::backward_stage`] (and [`VisionEncoder::backward`]) needs; one
-/// per microbatch in flight.
+/// Every activation a stage's backward needs (see [`super::VisionCache`]).
 #[derive(Debug)]
-pub struct VisionCache {
+pub(super) struct StageActs {
     layout: Layout,
     embed: Option<EmbedCache>,
     blocks: Vec<BlockCache>,
     fin: Option<FinalCache>,
 }
-
-/// The cache of a stage is the cache of the whole model.
-pub type VisionStageCache = VisionCache;
 
 /// Takes the grads of `m`'s parameters out (so that a backward adds nothing to them).
 fn take_grads<M: Module>(m: &mut M) -> Vec<Option<Tensor>> {
@@ -195,15 +191,12 @@ impl VisionEncoder {
         Ok(self.layout(b)?.seq.num_tokens())
     }
 
-    /// The forward of this stage over `b` images: pixels on the first stage, the
-    /// previous stage's hidden states (N_local, D) otherwise; returns the hidden
-    /// states for the next stage, or on the last stage the full output (see the
-    /// module doc for CP).
-    pub fn forward_stage(
+    /// [`Self::forward_stage`] keeping every activation.
+    pub(super) fn forward_acts(
         &self,
         input: VisionStageInput<'_>,
         b: usize,
-    ) -> Result<(VisionStageOutput, VisionCache)> {
+    ) -> Result<(VisionStageOutput, StageActs)> {
         let layout = self.layout(b)?;
         let d = self.config.hidden_size;
         let t_local = layout.seq.num_tokens();
@@ -258,7 +251,7 @@ impl VisionEncoder {
         } else {
             (VisionStageOutput::Hidden(x), None)
         };
-        let cache = VisionCache {
+        let cache = StageActs {
             layout,
             embed,
             blocks,
@@ -267,18 +260,14 @@ impl VisionEncoder {
         Ok((out, cache))
     }
 
-    /// The backward of this stage: `dout` is d last_hidden_state (B, S, D) on the
-    /// last stage (with `dpooled` (B, D), optional), d hidden (N_local, D) before it.
-    /// Returns d pixel_values (B, C, H, W) on the first stage, d hidden (N_local, D)
-    /// for the previous stage otherwise; adds into the parameter grads (under CP,
-    /// partial: see the module doc).
-    pub fn backward_stage(
+    /// [`Self::backward_stage`] from every activation.
+    pub(super) fn backward_acts(
         &mut self,
-        cache: VisionCache,
+        cache: StageActs,
         dout: &Tensor,
         dpooled: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let VisionCache {
+        let StageActs {
             layout,
             embed,
             blocks,

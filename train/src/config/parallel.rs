@@ -35,7 +35,8 @@ pub enum AssignPolicy {
     RoundRobin,
 }
 
-/// One module's grid: tensor, context, pipeline and data parallel sizes.
+/// One module's grid: tensor, context, pipeline and data parallel sizes, and whether
+/// its blocks recompute their activations in the backward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModuleLayout {
@@ -43,6 +44,10 @@ pub struct ModuleLayout {
     pub cp: usize,
     pub pp: usize,
     pub dp: usize,
+    /// Activation recomputation: each transformer block keeps only its input between
+    /// the forward and the backward, which runs the block's forward again (about a
+    /// third more compute for the blocks, their activations not held).
+    pub recompute: bool,
 }
 
 impl Default for ModuleLayout {
@@ -52,6 +57,7 @@ impl Default for ModuleLayout {
             cp: 1,
             pp: 1,
             dp: 1,
+            recompute: false,
         }
     }
 }

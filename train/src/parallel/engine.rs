@@ -74,7 +74,8 @@ impl Engine {
         cfg: &RunConfig,
     ) -> Result<Self> {
         let rank = world.rank();
-        let model = RankModel::build(full, world.as_ref(), &layouts, rank)?;
+        let mut model = RankModel::build(full, world.as_ref(), &layouts, rank)?;
+        model.set_recompute(&cfg.parallel);
         let zero1 = cfg.parallel.zero1;
         let plan = ShardPlan::new(&model, zero1);
         let optim = AdamW::new_owned(cfg.optim.clone(), &model, &|p| plan.owns(&p.name), zero1)?;

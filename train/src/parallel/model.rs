@@ -23,6 +23,7 @@ use braid_nn::param::cut_shard;
 use braid_nn::{Init, Module, Param};
 
 use super::layout::{Layouts, ModuleKind};
+use crate::config::ParallelConfig;
 use crate::error::{Result, TrainError};
 use crate::mllm::{AUDIO, AUDIO_PROJECTOR, LLM, Mllm, VISION, VISION_PROJECTOR};
 
@@ -206,6 +207,19 @@ impl RankModel {
         }
         model.copy_from(full)?;
         Ok(model)
+    }
+
+    /// Activation recomputation per module (`parallel.<module>.recompute`).
+    pub fn set_recompute(&mut self, p: &ParallelConfig) {
+        if let Some(v) = &mut self.vision {
+            v.encoder.recompute = p.vision.recompute;
+        }
+        if let Some(a) = &mut self.audio {
+            a.encoder.recompute = p.audio.recompute;
+        }
+        if let Some(l) = &mut self.llm {
+            l.stage.recompute = p.llm.recompute;
+        }
     }
 
     /// Overwrites every parameter with its slice of the same-named parameter of `full`
