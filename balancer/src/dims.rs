@@ -50,6 +50,15 @@ pub struct ModuleDims {
     /// projector into the LLM (on an encoder's last stage).
     #[serde(default)]
     pub extra_params: u64,
+    /// Encoders: forward FLOPs per encoder token outside the blocks on the first stage
+    /// (the patch embedding; Whisper's conv stem, two mel frames per token).
+    #[serde(default)]
+    pub stem_flops_per_token: f64,
+    /// Encoders: forward FLOPs per encoder token of the projector into the LLM, on the
+    /// last stage (its input merges several tokens, so this is its FLOPs per output
+    /// token over the merge).
+    #[serde(default)]
+    pub projector_flops_per_token: f64,
 }
 
 impl ModuleDims {
@@ -206,6 +215,8 @@ pub(crate) mod tests {
             vocab: 32000,
             tied: false,
             extra_params: 0,
+            stem_flops_per_token: 0.0,
+            projector_flops_per_token: 0.0,
         }
     }
 

@@ -59,6 +59,8 @@ fn predict(b: &Block, cluster: &Cluster) -> (f64, f64) {
         vocab: 0,
         tied: false,
         extra_params: 0,
+        stem_flops_per_token: 0.0,
+        projector_flops_per_token: 0.0,
     };
     let sc = StageCost {
         dims: &dims,

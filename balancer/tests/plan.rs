@@ -21,6 +21,8 @@ fn block(layers: usize, hidden: usize, heads: usize, causal: bool, vocab: usize)
         vocab,
         tied: false,
         extra_params: 0,
+        stem_flops_per_token: 0.0,
+        projector_flops_per_token: 0.0,
     }
 }
 

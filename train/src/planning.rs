@@ -94,6 +94,14 @@ pub fn model_dims(m: &MllmConfig) -> ModelDims {
                 let merged = p.in_dim * p.spatial_merge * p.spatial_merge;
                 (merged * p.out_dim + p.out_dim * p.out_dim) as u64
             }),
+        // The patch embedding: (C*P*P) -> D per patch.
+        stem_flops_per_token: 2.0
+            * (v.num_channels * v.patch_size * v.patch_size * v.hidden_size) as f64,
+        // The two-layer projector per merged token, over the merge.
+        projector_flops_per_token: m.vision_projector.as_ref().map_or(0.0, |p| {
+            let s2 = (p.spatial_merge * p.spatial_merge).max(1);
+            2.0 * (p.in_dim * s2 * p.out_dim + p.out_dim * p.out_dim) as f64 / s2 as f64
+        }),
     });
     let audio = m.audio.as_ref().map(|a| ModuleDims {
         layers: a.encoder_layers,
@@ -110,6 +118,15 @@ pub fn model_dims(m: &MllmConfig) -> ModelDims {
             + m.audio_projector.as_ref().map_or(0, |p| {
                 (p.in_dim * p.stride * p.out_dim + p.out_dim * p.out_dim) as u64
             }),
+        // conv1 (k 3, mels -> D) on the two frames of each token, conv2 (k 3, D -> D,
+        // stride 2) once per token.
+        stem_flops_per_token: 2.0
+            * (2 * 3 * a.num_mel_bins * a.d_model + 3 * a.d_model * a.d_model) as f64,
+        // The projector stacks `stride` frames per output token.
+        projector_flops_per_token: m.audio_projector.as_ref().map_or(0.0, |p| {
+            let stride = p.stride.max(1);
+            2.0 * (p.in_dim * stride * p.out_dim + p.out_dim * p.out_dim) as f64 / stride as f64
+        }),
     });
     let merge = m
         .vision_projector
@@ -129,6 +146,8 @@ pub fn model_dims(m: &MllmConfig) -> ModelDims {
             vocab: l.vocab,
             tied: l.tie_embeddings,
             extra_params: 0,
+            stem_flops_per_token: 0.0,
+            projector_flops_per_token: 0.0,
         },
         vision,
         audio,
@@ -471,5 +490,24 @@ mod tests {
         assert_eq!(d.vision.as_ref().unwrap().head_dim, 8);
         assert_eq!(d.audio_llm_ratio, 1.0 / 8.0);
         assert_eq!(media_tokens(&m, &d).image_encoder, 16);
+        // Outside the blocks, per encoder token: the patch embedding 3*8*8 -> 32 and the
+        // projector 32 -> 64 -> 64; Whisper's convs 80 -> 32 on 2 frames and 32 -> 32
+        // (kernel 3), the projector 4*32 -> 64 -> 64 per 4 tokens. In this tiny model
+        // they rival the blocks (2 * 2 * (4*32*32 + 2*32*64) = 32,768 per token).
+        let (v, a) = (d.vision.as_ref().unwrap(), d.audio.as_ref().unwrap());
+        assert_eq!(v.layers as f64 * v.layer_flops_per_token(), 32_768.0);
+        assert_eq!(v.stem_flops_per_token, 2.0 * 192.0 * 32.0);
+        assert_eq!(
+            v.projector_flops_per_token,
+            2.0 * (32.0 * 64.0 + 64.0 * 64.0)
+        );
+        assert_eq!(
+            a.stem_flops_per_token,
+            2.0 * (2.0 * 3.0 * 80.0 * 32.0 + 3.0 * 32.0 * 32.0)
+        );
+        assert_eq!(
+            a.projector_flops_per_token,
+            2.0 * (128.0 * 64.0 + 64.0 * 64.0) / 4.0
+        );
     }
 }

@@ -115,8 +115,22 @@ impl StageCost<'_> {
         if self.last(stage) && d.vocab > 0 {
             linear += 2.0 * tokens * (d.vocab * d.hidden) as f64 / split;
         }
+        // An encoder's stem and projector, charged like the blocks (over TP x CP): at
+        // the scale of the reference models they are 1-7 % of an encoder's work, in a
+        // tiny CPU model as much as its blocks.
+        if stage == 0 {
+            linear += tokens * d.stem_flops_per_token / split;
+        }
+        if self.last(stage) {
+            linear += tokens * d.projector_flops_per_token / split;
+        }
         let attention = layers * d.attention_flops_per_pair() * sq / split;
-        let elementwise = layers * tokens / split * d.hidden as f64 * c.elementwise_ns * 1e-9;
+        let mut values = layers * tokens / split * d.hidden as f64; // activations touched
+        if self.last(stage) && d.vocab > 0 {
+            // The loss's softmax over this GPU's vocabulary shard of its tokens' logits.
+            values += tokens / split * d.vocab as f64;
+        }
+        let elementwise = values * c.elementwise_ns * 1e-9;
         let matmul = linear / rate + elementwise;
         let attention = attention / (rate * c.attention_efficiency);
         // Sequence-parallel TP: a reduce-scatter and an all-gather around attention and
@@ -320,5 +334,50 @@ mod tests {
         };
         assert!((over.exposed_sync(0, 10.0, 10.0) - sync / 32.0).abs() < 1e-12);
         assert!((over.exposed_sync(0, 0.0, 0.0) - sync).abs() < 1e-12);
+    }
+
+    /// An encoder's stem is charged on its first stage, its projector on its last.
+    #[test]
+    fn the_stem_runs_on_the_first_stage_and_the_projector_on_the_last() {
+        let c = Cluster::preset("h100").unwrap();
+        let plain = ModuleDims {
+            vocab: 0,
+            causal: false,
+            ..llama7b()
+        };
+        let with = ModuleDims {
+            stem_flops_per_token: 1e9,
+            projector_flops_per_token: 3e9,
+            ..plain.clone()
+        };
+        let at = |d| StageCost {
+            dims: d,
+            layout: Layout {
+                tp: 1,
+                cp: 1,
+                pp: 4,
+                dp: 1,
+            },
+            cluster: &c,
+            recompute: false,
+            zero1: true,
+            frozen: false,
+            checkpoint_stages: false,
+            overlap_sync: false,
+        };
+        let extra = |stage| {
+            let (t, sq) = (1024.0, 1024.0 * 1024.0);
+            at(&with).forward(stage, t, sq).compute - at(&plain).forward(stage, t, sq).compute
+        };
+        assert!(extra(0) > 0.0);
+        assert_eq!(extra(1), 0.0);
+        assert_eq!(extra(2), 0.0);
+        // 3x the FLOPs at the same GEMM rate.
+        assert!(
+            (extra(3) / extra(0) - 3.0).abs() < 1e-9,
+            "{} {}",
+            extra(0),
+            extra(3)
+        );
     }
 }
