@@ -144,8 +144,7 @@ pub struct WhisperEncoder {
     pub layer_norm: Option<LayerNorm>,
     /// The context-parallel group when it has more than one rank (see the module doc).
     pub cp: Option<Arc<dyn Comm>>,
-    /// Activation recomputation: each block keeps only its input between the forward
-    /// and the backward, which runs its forward again (false by default).
+    /// Activation recomputation of the whole stage from its input ([`AudioCache`]); off by default.
     pub recompute: bool,
 }
 

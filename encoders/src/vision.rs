@@ -71,8 +71,7 @@ pub struct VisionEncoder {
     pub head: Option<AttentionPoolingHead>,
     /// The context-parallel group, when it has more than one rank ([`Self::with_cp`]).
     pub cp: Option<Arc<dyn Comm>>,
-    /// Activation recomputation: each block keeps only its input between the forward
-    /// and the backward, which runs its forward again (false by default).
+    /// Activation recomputation of the whole stage from its input ([`VisionCache`]); off by default.
     pub recompute: bool,
 }
 

@@ -145,9 +145,9 @@ impl TransformerBlock {
             let (y, cache) = self.forward_owned(x, seq)?;
             return Ok((y, BlockSaved::Cache(Box::new(cache))));
         }
-        let (y, cache) = self.forward(&x, seq)?; // (T, C)
-        drop(cache);
-        Ok((y, BlockSaved::Input(x)))
+        // Keep x itself (the cache holds it for the first norm), drop the rest.
+        let (y, cache) = self.forward_owned(x, seq)?; // (T, C)
+        Ok((y, BlockSaved::Input(cache.norm1.into_input())))
     }
 
     /// Backward of [`Self::forward_saving`]; `seq` is the one the forward was given

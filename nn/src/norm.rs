@@ -200,6 +200,14 @@ impl NormCache {
             NormCache::RmsNorm(c) => &c.x,
         }
     }
+
+    /// The forward's input, the rest of the cache dropped.
+    pub fn into_input(self) -> Tensor {
+        match self {
+            NormCache::LayerNorm(c) => c.x,
+            NormCache::RmsNorm(c) => c.x,
+        }
+    }
 }
 
 impl Norm {

@@ -78,55 +78,56 @@ fn err(msg: String) -> TrainError {
 /// The balancer's view of `m`.
 pub fn model_dims(m: &MllmConfig) -> ModelDims {
     let l = &m.llm;
-    let vision = m.vision.as_ref().map(|v| ModuleDims {
-        layers: v.num_layers,
-        hidden: v.hidden_size,
-        heads: v.num_heads,
-        kv_heads: v.num_heads,
-        head_dim: v.hidden_size / v.num_heads.max(1),
-        ffn: v.intermediate_size,
-        mlp_mats: 2,
-        causal: false,
-        vocab: 0,
-        tied: false,
-        extra_params: (v.num_channels * v.patch_size * v.patch_size * v.hidden_size) as u64
-            + m.vision_projector.as_ref().map_or(0, |p| {
-                let merged = p.in_dim * p.spatial_merge * p.spatial_merge;
-                (merged * p.out_dim + p.out_dim * p.out_dim) as u64
-            }),
-        // The patch embedding: (C*P*P) -> D per patch.
-        stem_flops_per_token: 2.0
-            * (v.num_channels * v.patch_size * v.patch_size * v.hidden_size) as f64,
-        // The two-layer projector per merged token, over the merge.
-        projector_flops_per_token: m.vision_projector.as_ref().map_or(0.0, |p| {
-            let s2 = (p.spatial_merge * p.spatial_merge).max(1);
-            2.0 * (p.in_dim * s2 * p.out_dim + p.out_dim * p.out_dim) as f64 / s2 as f64
-        }),
+    let vision = m.vision.as_ref().map(|v| {
+        // The patch embedding ((C*P*P) -> D per patch) and the two-layer projector, which
+        // takes a merge of s*s tokens per row.
+        let patch = v.num_channels * v.patch_size * v.patch_size * v.hidden_size;
+        let (proj, per_row) = m.vision_projector.as_ref().map_or((0, 1), |p| {
+            let s2 = p.spatial_merge * p.spatial_merge;
+            (s2 * p.in_dim * p.out_dim + p.out_dim * p.out_dim, s2.max(1))
+        });
+        ModuleDims {
+            layers: v.num_layers,
+            hidden: v.hidden_size,
+            heads: v.num_heads,
+            kv_heads: v.num_heads,
+            head_dim: v.hidden_size / v.num_heads.max(1),
+            ffn: v.intermediate_size,
+            mlp_mats: 2,
+            causal: false,
+            vocab: 0,
+            tied: false,
+            extra_params: (patch + proj) as u64,
+            stem_flops_per_token: 2.0 * patch as f64,
+            projector_flops_per_token: 2.0 * proj as f64 / per_row as f64,
+        }
     });
-    let audio = m.audio.as_ref().map(|a| ModuleDims {
-        layers: a.encoder_layers,
-        hidden: a.d_model,
-        heads: a.encoder_attention_heads,
-        kv_heads: a.encoder_attention_heads,
-        head_dim: a.d_model / a.encoder_attention_heads.max(1),
-        ffn: a.encoder_ffn_dim,
-        mlp_mats: 2,
-        causal: false,
-        vocab: 0,
-        tied: false,
-        extra_params: (3 * a.num_mel_bins * a.d_model + 3 * a.d_model * a.d_model) as u64
-            + m.audio_projector.as_ref().map_or(0, |p| {
-                (p.in_dim * p.stride * p.out_dim + p.out_dim * p.out_dim) as u64
-            }),
-        // conv1 (k 3, mels -> D) on the two frames of each token, conv2 (k 3, D -> D,
-        // stride 2) once per token.
-        stem_flops_per_token: 2.0
-            * (2 * 3 * a.num_mel_bins * a.d_model + 3 * a.d_model * a.d_model) as f64,
-        // The projector stacks `stride` frames per output token.
-        projector_flops_per_token: m.audio_projector.as_ref().map_or(0.0, |p| {
-            let stride = p.stride.max(1);
-            2.0 * (p.in_dim * stride * p.out_dim + p.out_dim * p.out_dim) as f64 / stride as f64
-        }),
+    let audio = m.audio.as_ref().map(|a| {
+        // conv1 (k 3, mels -> D) runs on the two frames of each token, conv2 (k 3, D -> D,
+        // stride 2) once per token; the projector stacks `stride` tokens per row.
+        let conv1 = 3 * a.num_mel_bins * a.d_model;
+        let conv2 = 3 * a.d_model * a.d_model;
+        let (proj, per_row) = m.audio_projector.as_ref().map_or((0, 1), |p| {
+            (
+                p.in_dim * p.stride * p.out_dim + p.out_dim * p.out_dim,
+                p.stride.max(1),
+            )
+        });
+        ModuleDims {
+            layers: a.encoder_layers,
+            hidden: a.d_model,
+            heads: a.encoder_attention_heads,
+            kv_heads: a.encoder_attention_heads,
+            head_dim: a.d_model / a.encoder_attention_heads.max(1),
+            ffn: a.encoder_ffn_dim,
+            mlp_mats: 2,
+            causal: false,
+            vocab: 0,
+            tied: false,
+            extra_params: (conv1 + conv2 + proj) as u64,
+            stem_flops_per_token: 2.0 * (2 * conv1 + conv2) as f64,
+            projector_flops_per_token: 2.0 * proj as f64 / per_row as f64,
+        }
     });
     let merge = m
         .vision_projector
