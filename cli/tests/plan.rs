@@ -81,6 +81,42 @@ fn the_7b_reference_plans_on_64_gpus() {
     );
 }
 
+/// The overlapped schedule (1F1B across modules on disjoint GPUs) plans the 70B
+/// reference, whose 6B ViT fits only when the batch is cut into many chunks: the search
+/// ranks GPU splits at the LLM's own microbatch counts.
+#[test]
+fn the_70b_reference_plans_the_overlapped_schedule_on_64_gpus() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("plan.toml");
+    let res = braid(&[
+        "plan",
+        "--config",
+        "configs/plan-70b.toml",
+        "--gpus",
+        "64",
+        "--schedule",
+        "overlapped",
+        "--json",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&res.stdout).unwrap();
+    assert_eq!(v["schedule"].as_str(), Some("overlapped"), "{v}");
+    assert_eq!(v["placement"].as_str(), Some("disjoint"), "{v}");
+    let gpus: u64 = ["llm", "vision", "audio"]
+        .iter()
+        .map(|m| v[*m]["gpus"].as_u64().unwrap())
+        .sum();
+    assert_eq!(gpus, 64, "{v}");
+    assert!(v["peak_memory_gib"].as_f64().unwrap() <= 72.0, "{v}");
+    assert!(v["step_time_s"].as_f64().unwrap() > 0.0, "{v}");
+}
+
 #[test]
 fn bad_input_exits_2_naming_the_fix() {
     let out = Path::new("/nonexistent-dir/plan.toml").to_str().unwrap();

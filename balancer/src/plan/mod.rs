@@ -6,10 +6,12 @@ pub mod cost;
 pub mod dag;
 pub mod layout;
 mod options;
+mod pick;
 pub mod step;
 
 pub use cost::{Cost, Memory, StageCost};
 pub use layout::{Layout, Placement, Plan, Schedule};
 pub use step::{Problem, StepSim};
 pub mod search;
+pub use pick::mean_sim;
 pub use search::{Found, Outcome, Space, search};

@@ -20,22 +20,40 @@ pub(crate) struct Opt {
     pub time: f64,
     pub sync: f64,
     pub mem: f64,
+    /// Seconds of the slowest stage's forward and backward of one microbatch: the
+    /// period at which a pipeline it joins (the overlapped schedule) takes microbatches.
+    pub worst: f64,
 }
 
-/// Mean per-batch (tokens, sum of squared lengths) of each module.
+/// The analytic estimate of one module's pipeline (see [`Problem::estimate`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PipeEst {
+    pub time: f64,
+    pub worst: f64,
+    pub sync: f64,
+    pub mem: f64,
+}
+
+/// Mean per-batch (tokens, sum of squared lengths) of each module, and how many whole
+/// items carry them (rows, images, clips).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Totals {
     pub llm: (f64, f64),
     pub vision: (f64, f64),
     pub audio: (f64, f64),
+    pub items: [f64; 3],
 }
 
 impl Totals {
     pub fn of(batches: &[Vec<RowShape>]) -> Totals {
         let n = batches.len().max(1) as f64;
         let (mut l, mut v, mut a) = ((0.0, 0.0), (0.0, 0.0), (0.0, 0.0));
+        let mut items = [0.0; 3];
         for rows in batches {
             let b = shape_of(rows);
+            items[0] += b.row_tokens.len() as f64 / n;
+            items[1] += b.image_tokens.len() as f64 / n;
+            items[2] += b.clip_frames.len() as f64 / n;
             l.0 += b.row_tokens.iter().sum::<usize>() as f64 / n;
             l.1 += b.row_sq.iter().sum::<u64>() as f64 / n;
             for &t in &b.image_tokens {
@@ -52,7 +70,21 @@ impl Totals {
             llm: l,
             vision: v,
             audio: a,
+            items,
         }
+    }
+
+    /// The busiest of `slots` (replicas, or replicas x chunks) against the mean when
+    /// whole items of module `m` are dealt out: with k items a slot on average, one gets
+    /// ceil(k) (and with fewer items than slots, one item is 1/k times the mean).
+    pub fn granularity(&self, m: Module, slots: usize) -> f64 {
+        let i = match m {
+            Module::Llm => 0,
+            Module::Vision => 1,
+            Module::Audio => 2,
+        };
+        let k = self.items[i] / slots.max(1) as f64;
+        if k > 0.0 { k.ceil() / k } else { 1.0 }
     }
 
     pub fn module(&self, m: Module) -> (f64, f64) {
@@ -147,19 +179,22 @@ impl Problem {
         })
     }
 
-    /// `(time, sync, memory)` of a pipeline of `sc.layout.pp` stages running `mbs`
+    /// Time, slowest stage, sync and memory of a pipeline of `sc.layout.pp` stages running `mbs`
     /// microbatches of `load = (tokens, sq)` each. Stage `s` holds 1F1B's `pp - s +
     /// beyond` microbatches' activations (`beyond`: stages downstream of this module, the
     /// LLM's for an overlapped encoder; `usize::MAX`: every microbatch, phased encoders).
     /// `extra` adds encoders' work (LLM-centric) to stage 0, each with its own load.
+    /// `peak`: the fullest microbatch against `load` (whole rows or items are dealt out),
+    /// which sets the memory.
     pub(crate) fn estimate(
         &self,
         sc: &StageCost,
         mbs: usize,
         load: (f64, f64),
+        peak: f64,
         extra: &[(StageCost, (f64, f64))],
         beyond: usize,
-    ) -> (f64, f64, f64) {
+    ) -> PipeEst {
         let l = sc.layout;
         let (mut sum, mut worst, mut sync, mut mem) = (0.0, 0.0f64, 0.0f64, 0.0f64);
         for s in 0..l.pp {
@@ -171,7 +206,8 @@ impl Problem {
             let mut stage_sync = sc.exposed_sync(s, b, f);
             let held = (l.pp - s).saturating_add(beyond).min(mbs);
             // A held chunk's working set is one chunk.
-            let mut bytes = sc.memory(s, load.0 * held as f64, load.0).total();
+            let big = load.0 * peak;
+            let mut bytes = sc.memory(s, big * held as f64, big).total();
             if s == 0 {
                 for (ec, e) in extra {
                     let (ef, eb) = (
@@ -189,7 +225,12 @@ impl Problem {
             sync = sync.max(stage_sync);
             mem = mem.max(bytes);
         }
-        (sum + (mbs as f64 - 1.0) * worst, sync, mem)
+        PipeEst {
+            time: sum + (mbs as f64 - 1.0) * worst,
+            worst,
+            sync,
+            mem,
+        }
     }
 
     /// Options for module `m` on `g` GPUs: the LLM with every microbatch count (powers of
@@ -227,20 +268,31 @@ impl Problem {
                 };
                 for &mb in &mbs {
                     let n = (layout.dp * mb) as f64;
+                    // Whole rows and items are dealt out: the step waits for the fullest
+                    // LLM replica, for an overlapped encoder's fullest chunk, for a phased
+                    // one's fullest replica; memory holds the fullest microbatches.
+                    let (slots, mem_slots) = match (m, k.overlapped) {
+                        (Module::Llm, _) => (layout.dp, layout.dp * mb),
+                        (_, true) => (layout.dp * mb, layout.dp * mb),
+                        (_, false) => (layout.dp, layout.dp),
+                    };
+                    let g = t.granularity(m, slots);
+                    let peak = t.granularity(m, mem_slots) / g;
+                    let f = g / n;
                     let beyond = match (m, k.overlapped) {
                         (Module::Llm, _) => 0,
                         (_, true) => beyond,
                         (_, false) => usize::MAX,
                     };
-                    let (time, sync, mem) =
-                        self.estimate(&sc, mb, (total.0 / n, total.1 / n), &[], beyond);
+                    let e = self.estimate(&sc, mb, (total.0 * f, total.1 * f), peak, &[], beyond);
                     out.push(Opt {
                         layout,
                         microbatches: mb,
                         recompute: rc,
-                        time,
-                        sync,
-                        mem,
+                        time: e.time,
+                        sync: e.sync,
+                        mem: e.mem,
+                        worst: e.worst,
                     });
                 }
             }
@@ -265,4 +317,33 @@ pub(crate) fn pareto(mut v: Vec<Opt>) -> Vec<Opt> {
         .filter(|x| x.1)
         .map(|x| x.0)
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn whole_items_load_the_fullest_slot_by_the_ceiling() {
+        let t = Totals {
+            llm: (0.0, 0.0),
+            vision: (0.0, 0.0),
+            audio: (0.0, 0.0),
+            items: [1024.0, 13.0, 2.0],
+        };
+        // 1,024 rows over 256 replicas: 4 each.
+        assert_eq!(t.granularity(Module::Llm, 256), 1.0);
+        // Over 10: some replica gets 103 rows against a mean of 102.4.
+        assert!((t.granularity(Module::Llm, 10) - 103.0 / 102.4).abs() < 1e-12);
+        // 13 images over 4 replicas: one gets 4 against a mean of 3.25.
+        assert!((t.granularity(Module::Vision, 4) - 4.0 / 3.25).abs() < 1e-12);
+        // 2 clips over 8 replicas: the two busy ones carry 4x the mean.
+        assert_eq!(t.granularity(Module::Audio, 8), 4.0);
+        // No items: nothing to deal out.
+        let none = Totals {
+            items: [0.0; 3],
+            ..t
+        };
+        assert_eq!(none.granularity(Module::Audio, 8), 1.0);
+    }
 }

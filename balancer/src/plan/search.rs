@@ -2,19 +2,19 @@
 //! per replica) is costed analytically on the batch's mean loads; dominated options
 //! (slower and larger) are dropped; combinations (a GPU split for disjoint placement, or
 //! one grid per module over all GPUs for colocated) are ranked by the estimate; the
-//! best `top_k` are simulated on sampled batches and the fastest that fits in memory
-//! wins. The LLM-centric baseline is searched the same way over the LLM's layouts, and
-//! brute force (every combination simulated) runs where the space is small enough.
+//! best are simulated on sampled batches, `top_k` at a time (`pick.rs`), and the
+//! fastest that fits in memory wins. The LLM-centric baseline is searched the same way
+//! over the LLM's layouts, and brute force (every combination simulated) runs where the
+//! space is small enough.
 
 use std::collections::HashMap;
-
-use rayon::prelude::*;
 use std::time::Instant;
 
 use crate::dims::Module;
 use crate::plan::cost::StageCost;
 use crate::plan::layout::{Layout, Placement, Plan, Schedule};
 use crate::plan::options::{Knobs, Opt, Totals, encoder_tp, pareto};
+use crate::plan::pick::{Combo, GIB, pick};
 use crate::plan::step::{Problem, StepSim};
 use crate::workload::{RowShape, Workload};
 
@@ -67,12 +67,6 @@ pub struct Outcome {
     pub combinations: usize,
     pub simulated: usize,
     pub search_s: f64,
-}
-
-/// A combination: per module its option; the estimate; the plan.
-struct Combo {
-    est: f64,
-    plan: Plan,
 }
 
 fn plan_of(
@@ -145,13 +139,34 @@ fn combine(
 
 /// The step estimate of a combination: the modules' pipelines in the schedule's order;
 /// the LLM's gradient sync overlaps the encoders' backward (two thirds of their time).
+///
+/// Overlapped, the encoders' stages feed the LLM's as one 1F1B pipeline, and the step
+/// is bound by whichever side is slower: the LLM's pipeline between the encoders' first
+/// chunk (their forward) and their last (their backward, behind which the LLM's sync
+/// runs), or the slowest encoder's pipeline plus its stall waiting for the LLM's first
+/// gradient, less the forwards its 1F1B warm-up runs meanwhile (a forward is taken as a
+/// third of a forward and backward).
 fn combo_estimate(placement: Placement, schedule: Schedule, l: &Opt, enc: &[(Module, Opt)]) -> f64 {
     let enc_sum: f64 = enc.iter().map(|e| e.1.time).sum();
     let enc_max = enc.iter().map(|e| e.1.time).fold(0.0, f64::max);
     let enc_sync = enc.iter().map(|e| e.1.sync).fold(0.0, f64::max);
     let tail = |enc_t: f64| (l.sync - 2.0 / 3.0 * enc_t).max(enc_sync).max(0.0);
     match (placement, schedule) {
-        (_, Schedule::Overlapped) => enc_max.max(l.time) + l.sync.max(enc_sync),
+        (_, Schedule::Overlapped) => {
+            // One microbatch through every stage of a module (its pipeline fill).
+            let first = |o: &Opt| o.time - o.microbatches.saturating_sub(1) as f64 * o.worst;
+            let enc_first = enc.iter().map(|e| first(&e.1)).fold(0.0, f64::max);
+            let llm_bound = enc_first + l.time + tail(enc_first);
+            let enc_bound = enc
+                .iter()
+                .map(|(_, e)| {
+                    let warmup = (e.layout.pp + l.layout.pp).min(e.microbatches.max(1)) - 1;
+                    let stall = (first(l) - warmup as f64 * e.worst / 3.0).max(0.0);
+                    e.time + stall + e.sync
+                })
+                .fold(0.0, f64::max);
+            llm_bound.max(enc_bound)
+        }
         (Placement::Colocated, _) => l.time + enc_sum + tail(enc_sum),
         _ => l.time + enc_max + tail(enc_max),
     }
@@ -216,25 +231,39 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
                         .filter(|s| s.iter().sum::<usize>() < g)
                         .collect(),
                 };
-                let best = |v: &[Opt]| {
-                    v.iter()
+                // Each split's estimate: per LLM microbatch count (it sets the encoders'
+                // chunks and so their memory), the fastest option of each module that fits.
+                let fastest = |v: Vec<Opt>| {
+                    v.into_iter()
                         .filter(|o| o.mem <= budget)
-                        .map(|o| o.time + o.sync)
-                        .fold(f64::INFINITY, f64::min)
+                        .min_by(|a, b| (a.time + a.sync).total_cmp(&(b.time + b.sync)))
                 };
                 let mut ranked: Vec<(f64, Vec<usize>)> = Vec::new();
                 for s in all {
                     let gl = g - s.iter().sum::<usize>();
-                    let mut enc_t = 0.0f64;
-                    for (k, &e) in encoders.iter().enumerate() {
-                        enc_t = enc_t.max(best(&opts(e, s[k], 8, 1)));
+                    let llm = opts(Module::Llm, gl, 1, 0);
+                    let mut counts: Vec<usize> = llm.iter().map(|o| o.microbatches).collect();
+                    counts.sort_unstable();
+                    counts.dedup();
+                    let mut est = f64::INFINITY;
+                    for m in counts {
+                        let Some(l) = fastest(
+                            llm.iter()
+                                .filter(|o| o.microbatches == m)
+                                .copied()
+                                .collect(),
+                        ) else {
+                            continue;
+                        };
+                        let enc: Option<Vec<(Module, Opt)>> = encoders
+                            .iter()
+                            .enumerate()
+                            .map(|(k, &e)| Some((e, fastest(opts(e, s[k], m, l.layout.pp))?)))
+                            .collect();
+                        if let Some(enc) = enc {
+                            est = est.min(combo_estimate(placement, space.schedule, &l, &enc));
+                        }
                     }
-                    let llm_t = best(&opts(Module::Llm, gl, 1, 0));
-                    let est = if overlapped {
-                        enc_t.max(llm_t)
-                    } else {
-                        enc_t + llm_t
-                    };
                     if est.is_finite() {
                         ranked.push((est, s));
                     }
@@ -314,10 +343,19 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
         budget,
         &mut simulated,
     )?
-    .ok_or_else(|| {
+    .map_err(|least| {
+        let why = if least.is_finite() {
+            format!(
+                "the {simulated} candidates simulated needed at least {:.1} GiB",
+                least / GIB
+            )
+        } else {
+            "every layout's estimate exceeds it".to_string()
+        };
         format!(
-            "no plan fits {g} GPUs in {:.0} GiB each",
-            problem.cluster.memory_gib
+            "no plan fits {g} GPUs in {:.0} GiB each ({:.0} GiB usable; {why})",
+            problem.cluster.memory_gib,
+            budget / GIB,
         )
     })?;
     if debug {
@@ -338,6 +376,7 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
             budget,
             &mut simulated,
         )?
+        .ok()
     } else {
         None
     };
@@ -349,90 +388,6 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
         simulated,
         search_s: t0.elapsed().as_secs_f64(),
     })
-}
-
-/// Simulates the `k` best-estimated combinations (in parallel); the fastest that fits
-/// wins, ties to the better estimate. `gpus`: check each plan against the world first
-/// (the LLM-centric baseline is not a plan `braid train` runs, so it skips the check).
-fn pick(
-    p: &Problem,
-    batches: &[Vec<RowShape>],
-    combos: &mut [Combo],
-    k: usize,
-    gpus: Option<usize>,
-    budget: f64,
-    simulated: &mut usize,
-) -> Result<Option<Found>, String> {
-    combos.sort_by(|a, b| a.est.total_cmp(&b.est));
-    let top = &combos[..k.min(combos.len())];
-    let sims: Vec<Result<StepSim, String>> = top
-        .par_iter()
-        .map(|c| {
-            if let Some(g) = gpus {
-                c.plan
-                    .check(&p.model, &p.cluster, g, batches[0].len())
-                    .map_err(|e| format!("internal: a candidate fails its own checks: {e}"))?;
-            }
-            mean_sim(p, &c.plan, batches)
-        })
-        .collect();
-    *simulated += sims.len();
-    let debug = std::env::var("BRAID_PLAN_DEBUG").is_ok();
-    let mut best: Option<Found> = None;
-    for (c, sim) in top.iter().zip(sims) {
-        let sim = sim?;
-        if debug {
-            eprintln!(
-                "cand est {:.3} sim {:.3} mem {:.1} GiB {:?}",
-                c.est,
-                sim.step_s,
-                sim.peak_memory / (1u64 << 30) as f64,
-                c.plan
-            );
-        }
-        if sim.peak_memory <= budget && best.as_ref().is_none_or(|b| sim.step_s < b.sim.step_s) {
-            best = Some(Found {
-                plan: c.plan.clone(),
-                sim,
-            });
-        }
-    }
-    Ok(best)
-}
-
-/// The mean over `batches` of the simulated step (peak memory: the largest).
-pub fn mean_sim(p: &Problem, plan: &Plan, batches: &[Vec<RowShape>]) -> Result<StepSim, String> {
-    let mut acc: Option<StepSim> = None;
-    for rows in batches {
-        let s = p.simulate(plan, rows)?;
-        acc = Some(match acc {
-            None => s,
-            Some(mut a) => {
-                a.step_s += s.step_s;
-                a.bubble += s.bubble;
-                a.bridge_s += s.bridge_s;
-                a.dp_sync_s += s.dp_sync_s;
-                a.peak_memory = a.peak_memory.max(s.peak_memory);
-                for (x, y) in a.busy.iter_mut().zip(&s.busy) {
-                    x.1 += y.1;
-                }
-                for (x, y) in a.memory.iter_mut().zip(&s.memory) {
-                    x.1 = x.1.max(y.1);
-                }
-                a
-            }
-        });
-    }
-    let mut a = acc.ok_or("no batches")?;
-    let n = batches.len() as f64;
-    a.step_s /= n;
-    a.bubble /= n;
-    a.bridge_s /= n;
-    a.dp_sync_s /= n;
-    for x in a.busy.iter_mut() {
-        x.1 /= n;
-    }
-    Ok(a)
 }
 
 /// The best LLM-centric plan: the LLM's layouts, each encoder inside stage 0 with the
@@ -483,11 +438,13 @@ fn baseline(
                     Some((ec, (tot.0 / n, tot.1 / n)))
                 })
                 .collect();
-            let load = (t.llm.0 / n, t.llm.1 / n);
-            let (time, sync, mem) = p.estimate(&sc, o.microbatches, load, &extra, 0);
-            if mem <= budget {
+            let g = t.granularity(Module::Llm, o.layout.dp);
+            let peak = t.granularity(Module::Llm, o.layout.dp * o.microbatches) / g;
+            let load = (t.llm.0 * g / n, t.llm.1 * g / n);
+            let e = p.estimate(&sc, o.microbatches, load, peak, &extra, 0);
+            if e.mem <= budget {
                 combos.push(Combo {
-                    est: time + sync,
+                    est: e.time + e.sync,
                     plan: Plan {
                         placement: Placement::LlmCentric,
                         schedule: Schedule::Phased,
@@ -512,5 +469,11 @@ fn baseline(
         budget,
         simulated,
     )?;
-    best.ok_or_else(|| format!("no LLM-centric layout fits {g} GPUs"))
+    best.map_err(|least| {
+        format!(
+            "no LLM-centric layout fits {g} GPUs (the least memory simulated: {:.1} GiB of {:.1})",
+            least / GIB,
+            budget / GIB
+        )
+    })
 }

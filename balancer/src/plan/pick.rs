@@ -1,0 +1,300 @@
+//! Picking a plan from ranked candidates: rounds of simulations spread over the LLM's
+//! options, more rounds while none fits in memory, one round refining the winner.
+
+use rayon::prelude::*;
+
+use crate::plan::layout::{Layout, Plan};
+use crate::plan::search::Found;
+use crate::plan::step::{Problem, StepSim};
+use crate::workload::RowShape;
+
+pub(crate) const GIB: f64 = (1u64 << 30) as f64;
+
+/// A combination: per module its option; the estimate; the plan.
+pub(crate) struct Combo {
+    pub est: f64,
+    pub plan: Plan,
+}
+
+/// Rounds of `k` candidates simulated at most while none of them fits in memory (the
+/// estimate's memory takes mean loads, the simulator the fullest window of the batch).
+const PICK_ROUNDS: usize = 8;
+
+/// The LLM option of a candidate (layout, microbatches, recomputation): it decides most
+/// of the step, and the estimate's error is larger than the gaps between encoder layouts.
+fn llm_key(plan: &Plan) -> (Layout, usize, bool) {
+    (plan.llm, plan.microbatches, plan.recompute)
+}
+
+/// `a` and `b` differ only where the estimate cannot see it (an encoder off the
+/// critical path): the same LLM option and estimate.
+fn twins(a: &Combo, b: &Combo) -> bool {
+    llm_key(&a.plan) == llm_key(&b.plan) && (a.est - b.est).abs() <= 1e-4 * b.est.abs()
+}
+
+/// Takes from `pending` (best estimate first) up to `k` candidates that `admit` lets
+/// into the round so far and that are no twin of one `taken` or already in the round.
+fn next_round(
+    combos: &[Combo],
+    pending: &mut Vec<usize>,
+    taken: &[usize],
+    k: usize,
+    admit: impl Fn(&[usize], &Combo) -> bool,
+) -> Vec<usize> {
+    let (mut round, mut rest) = (Vec::new(), Vec::new());
+    for &i in pending.iter() {
+        let c = &combos[i];
+        let twin = taken.iter().chain(&round).any(|&f| twins(c, &combos[f]));
+        if round.len() < k && !twin && admit(&round, c) {
+            round.push(i);
+        } else {
+            rest.push(i);
+        }
+    }
+    *pending = rest;
+    round
+}
+
+/// Whether `c` may join `round` in a first round: fewer than `cap` of its LLM option are
+/// in it, and each of those has a different layout for every encoder (variants that
+/// share one encoder's layout and differ in another are left for the refinement).
+fn spread(combos: &[Combo], round: &[usize], c: &Combo, cap: usize) -> bool {
+    let same: Vec<&Plan> = round
+        .iter()
+        .map(|&f| &combos[f].plan)
+        .filter(|o| llm_key(o) == llm_key(&c.plan))
+        .collect();
+    let shares = |o: &Plan| {
+        (o.vision.is_some() && o.vision == c.plan.vision)
+            || (o.audio.is_some() && o.audio == c.plan.audio)
+    };
+    same.len() < cap && !same.iter().any(|o| shares(o))
+}
+
+/// The simulated candidates so far: the fastest that fits, the least memory any needed.
+struct Tally {
+    best: Option<Found>,
+    least: f64,
+    simulated: usize,
+}
+
+/// Simulates `round` (in parallel) into `tally`. `gpus`: check each plan against the
+/// world first (the LLM-centric baseline is not a plan `braid train` runs: no check).
+fn simulate_round(
+    p: &Problem,
+    batches: &[Vec<RowShape>],
+    combos: &[Combo],
+    round: &[usize],
+    gpus: Option<usize>,
+    budget: f64,
+    tally: &mut Tally,
+) -> Result<(), String> {
+    let sims: Vec<Result<StepSim, String>> = round
+        .par_iter()
+        .map(|&i| {
+            let c = &combos[i];
+            if let Some(g) = gpus {
+                c.plan
+                    .check(&p.model, &p.cluster, g, batches[0].len())
+                    .map_err(|e| format!("internal: a candidate fails its own checks: {e}"))?;
+            }
+            mean_sim(p, &c.plan, batches)
+        })
+        .collect();
+    tally.simulated += sims.len();
+    let debug = std::env::var("BRAID_PLAN_DEBUG").is_ok();
+    for (&i, sim) in round.iter().zip(sims) {
+        let (c, sim) = (&combos[i], sim?);
+        if debug {
+            eprintln!(
+                "cand est {:.3} sim {:.3} mem {:.1} GiB {:?}",
+                c.est,
+                sim.step_s,
+                sim.peak_memory / GIB,
+                c.plan
+            );
+        }
+        tally.least = tally.least.min(sim.peak_memory);
+        let faster = tally
+            .best
+            .as_ref()
+            .is_none_or(|b| sim.step_s < b.sim.step_s);
+        if sim.peak_memory <= budget && faster {
+            tally.best = Some(Found {
+                plan: c.plan.clone(),
+                sim,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Simulates the best-estimated combinations, `k` at a time; the fastest that fits wins.
+/// The first round spreads over LLM options (at most `ceil(k / 4)` of one, each with
+/// its own encoder layouts; no twins); while none fits, the next round, up to [`PICK_ROUNDS`]; then one round
+/// refines the winner's LLM option with the encoder layouts not simulated yet. With
+/// `k` at least every combination (brute force), all are simulated at once.
+/// Returns the winner, or the least memory any candidate needed.
+pub(crate) fn pick(
+    p: &Problem,
+    batches: &[Vec<RowShape>],
+    combos: &mut [Combo],
+    k: usize,
+    gpus: Option<usize>,
+    budget: f64,
+    simulated: &mut usize,
+) -> Result<Result<Found, f64>, String> {
+    combos.sort_by(|a, b| a.est.total_cmp(&b.est));
+    let mut tally = Tally {
+        best: None,
+        least: f64::INFINITY,
+        simulated: 0,
+    };
+    let k = k.max(1);
+    if k >= combos.len() {
+        let all: Vec<usize> = (0..combos.len()).collect();
+        simulate_round(p, batches, combos, &all, gpus, budget, &mut tally)?;
+    } else {
+        let mut pending: Vec<usize> = (0..combos.len().min(k * PICK_ROUNDS * 8)).collect();
+        let mut taken: Vec<usize> = Vec::new();
+        let cap = k.div_ceil(4);
+        for _ in 0..PICK_ROUNDS {
+            let mut round = next_round(combos, &mut pending, &taken, k, |r, c| {
+                spread(combos, r, c, cap)
+            });
+            if round.is_empty() {
+                // Only twins left.
+                round = pending.drain(..k.min(pending.len())).collect();
+            }
+            if round.is_empty() {
+                break;
+            }
+            simulate_round(p, batches, combos, &round, gpus, budget, &mut tally)?;
+            taken.extend(round);
+            if tally.best.is_some() {
+                break;
+            }
+        }
+        if let Some(key) = tally.best.as_ref().map(|b| llm_key(&b.plan)) {
+            let round = next_round(combos, &mut pending, &taken, k, |_, c| {
+                llm_key(&c.plan) == key
+            });
+            simulate_round(p, batches, combos, &round, gpus, budget, &mut tally)?;
+        }
+    }
+    *simulated += tally.simulated;
+    Ok(tally.best.ok_or(tally.least))
+}
+
+/// The mean over `batches` of the simulated step (peak memory: the largest).
+pub fn mean_sim(p: &Problem, plan: &Plan, batches: &[Vec<RowShape>]) -> Result<StepSim, String> {
+    let mut acc: Option<StepSim> = None;
+    for rows in batches {
+        let s = p.simulate(plan, rows)?;
+        acc = Some(match acc {
+            None => s,
+            Some(mut a) => {
+                a.step_s += s.step_s;
+                a.bubble += s.bubble;
+                a.bridge_s += s.bridge_s;
+                a.dp_sync_s += s.dp_sync_s;
+                a.peak_memory = a.peak_memory.max(s.peak_memory);
+                for (x, y) in a.busy.iter_mut().zip(&s.busy) {
+                    x.1 += y.1;
+                }
+                for (x, y) in a.memory.iter_mut().zip(&s.memory) {
+                    x.1 = x.1.max(y.1);
+                }
+                a
+            }
+        });
+    }
+    let mut a = acc.ok_or("no batches")?;
+    let n = batches.len() as f64;
+    a.step_s /= n;
+    a.bubble /= n;
+    a.bridge_s /= n;
+    a.dp_sync_s /= n;
+    for x in a.busy.iter_mut() {
+        x.1 /= n;
+    }
+    Ok(a)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::layout::{Placement, Schedule};
+
+    /// A candidate whose LLM has data-parallel degree `dp` and whose vision encoder has
+    /// `v` replicas (what sets them apart within one LLM option).
+    fn combo(dp: usize, v: usize, est: f64) -> Combo {
+        let l = |dp| Layout {
+            tp: 1,
+            cp: 1,
+            pp: 1,
+            dp,
+        };
+        Combo {
+            est,
+            plan: Plan {
+                placement: Placement::Colocated,
+                schedule: Schedule::Phased,
+                microbatches: 1,
+                recompute: false,
+                recompute_encoders: false,
+                zero1: true,
+                llm: l(dp),
+                vision: Some(l(v)),
+                audio: None,
+            },
+        }
+    }
+
+    #[test]
+    fn a_round_spreads_over_llm_options_and_skips_twins() {
+        // Sorted by estimate: five variants of LLM option A (two of them twins), then B, C.
+        let combos = vec![
+            combo(8, 1, 1.00),
+            combo(8, 2, 1.00), // twin of the first: same LLM option and estimate
+            combo(8, 4, 1.01),
+            combo(8, 8, 1.02),
+            combo(8, 16, 1.03),
+            combo(4, 1, 1.10),
+            combo(2, 1, 1.20),
+        ];
+        let mut pending: Vec<usize> = (0..combos.len()).collect();
+        let first = next_round(&combos, &mut pending, &[], 4, |r, c| {
+            spread(&combos, r, c, 2)
+        });
+        assert_eq!(first, vec![0, 2, 5, 6]);
+        // Refining option A takes its variants not simulated yet, twins last of all.
+        let key = llm_key(&combos[0].plan);
+        let refine = next_round(&combos, &mut pending, &first, 4, |_, c| {
+            llm_key(&c.plan) == key
+        });
+        assert_eq!(refine, vec![3, 4]);
+        assert_eq!(pending, vec![1]);
+    }
+
+    #[test]
+    fn variants_of_one_llm_option_in_a_first_round_differ_in_every_encoder() {
+        let with_audio = |v: usize, a: usize| {
+            let mut c = combo(8, v, 1.0);
+            c.plan.audio = c.plan.vision.map(|l| Layout { dp: a, ..l });
+            c
+        };
+        let combos = vec![
+            with_audio(1, 1),
+            with_audio(1, 2),
+            with_audio(2, 1),
+            with_audio(2, 2),
+        ];
+        // The first is in; the next two share its vision or its audio layout.
+        assert!(!spread(&combos, &[0], &combos[1], 4));
+        assert!(!spread(&combos, &[0], &combos[2], 4));
+        assert!(spread(&combos, &[0], &combos[3], 4));
+        // And no more than `cap` of one LLM option.
+        assert!(!spread(&combos, &[0], &combos[3], 1));
+    }
+}
