@@ -179,9 +179,9 @@ impl Problem {
         })
     }
 
-    /// Time, slowest stage, sync and memory of a pipeline of `sc.layout.pp` stages running `mbs`
-    /// microbatches of `load = (tokens, sq)` each. Stage `s` holds 1F1B's `pp - s +
-    /// beyond` microbatches' activations (`beyond`: stages downstream of this module, the
+    /// Time, slowest stage, sync and memory of a pipeline of `sc.layout.pp` stages
+    /// running `mbs` microbatches of `load = (tokens, sq)` each. Stage `s` holds 1F1B's
+    /// `pp - s + beyond` microbatches' activations (`beyond`: stages downstream of this module, the
     /// LLM's for an overlapped encoder; `usize::MAX`: every microbatch, phased encoders).
     /// `extra` adds encoders' work (LLM-centric) to stage 0, each with its own load.
     /// `peak`: the fullest microbatch against `load` (whole rows or items are dealt out),
