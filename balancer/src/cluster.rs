@@ -4,6 +4,9 @@
 
 use serde::{Deserialize, Serialize};
 
+/// Bytes in a GiB, the unit cluster memory (`memory_gib`) and plan reports use.
+pub const GIB: f64 = (1u64 << 30) as f64;
+
 /// One measured point of the achieved matmul rate: GEMMs of `flops` (2·M·N·K) run at
 /// `tflops`.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -110,7 +113,7 @@ impl Cluster {
     pub fn preset(name: &str) -> Option<Cluster> {
         let (memory_gib, name) = match name {
             "h100" => (80.0, "h100"),
-            "h200" => (141.0 * 1e9 / (1u64 << 30) as f64, "h200"),
+            "h200" => (141.0 * 1e9 / GIB, "h200"),
             _ => return None,
         };
         // Measured on an H200 with PyTorch 2.11 / cuBLAS (CUDA 13.0):
@@ -234,7 +237,7 @@ impl Cluster {
 
     /// Bytes a plan may use per GPU.
     pub fn usable_bytes(&self) -> f64 {
-        self.memory_gib * (1u64 << 30) as f64 * self.usable_memory
+        self.memory_gib * GIB * self.usable_memory
     }
 
     /// Achieved FLOP/s of a GEMM of `flops`.

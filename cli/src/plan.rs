@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 
+use braid_balancer::cluster::GIB;
 use braid_balancer::plan::search::Found;
 use braid_balancer::{Layout, Module, Schedule};
 use braid_train::RunConfig;
@@ -48,8 +49,6 @@ pub fn run(a: PlanArgs) -> u8 {
         }
     }
 }
-
-const GIB: f64 = (1u64 << 30) as f64;
 
 /// Seconds as s or ms, whichever reads better.
 fn secs(x: f64) -> String {

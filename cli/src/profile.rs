@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use braid_balancer::cluster::{Cluster, Link, RatePoint};
+use braid_balancer::cluster::{Cluster, GIB, Link, RatePoint};
 use braid_comm::local::run_local;
 use braid_comm::{Comm, SingleRank};
 use braid_kernels::ops::{self, AttentionSpec};
@@ -291,7 +291,7 @@ fn memory_gib() -> Res<f64> {
         .and_then(|v| v.split_whitespace().next())
         .and_then(|v| v.parse::<f64>().ok())
         .ok_or("/proc/meminfo: no MemTotal line")?;
-    Ok(kb * 1024.0 / (1u64 << 30) as f64)
+    Ok(kb * 1024.0 / GIB)
 }
 
 fn host_name() -> String {

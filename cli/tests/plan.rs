@@ -13,26 +13,26 @@ fn braid(args: &[&str]) -> Output {
         .expect("run braid")
 }
 
-#[test]
-fn the_7b_reference_plans_on_64_gpus() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("plan.toml");
-    let res = braid(&[
-        "plan",
-        "--config",
-        "configs/plan-7b.toml",
-        "--gpus",
-        "64",
-        "--json",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+/// `braid plan --config CONFIG --gpus 64 EXTRA.. --json --out OUT`, which must succeed:
+/// its JSON object.
+fn plan_json(config: &str, extra: &[&str], out: &Path) -> serde_json::Value {
+    let mut args = vec!["plan", "--config", config, "--gpus", "64"];
+    args.extend_from_slice(extra);
+    args.extend(["--json", "--out", out.to_str().unwrap()]);
+    let res = braid(&args);
     assert!(
         res.status.success(),
         "{}",
         String::from_utf8_lossy(&res.stderr)
     );
-    let v: serde_json::Value = serde_json::from_slice(&res.stdout).unwrap();
+    serde_json::from_slice(&res.stdout).unwrap()
+}
+
+#[test]
+fn the_7b_reference_plans_on_64_gpus() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("plan.toml");
+    let v = plan_json("configs/plan-7b.toml", &[], &out);
     for key in ["step_time_s", "baseline_step_time_s", "speedup", "search_s"] {
         assert!(v[key].as_f64().is_some_and(|x| x > 0.0), "{key}: {v}");
     }
@@ -88,24 +88,7 @@ fn the_7b_reference_plans_on_64_gpus() {
 fn the_70b_reference_plans_the_overlapped_schedule_on_64_gpus() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("plan.toml");
-    let res = braid(&[
-        "plan",
-        "--config",
-        "configs/plan-70b.toml",
-        "--gpus",
-        "64",
-        "--schedule",
-        "overlapped",
-        "--json",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
-    assert!(
-        res.status.success(),
-        "{}",
-        String::from_utf8_lossy(&res.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&res.stdout).unwrap();
+    let v = plan_json("configs/plan-70b.toml", &["--schedule", "overlapped"], &out);
     assert_eq!(v["schedule"].as_str(), Some("overlapped"), "{v}");
     assert_eq!(v["placement"].as_str(), Some("disjoint"), "{v}");
     let gpus: u64 = ["llm", "vision", "audio"]

@@ -3,12 +3,11 @@
 
 use rayon::prelude::*;
 
+use crate::cluster::GIB;
 use crate::plan::layout::{Layout, Plan};
 use crate::plan::search::Found;
 use crate::plan::step::{Problem, StepSim};
 use crate::workload::RowShape;
-
-pub(crate) const GIB: f64 = (1u64 << 30) as f64;
 
 /// A combination: per module its option; the estimate; the plan.
 pub(crate) struct Combo {

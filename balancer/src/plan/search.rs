@@ -10,11 +10,12 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
+use crate::cluster::GIB;
 use crate::dims::Module;
 use crate::plan::cost::StageCost;
 use crate::plan::layout::{Layout, Placement, Plan, Schedule};
 use crate::plan::options::{Knobs, Opt, Totals, encoder_tp, pareto};
-use crate::plan::pick::{Combo, GIB, pick};
+use crate::plan::pick::{Combo, pick};
 use crate::plan::step::{Problem, StepSim};
 use crate::workload::{RowShape, Workload};
 
@@ -172,6 +173,22 @@ fn combo_estimate(placement: Placement, schedule: Schedule, l: &Opt, enc: &[(Mod
     }
 }
 
+/// The distinct microbatch counts among `opts`, ascending.
+fn microbatch_counts(opts: &[Opt]) -> Vec<usize> {
+    let mut counts: Vec<usize> = opts.iter().map(|o| o.microbatches).collect();
+    counts.sort_unstable();
+    counts.dedup();
+    counts
+}
+
+/// The option with the least pipeline time plus sync among those that fit `budget`.
+fn fastest<'a>(opts: impl IntoIterator<Item = &'a Opt>, budget: f64) -> Option<Opt> {
+    opts.into_iter()
+        .filter(|o| o.mem <= budget)
+        .min_by(|a, b| (a.time + a.sync).total_cmp(&(b.time + b.sync)))
+        .copied()
+}
+
 /// Searches `space` for `problem` on `workload`.
 pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<Outcome, String> {
     let t0 = Instant::now();
@@ -233,32 +250,22 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
                 };
                 // Each split's estimate: per LLM microbatch count (it sets the encoders'
                 // chunks and so their memory), the fastest option of each module that fits.
-                let fastest = |v: Vec<Opt>| {
-                    v.into_iter()
-                        .filter(|o| o.mem <= budget)
-                        .min_by(|a, b| (a.time + a.sync).total_cmp(&(b.time + b.sync)))
-                };
                 let mut ranked: Vec<(f64, Vec<usize>)> = Vec::new();
                 for s in all {
                     let gl = g - s.iter().sum::<usize>();
                     let llm = opts(Module::Llm, gl, 1, 0);
-                    let mut counts: Vec<usize> = llm.iter().map(|o| o.microbatches).collect();
-                    counts.sort_unstable();
-                    counts.dedup();
                     let mut est = f64::INFINITY;
-                    for m in counts {
-                        let Some(l) = fastest(
-                            llm.iter()
-                                .filter(|o| o.microbatches == m)
-                                .copied()
-                                .collect(),
-                        ) else {
+                    for m in microbatch_counts(&llm) {
+                        let with_m = llm.iter().filter(|o| o.microbatches == m);
+                        let Some(l) = fastest(with_m, budget) else {
                             continue;
                         };
                         let enc: Option<Vec<(Module, Opt)>> = encoders
                             .iter()
                             .enumerate()
-                            .map(|(k, &e)| Some((e, fastest(opts(e, s[k], m, l.layout.pp))?)))
+                            .map(|(k, &e)| {
+                                Some((e, fastest(&opts(e, s[k], m, l.layout.pp), budget)?))
+                            })
                             .collect();
                         if let Some(enc) = enc {
                             est = est.min(combo_estimate(placement, space.schedule, &l, &enc));
@@ -291,12 +298,9 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
             let llm = opts(Module::Llm, gl, 1, 0);
             // Dominance only among equal microbatch counts: the count also sets the
             // encoders' chunks.
-            let mut counts: Vec<usize> = llm.iter().map(|o| o.microbatches).collect();
-            counts.sort_unstable();
-            counts.dedup();
-            let front: Vec<Opt> = counts
-                .iter()
-                .flat_map(|&m| {
+            let front: Vec<Opt> = microbatch_counts(&llm)
+                .into_iter()
+                .flat_map(|m| {
                     pareto(
                         llm.iter()
                             .filter(|o| o.microbatches == m)
