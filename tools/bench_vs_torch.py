@@ -12,6 +12,13 @@ Cases, matching the Rust benches:
   gemm      f32 1024^3 matmul                      (kernels/benches/gemm.rs)
   attention causal, T=2048, NH=NKV=8, HS=64, fwd and bwd (kernels/benches/kernels.rs)
             torch: F.scaled_dot_product_attention(is_causal=True)
+  act       activations on 2^20 values of N(0, 2), forward and backward
+            (kernels/benches/kernels.rs): exact GELU (Whisper), tanh GELU (SigLIP),
+            SiLU, SwiGLU silu(g) * u; torch: F.gelu, F.gelu(approximate="tanh"),
+            F.silu, autograd for the backward
+  ce        cross-entropy forward + backward, N = 2048 tokens, V = 8192
+            (kernels/benches/kernels.rs; torch: F.cross_entropy(reduction="sum")
+            scaled by 1/N, autograd)
   block     pre-norm block, T=4096 as 4 x 1024 causal sequences, C=512, NH=8, HS=64,
             RMSNorm, RoPE, SwiGLU ff=1408, fwd and bwd (nn/benches/nn.rs)
             torch: the same block in nn.Module form, batch (4, 1024) with causal SDPA
@@ -63,6 +70,38 @@ def torch_attention():
 
     total = median_ms(fwd_bwd)
     return fwd, total - fwd
+
+
+def torch_activations():
+    """{name: (fwd ms, bwd ms)} for the cases of Braid's bench_activations."""
+    n = 1 << 20
+    x = (torch.randn(n) * 2).requires_grad_()
+    up = torch.randn(n).requires_grad_()
+    dy = torch.randn(n)
+    cases = {
+        "gelu_erf": lambda: F.gelu(x),
+        "gelu_tanh": lambda: F.gelu(x, approximate="tanh"),
+        "silu": lambda: F.silu(x),
+        "swiglu": lambda: F.silu(x) * up,
+    }
+    out = {}
+    for name, f in cases.items():
+        fwd = median_ms(f, runs=15, warmup=2)
+        total = median_ms(lambda: f().backward(dy), runs=15, warmup=2)
+        out[name] = (fwd, total - fwd)
+    return out
+
+
+def torch_cross_entropy():
+    n, v = 2048, 8192
+    logits = (torch.randn(n, v) * 2).requires_grad_()
+    targets = torch.tensor([i * 7919 % v for i in range(n)])
+
+    def fwd_bwd():
+        loss = F.cross_entropy(logits, targets, reduction="sum") / n
+        loss.backward()
+
+    return median_ms(fwd_bwd, runs=11, warmup=2)
 
 
 class Block(nn.Module):
@@ -151,17 +190,28 @@ def main():
         tg = torch_gemm_gflops()
         ta_f, ta_b = torch_attention()
         tb_f, tb_b = torch_block()
+        tact = torch_activations()
+        tce = torch_cross_entropy()
         # (case, unit, braid, torch, torch/braid as a speed ratio: > 1 means Braid faster)
         rows += [
             (th, "gemm 1024^3", "GFLOP/s", braid_gemm, tg, braid_gemm / tg),
             (th, "attention fwd", "ms", a["attention_fwd_ms"], ta_f, ta_f / a["attention_fwd_ms"]),
             (th, "attention bwd", "ms", a["attention_bwd_ms"], ta_b, ta_b / a["attention_bwd_ms"]),
+        ]
+        for name, (tf, tbw) in tact.items():
+            bf, bb = a[f"{name}_fwd_ms"], a[f"{name}_bwd_ms"]
+            rows += [
+                (th, f"{name} fwd", "ms", bf, tf, tf / bf),
+                (th, f"{name} bwd", "ms", bb, tbw, tbw / bb),
+            ]
+        rows.append((th, "ce fwd+bwd", "ms", a["cross_entropy_ms"], tce, tce / a["cross_entropy_ms"]))
+        rows += [
             (th, "block fwd", "ms", b["block_fwd_ms"], tb_f, tb_f / b["block_fwd_ms"]),
             (th, "block bwd", "ms", b["block_bwd_ms"], tb_b, tb_b / b["block_bwd_ms"]),
         ]
-    print(f"{'threads':>7}  {'case':<15} {'unit':<8} {'braid':>10} {'torch':>10} {'braid speed / torch':>20}")
+    print(f"{'threads':>7}  {'case':<16} {'unit':<8} {'braid':>10} {'torch':>10} {'braid speed / torch':>20}")
     for th, case, unit, bv, tv, ratio in rows:
-        print(f"{th:>7}  {case:<15} {unit:<8} {bv:>10.1f} {tv:>10.1f} {ratio:>19.2f}x")
+        print(f"{th:>7}  {case:<16} {unit:<8} {bv:>10.2f} {tv:>10.2f} {ratio:>19.2f}x")
 
 
 if __name__ == "__main__":

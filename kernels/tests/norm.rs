@@ -330,6 +330,38 @@ fn norms_deterministic_across_threads(dev: Device) -> Result<()> {
     Ok(())
 }
 
+/// A call of few rows (run on the calling thread) gives the same rows, bit for bit, as
+/// one of many (split over rayon's pool), and the big call matches the f64 reference.
+fn few_rows_and_many_rows_agree(dev: Device) -> Result<()> {
+    let mut rng = Rng::new(9);
+    let (n, few, c) = (1024, 8, 64); // 64K values: several pool tasks; 8 rows: one call
+    let x = rng.normal_vec(n * c, 1.5);
+    let dy = rng.normal_vec(n * c, 1.0);
+    let (w, b) = (rng.normal_vec(c, 1.0), rng.normal_vec(c, 1.0));
+    let (wt, bt) = (tensor(&w, &[c], dev)?, tensor(&b, &[c], dev)?);
+    let rows = |v: &[f32], k: usize| tensor(&v[..k * c], &[k, c], dev);
+    let outputs = |k: usize| -> Result<Vec<Vec<f32>>> {
+        let (xt, dyt) = (rows(&x, k)?, rows(&dy, k)?);
+        let (y, mean, rstd) = layer_norm_fwd(&xt, &wt, Some(&bt), 1e-5)?;
+        let dx = layer_norm_bwd(&dyt, &xt, &wt, &mean, &rstd, None, None)?;
+        let (ry, rrstd) = rms_norm_fwd(&xt, &wt, 1e-6)?;
+        let rdx = rms_norm_bwd(&dyt, &xt, &wt, &rrstd, None)?;
+        [y, dx, ry, rdx].iter().map(|t| t.to_vec_f32()).collect()
+    };
+    let (small, big) = (outputs(few)?, outputs(n)?);
+    for (i, (s, b)) in small.iter().zip(&big).enumerate() {
+        assert!(
+            s[..] == b[..few * c],
+            "output {i}: the first {few} rows differ"
+        );
+    }
+    let (want_y, _, _) = ln_ref(&x, &w, Some(&b), 1e-5);
+    assert_close("layer_norm (1024 rows)", &big[0], &want_y, 1e-5, 1e-5);
+    let (want_ry, _) = rms_ref(&x, &w, 1e-6);
+    assert_close("rms_norm (1024 rows)", &big[2], &want_ry, 1e-5, 1e-5);
+    Ok(())
+}
+
 braid_kernels::test_on_devices!(
     layer_norm_fwd_matches_reference,
     layer_norm_stats_accurate_with_large_mean,
@@ -341,4 +373,5 @@ braid_kernels::test_on_devices!(
     rms_norm_bwd_accumulates,
     rms_norm_errors,
     norms_deterministic_across_threads,
+    few_rows_and_many_rows_agree,
 );

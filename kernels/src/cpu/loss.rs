@@ -1,11 +1,24 @@
-//! CPU fused softmax cross-entropy.
+//! CPU fused softmax cross-entropy. The exponentials (one per logit: N x V of them,
+//! the LLM head's vocabulary on every token) run on the vectorizable
+//! [`super::simd::exp`], compiled per instruction set.
 
 use rayon::prelude::*;
 
+use super::simd::{Simd, exp, max16};
 use super::{CpuBackend, PAR_MIN_ELEMS};
 use crate::backend::LossKernels;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
+
+simd_fn!(exp_shifted => exp_shifted_imp(x: &[f32], m: f32, out: &mut [f32]));
+
+/// `out = e^(x - m)`.
+#[inline(always)]
+fn exp_shifted_imp<const FMA: bool>(x: &[f32], m: f32, out: &mut [f32]) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = exp::<FMA>(v - m);
+    }
+}
 
 impl LossKernels for CpuBackend {
     fn cross_entropy(
@@ -45,6 +58,7 @@ impl LossKernels for CpuBackend {
         }
         let mut losses = vec![0.0f32; n]; // (N)
         let mut dlogits = vec![0.0f32; n * v]; // (N, V)
+        let simd = Simd::detect();
         if !dlogits.is_empty() {
             dlogits
                 .par_chunks_mut(v)
@@ -58,15 +72,11 @@ impl LossKernels for CpuBackend {
                     }
                     let xrow = &x[row * v..(row + 1) * v];
                     // Max-subtracted log-sum-exp: exp never overflows, the largest term is 1.
-                    let mx = xrow.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let mx = max16(xrow);
                     // drow holds exp(x - max) until it is normalized; the sum is in f64
                     // so a 150k-entry vocabulary loses no precision.
-                    let mut sum = 0.0f64;
-                    for (d, &xi) in drow.iter_mut().zip(xrow) {
-                        let e = (xi - mx).exp();
-                        *d = e;
-                        sum += f64::from(e);
-                    }
+                    exp_shifted(simd, xrow, mx, drow);
+                    let sum: f64 = drow.iter().map(|&e| f64::from(e)).sum();
                     let tg = tg as usize;
                     let lse = f64::from(mx) + sum.ln();
                     *loss = (lse - f64::from(xrow[tg])) as f32;

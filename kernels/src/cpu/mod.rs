@@ -5,6 +5,8 @@
 //! ([`matmul::sgemm`]). bf16 tensors are storage only here: ops on them are a dtype
 //! error, cast to f32 first.
 
+#[macro_use]
+mod simd;
 mod activation;
 mod attention;
 mod conv;

@@ -1,6 +1,7 @@
 //! CPU LayerNorm and RMSNorm: rows in parallel, row statistics in f64, parameter grads
 //! summed per block of columns in row order, so results are bitwise the same for any
-//! number of threads.
+//! number of threads. Tensors too small to split run on the calling thread, without a
+//! round trip through rayon's pool.
 
 use rayon::prelude::*;
 
@@ -13,8 +14,8 @@ use crate::tensor::Tensor;
 /// couple of cache lines, narrow enough that C = 768 already gives 12 tasks.
 const COL_BLOCK: usize = 64;
 
-/// Rows per rayon task so that a task has at least [`PAR_MIN_ELEMS`] elements: small
-/// tensors stay on one thread, where splitting costs more than it saves.
+/// Rows per rayon task so that a task has at least [`PAR_MIN_ELEMS`] elements; at most
+/// this many rows run on the calling thread, where splitting costs more than it saves.
 pub(super) fn min_rows(c: usize) -> usize {
     PAR_MIN_ELEMS.div_ceil(c.max(1))
 }
@@ -28,17 +29,21 @@ pub(super) fn add_column_sums<F>(out: &mut [f32], rows: usize, row_term: F)
 where
     F: Fn(usize, usize, &mut [f64]) + Sync,
 {
-    out.par_chunks_mut(COL_BLOCK)
-        .enumerate()
-        .for_each(|(blk, o)| {
-            let mut acc = vec![0.0f64; o.len()];
-            for n in 0..rows {
-                row_term(n, blk * COL_BLOCK, &mut acc);
-            }
-            for (o, a) in o.iter_mut().zip(acc) {
-                *o += a as f32;
-            }
-        });
+    let block = |(blk, o): (usize, &mut [f32])| {
+        let mut acc = vec![0.0f64; o.len()];
+        for n in 0..rows {
+            row_term(n, blk * COL_BLOCK, &mut acc);
+        }
+        for (o, a) in o.iter_mut().zip(acc) {
+            *o += a as f32;
+        }
+    };
+    // One column block, or too little work to hand to the pool: the calling thread.
+    if out.len() <= COL_BLOCK || rows * out.len() <= PAR_MIN_ELEMS {
+        out.chunks_mut(COL_BLOCK).enumerate().for_each(block);
+    } else {
+        out.par_chunks_mut(COL_BLOCK).enumerate().for_each(block);
+    }
 }
 
 /// Mean and `1 / sqrt(biased var + eps)` of one row, two-pass in f64 (a one-pass
@@ -80,22 +85,30 @@ impl NormKernels for CpuBackend {
         let mut y = vec![0.0f32; xv.len()]; // (N, C)
         let mut mean = vec![0.0f32; n]; // (N)
         let mut rstd = vec![0.0f32; n]; // (N)
-        y.par_chunks_mut(c)
-            .zip(xv.par_chunks(c))
-            .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
-            .with_min_len(min_rows(c))
-            .for_each(|((yr, xr), (m, r))| {
-                let (mu, rs) = mean_rstd(xr, eps);
-                (*m, *r) = (mu, rs);
-                // Normalize with the f32 statistics the backward will see, so that
-                // forward and backward agree on xhat bit for bit.
-                for ((yv, &xv), &wv) in yr.iter_mut().zip(xr).zip(wv) {
-                    *yv = (xv - mu) * rs * wv;
-                }
-                if let Some(bv) = bv {
-                    yr.iter_mut().zip(bv).for_each(|(yv, &bv)| *yv += bv);
-                }
-            });
+        let row = |yr: &mut [f32], xr: &[f32], m: &mut f32, r: &mut f32| {
+            let (mu, rs) = mean_rstd(xr, eps);
+            (*m, *r) = (mu, rs);
+            // Normalize with the f32 statistics the backward will see, so that
+            // forward and backward agree on xhat bit for bit.
+            for ((yv, &xv), &wv) in yr.iter_mut().zip(xr).zip(wv) {
+                *yv = (xv - mu) * rs * wv;
+            }
+            if let Some(bv) = bv {
+                yr.iter_mut().zip(bv).for_each(|(yv, &bv)| *yv += bv);
+            }
+        };
+        if n <= min_rows(c) {
+            y.chunks_mut(c)
+                .zip(xv.chunks(c))
+                .zip(mean.iter_mut().zip(rstd.iter_mut()))
+                .for_each(|((yr, xr), (m, r))| row(yr, xr, m, r));
+        } else {
+            y.par_chunks_mut(c)
+                .zip(xv.par_chunks(c))
+                .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
+                .with_min_len(min_rows(c))
+                .for_each(|((yr, xr), (m, r))| row(yr, xr, m, r));
+        }
         Ok((
             Tensor::cpu_from_f32(y, x.shape().clone())?,
             Tensor::cpu_from_f32(mean, [n])?,
@@ -124,24 +137,32 @@ impl NormKernels for CpuBackend {
         let mut dx = vec![0.0f32; xv.len()]; // (N, C)
         // With xhat = (x - mean) rstd and g = dy w (the grad w.r.t. xhat):
         // dx = rstd (g - mean(g) - xhat mean(g xhat)).
-        dx.par_chunks_mut(c)
-            .zip(dyv.par_chunks(c).zip(xv.par_chunks(c)))
-            .zip(mv.par_iter().zip(rv.par_iter()))
-            .with_min_len(min_rows(c))
-            .for_each(|((dxr, (dyr, xr)), (&mu, &rs))| {
-                let (mut sum_g, mut sum_gx) = (0.0f64, 0.0f64);
-                for ((&d, &xv), &wv) in dyr.iter().zip(xr).zip(wv) {
-                    let g = d * wv;
-                    sum_g += f64::from(g);
-                    sum_gx += f64::from(g * ((xv - mu) * rs));
-                }
-                let mean_g = (sum_g / c as f64) as f32;
-                let mean_gx = (sum_gx / c as f64) as f32;
-                for (((o, &d), &xv), &wv) in dxr.iter_mut().zip(dyr).zip(xr).zip(wv) {
-                    let xhat = (xv - mu) * rs;
-                    *o = (d * wv - mean_g - xhat * mean_gx) * rs;
-                }
-            });
+        let row = |dxr: &mut [f32], dyr: &[f32], xr: &[f32], mu: f32, rs: f32| {
+            let (mut sum_g, mut sum_gx) = (0.0f64, 0.0f64);
+            for ((&d, &xv), &wv) in dyr.iter().zip(xr).zip(wv) {
+                let g = d * wv;
+                sum_g += f64::from(g);
+                sum_gx += f64::from(g * ((xv - mu) * rs));
+            }
+            let mean_g = (sum_g / c as f64) as f32;
+            let mean_gx = (sum_gx / c as f64) as f32;
+            for (((o, &d), &xv), &wv) in dxr.iter_mut().zip(dyr).zip(xr).zip(wv) {
+                let xhat = (xv - mu) * rs;
+                *o = (d * wv - mean_g - xhat * mean_gx) * rs;
+            }
+        };
+        if n <= min_rows(c) {
+            dx.chunks_mut(c)
+                .zip(dyv.chunks(c).zip(xv.chunks(c)))
+                .zip(mv.iter().zip(rv))
+                .for_each(|((dxr, (dyr, xr)), (&mu, &rs))| row(dxr, dyr, xr, mu, rs));
+        } else {
+            dx.par_chunks_mut(c)
+                .zip(dyv.par_chunks(c).zip(xv.par_chunks(c)))
+                .zip(mv.par_iter().zip(rv.par_iter()))
+                .with_min_len(min_rows(c))
+                .for_each(|((dxr, (dyr, xr)), (&mu, &rs))| row(dxr, dyr, xr, mu, rs));
+        }
         if let Some(dw) = dw {
             // dw (C) += sum_n dy[n] * xhat[n]
             add_column_sums(dw.cpu_f32_mut(OP, "dw")?, n, |r, j0, acc| {
@@ -172,18 +193,26 @@ impl NormKernels for CpuBackend {
         let n = xv.len() / c;
         let mut y = vec![0.0f32; xv.len()]; // (N, C)
         let mut rstd = vec![0.0f32; n]; // (N)
-        y.par_chunks_mut(c)
-            .zip(xv.par_chunks(c))
-            .zip(rstd.par_iter_mut())
-            .with_min_len(min_rows(c))
-            .for_each(|((yr, xr), r)| {
-                let rs = rms_rstd(xr, eps);
-                *r = rs;
-                // HF order: normalize first, then scale by the weight.
-                for ((yv, &xv), &wv) in yr.iter_mut().zip(xr).zip(wv) {
-                    *yv = (xv * rs) * wv;
-                }
-            });
+        let row = |yr: &mut [f32], xr: &[f32], r: &mut f32| {
+            let rs = rms_rstd(xr, eps);
+            *r = rs;
+            // HF order: normalize first, then scale by the weight.
+            for ((yv, &xv), &wv) in yr.iter_mut().zip(xr).zip(wv) {
+                *yv = (xv * rs) * wv;
+            }
+        };
+        if n <= min_rows(c) {
+            y.chunks_mut(c)
+                .zip(xv.chunks(c))
+                .zip(rstd.iter_mut())
+                .for_each(|((yr, xr), r)| row(yr, xr, r));
+        } else {
+            y.par_chunks_mut(c)
+                .zip(xv.par_chunks(c))
+                .zip(rstd.par_iter_mut())
+                .with_min_len(min_rows(c))
+                .for_each(|((yr, xr), r)| row(yr, xr, r));
+        }
         Ok((
             Tensor::cpu_from_f32(y, x.shape().clone())?,
             Tensor::cpu_from_f32(rstd, [n])?,
@@ -207,22 +236,30 @@ impl NormKernels for CpuBackend {
         let n = rv.len();
         let mut dx = vec![0.0f32; xv.len()]; // (N, C)
         // With xhat = x rstd and g = dy w: dx = rstd (g - xhat mean(g xhat)).
-        dx.par_chunks_mut(c)
-            .zip(dyv.par_chunks(c).zip(xv.par_chunks(c)))
-            .zip(rv.par_iter())
-            .with_min_len(min_rows(c))
-            .for_each(|((dxr, (dyr, xr)), &rs)| {
-                let sum_gx: f64 = dyr
-                    .iter()
-                    .zip(xr)
-                    .zip(wv)
-                    .map(|((&d, &xv), &wv)| f64::from((d * wv) * (xv * rs)))
-                    .sum();
-                let mean_gx = (sum_gx / c as f64) as f32;
-                for (((o, &d), &xv), &wv) in dxr.iter_mut().zip(dyr).zip(xr).zip(wv) {
-                    *o = (d * wv - (xv * rs) * mean_gx) * rs;
-                }
-            });
+        let row = |dxr: &mut [f32], dyr: &[f32], xr: &[f32], rs: f32| {
+            let sum_gx: f64 = dyr
+                .iter()
+                .zip(xr)
+                .zip(wv)
+                .map(|((&d, &xv), &wv)| f64::from((d * wv) * (xv * rs)))
+                .sum();
+            let mean_gx = (sum_gx / c as f64) as f32;
+            for (((o, &d), &xv), &wv) in dxr.iter_mut().zip(dyr).zip(xr).zip(wv) {
+                *o = (d * wv - (xv * rs) * mean_gx) * rs;
+            }
+        };
+        if n <= min_rows(c) {
+            dx.chunks_mut(c)
+                .zip(dyv.chunks(c).zip(xv.chunks(c)))
+                .zip(rv)
+                .for_each(|((dxr, (dyr, xr)), &rs)| row(dxr, dyr, xr, rs));
+        } else {
+            dx.par_chunks_mut(c)
+                .zip(dyv.par_chunks(c).zip(xv.par_chunks(c)))
+                .zip(rv.par_iter())
+                .with_min_len(min_rows(c))
+                .for_each(|((dxr, (dyr, xr)), &rs)| row(dxr, dyr, xr, rs));
+        }
         if let Some(dw) = dw {
             // dw (C) += sum_n dy[n] * xhat[n]
             add_column_sums(dw.cpu_f32_mut(OP, "dw")?, n, |r, j0, acc| {

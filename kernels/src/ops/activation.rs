@@ -22,8 +22,9 @@ pub enum Activation {
     Silu,
 }
 
-/// The complementary error function `erfc(x) = 1 - erf(x)` in f64, as the CPU kernels
-/// of [`Activation::GeluErf`] use it (public so its accuracy is tested directly).
+/// The complementary error function `erfc(x) = 1 - erf(x)` in f64: the fit the CPU
+/// kernels of [`Activation::GeluErf`] evaluate in f32 on a vectorizable exp (public so
+/// the fit's own accuracy is tested directly; the kernels are tested against f64).
 ///
 /// Numerical Recipes' `erfcc` (Press et al., 2nd ed., section 6.2): a Chebyshev fit
 /// of `erfc` with *fractional* error below 1.2e-7 for every x. Exact GELU is written

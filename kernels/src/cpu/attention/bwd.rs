@@ -20,10 +20,11 @@
 
 use rayon::prelude::*;
 
-use super::kernel::{Simd, mm};
-use super::{BK, BQ, Qkv, Seg, Tile, dot, exp_softmax, head_cols, head_rows, scores};
+use super::kernel::mm;
+use super::{BK, BQ, Qkv, Seg, Tile, dot, head_cols, head_rows, scores};
 use super::{scatter_add_one, scatter_one, tiles, to_heads};
 use crate::cpu::matmul::MatRef;
+use crate::cpu::simd::exp;
 use crate::error::Result;
 use crate::ops::attention::AttentionDims;
 
@@ -205,7 +206,7 @@ fn ds_rows_imp<const FMA: bool>(
     {
         // Masked scores are -inf: exp gives exactly 0.
         for (pv, ds) in pr.iter_mut().zip(dsr.iter_mut()) {
-            *pv = exp_softmax::<FMA>(*pv - m);
+            *pv = exp::<FMA>(*pv - m);
             *ds = *pv * (*ds - d);
         }
     }

@@ -2,8 +2,9 @@
 
 use rayon::prelude::*;
 
-use super::kernel::{Simd, mm};
-use super::{Qkv, Seg, Tile, exp_softmax, head_rows, max16, scatter, scores, tiles};
+use super::kernel::mm;
+use super::{Qkv, Seg, Tile, head_rows, max16, scatter, scores, tiles};
+use crate::cpu::simd::exp;
 
 /// Keys per block. Larger than the backward's 64: the per-row work of a step (max,
 /// rescale) is then spread over more keys.
@@ -60,7 +61,7 @@ fn softmax_step_imp<const FMA: bool>(
             continue;
         }
         // exp(-inf) = 0 on the first block, where acc and l are still 0.
-        let corr = exp_softmax::<FMA>(m[r] - m_new);
+        let corr = exp::<FMA>(m[r] - m_new);
         l[r] = l[r] * corr + exp_sum::<FMA>(row, m_new);
         if corr != 1.0 {
             acc[r * hs..(r + 1) * hs]
@@ -79,13 +80,13 @@ fn exp_sum<const FMA: bool>(row: &mut [f32], m: f32) -> f32 {
     let mut chunks = row.chunks_exact_mut(16);
     for c in &mut chunks {
         for (x, a) in c.iter_mut().zip(&mut acc) {
-            *x = exp_softmax::<FMA>(*x - m);
+            *x = exp::<FMA>(*x - m);
             *a += *x;
         }
     }
     let mut tail = 0.0f32;
     for x in chunks.into_remainder() {
-        *x = exp_softmax::<FMA>(*x - m);
+        *x = exp::<FMA>(*x - m);
         tail += *x;
     }
     acc.iter().sum::<f32>() + tail

@@ -11,44 +11,8 @@
 //! the values, never on blocking or threads.
 
 use super::super::matmul::{MatRef, sgemm};
+use crate::cpu::simd::Simd;
 use crate::error::{Error, Result};
-
-/// The instruction set the attention kernels run with, chosen once per call.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Simd {
-    /// `gemm` for products, compiler-vectorized loops for the baseline target.
-    Portable,
-    /// The AVX-512 kernel below, and the elementwise loops compiled for AVX-512.
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
-    /// The AVX2+FMA kernel below, and the elementwise loops compiled for AVX2+FMA.
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-}
-
-impl Simd {
-    /// The best level this machine supports.
-    pub(super) fn detect() -> Self {
-        Self::available()[0]
-    }
-
-    /// Every level this machine supports, best first.
-    pub(super) fn available() -> Vec<Self> {
-        let mut out = Vec::new();
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::is_x86_feature_detected as has;
-            if has!("avx512f") {
-                out.push(Simd::Avx512);
-            }
-            if has!("avx2") && has!("fma") {
-                out.push(Simd::Avx2);
-            }
-        }
-        out.push(Simd::Portable);
-        out
-    }
-}
 
 /// Checks that an (rows, cols) view with strides (rs, cs) stays inside `len`.
 fn fits(name: &str, len: usize, rows: usize, cols: usize, rs: usize, cs: usize) -> Result<()> {

@@ -31,8 +31,8 @@
 //!   (H, T, HS), kᵀ and vᵀ as (H, HS, LD) with a padded LD — so every block is a
 //!   contiguous run of rows: blocks whose rows are NH * HS floats (2 KiB) or T floats
 //!   (8 KiB) apart fall in a few L1 sets and thrash.
-//! - Softmax and dS loops ([`exp_softmax`], a branch-free polynomial) are compiled
-//!   per instruction set (`simd_fn!`) so they vectorize 16 (8) lanes wide with FMA;
+//! - Softmax and dS loops ([`super::simd::exp`], a branch-free polynomial) are compiled
+//!   per instruction set (`simd_fn!`, [`super::simd`]) so they vectorize 16 (8) lanes wide with FMA;
 //!   results are deterministic per machine, and every level passes the tests.
 //!
 //! Measured, one causal sequence, T = 2048, NH = NKV = 8, HS = 64, ms, on a 2-core
@@ -59,44 +59,6 @@
 //! kernels on this machine, so it does not show how an AVX2-only CPU fares. The
 //! block products are now ~70 % of the backward, at ~120 GFLOP/s.
 
-/// `fn $name(simd: Simd, args..)` running the `#[inline(always)]` loop function
-/// `$imp::<true>(args..)` compiled for AVX-512 or AVX2+FMA when `simd` says so (loops
-/// vectorize 16 or 8 lanes wide; `true`: fused multiply-adds, one instruction there),
-/// and `$imp::<false>` for the baseline target otherwise.
-macro_rules! simd_fn {
-    ($name:ident => $imp:ident ( $($arg:ident : $ty:ty),* $(,)? )) => {
-        fn $name(simd: Simd, $($arg: $ty),*) {
-            // `avx512f` as a target feature: Rust >= 1.89 (the workspace MSRV).
-            #[cfg(target_arch = "x86_64")]
-            #[target_feature(enable = "avx512f")]
-            fn avx512($($arg: $ty),*) {
-                $imp::<true>($($arg),*)
-            }
-            #[cfg(target_arch = "x86_64")]
-            #[target_feature(enable = "avx2,fma")]
-            fn avx2($($arg: $ty),*) {
-                $imp::<true>($($arg),*)
-            }
-            #[cfg(target_arch = "x86_64")]
-            {
-                use std::arch::is_x86_feature_detected as has;
-                if simd == Simd::Avx512 && has!("avx512f") {
-                    // SAFETY: the CPU supports avx512f (checked just above).
-                    unsafe { avx512($($arg),*) };
-                    return;
-                }
-                if simd == Simd::Avx2 && has!("avx2") && has!("fma") {
-                    // SAFETY: the CPU supports avx2 and fma (checked just above).
-                    unsafe { avx2($($arg),*) };
-                    return;
-                }
-            }
-            let _ = simd;
-            $imp::<false>($($arg),*)
-        }
-    };
-}
-
 mod bwd;
 mod fwd;
 mod kernel;
@@ -104,10 +66,11 @@ mod math;
 
 use rayon::prelude::*;
 
-use self::kernel::{Simd, mm};
-use self::math::{dot, exp_softmax, max16};
+use self::kernel::mm;
+use self::math::dot;
 use super::CpuBackend;
 use super::matmul::MatRef;
+use super::simd::{Simd, max16};
 use crate::backend::AttentionKernels;
 use crate::error::{Error, Result};
 use crate::ops::attention::{AttentionDims, AttentionSpec, QkSegment, check_qk_ranges, check_qkv};

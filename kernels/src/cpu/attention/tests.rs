@@ -1,35 +1,13 @@
-//! Unit tests of the attention internals: the exp, the AVX-512 block product, and
+//! Unit tests of the attention internals: the AVX-512 block product, and
 //! the backward's two work schemes (bitwise equal), plus an ignored CPU-time bench.
 
-use super::kernel::{Simd, mm};
-use super::{AttentionDims, AttentionSpec, Host, backward_host, exp_softmax, forward_host, seqs};
+use super::kernel::mm;
+use super::{AttentionDims, AttentionSpec, Host, backward_host, forward_host, seqs};
 use crate::cpu::matmul::MatRef;
+use crate::cpu::simd::Simd;
 use crate::rng::Rng;
 use crate::testing::assert_close;
 
-/// The vectorizable exp agrees with f64 exp to a few ulp over the softmax range,
-/// and flushes -inf and deep negatives to exactly 0.
-#[test]
-fn exp_softmax_is_accurate() {
-    fn check<const FMA: bool>() {
-        let mut worst = 0.0f64;
-        for i in 0..=200_000 {
-            let x = -87.0 + 87.0 * i as f32 / 200_000.0;
-            let want = f64::from(x).exp();
-            let rel = (f64::from(exp_softmax::<FMA>(x)) - want).abs() / want;
-            worst = worst.max(rel);
-        }
-        assert!(worst < 2e-7, "FMA {FMA}: max relative error {worst}");
-        assert_eq!(exp_softmax::<FMA>(0.0), 1.0);
-        assert_eq!(exp_softmax::<FMA>(f32::NEG_INFINITY), 0.0);
-        assert_eq!(exp_softmax::<FMA>(-1e30), 0.0);
-    }
-    check::<false>();
-    check::<true>();
-}
-
-/// `mm` on every level against f64 loops: odd m, n, k (tile and mask edges), a read
-/// transposed, c with a row stride, beta 0 (c garbage, never read) and beta 1.
 #[test]
 fn mm_matches_reference() {
     let mut rng = Rng::new(1);
