@@ -24,7 +24,8 @@ pub struct ProfileArgs {
     /// Where to write the cluster TOML (then: braid plan --cluster PATH).
     #[arg(long, default_value = "cluster.toml")]
     out: PathBuf,
-    /// Fewer and smaller sizes, fewer repeats: a few seconds instead of a minute.
+    /// Fewer and smaller sizes, fewer repeats, one round instead of the median of three:
+    /// well under a second instead of ~10 s.
     #[arg(long)]
     quick: bool,
 }
@@ -71,6 +72,21 @@ fn time_median(e: Effort, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
     }
     per_call.sort_by(f64::total_cmp);
     Ok(per_call[per_call.len() / 2])
+}
+
+/// The median of `v` (the upper one of an even count); 0 for none.
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// The median of `rounds` calls of `f`.
+fn median_round(rounds: usize, mut f: impl FnMut() -> Res<f64>) -> Res<f64> {
+    let mut v = Vec::with_capacity(rounds);
+    for _ in 0..rounds.max(1) {
+        v.push(f()?);
+    }
+    Ok(median(v))
 }
 
 /// The trainer's GEMM shapes: `(tokens M, hidden K, width N)`, ~1e5 to ~2e10 FLOPs.
@@ -312,7 +328,7 @@ fn write_atomic(path: &Path, text: &str) -> Res<()> {
 }
 
 fn profile(a: &ProfileArgs) -> Res<()> {
-    // Fail on a bad --out before a minute of measuring.
+    // Fail on a bad --out before ~10 s of measuring.
     if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty())
         && !dir.is_dir()
     {
@@ -361,9 +377,23 @@ fn profile(a: &ProfileArgs) -> Res<()> {
         },
         shared_compute: true,
     };
-    c.attention_efficiency = attention_efficiency(e, a.quick, &c)?;
-    c.layer_overhead_us = layer_overhead_us(e, &c)?;
-    c.elementwise_ns = elementwise_ns(e, a.quick, &c)?;
+    // Each derived figure is the median of `rounds` measurements: the overhead and the
+    // elementwise cost are differences of two timings, and one disturbed sample (rayon's
+    // workers asleep or spinning, another process) moved them 2x between runs.
+    let rounds = if a.quick { 1 } else { 3 };
+    let mut tables = vec![std::mem::take(&mut c.matmul)];
+    for _ in 1..rounds {
+        tables.push(matmul_rates(e, a.quick)?);
+    }
+    c.matmul = (0..tables[0].len())
+        .map(|i| RatePoint {
+            flops: tables[0][i].flops,
+            tflops: median(tables.iter().map(|t| t[i].tflops).collect()),
+        })
+        .collect();
+    c.attention_efficiency = median_round(rounds, || attention_efficiency(e, a.quick, &c))?;
+    c.layer_overhead_us = median_round(rounds, || layer_overhead_us(e, &c))?;
+    c.elementwise_ns = median_round(rounds, || elementwise_ns(e, a.quick, &c))?;
     let l = link(e, a.quick)?;
     c.intra = l;
     c.inter = l;
@@ -404,4 +434,22 @@ fn profile(a: &ProfileArgs) -> Res<()> {
     );
     println!("  wrote {}", a.out.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{median, median_round};
+
+    #[test]
+    fn medians_take_the_middle_and_the_upper_of_two() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![1.0, 5.0]), 5.0);
+        assert_eq!(median(Vec::new()), 0.0);
+        let mut seq = [9.0, 1.0, 4.0].into_iter();
+        assert_eq!(median_round(3, || Ok(seq.next().unwrap_or(0.0))), Ok(4.0));
+        assert_eq!(
+            median_round(3, || Err::<f64, _>("boom".to_string())),
+            Err("boom".to_string())
+        );
+    }
 }
