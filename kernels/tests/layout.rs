@@ -1,4 +1,4 @@
-//! Layout ops (transpose01, narrow_last) and add_bias: against index arithmetic, any
+//! Layout ops (transpose01, narrow_last), add_bias and the bias grad: against index arithmetic, any
 //! dtype, errors.
 
 use braid_kernels::assert_err;
@@ -66,10 +66,43 @@ fn add_bias_adds_to_every_row(dev: Device) -> Result<()> {
     Ok(())
 }
 
+/// add_bias and linear_bwd's bias grad on a small input and a large one (400 x 96, split
+/// over rayon's pool) against plain loops: exact for the add, f64 column sums for db.
+fn bias_ops_small_and_large(dev: Device) -> Result<()> {
+    let mut rng = braid_kernels::rng::Rng::new(5);
+    let c = 96;
+    for rows in [3usize, 400] {
+        let y0 = rng.normal_vec(rows * c, 1.0);
+        let b = rng.normal_vec(c, 1.0);
+        let mut y = Tensor::from_vec(y0.clone(), [rows, c], dev)?;
+        ops::add_bias(&mut y, &Tensor::from_vec(b.clone(), [c], dev)?)?;
+        let want: Vec<f32> = y0.iter().enumerate().map(|(i, v)| v + b[i % c]).collect();
+        assert_eq!(y.to_vec_f32()?, want, "add_bias, {rows} rows");
+        // db += column sums of dy, through linear_bwd (x and w are only shapes here).
+        let dy = Tensor::from_vec(y0.clone(), [rows, c], dev)?;
+        let x = Tensor::full(1.0, [rows, 2], dev)?;
+        let w = Tensor::full(1.0, [c, 2], dev)?;
+        let mut db = Tensor::full(0.5, [c], dev)?;
+        ops::linear_bwd(&dy, &x, &w, None, Some(&mut db))?;
+        let sums: Vec<f32> = (0..c)
+            .map(|j| (0.5 + (0..rows).map(|r| f64::from(y0[r * c + j])).sum::<f64>()) as f32)
+            .collect();
+        let got = db.to_vec_f32()?;
+        for (j, (g, w)) in got.iter().zip(&sums).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                "db[{j}], {rows} rows: {g} vs {w}"
+            );
+        }
+    }
+    Ok(())
+}
+
 braid_kernels::test_on_devices!(
     transpose01_matches_indexing,
     narrow_last_matches_indexing,
-    add_bias_adds_to_every_row
+    add_bias_adds_to_every_row,
+    bias_ops_small_and_large
 );
 
 fn gather_and_scatter_rows(dev: Device) -> Result<()> {
