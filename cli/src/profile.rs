@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use braid_balancer::cluster::{Cluster, GIB, Link, RatePoint};
+use braid_balancer::plan::check::median;
 use braid_comm::local::run_local;
 use braid_comm::{Comm, SingleRank};
 use braid_kernels::ops::{self, AttentionSpec};
@@ -74,19 +75,13 @@ fn time_median(e: Effort, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
     Ok(per_call[per_call.len() / 2])
 }
 
-/// The median of `v` (the upper one of an even count); 0 for none.
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
-}
-
 /// The median of `rounds` calls of `f`.
 fn median_round(rounds: usize, mut f: impl FnMut() -> Res<f64>) -> Res<f64> {
     let mut v = Vec::with_capacity(rounds);
     for _ in 0..rounds.max(1) {
         v.push(f()?);
     }
-    Ok(median(v))
+    Ok(median(&v))
 }
 
 /// The trainer's GEMM shapes: `(tokens M, hidden K, width N)`, ~1e5 to ~2e10 FLOPs.
@@ -388,7 +383,7 @@ fn profile(a: &ProfileArgs) -> Res<()> {
     c.matmul = (0..tables[0].len())
         .map(|i| RatePoint {
             flops: tables[0][i].flops,
-            tflops: median(tables.iter().map(|t| t[i].tflops).collect()),
+            tflops: median(&tables.iter().map(|t| t[i].tflops).collect::<Vec<_>>()),
         })
         .collect();
     c.attention_efficiency = median_round(rounds, || attention_efficiency(e, a.quick, &c))?;
@@ -438,13 +433,10 @@ fn profile(a: &ProfileArgs) -> Res<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::{median, median_round};
+    use super::median_round;
 
     #[test]
-    fn medians_take_the_middle_and_the_upper_of_two() {
-        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(vec![1.0, 5.0]), 5.0);
-        assert_eq!(median(Vec::new()), 0.0);
+    fn median_round_takes_the_middle_round_and_passes_errors() {
         let mut seq = [9.0, 1.0, 4.0].into_iter();
         assert_eq!(median_round(3, || Ok(seq.next().unwrap_or(0.0))), Ok(4.0));
         assert_eq!(

@@ -185,18 +185,27 @@ fn swiglu_bwd_imp<const FMA: bool>(
 /// calling thread.
 const PIECE: usize = PAR_MIN_ELEMS;
 
+/// A new `(n)` output, each piece written by `fill(offset, piece)`: on the calling
+/// thread when it is one piece, else on rayon's pool.
+fn fill_pieces(n: usize, fill: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
+    let mut out = vec![0.0f32; n]; // (N)
+    if n <= PIECE {
+        fill(0, &mut out);
+    } else {
+        out.par_chunks_mut(PIECE)
+            .enumerate()
+            .for_each(|(i, piece)| fill(i * PIECE, piece));
+    }
+    out
+}
+
 impl ActivationKernels for CpuBackend {
     fn activation_fwd(&self, x: &Tensor, act: Activation) -> Result<Tensor> {
         let xv = x.cpu_f32("activation_fwd", "x")?; // (N)
         let simd = Simd::detect();
-        let mut y = vec![0.0f32; xv.len()]; // (N)
-        if xv.len() <= PIECE {
-            fwd_piece(simd, act, xv, &mut y);
-        } else {
-            y.par_chunks_mut(PIECE)
-                .zip(xv.par_chunks(PIECE))
-                .for_each(|(y, x)| fwd_piece(simd, act, x, y));
-        }
+        let y = fill_pieces(xv.len(), |at, y| {
+            fwd_piece(simd, act, &xv[at..at + y.len()], y)
+        }); // (N)
         Tensor::cpu_from_f32(y, x.shape().clone())
     }
 
@@ -204,14 +213,10 @@ impl ActivationKernels for CpuBackend {
         let dyv = dy.cpu_f32("activation_bwd", "dy")?; // (N)
         let xv = x.cpu_f32("activation_bwd", "x")?; // (N)
         let simd = Simd::detect();
-        let mut dx = vec![0.0f32; xv.len()]; // (N)
-        if xv.len() <= PIECE {
-            bwd_piece(simd, act, dyv, xv, &mut dx);
-        } else {
-            dx.par_chunks_mut(PIECE)
-                .zip(dyv.par_chunks(PIECE).zip(xv.par_chunks(PIECE)))
-                .for_each(|(dx, (dy, x))| bwd_piece(simd, act, dy, x, dx));
-        }
+        let dx = fill_pieces(xv.len(), |at, dx| {
+            let r = at..at + dx.len();
+            bwd_piece(simd, act, &dyv[r.clone()], &xv[r], dx)
+        }); // (N)
         Tensor::cpu_from_f32(dx, x.shape().clone())
     }
 
@@ -219,14 +224,10 @@ impl ActivationKernels for CpuBackend {
         let gv = gate.cpu_f32("swiglu_fwd", "gate")?; // (N)
         let uv = up.cpu_f32("swiglu_fwd", "up")?; // (N)
         let simd = Simd::detect();
-        let mut y = vec![0.0f32; gv.len()]; // (N)
-        if gv.len() <= PIECE {
-            swiglu_fwd_piece(simd, gv, uv, &mut y);
-        } else {
-            y.par_chunks_mut(PIECE)
-                .zip(gv.par_chunks(PIECE).zip(uv.par_chunks(PIECE)))
-                .for_each(|(y, (g, u))| swiglu_fwd_piece(simd, g, u, y));
-        }
+        let y = fill_pieces(gv.len(), |at, y| {
+            let r = at..at + y.len();
+            swiglu_fwd_piece(simd, &gv[r.clone()], &uv[r], y)
+        }); // (N)
         Tensor::cpu_from_f32(y, gate.shape().clone())
     }
 

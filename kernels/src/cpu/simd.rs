@@ -21,9 +21,10 @@ pub(crate) enum Simd {
 }
 
 impl Simd {
-    /// The best level this machine supports.
+    /// The best level this machine supports, probed once (kernels ask on every call).
     pub(crate) fn detect() -> Self {
-        Self::available()[0]
+        static BEST: std::sync::OnceLock<Simd> = std::sync::OnceLock::new();
+        *BEST.get_or_init(|| Self::available()[0])
     }
 
     /// Every level this machine supports, best first.
