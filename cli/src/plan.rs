@@ -8,7 +8,7 @@ use braid_balancer::cluster::GIB;
 use braid_balancer::plan::search::Found;
 use braid_balancer::{Layout, Module, Schedule};
 use braid_train::RunConfig;
-use braid_train::planning::{PlanFile, Planned, plan};
+use braid_train::planning::{PlanFile, Planned, llm_alone, plan};
 use clap::Args;
 use serde_json::{Value, json};
 
@@ -88,6 +88,7 @@ fn plan_cmd(a: &PlanArgs) -> Result<(), String> {
         schedule,
     )
     .map_err(|e| e.to_string())?;
+    let alone = llm_alone(&p).map_err(|e| e.to_string())?;
     let o = &p.outcome;
     let file = PlanFile {
         gpus,
@@ -100,10 +101,11 @@ fn plan_cmd(a: &PlanArgs) -> Result<(), String> {
     if a.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&to_json(&p, a)).map_err(|e| e.to_string())?
+            serde_json::to_string_pretty(&to_json(&p, alone.as_ref(), a))
+                .map_err(|e| e.to_string())?
         );
     } else {
-        print_text(&p, a);
+        print_text(&p, alone.as_ref(), a);
     }
     Ok(())
 }
@@ -127,6 +129,7 @@ fn found_json(f: &Found) -> Value {
         "recompute": f.plan.recompute,
         "recompute_encoders": f.plan.recompute_encoders,
         "bubble": f.sim.bubble,
+        "idle": f.sim.idle,
         "peak_memory_gib": f.sim.peak_memory / GIB,
         "llm": module_json(f, Module::Llm),
         "vision": module_json(f, Module::Vision),
@@ -134,7 +137,7 @@ fn found_json(f: &Found) -> Value {
     })
 }
 
-fn to_json(p: &Planned, a: &PlanArgs) -> Value {
+fn to_json(p: &Planned, alone: Option<&Found>, a: &PlanArgs) -> Value {
     let o = &p.outcome;
     let mut v = found_json(&o.best);
     let extra = json!({
@@ -148,8 +151,10 @@ fn to_json(p: &Planned, a: &PlanArgs) -> Value {
         "combinations": o.combinations,
         "simulated": o.simulated,
         "baseline": found_json(&o.baseline),
+        "llm_alone_step_time_s": alone.map(|f| f.sim.step_s),
+        "speedup_ceiling": alone.map(|f| o.baseline.sim.step_s / f.sim.step_s),
         "plan_file": a.out.display().to_string(),
-        "explanation": explain(p),
+        "explanation": explain(p, alone),
     });
     if let (Value::Object(m), Value::Object(e)) = (&mut v, extra) {
         m.extend(e);
@@ -162,7 +167,7 @@ fn layout_str(l: Layout) -> String {
 }
 
 /// What binds the chosen plan and why it beats the LLM-centric one.
-fn explain(p: &Planned) -> Vec<String> {
+fn explain(p: &Planned, alone: Option<&Found>) -> Vec<String> {
     let o = &p.outcome;
     let (b, base) = (&o.best, &o.baseline);
     let usable = p.problem.cluster.usable_bytes();
@@ -175,11 +180,12 @@ fn explain(p: &Planned) -> Vec<String> {
         .map(|(m, s)| format!("{} {:.0}%", m.name(), 100.0 * s / step))
         .collect();
     out.push(format!(
-        "GPU time per step (compute and its collectives): {}; not computing {:.0}% (pipeline bubbles, the bridge {}, gradient sync {})",
+        "GPU time per step: {} (compute and its collectives; the collectives alone {:.0}%: TP, CP, PP sends and the exposed gradient sync {}); idle {:.0}% (pipeline bubbles, waits for the slowest replica and for the bridge {})",
         shares.join(", "),
-        100.0 * b.sim.bubble,
-        secs(b.sim.bridge_s),
-        secs(b.sim.dp_sync_s)
+        100.0 * (b.sim.bubble - b.sim.idle).max(0.0),
+        secs(b.sim.dp_sync_s),
+        100.0 * b.sim.idle,
+        secs(b.sim.bridge_s)
     ));
     let mem = b.sim.peak_memory / usable;
     if mem > 0.85 {
@@ -188,10 +194,10 @@ fn explain(p: &Planned) -> Vec<String> {
             bytes(b.sim.peak_memory),
             bytes(usable)
         ));
-    } else if b.sim.bubble > 0.3 {
+    } else if b.sim.idle > 0.3 {
         out.push(format!(
             "bubbles bind: {:.0}% of GPU time is idle; more microbatches need more rows per replica",
-            100.0 * b.sim.bubble
+            100.0 * b.sim.idle
         ));
     } else {
         out.push("compute binds: the GPUs are busy most of the step".into());
@@ -204,6 +210,15 @@ fn explain(p: &Planned) -> Vec<String> {
         secs(b.sim.step_s),
         base.sim.step_s / step
     ));
+    if let Some(al) = alone {
+        out.push(format!(
+            "the LLM alone (its best layout on all {} GPUs, the encoders' work free) takes {}: no per-module layout can beat the LLM-centric one by more than {:.2}x on this workload; this plan gets {:.0}% of that gain",
+            p.gpus,
+            secs(al.sim.step_s),
+            base.sim.step_s / al.sim.step_s,
+            100.0 * gain_share(base.sim.step_s, step, al.sim.step_s)
+        ));
+    }
     if base.sim.step_s < b.sim.step_s {
         out.push(format!(
             "the LLM-centric layout is faster here: the encoders' share is too small for grids of their own to repay what the phased step adds, the bridge ({}) and its two all-to-alls, at which every replica waits for the slowest{}",
@@ -221,7 +236,17 @@ fn explain(p: &Planned) -> Vec<String> {
     out
 }
 
-fn print_text(p: &Planned, a: &PlanArgs) {
+/// How much of the gain up to the ceiling a plan realizes: 1 at the LLM-alone step, 0 at
+/// the baseline's (negative when slower than the baseline).
+fn gain_share(baseline: f64, step: f64, alone: f64) -> f64 {
+    let room = baseline - alone;
+    if room <= 0.0 {
+        return 1.0;
+    }
+    (baseline - step) / room
+}
+
+fn print_text(p: &Planned, alone: Option<&Found>, a: &PlanArgs) {
     let o = &p.outcome;
     let c = &p.problem.cluster;
     let (tokens, images, clips) = p.workload.summary();
@@ -287,7 +312,7 @@ fn print_text(p: &Planned, a: &PlanArgs) {
     println!(
         "  predicted step   {:>10}   (idle {:.0}%, peak {})",
         secs(b.sim.step_s),
-        100.0 * b.sim.bubble,
+        100.0 * b.sim.idle,
         bytes(b.sim.peak_memory)
     );
     println!(
@@ -299,6 +324,13 @@ fn print_text(p: &Planned, a: &PlanArgs) {
         "  speedup          {:>8.2}x",
         o.baseline.sim.step_s / b.sim.step_s
     );
+    if let Some(al) = alone {
+        println!(
+            "  LLM alone        {:>10}   (encoders free: the ceiling is {:.2}x)",
+            secs(al.sim.step_s),
+            o.baseline.sim.step_s / al.sim.step_s
+        );
+    }
     match &o.brute {
         Some(bf) => println!(
             "  brute force      {:>10}   (every combination simulated; the search is {:.1}% slower)",
@@ -311,7 +343,7 @@ fn print_text(p: &Planned, a: &PlanArgs) {
         ),
     }
     println!();
-    for line in explain(p) {
+    for line in explain(p, alone) {
         println!("  - {line}");
     }
     println!(

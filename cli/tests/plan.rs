@@ -40,6 +40,16 @@ fn the_7b_reference_plans_on_64_gpus() {
     assert_eq!(v["overlap_grad_sync"].as_bool(), Some(true), "{v}");
     let ratio = v["baseline_step_time_s"].as_f64().unwrap() / v["step_time_s"].as_f64().unwrap();
     assert!((ratio - v["speedup"].as_f64().unwrap()).abs() < 1e-9);
+    // The LLM alone (encoders free) bounds every plan from below: its ceiling is above
+    // the plan's speedup, and the encoders' work is not nothing.
+    let alone = v["llm_alone_step_time_s"].as_f64().unwrap();
+    assert!(alone < v["step_time_s"].as_f64().unwrap(), "{v}");
+    let ceiling = v["speedup_ceiling"].as_f64().unwrap();
+    assert!(ceiling > v["speedup"].as_f64().unwrap(), "{v}");
+    assert!((ceiling - v["baseline_step_time_s"].as_f64().unwrap() / alone).abs() < 1e-9);
+    // Idle time excludes the collectives, which the non-computing share counts.
+    let (idle, bubble) = (v["idle"].as_f64().unwrap(), v["bubble"].as_f64().unwrap());
+    assert!((0.0..=bubble).contains(&idle) && bubble < 1.0, "{v}");
     let mut gpus = Vec::new();
     for m in ["llm", "vision", "audio"] {
         let l = &v[m];
@@ -76,6 +86,7 @@ fn the_7b_reference_plans_on_64_gpus() {
         s.contains("LLM-centric")
             && s.contains("speedup")
             && s.contains("binds")
+            && s.contains("LLM alone")
             && s.contains("overlapped with the passes"),
         "{s}"
     );

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use braid_balancer::cluster::Cluster;
-use braid_balancer::plan::search::{Outcome, Space, search};
+use braid_balancer::plan::search::{Found, Outcome, Space, search};
 use braid_balancer::workload::{MediaTokens, Mix, RowShape, Workload, generate};
 use braid_balancer::{ModelDims, Module, ModuleDims, Placement, Plan, Problem, Schedule};
 use braid_dataloader::dataset::DatasetInfo;
@@ -237,6 +237,8 @@ pub struct Planned {
     pub outcome: Outcome,
     pub gpus: usize,
     pub cluster: String,
+    /// Sampled batches each candidate was simulated on.
+    pub batches: usize,
 }
 
 /// Searches a plan for `cfg` on `gpus` GPUs.
@@ -288,7 +290,32 @@ pub fn plan(
         outcome,
         gpus,
         cluster: cluster_name,
+        batches: space.batches,
     })
+}
+
+/// The LLM's own best step on all `p.gpus` GPUs, its encoders' work taken as free (their
+/// tokens still reach the LLM): a ceiling on what any per-module layout can gain over the
+/// LLM-centric one, since a plan's step is never shorter than its LLM's. `None` for a
+/// model without encoders.
+pub fn llm_alone(p: &Planned) -> Result<Option<Found>> {
+    if p.problem.model.vision.is_none() && p.problem.model.audio.is_none() {
+        return Ok(None);
+    }
+    let problem = Problem {
+        model: ModelDims {
+            vision: None,
+            audio: None,
+            ..p.problem.model.clone()
+        },
+        ..p.problem.clone()
+    };
+    let mut space = Space::new(p.gpus);
+    space.batches = p.batches;
+    space.placements = vec![Placement::Colocated];
+    space.brute_limit = 0;
+    let outcome = search(&problem, &p.workload, &space).map_err(err)?;
+    Ok(Some(outcome.best))
 }
 
 /// The plan file: the chosen plan and the predictions it was chosen on.

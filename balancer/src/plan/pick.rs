@@ -195,6 +195,7 @@ pub fn mean_sim(p: &Problem, plan: &Plan, batches: &[Vec<RowShape>]) -> Result<S
             Some(mut a) => {
                 a.step_s += s.step_s;
                 a.bubble += s.bubble;
+                a.idle += s.idle;
                 a.bridge_s += s.bridge_s;
                 a.dp_sync_s += s.dp_sync_s;
                 a.peak_memory = a.peak_memory.max(s.peak_memory);
@@ -212,6 +213,7 @@ pub fn mean_sim(p: &Problem, plan: &Plan, batches: &[Vec<RowShape>]) -> Result<S
     let n = batches.len() as f64;
     a.step_s /= n;
     a.bubble /= n;
+    a.idle /= n;
     a.bridge_s /= n;
     a.dp_sync_s /= n;
     for x in a.busy.iter_mut() {

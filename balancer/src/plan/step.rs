@@ -36,6 +36,10 @@ pub struct StepSim {
     pub step_s: f64,
     /// Share of GPU time not computing (idle or waiting on communication).
     pub bubble: f64,
+    /// Share of GPU time neither computing nor in a collective (TP, CP, PP sends, the
+    /// exposed gradient sync): pipeline bubbles, waits for the slowest replica and for
+    /// the bridge.
+    pub idle: f64,
     /// Peak bytes on the fullest GPU.
     pub peak_memory: f64,
     /// Per module: mean busy seconds of its GPUs, and its fullest GPU's bytes.
@@ -503,6 +507,12 @@ impl Problem {
             .zip(&tl.compute)
             .map(|(l, b)| l.ranks as f64 * b)
             .sum();
+        let occupied: f64 = g
+            .lanes
+            .iter()
+            .zip(&tl.busy)
+            .map(|(l, b)| l.ranks as f64 * b)
+            .sum();
         let module_busy = |lanes: &[&LaneTasks], n: usize| {
             lanes
                 .iter()
@@ -568,6 +578,7 @@ impl Problem {
         Ok(StepSim {
             step_s: tl.makespan,
             bubble: 1.0 - used / (gpus * tl.makespan).max(1e-30),
+            idle: (1.0 - occupied / (gpus * tl.makespan).max(1e-30)).max(0.0),
             peak_memory,
             busy,
             memory,
