@@ -116,8 +116,10 @@ fn module_json(f: &Found, m: Module) -> Value {
     };
     let mem = f.sim.memory.iter().find(|x| x.0 == m).map(|x| x.1 / GIB);
     let busy = f.sim.busy.iter().find(|x| x.0 == m).map(|x| x.1);
+    let busiest = f.sim.busiest.iter().find(|x| x.0 == m).map(|x| x.1);
     json!({"tp": l.tp, "cp": l.cp, "pp": l.pp, "dp": l.dp, "gpus": l.gpus(),
-           "first_gpu": f.plan.offset(m), "memory_gib": mem, "busy_s": busy})
+           "first_gpu": f.plan.offset(m), "memory_gib": mem, "busy_s": busy,
+           "busy_max_s": busiest})
 }
 
 fn found_json(f: &Found) -> Value {
@@ -284,20 +286,22 @@ fn print_text(p: &Planned, alone: Option<&Found>, a: &PlanArgs) {
     );
     let b = &o.best;
     println!(
-        "\n  {:<7} {:<22} {:>6} {:>11} {:>12}",
-        "module", "layout", "GPUs", "memory/GPU", "busy/step"
+        "\n  {:<7} {:<22} {:>6} {:>11} {:>12} {:>12}",
+        "module", "layout", "GPUs", "memory/GPU", "busy/step", "busiest GPU"
     );
     for m in [Module::Vision, Module::Audio, Module::Llm] {
         if let Some(l) = b.plan.layout(m) {
             let mem = b.sim.memory.iter().find(|x| x.0 == m).map_or(0.0, |x| x.1);
             let busy = b.sim.busy.iter().find(|x| x.0 == m).map_or(0.0, |x| x.1);
+            let most = b.sim.busiest.iter().find(|x| x.0 == m).map_or(0.0, |x| x.1);
             println!(
-                "  {:<7} {:<22} {:>6} {:>11} {:>12}",
+                "  {:<7} {:<22} {:>6} {:>11} {:>12} {:>12}",
                 m.name(),
                 layout_str(l),
                 l.gpus(),
                 bytes(mem),
-                secs(busy)
+                secs(busy),
+                secs(most)
             );
         }
     }

@@ -58,6 +58,12 @@ fn the_7b_reference_plans_on_64_gpus() {
             .map(|k| l[*k].as_u64().unwrap())
             .product();
         assert_eq!(l["gpus"].as_u64(), Some(n), "{m}: {l}");
+        // The busiest GPU is at least as busy as the mean one, and busy at all.
+        let (mean, most) = (
+            l["busy_s"].as_f64().unwrap(),
+            l["busy_max_s"].as_f64().unwrap(),
+        );
+        assert!(mean > 0.0 && most >= mean - 1e-12, "{m}: {l}");
         gpus.push(n);
     }
     match v["placement"].as_str() {

@@ -202,6 +202,9 @@ pub fn mean_sim(p: &Problem, plan: &Plan, batches: &[Vec<RowShape>]) -> Result<S
                 for (x, y) in a.busy.iter_mut().zip(&s.busy) {
                     x.1 += y.1;
                 }
+                for (x, y) in a.busiest.iter_mut().zip(&s.busiest) {
+                    x.1 += y.1;
+                }
                 for (x, y) in a.memory.iter_mut().zip(&s.memory) {
                     x.1 = x.1.max(y.1);
                 }
@@ -216,7 +219,7 @@ pub fn mean_sim(p: &Problem, plan: &Plan, batches: &[Vec<RowShape>]) -> Result<S
     a.idle /= n;
     a.bridge_s /= n;
     a.dp_sync_s /= n;
-    for x in a.busy.iter_mut() {
+    for x in a.busy.iter_mut().chain(a.busiest.iter_mut()) {
         x.1 /= n;
     }
     Ok(a)

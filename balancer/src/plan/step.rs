@@ -42,8 +42,10 @@ pub struct StepSim {
     pub idle: f64,
     /// Peak bytes on the fullest GPU.
     pub peak_memory: f64,
-    /// Per module: mean busy seconds of its GPUs, and its fullest GPU's bytes.
+    /// Per module: mean busy seconds of its GPUs, its busiest GPU's, and its fullest
+    /// GPU's bytes.
     pub busy: Vec<(Module, f64)>,
+    pub busiest: Vec<(Module, f64)>,
     pub memory: Vec<(Module, f64)>,
     /// Seconds of the bridge (both ways) and of the slowest gradient sync.
     pub bridge_s: f64,
@@ -520,10 +522,14 @@ impl Problem {
                 .sum::<f64>()
                 / n.max(1) as f64
         };
+        let most_busy =
+            |lanes: &[&LaneTasks]| lanes.iter().map(|t| tl.busy[t.lane]).fold(0.0, f64::max);
         let mut busy = Vec::new();
+        let mut busiest = Vec::new();
         let mut memory = Vec::new();
         let llm_refs: Vec<&LaneTasks> = llm_lanes.iter().flatten().collect();
         busy.push((Module::Llm, module_busy(&llm_refs, llm.gpus())));
+        busiest.push((Module::Llm, most_busy(&llm_refs)));
         let max_mb = |d: &[Load]| d.iter().map(|x| x.tokens).fold(0.0, f64::max);
         let mut llm_mem = 0.0f64;
         for s in 0..llm.pp {
@@ -548,6 +554,7 @@ impl Problem {
             };
             let refs: Vec<&LaneTasks> = reps.iter().flatten().collect();
             busy.push((e, module_busy(&refs, l.gpus())));
+            busiest.push((e, most_busy(&refs)));
             let largest = enc_load[k].iter().map(|d| max_mb(d)).fold(0.0, f64::max);
             let whole = enc_load[k]
                 .iter()
@@ -581,6 +588,7 @@ impl Problem {
             idle: (1.0 - occupied / (gpus * tl.makespan).max(1e-30)).max(0.0),
             peak_memory,
             busy,
+            busiest,
             memory,
             bridge_s,
             dp_sync_s,
