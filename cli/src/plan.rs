@@ -212,13 +212,15 @@ fn explain(p: &Planned, alone: Option<&Found>) -> Vec<String> {
         secs(b.sim.step_s),
         base.sim.step_s / step
     ));
-    if let Some(al) = alone {
+    if let Some(al) = alone
+        && let Some(share) = gain_share(base.sim.step_s, step, al.sim.step_s)
+    {
         out.push(format!(
             "the LLM alone (its best layout on all {} GPUs, the encoders' work free) takes {}: no per-module layout can beat the LLM-centric one by more than {:.2}x on this workload; this plan gets {:.0}% of that gain",
             p.gpus,
             secs(al.sim.step_s),
             base.sim.step_s / al.sim.step_s,
-            100.0 * gain_share(base.sim.step_s, step, al.sim.step_s)
+            100.0 * share
         ));
     }
     if base.sim.step_s < b.sim.step_s {
@@ -239,13 +241,11 @@ fn explain(p: &Planned, alone: Option<&Found>) -> Vec<String> {
 }
 
 /// How much of the gain up to the ceiling a plan realizes: 1 at the LLM-alone step, 0 at
-/// the baseline's (negative when slower than the baseline).
-fn gain_share(baseline: f64, step: f64, alone: f64) -> f64 {
+/// the baseline's (negative when slower than the baseline); `None` when the baseline is
+/// already as fast as the LLM alone (the encoders cost it nothing).
+fn gain_share(baseline: f64, step: f64, alone: f64) -> Option<f64> {
     let room = baseline - alone;
-    if room <= 0.0 {
-        return 1.0;
-    }
-    (baseline - step) / room
+    (room > 0.0).then(|| (baseline - step) / room)
 }
 
 fn print_text(p: &Planned, alone: Option<&Found>, a: &PlanArgs) {

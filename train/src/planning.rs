@@ -313,7 +313,6 @@ pub fn llm_alone(p: &Planned) -> Result<Option<Found>> {
     let mut space = Space::new(p.gpus);
     space.batches = p.batches;
     space.placements = vec![Placement::Colocated];
-    space.brute_limit = 0;
     let outcome = search(&problem, &p.workload, &space).map_err(err)?;
     Ok(Some(outcome.best))
 }
