@@ -32,10 +32,16 @@ fn plan_json(config: &str, extra: &[&str], out: &Path) -> serde_json::Value {
 fn the_7b_reference_plans_on_64_gpus() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("plan.toml");
-    let v = plan_json("configs/plan-7b.toml", &[], &out);
+    let v = plan_json("configs/plan-7b.toml", &["--check", "40"], &out);
     for key in ["step_time_s", "baseline_step_time_s", "speedup", "search_s"] {
         assert!(v[key].as_f64().is_some_and(|x| x > 0.0), "{key}: {v}");
     }
+    // Brute force cannot run at 64 GPUs; the check simulates the 40 best-estimated
+    // combinations, and the pick is within 5 % of the best of them.
+    assert!(v["brute_force_step_time_s"].is_null(), "{v}");
+    assert_eq!(v["check_simulated"].as_u64(), Some(40), "{v}");
+    let checked = v["check_step_time_s"].as_f64().unwrap();
+    assert!(v["step_time_s"].as_f64().unwrap() <= 1.05 * checked, "{v}");
     // GPU clusters hide the gradient sync behind the passes by default.
     assert_eq!(v["overlap_grad_sync"].as_bool(), Some(true), "{v}");
     let ratio = v["baseline_step_time_s"].as_f64().unwrap() / v["step_time_s"].as_f64().unwrap();
@@ -108,6 +114,10 @@ fn the_70b_reference_plans_the_overlapped_schedule_on_64_gpus() {
     let v = plan_json("configs/plan-70b.toml", &["--schedule", "overlapped"], &out);
     assert_eq!(v["schedule"].as_str(), Some("overlapped"), "{v}");
     assert_eq!(v["placement"].as_str(), Some("disjoint"), "{v}");
+    assert!(
+        v["check_simulated"].is_null(),
+        "no check without --check: {v}"
+    );
     let gpus: u64 = ["llm", "vision", "audio"]
         .iter()
         .map(|m| v[*m]["gpus"].as_u64().unwrap())

@@ -45,6 +45,11 @@ pub struct PlanSection {
     /// the LLM-centric baseline alike.
     #[serde(default)]
     pub overlap_grad_sync: Option<bool>,
+    /// Where brute force cannot run, also simulate this many of the best-estimated
+    /// combinations and report their best beside the pick (`braid plan --check N`; 0:
+    /// none). Slow: each costs a few simulated steps.
+    #[serde(default)]
+    pub check: usize,
 }
 
 fn default_cluster() -> String {
@@ -67,6 +72,7 @@ impl Default for PlanSection {
             schedule: default_schedule(),
             mix: None,
             overlap_grad_sync: None,
+            check: 0,
         }
     }
 }
@@ -280,6 +286,7 @@ pub fn plan(
     let mut space = Space::new(gpus);
     space.batches = sec.batches.max(1);
     space.schedule = schedule.unwrap_or(sec.schedule);
+    space.check = sec.check;
     if space.schedule == Schedule::Overlapped {
         space.placements = vec![Placement::Disjoint];
     }
