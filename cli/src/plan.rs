@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use braid_balancer::cluster::GIB;
 use braid_balancer::plan::search::Found;
-use braid_balancer::{Layout, Module, Schedule};
+use braid_balancer::{Layout, Module, Placement, Schedule};
 use braid_train::RunConfig;
 use braid_train::planning::{PlanFile, Planned, llm_alone, plan};
 use clap::Args;
@@ -191,10 +191,11 @@ fn explain(p: &Planned, alone: Option<&Found>) -> Vec<String> {
         .iter()
         .map(|(m, s)| format!("{} {:.0}%", m.name(), 100.0 * s / step))
         .collect();
+    let collectives = (b.sim.bubble - b.sim.idle).max(0.0);
     out.push(format!(
-        "GPU time per step: {} (compute and its collectives; the collectives alone {:.0}%: TP, CP, PP sends and the exposed gradient sync {}); idle {:.0}% (pipeline bubbles, waits for the slowest replica and for the bridge {})",
+        "busy share of the step on each module's GPUs: {} (compute and its collectives; the collectives alone {:.0}%: TP, CP, PP sends and the exposed gradient sync {}); idle {:.0}% (pipeline bubbles, waits for the slowest replica and for the bridge {})",
         shares.join(", "),
-        100.0 * (b.sim.bubble - b.sim.idle).max(0.0),
+        100.0 * collectives,
         secs(b.sim.dp_sync_s),
         100.0 * b.sim.idle,
         secs(b.sim.bridge_s)
@@ -211,13 +212,20 @@ fn explain(p: &Planned, alone: Option<&Found>) -> Vec<String> {
             "bubbles bind: {:.0}% of GPU time is idle; more microbatches need more rows per replica",
             100.0 * b.sim.idle
         ));
+    } else if collectives > 0.25 && collectives > b.sim.idle {
+        out.push(format!(
+            "bandwidth binds: {:.0}% of GPU time is collectives (TP and CP exchanges inside the blocks, PP sends, the gradient sync); less TP or CP would cut them but needs more memory per GPU or leaves fewer rows per replica",
+            100.0 * collectives
+        ));
     } else {
         out.push("compute binds: the GPUs are busy most of the step".into());
     }
+    out.push(split_reason(b));
     out.push(format!(
-        "the LLM-centric layout (llm {}, {} microbatches) runs every encoder inside the LLM's first pipeline stage with the LLM's TP and DP; its step takes {} against {} here ({:.2}x)",
+        "the LLM-centric layout (llm {}, {} microbatch{}) runs every encoder inside the LLM's first pipeline stage with the LLM's TP and DP; its step takes {} against {} here ({:.2}x)",
         layout_str(base.plan.llm),
         base.plan.microbatches,
+        if base.plan.microbatches == 1 { "" } else { "es" },
         secs(base.sim.step_s),
         secs(b.sim.step_s),
         base.sim.step_s / step
@@ -248,6 +256,43 @@ fn explain(p: &Planned, alone: Option<&Found>) -> Vec<String> {
         ));
     }
     out
+}
+
+/// Why the GPUs are split among the modules as they are: each module's share of the
+/// busy GPU-seconds against its share of the GPUs.
+fn split_reason(b: &Found) -> String {
+    let work: Vec<(Module, f64, usize)> = b
+        .sim
+        .busy
+        .iter()
+        .filter_map(|&(m, busy)| {
+            let g = b.plan.layout(m)?.gpus();
+            Some((m, busy * g as f64, g))
+        })
+        .collect();
+    let total: f64 = work.iter().map(|w| w.1).sum::<f64>().max(1e-30);
+    let list = |f: &dyn Fn(&(Module, f64, usize)) -> String| {
+        work.iter().map(f).collect::<Vec<_>>().join(", ")
+    };
+    let work_shares = list(&|w| format!("{} {:.0}%", w.0.name(), 100.0 * w.1 / total));
+    match b.plan.placement {
+        Placement::Disjoint => {
+            let gpus: usize = work.iter().map(|w| w.2).sum::<usize>().max(1);
+            format!(
+                "why this split: disjoint GPUs sized to each module's work: {} of the GPUs for {} of the busy GPU-seconds",
+                list(&|w| format!(
+                    "{} {} ({:.0}%)",
+                    w.0.name(),
+                    w.2,
+                    100.0 * w.2 as f64 / gpus as f64
+                )),
+                work_shares
+            )
+        }
+        _ => format!(
+            "why this split: colocated, every module runs on all the GPUs in turn ({work_shares} of the busy GPU-seconds), so none waits on a GPU share that whole nodes and grids cannot size to its work"
+        ),
+    }
 }
 
 /// How much of the gain up to the ceiling a plan realizes: 1 at the LLM-alone step, 0 at

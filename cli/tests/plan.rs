@@ -118,6 +118,17 @@ fn the_70b_reference_plans_the_overlapped_schedule_on_64_gpus() {
         v["check_simulated"].is_null(),
         "no check without --check: {v}"
     );
+    // The explanation says why the GPUs are split so, with the split's own numbers.
+    let why = v["explanation"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|l| l.as_str())
+        .find(|l| l.starts_with("why this split: disjoint"))
+        .unwrap_or_else(|| panic!("{v}"))
+        .to_string();
+    let llm_gpus = v["llm"]["gpus"].as_u64().unwrap();
+    assert!(why.contains(&format!("llm {llm_gpus} (")), "{why}");
     let gpus: u64 = ["llm", "vision", "audio"]
         .iter()
         .map(|m| v[*m]["gpus"].as_u64().unwrap())
