@@ -181,6 +181,17 @@ fn summary(s: &RunSummary, dir: &Path, plot: Option<&Path>) {
             s.tokens as f64 / s.train_s
         );
     }
+    if let Some(m) = s.median_step_s {
+        match &s.predicted {
+            Some(p) => eprintln!(
+                "step time        median {m:.3} s; the plan predicted {:.3} s on {} (measured / predicted {:.2})",
+                p.step_s,
+                p.cluster,
+                m / p.step_s
+            ),
+            None => eprintln!("step time        median {m:.3} s"),
+        }
+    }
     if let Some(e) = &s.eval {
         eprintln!(
             "held-out         {} {:.4} vs text only {:.4}; exact answers {:.1} % vs {:.1} %; loss {:.4} vs {:.4} ({} samples)",

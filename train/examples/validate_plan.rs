@@ -15,11 +15,10 @@ use std::path::{Path, PathBuf};
 use braid_balancer::cluster::Cluster;
 use braid_balancer::plan::check::{median, spearman};
 use braid_balancer::{Layout, Module, Placement, Plan, Problem, Schedule};
-use braid_dataloader::loader::{Loader, LoaderConfig};
 use braid_train::config::Placement as RunPlacement;
 use braid_train::data::ensure_dataset;
 use braid_train::metrics::StepMetrics;
-use braid_train::planning::{PlanSection, model_dims, workload};
+use braid_train::planning::{PlanSection, loader_seconds, model_dims, workload};
 use braid_train::trainer::train;
 use braid_train::{Observer, RunConfig};
 
@@ -180,29 +179,6 @@ fn config(a: &Args, dir: &Path, sets: &[&str]) -> Res<RunConfig> {
     Ok(cfg)
 }
 
-/// Compute seconds one rank's loader spends on a global batch, in device-seconds (the
-/// CPU's matmul rates were measured on all its cores; a loader uses `workers` of them):
-/// the time per batch of a loader nobody else competes with, after a warm-up batch.
-fn input_seconds(cfg: &RunConfig, batches: usize) -> Res<f64> {
-    let d = &cfg.data;
-    let lc = LoaderConfig {
-        seed: cfg.run.seed,
-        batch_rows: cfg.train.batch_rows.ok_or("train.batch_rows")?,
-        workers: d.workers,
-        prefetch: d.prefetch,
-        shuffle: d.shuffle,
-    };
-    let mut loader = Loader::open(&d.path, &lc, 0, 1, None).map_err(|e| e.to_string())?;
-    loader.next_batch().map_err(|e| e.to_string())?;
-    let t = std::time::Instant::now();
-    for _ in 0..batches {
-        loader.next_batch().map_err(|e| e.to_string())?;
-    }
-    let per_batch = t.elapsed().as_secs_f64() / batches as f64;
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    Ok(per_batch * d.workers.min(cores) as f64 / cores as f64)
-}
-
 fn main() {
     if let Err(e) = run() {
         eprintln!("validate_plan: error: {e}");
@@ -231,7 +207,7 @@ fn run() -> Res<()> {
         ..PlanSection::default()
     });
     let work = workload(&wcfg, &mcfg, Some(&d.path)).map_err(|e| e.to_string())?;
-    let input_s = input_seconds(&probe, 2 * a.batches)?;
+    let input_s = loader_seconds(&probe, &d.path, 2 * a.batches).map_err(|e| e.to_string())?;
     let problem = Problem {
         model: model_dims(&mcfg),
         cluster: cluster.clone(),

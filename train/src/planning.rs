@@ -274,12 +274,17 @@ pub fn plan(
         })
         .collect();
     let overlap_sync = sec.overlap_grad_sync.unwrap_or(!c.shared_compute);
+    // Every rank's loader reads the whole global batch; on a shared CPU that competes with
+    // the step, so it is measured on the data (on GPUs it runs beside the step: free).
+    let input_s = match data {
+        Some(d) if c.shared_compute => loader_seconds(cfg, d, LOADER_PROBE_BATCHES)?,
+        _ => 0.0,
+    };
     let problem = Problem {
         model: model_dims(&model),
         cluster: c,
         frozen,
-        // Loader time matters only on a shared CPU, and depends on the data: not planned.
-        input_s: 0.0,
+        input_s,
         overlap_sync,
     };
     let workload = workload(cfg, &model, data)?;
@@ -299,6 +304,40 @@ pub fn plan(
         cluster: cluster_name,
         batches: space.batches,
     })
+}
+
+/// Global batches [`loader_seconds`] times after its warm-up batch when planning.
+pub const LOADER_PROBE_BATCHES: usize = 4;
+
+/// Compute seconds one rank's loader spends on a global batch of the packed rows at
+/// `data`, in device-seconds (a CPU profile's rates were measured on all its cores; a
+/// loader uses `data.workers` of them): the time per batch of a loader nobody else
+/// competes with, after a warm-up batch.
+pub fn loader_seconds(cfg: &RunConfig, data: &Path, batches: usize) -> Result<f64> {
+    let d = &cfg.data;
+    let lc = braid_dataloader::loader::LoaderConfig {
+        seed: cfg.run.seed,
+        batch_rows: cfg
+            .train
+            .batch_rows
+            .ok_or_else(|| err("train.batch_rows is needed to time the loader".into()))?,
+        workers: d.workers,
+        prefetch: d.prefetch,
+        shuffle: d.shuffle,
+    };
+    let fail = |e: braid_dataloader::loader::LoaderError| {
+        err(format!("timing the loader on {}: {e}", data.display()))
+    };
+    let mut loader = braid_dataloader::loader::Loader::open(data, &lc, 0, 1, None).map_err(fail)?;
+    loader.next_batch().map_err(fail)?;
+    let batches = batches.max(1);
+    let t = std::time::Instant::now();
+    for _ in 0..batches {
+        loader.next_batch().map_err(fail)?;
+    }
+    let per_batch = t.elapsed().as_secs_f64() / batches as f64;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    Ok(per_batch * d.workers.min(cores) as f64 / cores as f64)
 }
 
 /// The LLM's own best step on all `p.gpus` GPUs, its encoders' work taken as free (their
@@ -367,11 +406,27 @@ fn module_layout(l: Option<braid_balancer::Layout>, recompute: bool) -> ModuleLa
     }
 }
 
+/// What `parallel.plan` did to a run config: lines for the log, and the plan's
+/// predicted step (for the run's summary to set beside the measured one).
+#[derive(Clone, Debug, Default)]
+pub struct Applied {
+    pub notes: Vec<String>,
+    pub predicted: Option<Predicted>,
+}
+
+/// A plan's predicted step time and the cluster it was predicted for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Predicted {
+    pub step_s: f64,
+    /// A preset name or a cluster TOML's path.
+    pub cluster: String,
+}
+
 /// Applies `parallel.plan` to `cfg`: world size, placement, every module's layout and the
 /// microbatch count. Returns notes for the log (what the trainer does not do yet).
-pub fn apply(cfg: &mut RunConfig) -> Result<Vec<String>> {
+pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
     let Some(spec) = cfg.parallel.plan.clone() else {
-        return Ok(Vec::new());
+        return Ok(Applied::default());
     };
     let file = if spec == "auto" {
         let gpus = cfg.parallel.world_size;
@@ -423,7 +478,13 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Vec<String>> {
         file.step_time_s,
         file.cluster
     ));
-    Ok(notes)
+    Ok(Applied {
+        notes,
+        predicted: Some(Predicted {
+            step_s: file.step_time_s,
+            cluster: file.cluster,
+        }),
+    })
 }
 
 #[cfg(test)]
@@ -473,8 +534,15 @@ mod tests {
         file.write(&path).unwrap();
         assert_eq!(PlanFile::read(&path).unwrap(), file);
         let mut cfg = tiny(&[&format!("parallel.plan={}", path.display())]);
-        let notes = apply(&mut cfg).unwrap();
+        let applied = apply(&mut cfg).unwrap();
+        let notes = &applied.notes;
         assert!(notes.iter().any(|n| n.contains("4 GPUs")), "{notes:?}");
+        // The run's summary will set the plan's prediction beside its measured steps.
+        let predicted = applied.predicted.unwrap();
+        assert_eq!(
+            (predicted.step_s, predicted.cluster.as_str()),
+            (file.step_time_s, file.cluster.as_str())
+        );
         assert_eq!(cfg.parallel.world_size, 4);
         assert_eq!(cfg.parallel.placement, crate::config::Placement::Colocated);
         assert_eq!((cfg.parallel.llm.tp, cfg.parallel.llm.pp), (2, 2));

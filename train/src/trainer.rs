@@ -72,6 +72,10 @@ pub struct RunSummary {
     pub eval: Option<EvalReport>,
     pub checkpoint: Option<PathBuf>,
     pub export: Option<PathBuf>,
+    /// Median seconds of this process's steps (`None` without steps).
+    pub median_step_s: Option<f64>,
+    /// What the plan (`parallel.plan`) predicted a step would take, and on which cluster.
+    pub predicted: Option<crate::planning::Predicted>,
 }
 
 /// A run, set up and ready to step.
@@ -92,6 +96,8 @@ pub struct Trainer {
     pub info: RunInfo,
     /// The grids of a run on several ranks (one rank: every module on rank 0).
     pub layouts: Layouts,
+    /// The plan's predicted step, when `parallel.plan` set the layouts.
+    pub predicted: Option<crate::planning::Predicted>,
 }
 
 impl Trainer {
@@ -100,8 +106,9 @@ impl Trainer {
     pub fn new(cfg: RunConfig, resume: bool, obs: &mut dyn Observer) -> Result<Self> {
         // `parallel.plan` first: it decides the world and every layout below.
         let mut cfg = cfg;
-        for note in crate::planning::apply(&mut cfg)? {
-            obs.log(&note);
+        let applied = crate::planning::apply(&mut cfg)?;
+        for note in &applied.notes {
+            obs.log(note);
         }
         cfg.parallel.plan = None;
         cfg.validate()?;
@@ -260,6 +267,7 @@ impl Trainer {
             device,
             info,
             layouts,
+            predicted: applied.predicted,
         })
     }
 
@@ -429,7 +437,12 @@ impl Trainer {
             recent,
             first: first_loss,
             tokens,
+            mut step_times,
         } = trail;
+        let median_step_s = (!step_times.is_empty()).then(|| {
+            step_times.sort_by(f64::total_cmp);
+            step_times[step_times.len() / 2]
+        });
         let eval = self.evaluate()?;
         if let Some(r) = &eval {
             braid_nn::hf::write_json(&self.cfg.run.dir.join("eval.json"), r)?;
@@ -450,21 +463,26 @@ impl Trainer {
             eval,
             checkpoint: last_ckpt,
             export: Some(export),
+            median_step_s,
+            predicted: self.predicted,
         })
     }
 }
 
-/// What a run's summary keeps of its steps: tokens, the first loss and the last 10.
+/// What a run's summary keeps of its steps: tokens, the first loss and the last 10, and
+/// every step's time (for the median).
 #[derive(Debug, Default)]
 pub(crate) struct LossTrail {
     recent: Vec<f64>,
     first: Option<f64>,
     tokens: u64,
+    step_times: Vec<f64>,
 }
 
 impl LossTrail {
     pub(crate) fn record(&mut self, m: &StepMetrics) {
         self.tokens += m.tokens;
+        self.step_times.push(m.step_time_s);
         if !m.skipped {
             self.first.get_or_insert(m.loss);
             self.recent.push(m.loss);

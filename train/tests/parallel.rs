@@ -515,3 +515,47 @@ fn layouts_that_do_not_fit_the_model_or_world_name_the_key() {
     let e = full(&["parallel.world_size=4", "parallel.audio.tp=4"]);
     assert!(e.contains("parallel.audio.tp"), "{e}");
 }
+
+/// On a shared CPU every rank's loader reads the whole global batch beside the step, so
+/// the planner times the loader on the run's data; on GPUs it runs beside the step and
+/// is not charged. A missing data folder is an error naming it.
+#[test]
+fn planning_on_a_cpu_times_the_loader_on_the_data() {
+    use braid_balancer::cluster::Cluster;
+    use braid_train::planning::{loader_seconds, plan};
+    let dir = run_dir("plan-loader");
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = config(&dir, &[]);
+    let data = fixture().join("packed");
+    let mut cpu = Cluster::preset("h100").unwrap();
+    cpu.shared_compute = true;
+    let path = dir.join("cpu.toml");
+    std::fs::write(&path, cpu.to_toml().unwrap()).unwrap();
+    let p = plan(&cfg, 2, Some(path.to_str().unwrap()), Some(&data), None).unwrap();
+    let input_s = p.problem.input_s;
+    assert!(input_s > 0.0 && input_s.is_finite(), "{input_s}");
+    let g = plan(&cfg, 2, Some("h100"), Some(&data), None).unwrap();
+    assert_eq!(g.problem.input_s, 0.0);
+    let missing = dir.join("no-such-data");
+    let e = loader_seconds(&cfg, &missing, 1).unwrap_err().to_string();
+    assert!(e.contains("no-such-data"), "{e}");
+    // A run laid out by `parallel.plan = "auto"` reports the plan's prediction beside
+    // its measured median step.
+    let run = config(
+        &dir.join("run"),
+        &[
+            "parallel.plan=\"auto\"",
+            "parallel.world_size=2",
+            "train.steps=2",
+        ],
+    );
+    let s = train(run, false, &mut Quiet).unwrap();
+    let predicted = s.predicted.unwrap();
+    assert_eq!(predicted.cluster, "h100");
+    assert!(predicted.step_s > 0.0, "{predicted:?}");
+    assert!(
+        s.median_step_s.is_some_and(|m| m > 0.0),
+        "{:?}",
+        s.median_step_s
+    );
+}
