@@ -411,8 +411,14 @@ fn module_layout(l: Option<braid_balancer::Layout>, recompute: bool) -> ModuleLa
 #[derive(Clone, Debug, Default)]
 pub struct Applied {
     pub notes: Vec<String>,
+    /// The plan `"auto"` searched, for the trainer to save as [`AUTO_PLAN_FILE`] in the
+    /// run folder once the config has passed its checks.
+    pub searched: Option<PlanFile>,
     pub predicted: Option<Predicted>,
 }
+
+/// Where `parallel.plan = "auto"` keeps its plan in `run.dir`.
+pub const AUTO_PLAN_FILE: &str = "plan.toml";
 
 /// A plan's predicted step time and the cluster it was predicted for.
 #[derive(Clone, Debug, PartialEq)]
@@ -428,19 +434,36 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
     let Some(spec) = cfg.parallel.plan.clone() else {
         return Ok(Applied::default());
     };
-    let file = if spec == "auto" {
-        let gpus = cfg.parallel.world_size;
+    let gpus = cfg.parallel.world_size;
+    // "auto" plans once per run: a resumed run reuses the plan its start saved, since a
+    // search on a CPU times the loader and may pick another layout the second time.
+    let saved = cfg.run.dir.join(AUTO_PLAN_FILE);
+    let reuse = spec == "auto" && saved.exists();
+    let mut searched = None;
+    let file = if reuse {
+        let f = PlanFile::read(&saved)?;
+        if f.gpus != gpus {
+            return Err(err(format!(
+                "parallel.plan = \"auto\": {} was planned for {} GPUs but parallel.world_size = {gpus}; remove it to plan again",
+                saved.display(),
+                f.gpus
+            )));
+        }
+        f
+    } else if spec == "auto" {
         // The run's own packed rows when they exist, else the [plan.mix].
         let own = cfg.data.path.join(braid_dataloader::dataset::DATASET_JSON);
         let data = own.exists().then_some(cfg.data.path.as_path());
         let p = plan(cfg, gpus, None, data, Some(Schedule::Phased))?;
-        PlanFile {
+        let f = PlanFile {
             gpus,
             cluster: p.cluster,
             step_time_s: p.outcome.best.sim.step_s,
             baseline_step_time_s: p.outcome.baseline.sim.step_s,
             plan: p.outcome.best.plan,
-        }
+        };
+        searched = Some(f.clone());
+        f
     } else {
         PlanFile::read(&PathBuf::from(&spec))?
     };
@@ -467,6 +490,12 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
     cfg.parallel.audio = module_layout(p.audio, p.recompute_encoders);
     cfg.parallel.zero1 = p.zero1;
     cfg.train.microbatches = p.microbatches;
+    if reuse {
+        notes.push(format!(
+            "parallel.plan auto: reusing {} (planned when this run started)",
+            saved.display()
+        ));
+    }
     notes.push(format!(
         "parallel.plan {spec}: {} GPUs, {:?}, llm {}, {} microbatches, recompute llm {} / encoders {} (predicted {:.3} s/step on {})",
         file.gpus,
@@ -480,6 +509,7 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
     ));
     Ok(Applied {
         notes,
+        searched,
         predicted: Some(Predicted {
             step_s: file.step_time_s,
             cluster: file.cluster,

@@ -236,6 +236,9 @@ impl Trainer {
         let metrics = MetricsWriter::open(&run_dir.join("metrics.jsonl"), state.step)?;
         std::fs::write(run_dir.join("config.toml"), &config_toml)
             .map_err(io_err(&run_dir.join("config.toml"), "write"))?;
+        if let Some(f) = &applied.searched {
+            f.write(&run_dir.join(crate::planning::AUTO_PLAN_FILE))?;
+        }
 
         let (params, trainable) = param_counts(&model);
         let info = RunInfo {

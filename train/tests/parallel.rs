@@ -558,4 +558,29 @@ fn planning_on_a_cpu_times_the_loader_on_the_data() {
         "{:?}",
         s.median_step_s
     );
+    // "auto" plans once per run: the resumed run reuses the plan its start saved, and a
+    // world it was not planned for is an error naming the file.
+    assert!(dir.join("run").join("plan.toml").exists());
+    let auto = |world: &str, steps: &str| {
+        let sets = ["parallel.plan=\"auto\"", world, steps];
+        config(&dir.join("run"), &sets)
+    };
+    let again = train(
+        auto("parallel.world_size=2", "train.steps=3"),
+        true,
+        &mut Quiet,
+    )
+    .unwrap();
+    assert_eq!(again.predicted, Some(predicted));
+    let e = train(
+        auto("parallel.world_size=4", "train.steps=4"),
+        true,
+        &mut Quiet,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("plan.toml") && e.contains("world_size = 4"),
+        "{e}"
+    );
 }
