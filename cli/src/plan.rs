@@ -233,15 +233,30 @@ fn explain(p: &Planned, alone: Option<&Found>) -> Vec<String> {
     if let Some(al) = alone
         && let Some(share) = gain_share(base.sim.step_s, step, al.sim.step_s)
     {
+        let got = if share >= 0.005 {
+            format!("this plan gets {:.0}% of that gain", 100.0 * share)
+        } else {
+            "this plan gets none of it".to_string()
+        };
         out.push(format!(
-            "the LLM alone (its best layout on all {} GPUs, the encoders' work free) takes {}: no per-module layout can beat the LLM-centric one by more than {:.2}x on this workload; this plan gets {:.0}% of that gain",
-            p.gpus,
+            "the LLM alone (its best layout on {}, the encoders' work free) takes {}: no per-module layout can beat the LLM-centric one by more than {:.2}x on this workload; {got}",
+            if p.gpus == 1 {
+                "the one GPU".to_string()
+            } else {
+                format!("all {} GPUs", p.gpus)
+            },
             secs(al.sim.step_s),
             base.sim.step_s / al.sim.step_s,
-            100.0 * share
         ));
     }
-    if base.sim.step_s < b.sim.step_s {
+    if base.sim.step_s < b.sim.step_s && b.sim.step_s <= 1.01 * base.sim.step_s {
+        out.push(format!(
+            "the LLM-centric layout is within 1% of this plan ({} against {}): here per-module layouts have nothing to gain over it, and the plan pays the bridge's copies ({})",
+            secs(base.sim.step_s),
+            secs(b.sim.step_s),
+            secs(b.sim.bridge_s)
+        ));
+    } else if base.sim.step_s < b.sim.step_s {
         out.push(format!(
             "the LLM-centric layout is faster here: the encoders' share is too small for grids of their own to repay what the phased step adds, the bridge ({}) and its two all-to-alls, at which every replica waits for the slowest{}",
             secs(b.sim.bridge_s),
