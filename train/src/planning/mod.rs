@@ -3,18 +3,21 @@
 //! mix), the search, and the plan file that `braid train` reads through
 //! `parallel.plan = "PATH"` (or `"auto"`, which searches for `parallel.world_size` first).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use braid_balancer::cluster::Cluster;
 use braid_balancer::plan::search::{Found, Outcome, Space, search};
 use braid_balancer::workload::{MediaTokens, Mix, RowShape, Workload, generate};
-use braid_balancer::{ModelDims, Module, ModuleDims, Placement, Plan, Problem, Schedule};
+use braid_balancer::{ModelDims, Module, ModuleDims, Placement, Problem, Schedule};
 use braid_dataloader::dataset::DatasetInfo;
 use serde::{Deserialize, Serialize};
 
-use crate::config::{ModuleLayout, RunConfig};
+use crate::config::RunConfig;
 use crate::error::{Result, TrainError};
 use crate::mllm::MllmConfig;
+
+mod apply;
+pub use apply::{AUTO_PLAN_FILE, Applied, PlanFile, Predicted, apply};
 
 /// `[plan]`: what `braid plan` plans for when the command line does not say.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -363,163 +366,10 @@ pub fn llm_alone(p: &Planned) -> Result<Option<Found>> {
     Ok(Some(outcome.best))
 }
 
-/// The plan file: the chosen plan and the predictions it was chosen on.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PlanFile {
-    pub gpus: usize,
-    pub cluster: String,
-    pub step_time_s: f64,
-    pub baseline_step_time_s: f64,
-    pub plan: Plan,
-}
-
-impl PlanFile {
-    pub fn read(path: &Path) -> Result<PlanFile> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| err(format!("parallel.plan = {:?}: {e}", path.display())))?;
-        toml::from_str(&text).map_err(|e| err(format!("parallel.plan = {:?}: {e}", path.display())))
-    }
-
-    /// Writes atomically (a temporary file, then a rename).
-    pub fn write(&self, path: &Path) -> Result<()> {
-        let text = toml::to_string(self).map_err(|e| err(format!("plan file: {e}")))?;
-        let tmp = path.with_extension("toml.tmp");
-        let body = format!(
-            "# Written by `braid plan`; use it with parallel.plan = {:?}.\n{text}",
-            path.display()
-        );
-        std::fs::write(&tmp, body)
-            .and_then(|()| std::fs::rename(&tmp, path))
-            .map_err(|e| err(format!("writing {}: {e}", path.display())))
-    }
-}
-
-fn module_layout(l: Option<braid_balancer::Layout>, recompute: bool) -> ModuleLayout {
-    let l = l.unwrap_or(braid_balancer::Layout::ONE);
-    ModuleLayout {
-        tp: l.tp,
-        cp: l.cp,
-        pp: l.pp,
-        dp: l.dp,
-        recompute,
-    }
-}
-
-/// What `parallel.plan` did to a run config: lines for the log, and the plan's
-/// predicted step (for the run's summary to set beside the measured one).
-#[derive(Clone, Debug, Default)]
-pub struct Applied {
-    pub notes: Vec<String>,
-    /// The plan `"auto"` searched, for the trainer to save as [`AUTO_PLAN_FILE`] in the
-    /// run folder once the config has passed its checks.
-    pub searched: Option<PlanFile>,
-    pub predicted: Option<Predicted>,
-}
-
-/// Where `parallel.plan = "auto"` keeps its plan in `run.dir`.
-pub const AUTO_PLAN_FILE: &str = "plan.toml";
-
-/// A plan's predicted step time and the cluster it was predicted for.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Predicted {
-    pub step_s: f64,
-    /// A preset name or a cluster TOML's path.
-    pub cluster: String,
-}
-
-/// Applies `parallel.plan` to `cfg`: world size, placement, every module's layout and the
-/// microbatch count. Returns notes for the log (what the trainer does not do yet).
-pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
-    let Some(spec) = cfg.parallel.plan.clone() else {
-        return Ok(Applied::default());
-    };
-    let gpus = cfg.parallel.world_size;
-    // "auto" plans once per run: a resumed run reuses the plan its start saved, since a
-    // search on a CPU times the loader and may pick another layout the second time.
-    let saved = cfg.run.dir.join(AUTO_PLAN_FILE);
-    let reuse = spec == "auto" && saved.exists();
-    let mut searched = None;
-    let file = if reuse {
-        let f = PlanFile::read(&saved)?;
-        if f.gpus != gpus {
-            return Err(err(format!(
-                "parallel.plan = \"auto\": {} was planned for {} GPUs but parallel.world_size = {gpus}; remove it to plan again",
-                saved.display(),
-                f.gpus
-            )));
-        }
-        f
-    } else if spec == "auto" {
-        // The run's own packed rows when they exist, else the [plan.mix].
-        let own = cfg.data.path.join(braid_dataloader::dataset::DATASET_JSON);
-        let data = own.exists().then_some(cfg.data.path.as_path());
-        let p = plan(cfg, gpus, None, data, Some(Schedule::Phased))?;
-        let f = PlanFile {
-            gpus,
-            cluster: p.cluster,
-            step_time_s: p.outcome.best.sim.step_s,
-            baseline_step_time_s: p.outcome.baseline.sim.step_s,
-            plan: p.outcome.best.plan,
-        };
-        searched = Some(f.clone());
-        f
-    } else {
-        PlanFile::read(&PathBuf::from(&spec))?
-    };
-    let p = &file.plan;
-    let placement = match p.placement {
-        Placement::Disjoint => crate::config::Placement::Disjoint,
-        Placement::Colocated => crate::config::Placement::Colocated,
-        Placement::LlmCentric => {
-            return Err(err(format!(
-                "parallel.plan = {spec:?}: an LLM-centric plan is the baseline, not something braid train runs"
-            )));
-        }
-    };
-    let mut notes = Vec::new();
-    if p.schedule == Schedule::Overlapped {
-        notes.push(
-            "the plan assumes the overlapped schedule; braid train runs the phased one".into(),
-        );
-    }
-    cfg.parallel.world_size = file.gpus;
-    cfg.parallel.placement = placement;
-    cfg.parallel.llm = module_layout(Some(p.llm), p.recompute);
-    cfg.parallel.vision = module_layout(p.vision, p.recompute_encoders);
-    cfg.parallel.audio = module_layout(p.audio, p.recompute_encoders);
-    cfg.parallel.zero1 = p.zero1;
-    cfg.train.microbatches = p.microbatches;
-    if reuse {
-        notes.push(format!(
-            "parallel.plan auto: reusing {} (planned when this run started)",
-            saved.display()
-        ));
-    }
-    notes.push(format!(
-        "parallel.plan {spec}: {} GPUs, {:?}, llm {}, {} microbatches, recompute llm {} / encoders {} (predicted {:.3} s/step on {})",
-        file.gpus,
-        p.placement,
-        p.llm,
-        p.microbatches,
-        p.recompute,
-        p.recompute_encoders,
-        file.step_time_s,
-        file.cluster
-    ));
-    Ok(Applied {
-        notes,
-        searched,
-        predicted: Some(Predicted {
-            step_s: file.step_time_s,
-            cluster: file.cluster,
-        }),
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use braid_balancer::Plan;
 
     /// configs/tiny.toml's model and batch, with a synthetic mix to plan on.
     fn tiny(sets: &[&str]) -> RunConfig {
