@@ -89,6 +89,21 @@ pub struct Cluster {
     /// ranks slow each other down. False for GPUs.
     #[serde(default)]
     pub shared_compute: bool,
+    /// Bytes of an activation or weight value in the runtime's compute dtype: what TP,
+    /// CP, PP, the bridge and the parameter all-gather move. 2 (bf16) on GPUs; 4 on
+    /// Braid's CPU ranks, which compute in f32.
+    #[serde(default = "default_compute_bytes")]
+    pub compute_bytes: f64,
+    /// The share of a block's elementwise work on full hidden-size rows (the norms and
+    /// residual adds), which TP without sequence parallelism repeats on every TP rank
+    /// instead of splitting (`braid profile` measures it; 0 in the GPU presets, whose
+    /// plans assume sequence parallelism).
+    #[serde(default)]
+    pub replicated_elementwise: f64,
+}
+
+fn default_compute_bytes() -> f64 {
+    2.0
 }
 
 fn default_usable() -> f64 {
@@ -160,6 +175,8 @@ impl Cluster {
                 latency_us: 8.0,
             },
             shared_compute: false,
+            compute_bytes: default_compute_bytes(),
+            replicated_elementwise: 0.0,
         })
     }
 
@@ -219,6 +236,9 @@ impl Cluster {
             return Err(
                 "layer_overhead_us, backward_overhead_us and elementwise_ns must be >= 0".into(),
             );
+        }
+        if self.compute_bytes <= 0.0 || !(0.0..=1.0).contains(&self.replicated_elementwise) {
+            return Err("compute_bytes must be > 0 and replicated_elementwise in [0, 1]".into());
         }
         if self.attention_backward <= 0.0 {
             return Err("attention_backward must be > 0".into());

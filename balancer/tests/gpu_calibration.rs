@@ -71,6 +71,7 @@ fn predict(b: &Block, cluster: &Cluster) -> (f64, f64) {
         frozen: false,
         checkpoint_stages: false,
         overlap_sync: false,
+        sequence_parallel: true,
     };
     let tokens = (b.seqs * b.len) as f64;
     let sq = (b.seqs * b.len * b.len) as f64;

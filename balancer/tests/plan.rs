@@ -56,6 +56,7 @@ fn problem(model: ModelDims, cluster: Cluster) -> Problem {
         frozen: vec![],
         input_s: 0.0,
         overlap_sync: false,
+        sequence_parallel: true,
     }
 }
 

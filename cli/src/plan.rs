@@ -154,6 +154,7 @@ fn to_json(p: &Planned, alone: Option<&Found>, a: &PlanArgs) -> Value {
         "gpus": p.gpus,
         "cluster": p.cluster,
         "overlap_grad_sync": p.problem.overlap_sync,
+        "sequence_parallel": p.problem.sequence_parallel,
         "baseline_step_time_s": o.baseline.sim.step_s,
         "speedup": o.baseline.sim.step_s / o.best.sim.step_s,
         "brute_force_step_time_s": o.brute.as_ref().map(|b| b.sim.step_s),
@@ -344,7 +345,7 @@ fn print_text(p: &Planned, alone: Option<&Found>, a: &PlanArgs) {
                 .to_string())
     );
     println!(
-        "  search     {} combinations, {} simulated, {:.2} s; gradient sync {} (plan.overlap_grad_sync)",
+        "  search     {} combinations, {} simulated, {:.2} s; gradient sync {} (plan.overlap_grad_sync); TP {} (plan.sequence_parallel)",
         o.combinations,
         o.simulated,
         o.search_s,
@@ -352,6 +353,11 @@ fn print_text(p: &Planned, alone: Option<&Found>, a: &PlanArgs) {
             "overlapped with the passes"
         } else {
             "after the backward"
+        },
+        if p.problem.sequence_parallel {
+            "sequence-parallel"
+        } else {
+            "repeating the norms on every rank"
         }
     );
     let b = &o.best;

@@ -249,6 +249,63 @@ fn elementwise_ns(e: Effort, quick: bool, c: &Cluster) -> Res<f64> {
     Ok(ns)
 }
 
+/// The share of the [`elementwise_ns`] block's elementwise work on full hidden-size rows,
+/// which TP without sequence parallelism repeats on every TP rank: its two RMSNorms and
+/// residual adds against those plus what TP splits (SwiGLU on the MLP's width, RoPE on q
+/// and k), each forward and backward, timed directly on the block's shapes (not as a
+/// difference of timings, which would carry the profile's noise into the share).
+fn replicated_elementwise(e: Effort, quick: bool) -> Res<f64> {
+    let (width, nh, len) = (64usize, 4usize, if quick { 128 } else { 256 });
+    let (t, hs, ff) = (2 * len, width / nh, 2 * width);
+    let mut rng = Rng::new(5);
+    let mut randn = |shape: &[usize], what: &str| {
+        ctx(
+            Tensor::randn(shape.to_vec(), 1.0, &mut rng, Device::Cpu),
+            what,
+        )
+    };
+    let x = randn(&[t, width], "x")?;
+    let r = randn(&[t, width], "residual")?;
+    let w = randn(&[width], "norm weight")?;
+    let gate = randn(&[t, ff], "gate")?;
+    let up = randn(&[t, ff], "up")?;
+    let q = randn(&[t, nh, hs], "q")?;
+    let cos = randn(&[t, hs / 2], "cos")?;
+    let sin = randn(&[t, hs / 2], "sin")?;
+    let mut dw = ctx(
+        Tensor::zeros([width], braid_kernels::DType::F32, Device::Cpu),
+        "norm weight grad",
+    )?;
+    let repeated = time_median(e, || {
+        for _ in 0..2 {
+            let (y, rstd) = ctx(ops::rms_norm_fwd(&x, &w, 1e-6), "rms_norm_fwd")?;
+            let h = ctx(ops::add(&y, &r), "residual add")?;
+            let dx = ctx(
+                ops::rms_norm_bwd(&h, &x, &w, &rstd, Some(&mut dw)),
+                "rms_norm_bwd",
+            )?;
+            ctx(ops::add(&dx, &h), "residual grad add").map(drop)?;
+        }
+        Ok(())
+    })?;
+    let split = time_median(e, || {
+        let y = ctx(ops::swiglu_fwd(&gate, &up), "swiglu_fwd")?;
+        ctx(ops::swiglu_bwd(&y, &gate, &up), "swiglu_bwd").map(drop)?;
+        for _ in 0..2 {
+            let y = ctx(ops::rope_fwd(&q, &cos, &sin), "rope_fwd")?;
+            ctx(ops::rope_bwd(&y, &cos, &sin), "rope_bwd").map(drop)?;
+        }
+        Ok(())
+    })?;
+    let share = repeated / (repeated + split).max(1e-12);
+    eprintln!(
+        "  elementwise (2x{len} tokens, width {width}): norms and residuals {:.3} ms, SwiGLU and RoPE {:.3} ms -> {share:.2} repeated by TP",
+        repeated * 1e3,
+        split * 1e3
+    );
+    Ok(share)
+}
+
 /// Median seconds of an all-reduce of `elems` f32 among 2 ranks (threads).
 fn all_reduce_s(e: Effort, elems: usize) -> Res<f64> {
     let times = run_local(2, Duration::from_secs(60), |comm| -> Res<f64> {
@@ -371,6 +428,9 @@ fn profile(a: &ProfileArgs) -> Res<()> {
             latency_us: 0.0,
         },
         shared_compute: true,
+        // Braid's CPU ranks compute in f32.
+        compute_bytes: 4.0,
+        replicated_elementwise: 0.0,
     };
     // Each derived figure is the median of `rounds` measurements: the overhead and the
     // elementwise cost are differences of two timings, and one disturbed sample (rayon's
@@ -389,6 +449,7 @@ fn profile(a: &ProfileArgs) -> Res<()> {
     c.attention_efficiency = median_round(rounds, || attention_efficiency(e, a.quick, &c))?;
     c.layer_overhead_us = median_round(rounds, || layer_overhead_us(e, &c))?;
     c.elementwise_ns = median_round(rounds, || elementwise_ns(e, a.quick, &c))?;
+    c.replicated_elementwise = median_round(rounds, || replicated_elementwise(e, a.quick))?;
     let l = link(e, a.quick)?;
     c.intra = l;
     c.inter = l;
@@ -422,6 +483,10 @@ fn profile(a: &ProfileArgs) -> Res<()> {
     println!(
         "  block overhead  {:.1} us per block per pass, {:.2} ns per activation value",
         c.layer_overhead_us, c.elementwise_ns
+    );
+    println!(
+        "  elementwise     {:.0}% of it on full hidden rows (norms, residuals: repeated by TP)",
+        100.0 * c.replicated_elementwise
     );
     println!(
         "  all-reduce      {:.1} us latency, {:.2} GB/s",

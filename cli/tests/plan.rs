@@ -44,6 +44,7 @@ fn the_7b_reference_plans_on_64_gpus() {
     assert!(v["step_time_s"].as_f64().unwrap() <= 1.05 * checked, "{v}");
     // GPU clusters hide the gradient sync behind the passes by default.
     assert_eq!(v["overlap_grad_sync"].as_bool(), Some(true), "{v}");
+    assert_eq!(v["sequence_parallel"].as_bool(), Some(true), "{v}");
     let ratio = v["baseline_step_time_s"].as_f64().unwrap() / v["step_time_s"].as_f64().unwrap();
     assert!((ratio - v["speedup"].as_f64().unwrap()).abs() < 1e-9);
     // The LLM alone (encoders free) bounds every plan from below: its ceiling is above

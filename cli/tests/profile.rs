@@ -43,6 +43,11 @@ fn quick_profile_writes_a_cluster_the_planner_loads() {
     assert!(c.layer_overhead_us >= 0.0 && c.elementwise_ns >= 0.0);
     assert!(c.intra.bandwidth_gbs > 0.0 && c.intra.latency_us >= 0.0);
     assert_eq!(c.intra, c.inter);
+    // Braid's CPU ranks compute in f32; the norms' and residuals' share is measured.
+    assert_eq!(c.compute_bytes, 4.0);
+    assert!((0.0..=1.0).contains(&c.replicated_elementwise));
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.contains("replicated_elementwise"), "{text}");
 }
 
 #[test]

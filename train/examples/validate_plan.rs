@@ -215,6 +215,8 @@ fn run() -> Res<()> {
         input_s,
         // `braid train` on CPU ranks syncs gradients after the backward.
         overlap_sync: false,
+        // Nor is its TP sequence-parallel.
+        sequence_parallel: false,
     };
     // The cost model before this check added loader time and elementwise work: shown
     // next to the full one.

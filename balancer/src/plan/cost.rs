@@ -84,6 +84,10 @@ pub struct StageCost<'a> {
     /// reduce behind the last backward, the parameter all-gather behind the next
     /// step's first forward. False: after the backward, as CPU ranks run it.
     pub overlap_sync: bool,
+    /// TP splits the norms and residuals by sequence (Megatron's sequence parallelism):
+    /// their elementwise work is divided by TP too. False: every TP rank repeats them
+    /// (`braid train`'s TP; see [`Cluster::replicated_elementwise`]).
+    pub sequence_parallel: bool,
 }
 
 impl StageCost<'_> {
@@ -133,16 +137,24 @@ impl StageCost<'_> {
             head = flops / rate + logits * c.elementwise_ns * 1e-9;
         }
         let attention = layers * d.attention_flops_per_pair() * sq / split;
-        let values = layers * tokens / split * d.hidden as f64; // activations touched
+        // Activations touched, per GPU; without sequence parallelism the hidden-size share
+        // of them is on every TP rank.
+        let tp_share = if self.sequence_parallel {
+            1.0 / l.tp as f64
+        } else {
+            let r = c.replicated_elementwise;
+            r + (1.0 - r) / l.tp as f64
+        };
+        let values = layers * tokens / l.cp as f64 * d.hidden as f64 * tp_share;
         let elementwise = values * c.elementwise_ns * 1e-9;
         let matmul = linear / rate + elementwise + head;
         let attention = attention / (rate * c.attention_efficiency);
         // Sequence-parallel TP: a reduce-scatter and an all-gather around attention and
         // around the MLP (the volume of two all-reduces) per block.
-        let act = rows * d.hidden as f64 * 2.0;
+        let act = rows * d.hidden as f64 * c.compute_bytes;
         let tp = 2.0 * layers * c.intra.all_reduce(act, l.tp);
         // CP: each rank gathers the K and V of its TP head shard from the other CP ranks.
-        let kv = 2.0 * tokens * (d.kv_heads * d.head_dim) as f64 * 2.0 / l.tp as f64;
+        let kv = 2.0 * tokens * (d.kv_heads * d.head_dim) as f64 * c.compute_bytes / l.tp as f64;
         let cp = layers * c.link(l.tp * l.cp).gather(kv, l.cp);
         Pass {
             matmul,
@@ -180,7 +192,8 @@ impl StageCost<'_> {
         if l.pp <= 1 {
             return 0.0;
         }
-        let bytes = tokens / (l.cp * l.tp) as f64 * self.dims.hidden as f64 * 2.0;
+        let bytes =
+            tokens / (l.cp * l.tp) as f64 * self.dims.hidden as f64 * self.cluster.compute_bytes;
         self.cluster.link(l.block() * l.dp + 1).send(bytes)
     }
 
@@ -215,7 +228,8 @@ impl StageCost<'_> {
         let p = self.params(stage);
         let link = self.cluster.link(l.block() * l.dp);
         if self.zero1 {
-            (link.gather(4.0 * p, n), link.gather(2.0 * p, n))
+            let params = self.cluster.compute_bytes * p;
+            (link.gather(4.0 * p, n), link.gather(params, n))
         } else {
             (link.all_reduce(4.0 * p, n), 0.0)
         }
@@ -278,7 +292,7 @@ impl StageCost<'_> {
             activations += per_cp(largest) * (d.vocab / l.tp) as f64 * 8.0;
         }
         Memory {
-            weights: 2.0 * p,
+            weights: self.cluster.compute_bytes * p,
             grads,
             optimizer,
             activations,
@@ -309,6 +323,7 @@ mod tests {
             frozen: false,
             checkpoint_stages: false,
             overlap_sync: false,
+            sequence_parallel: true,
         };
         let (t, sq) = (4096.0, 4096.0 * 4096.0);
         let one = at(1, 1, false).forward(0, t, sq);
@@ -389,6 +404,7 @@ mod tests {
             frozen: false,
             checkpoint_stages: false,
             overlap_sync: false,
+            sequence_parallel: true,
         };
         let extra = |stage| {
             let (t, sq) = (1024.0, 1024.0 * 1024.0);
@@ -404,5 +420,45 @@ mod tests {
             extra(0),
             extra(3)
         );
+    }
+
+    /// Without sequence parallelism every TP rank repeats the replicated share of the
+    /// elementwise work; with it (or with no replicated share) TP splits all of it.
+    #[test]
+    fn tp_without_sequence_parallelism_repeats_the_norms() {
+        let mut c = Cluster::preset("h100").unwrap();
+        c.elementwise_ns = 1.0;
+        c.replicated_elementwise = 0.4;
+        let d = llama7b();
+        let at = |tp, sequence_parallel, c: &Cluster| {
+            StageCost {
+                dims: &d,
+                layout: Layout {
+                    tp,
+                    cp: 1,
+                    pp: 1,
+                    dp: 1,
+                },
+                cluster: c,
+                recompute: false,
+                zero1: true,
+                frozen: false,
+                checkpoint_stages: false,
+                overlap_sync: false,
+                sequence_parallel,
+            }
+            .forward(0, 4096.0, 4096.0)
+            .compute
+        };
+        let (one, sp, plain) = (at(1, true, &c), at(2, true, &c), at(2, false, &c));
+        let values = d.layers as f64 * 4096.0 * d.hidden as f64 * 1e-9;
+        // The elementwise part alone: halved with SP, 0.4 + 0.6 / 2 = 0.7 of it without.
+        assert!(
+            (plain - sp - 0.2 * values).abs() < 1e-9 * plain,
+            "{sp} {plain}"
+        );
+        assert!(sp < one);
+        c.replicated_elementwise = 0.0;
+        assert!((at(2, false, &c) - sp).abs() < 1e-12);
     }
 }

@@ -176,6 +176,7 @@ impl Problem {
             frozen: self.frozen.contains(&m),
             checkpoint_stages: m != Module::Llm,
             overlap_sync: self.overlap_sync,
+            sequence_parallel: self.sequence_parallel,
         })
     }
 

@@ -28,6 +28,9 @@ pub struct Problem {
     /// The runtime overlaps the gradient sync with compute (GPUs: NCCL beside the
     /// kernels); see [`StageCost::overlap_sync`]. `braid train`'s CPU ranks do not.
     pub overlap_sync: bool,
+    /// TP runs with sequence parallelism (Megatron's, on GPUs); see
+    /// [`StageCost::sequence_parallel`]. `braid train`'s TP does not.
+    pub sequence_parallel: bool,
 }
 
 /// One simulated step.

@@ -48,6 +48,11 @@ pub struct PlanSection {
     /// the LLM-centric baseline alike.
     #[serde(default)]
     pub overlap_grad_sync: Option<bool>,
+    /// Whether TP splits the norms and residuals by sequence (Megatron's sequence
+    /// parallelism). Default: yes on GPU clusters, no on a shared CPU (`braid train`'s TP
+    /// repeats them on every TP rank). Applies to the plan and the baseline alike.
+    #[serde(default)]
+    pub sequence_parallel: Option<bool>,
     /// Where brute force cannot run, also simulate this many of the best-estimated
     /// combinations and report their best beside the pick (`braid plan --check N`; 0:
     /// none). Slow: each costs a few simulated steps.
@@ -75,6 +80,7 @@ impl Default for PlanSection {
             schedule: default_schedule(),
             mix: None,
             overlap_grad_sync: None,
+            sequence_parallel: None,
             check: 0,
         }
     }
@@ -277,6 +283,7 @@ pub fn plan(
         })
         .collect();
     let overlap_sync = sec.overlap_grad_sync.unwrap_or(!c.shared_compute);
+    let sequence_parallel = sec.sequence_parallel.unwrap_or(!c.shared_compute);
     // Every rank's loader reads the whole global batch; on a shared CPU that competes with
     // the step, so it is measured on the data (on GPUs it runs beside the step: free).
     let input_s = match data {
@@ -289,6 +296,7 @@ pub fn plan(
         frozen,
         input_s,
         overlap_sync,
+        sequence_parallel,
     };
     let workload = workload(cfg, &model, data)?;
     let mut space = Space::new(gpus);
