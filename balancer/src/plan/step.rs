@@ -258,7 +258,7 @@ impl Problem {
                     o.iter().map(move |v| pick(v) / n)
                 })
                 .fold(0.0, f64::max);
-            link.send(recv.max(send) * hidden * 2.0)
+            link.send(recv.max(send) * hidden * self.cluster.compute_bytes)
         };
 
         let mut g = Dag::default();
