@@ -118,13 +118,18 @@ fn plan_cmd(a: &PlanArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// Module `m`'s figure in one of the simulation's per-module lists.
+fn of_module(v: &[(Module, f64)], m: Module) -> Option<f64> {
+    v.iter().find(|x| x.0 == m).map(|x| x.1)
+}
+
 fn module_json(f: &Found, m: Module) -> Value {
     let Some(l) = f.plan.layout(m) else {
         return Value::Null;
     };
-    let mem = f.sim.memory.iter().find(|x| x.0 == m).map(|x| x.1 / GIB);
-    let busy = f.sim.busy.iter().find(|x| x.0 == m).map(|x| x.1);
-    let busiest = f.sim.busiest.iter().find(|x| x.0 == m).map(|x| x.1);
+    let mem = of_module(&f.sim.memory, m).map(|x| x / GIB);
+    let busy = of_module(&f.sim.busy, m);
+    let busiest = of_module(&f.sim.busiest, m);
     json!({"tp": l.tp, "cp": l.cp, "pp": l.pp, "dp": l.dp, "gpus": l.gpus(),
            "first_gpu": f.plan.offset(m), "memory_gib": mem, "busy_s": busy,
            "busy_max_s": busiest})
@@ -367,9 +372,8 @@ fn print_text(p: &Planned, alone: Option<&Found>, a: &PlanArgs) {
     );
     for m in [Module::Vision, Module::Audio, Module::Llm] {
         if let Some(l) = b.plan.layout(m) {
-            let mem = b.sim.memory.iter().find(|x| x.0 == m).map_or(0.0, |x| x.1);
-            let busy = b.sim.busy.iter().find(|x| x.0 == m).map_or(0.0, |x| x.1);
-            let most = b.sim.busiest.iter().find(|x| x.0 == m).map_or(0.0, |x| x.1);
+            let get = |v: &[(Module, f64)]| of_module(v, m).unwrap_or(0.0);
+            let (mem, busy, most) = (get(&b.sim.memory), get(&b.sim.busy), get(&b.sim.busiest));
             println!(
                 "  {:<7} {:<22} {:>6} {:>11} {:>12} {:>12}",
                 m.name(),

@@ -440,12 +440,11 @@ impl Trainer {
             recent,
             first: first_loss,
             tokens,
-            mut step_times,
+            step_times,
         } = trail;
-        let median_step_s = (!step_times.is_empty()).then(|| {
-            step_times.sort_by(f64::total_cmp);
-            step_times[step_times.len() / 2]
-        });
+        // The median `braid profile` and `validate_plan` report too.
+        let median_step_s =
+            (!step_times.is_empty()).then(|| braid_balancer::plan::check::median(&step_times));
         let eval = self.evaluate()?;
         if let Some(r) = &eval {
             braid_nn::hf::write_json(&self.cfg.run.dir.join("eval.json"), r)?;

@@ -506,18 +506,15 @@ impl Problem {
 
         // Busy time and memory per module.
         let gpus = plan.gpus() as f64;
-        let used: f64 = g
-            .lanes
-            .iter()
-            .zip(&tl.compute)
-            .map(|(l, b)| l.ranks as f64 * b)
-            .sum();
-        let occupied: f64 = g
-            .lanes
-            .iter()
-            .zip(&tl.busy)
-            .map(|(l, b)| l.ranks as f64 * b)
-            .sum();
+        // GPU-seconds of per-lane seconds: computing, and computing or communicating.
+        let gpu_seconds = |per_lane: &[f64]| -> f64 {
+            g.lanes
+                .iter()
+                .zip(per_lane)
+                .map(|(l, s)| l.ranks as f64 * s)
+                .sum()
+        };
+        let (used, occupied) = (gpu_seconds(&tl.compute), gpu_seconds(&tl.busy));
         let module_busy = |lanes: &[&LaneTasks], n: usize| {
             lanes
                 .iter()
