@@ -74,6 +74,7 @@ fn kill_after_checkpoint(mut cmd: Command, step: u64) {
             return;
         }
     }
+    let _ = child.wait();
     panic!("the run ended before `{want}`: {seen}");
 }
 
