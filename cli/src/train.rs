@@ -2,15 +2,23 @@
 //! config (the CPU demo, `configs/demo.toml`, by default) with a progress bar on a terminal
 //! and plain log lines otherwise; at the end a loss-curve PNG and a one-screen summary.
 //!
-//! Exit status: 0 when the run finished, 1 when it failed, 2 for a bad config or usage.
+//! Ctrl-C (SIGINT) or SIGTERM (SLURM before preemption, forwarded by torchrun) during
+//! training: the current step finishes, its checkpoint is written and named, and braid
+//! exits with 128 + the signal (130, 143); `--resume` continues the run bit for bit. A
+//! second signal exits at once (same codes). During set-up a signal ends braid at once.
+//!
+//! Exit status: 0 when the run finished, 1 when it failed, 2 for a bad config or usage,
+//! 130 / 143 when SIGINT / SIGTERM stopped it.
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use braid_train::metrics::{StepMetrics, read_metrics};
-use braid_train::{Observer, RunConfig, RunInfo, RunSummary, TrainError};
+use braid_train::{Observer, RunConfig, RunInfo, RunSummary, StopFlag, TrainError};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::plot::{Chart, LineChart, Series};
@@ -35,6 +43,24 @@ struct Progress {
     interval: u64,
     started: Instant,
     first_step: u64,
+    /// Set by SIGINT/SIGTERM once training has started.
+    stop: StopFlag,
+}
+
+/// SIGINT and SIGTERM: the first asks the run to stop after the current step (with a
+/// checkpoint); a second one of either exits at once with 128 + its number.
+fn install_stop_handlers(stop: &StopFlag) -> std::io::Result<()> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    use signal_hook::flag;
+    let armed = Arc::new(AtomicBool::new(false));
+    for sig in [SIGINT, SIGTERM] {
+        // Actions run in registration order: the exit first, so the first signal finds
+        // it unarmed; then the request; then the arming.
+        flag::register_conditional_shutdown(sig, 128 + sig, Arc::clone(&armed))?;
+        flag::register_usize(sig, stop.atomic(), sig as usize)?;
+        flag::register(sig, Arc::clone(&armed))?;
+    }
+    Ok(())
 }
 
 fn human_duration(s: f64) -> String {
@@ -55,6 +81,7 @@ impl Progress {
             interval,
             started: Instant::now(),
             first_step: 0,
+            stop: StopFlag::new(),
         }
     }
 
@@ -104,6 +131,11 @@ impl Observer for Progress {
         );
         self.started = Instant::now();
         self.first_step = info.start_step;
+        // Only now: a signal during set-up (packing, loading) ends braid at once, as
+        // there is nothing to save yet.
+        if let Err(e) = install_stop_handlers(&self.stop) {
+            eprintln!("braid train: warning: Ctrl-C will not checkpoint: {e}");
+        }
         if std::io::stderr().is_terminal() {
             let bar = ProgressBar::with_draw_target(Some(info.steps), ProgressDrawTarget::stderr());
             bar.set_style(
@@ -234,7 +266,8 @@ pub fn run(args: TrainArgs) -> ExitCode {
     };
     let dir = cfg.run.dir.clone();
     let mut progress = Progress::new(cfg.log.interval);
-    let result = braid_train::trainer::train(cfg, args.resume, &mut progress);
+    let stop = progress.stop.clone();
+    let result = braid_train::trainer::train_stoppable(cfg, args.resume, &mut progress, stop);
     if let Some(b) = progress.bar.take() {
         b.finish_and_clear();
     }
@@ -249,6 +282,10 @@ pub fn run(args: TrainArgs) -> ExitCode {
             };
             summary(&s, &dir, plot.as_deref());
             ExitCode::SUCCESS
+        }
+        Err(e @ TrainError::Interrupted { signal, .. }) => {
+            eprintln!("braid train: {e}");
+            ExitCode::from(u8::try_from(128 + signal).unwrap_or(1))
         }
         Err(e @ TrainError::Config(_)) => {
             eprintln!("braid train: error: {e}");

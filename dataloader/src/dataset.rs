@@ -25,6 +25,10 @@ pub struct TokenizerInfo {
     /// SHA-256 of the `tokenizer.json` bytes (`None` for the byte tokenizer).
     pub sha256: Option<String>,
     pub vocab_size: usize,
+    /// The tokenizer's files copied into the dataset folder (`tokenizer.json` first; empty
+    /// for the byte tokenizer and for datasets packed before they were copied).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub files: Vec<String>,
 }
 
 /// Per-pack encoder load before and after the modality-balancing pass.

@@ -86,6 +86,7 @@ pub fn load_tokenizer(
                 path: None,
                 sha256: None,
                 vocab_size: t.vocab_size(),
+                files: Vec::new(),
             };
             Ok((Box::new(t), info))
         }
@@ -100,6 +101,7 @@ pub fn load_tokenizer(
                 path: Some(p.display().to_string()),
                 sha256: Some(crate::shard::hex(&Sha256::digest(&bytes))),
                 vocab_size: t.vocab_size(),
+                files: Vec::new(),
             };
             Ok((Box::new(t), info))
         }
@@ -123,6 +125,8 @@ fn prepare_output(out: &Path, overwrite: bool) -> Result<(), PackJobError> {
                 || name == REJECTS_JSONL
                 || name.starts_with(".staging")
                 || name.starts_with(".dataset.json")
+                || (crate::tokenize::files::is_tokenizer_file(name)
+                    && out.join(DATASET_JSON).is_file())
                 || (name.starts_with("shard-")
                     && (name.ends_with(".parquet") || name.ends_with(".tmp")))
         };
@@ -154,7 +158,7 @@ pub fn run_pack(
     let started = Instant::now();
     let cfg = &job.config;
     cfg.validate()?;
-    let (tokenizer, tok_info) = load_tokenizer(cfg)?;
+    let (tokenizer, mut tok_info) = load_tokenizer(cfg)?;
     let preparer = Preparer::new(cfg, tokenizer.as_ref())?;
     let records = read::open(&job.input, &cfg.read_config(job.format))?;
     prepare_output(&job.output, job.overwrite)?;
@@ -255,6 +259,11 @@ pub fn run_pack(
     for (k, v) in &rejects.by_kind {
         let stage = k.split('/').next().unwrap_or(k).to_string();
         *by_stage.entry(stage).or_default() += v;
+    }
+    // The tokenizer travels with the dataset (a checkpoint or export needs no other path).
+    if let Some(tok) = &cfg.tokenizer.path {
+        tok_info.files = crate::tokenize::files::copy_tokenizer_files(tok, &job.output)
+            .map_err(|e| out_err(&job.output, e))?;
     }
     let info = DatasetInfo {
         format_version: FORMAT_VERSION,

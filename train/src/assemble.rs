@@ -3,7 +3,9 @@
 //! (vocabulary, image geometry, mel bins, audio pooling) before any step runs.
 
 use braid_dataloader::dataset::DatasetInfo;
-use braid_encoders::{VisionConfig, VisionEncoder, WhisperEncoder, WhisperEncoderConfig};
+use braid_encoders::{
+    VisionConfig, VisionEncoder, VisionFamily, WhisperEncoder, WhisperEncoderConfig,
+};
 use braid_kernels::Device;
 use braid_llm::{Llm, LlmConfig};
 use braid_nn::hf::read_json;
@@ -80,7 +82,7 @@ pub fn check_against_dataset(
             )
             .into());
         }
-        (Some(_), Some(_)) => {}
+        (Some(v), Some(_)) => check_image_preset(v, &s.image, data_key)?,
         _ if data.images > 0 => {
             return Err(invalid(
                 "model.vision",
@@ -129,6 +131,40 @@ pub fn check_against_dataset(
         _ => {}
     }
     Ok(())
+}
+
+/// Checks that the data's pixels were made the way the model's vision family expects:
+/// CLIP's processor (shortest-edge resize + centre crop, OpenAI CLIP mean/std) or
+/// SigLIP's (exact resize, mean = std = 0.5). Size and patch are checked by the caller.
+fn check_image_preset(
+    model: &VisionConfig,
+    data: &braid_dataloader::config::VisionSpec,
+    data_key: &str,
+) -> Result<()> {
+    use braid_dataloader::media::image::ImageConfig;
+    let (family, want) = match model.family {
+        VisionFamily::Clip => ("clip", ImageConfig::clip(data.size)),
+        VisionFamily::Siglip => ("siglip", ImageConfig::siglip(data.size)),
+    };
+    let got = data.image_config();
+    if got.resize == want.resize && got.mean == want.mean && got.std == want.std {
+        return Ok(());
+    }
+    let preset = match data.preset {
+        braid_dataloader::config::ImagePreset::Clip => "clip",
+        braid_dataloader::config::ImagePreset::Siglip => "siglip",
+    };
+    let describe =
+        |c: &ImageConfig| format!("resize {:?}, mean {:?}, std {:?}", c.resize, c.mean, c.std);
+    Err(invalid(
+        "model.vision.family",
+        format!(
+            "\"{family}\" expects pixels made by its processor ({}), but the data's [image] preset = \"{preset}\" ({data_key}) made them with {}: pack the data with image.preset = \"{family}\" or set model.vision.family = \"{preset}\"",
+            describe(&want),
+            describe(&got)
+        ),
+    )
+    .into())
 }
 
 /// The model: random init from `seed` for modules given by sizes, Hugging Face weights

@@ -38,6 +38,18 @@ pub enum TrainError {
         loss: f64,
         grad_norm: f64,
     },
+    /// A stop request (SIGINT, SIGTERM) ended the run after `step`, whose checkpoint is
+    /// `checkpoint`; `--resume` continues it.
+    #[error(
+        "stopped by {} after step {step}; checkpoint written to {} (continue with --resume)",
+        crate::stop::signal_name(*signal),
+        checkpoint.display()
+    )]
+    Interrupted {
+        signal: i32,
+        step: u64,
+        checkpoint: PathBuf,
+    },
     #[error("{0}")]
     Other(String),
 }

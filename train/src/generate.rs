@@ -13,8 +13,9 @@ use braid_dataloader::job::load_tokenizer;
 use braid_dataloader::media::audio::AudioDecoder;
 use braid_dataloader::media::image::decode_image;
 use braid_dataloader::media::mel::MelExtractor;
+use braid_dataloader::tokenize::files::TOKENIZER_JSON;
 use braid_dataloader::tokenize::{
-    CompiledTemplate, Message, Part, PlaceholderCounts, Role, Tokenizer, audio_tokens,
+    CompiledTemplate, HfTokenizer, Message, Part, PlaceholderCounts, Role, Tokenizer, audio_tokens,
     vision_tokens,
 };
 use braid_kernels::{Device, Tensor};
@@ -58,6 +59,32 @@ pub fn resolve_checkpoint(dir: &Path) -> Result<PathBuf> {
     )))
 }
 
+/// The tokenizer the checkpoint carries (`tokenizer.json`); for a checkpoint written
+/// before tokenizers travelled with it, the data config's `tokenizer.path`; the byte
+/// tokenizer needs no file.
+fn checkpoint_tokenizer(ckpt: &Path, data: &DataConfig) -> Result<Box<dyn Tokenizer>> {
+    let Some(orig) = &data.tokenizer.path else {
+        let (t, _) = load_tokenizer(data).map_err(|e| gen_err(e.to_string()))?;
+        return Ok(t);
+    };
+    let carried = ckpt.join(TOKENIZER_JSON);
+    if carried.is_file() {
+        let bytes = std::fs::read(&carried).map_err(io_err(&carried, "read"))?;
+        let t = HfTokenizer::from_bytes(&bytes, &carried.display().to_string())
+            .map_err(|e| gen_err(e.to_string()))?;
+        return Ok(Box::new(t));
+    }
+    if orig.is_file() {
+        let (t, _) = load_tokenizer(data).map_err(|e| gen_err(e.to_string()))?;
+        return Ok(t);
+    }
+    Err(gen_err(format!(
+        "no tokenizer: {} does not exist (the checkpoint predates tokenizers kept with checkpoints) and neither does the data config's tokenizer.path {}",
+        carried.display(),
+        orig.display()
+    )))
+}
+
 impl Generator {
     /// Loads the weights, run config and data config of a checkpoint (or of a run
     /// folder's newest checkpoint).
@@ -72,7 +99,7 @@ impl Generator {
             .map_err(|e| gen_err(format!("{}: {e}", data_path.display())))?;
         let mut model = Mllm::new(model_config(&cfg)?, &Init::for_loading(Device::Cpu))?;
         checkpoint::load_weights(&ckpt, &mut model, Device::Cpu)?;
-        let (tokenizer, _) = load_tokenizer(&data).map_err(|e| gen_err(e.to_string()))?;
+        let tokenizer = checkpoint_tokenizer(&ckpt, &data)?;
         Ok(Generator {
             model,
             data,

@@ -5,6 +5,7 @@
 //! - [`config`]: the run config (`RUN.toml` + `--set`), validated before anything runs.
 //! - [`trainer`]: set-up, the step, checkpoints, evaluation, export.
 //! - [`optim`], [`checkpoint`], [`metrics`], [`eval`], [`data`]: the parts it uses.
+//! - [`stop`]: a signal's request to stop after the current step, with a checkpoint.
 
 pub mod assemble;
 pub mod checkpoint;
@@ -20,6 +21,8 @@ pub mod optim;
 pub mod parallel;
 pub mod planning;
 pub mod resume;
+pub mod stop;
+pub mod tokenizer;
 pub mod trainer;
 
 pub use config::RunConfig;
@@ -28,4 +31,5 @@ pub use mllm::{
     AudioProjectorConfig, Freeze, InputGrads, Mllm, MllmBatch, MllmCache, MllmConfig, MllmLoss,
     MllmParts, VisionProjectorConfig,
 };
+pub use stop::StopFlag;
 pub use trainer::{Observer, Quiet, RunInfo, RunSummary, Trainer};

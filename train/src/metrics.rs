@@ -89,15 +89,16 @@ pub struct MetricsWriter {
 impl MetricsWriter {
     /// Opens `path` for appending after keeping only the complete lines with
     /// `step <= keep_through` (everything when starting fresh: pass 0 and an absent file).
+    /// Kept lines are kept byte for byte: parsing a number and writing it again can change
+    /// its last bit (serde_json's default float parsing is not exact), and a resumed run's
+    /// file must read exactly like an uninterrupted run's.
     pub fn open(path: &Path, keep_through: u64) -> Result<Self, TrainError> {
-        let kept = read_metrics(path)?
-            .into_iter()
-            .filter(|m| m.step <= keep_through)
-            .collect::<Vec<_>>();
         let mut text = String::new();
-        for m in &kept {
-            text.push_str(&serde_json::to_string(m).map_err(|e| TrainError::Other(e.to_string()))?);
-            text.push('\n');
+        for (m, line) in read_metric_lines(path)? {
+            if m.step <= keep_through {
+                text.push_str(&line);
+                text.push('\n');
+            }
         }
         std::fs::write(path, text).map_err(io_err(path, "write"))?;
         let file = OpenOptions::new()
@@ -123,6 +124,14 @@ impl MetricsWriter {
 /// Every complete, parseable line of a metrics.jsonl (a torn last line after a crash is
 /// dropped); an absent file is empty.
 pub fn read_metrics(path: &Path) -> Result<Vec<StepMetrics>, TrainError> {
+    Ok(read_metric_lines(path)?
+        .into_iter()
+        .map(|(m, _)| m)
+        .collect())
+}
+
+/// [`read_metrics`] with each line's text as written.
+fn read_metric_lines(path: &Path) -> Result<Vec<(StepMetrics, String)>, TrainError> {
     let f = match File::open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -132,8 +141,57 @@ pub fn read_metrics(path: &Path) -> Result<Vec<StepMetrics>, TrainError> {
     for line in BufReader::new(f).lines() {
         let line = line.map_err(io_err(path, "read"))?;
         if let Ok(m) = serde_json::from_str::<StepMetrics>(&line) {
-            out.push(m);
+            out.push((m, line));
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn line(step: u64, grad_norm: f64) -> StepMetrics {
+        StepMetrics {
+            step,
+            loss: 2.5,
+            lr: 1e-3,
+            grad_norm,
+            tokens: 10,
+            targets: 5,
+            images: 0,
+            clips: 0,
+            step_time_s: 0.1,
+            data_time_s: 0.0,
+            skipped: false,
+            epoch: 0,
+            balance: None,
+        }
+    }
+
+    #[test]
+    fn resuming_keeps_the_logged_lines_byte_for_byte() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        // A grad norm logged by a real run (demo, step 14) whose shortest decimal serde_json
+        // parses back one ulp off: rewriting it changed the file on every resume.
+        let exact: f64 = "3.1433333556404714".parse().unwrap();
+        let mut w = MetricsWriter::open(&path, 0).unwrap();
+        for step in 1..=3 {
+            w.append(&line(step, exact * step as f64)).unwrap();
+        }
+        drop(w);
+        let before = std::fs::read_to_string(&path).unwrap();
+        assert!(before.contains("3.1433333556404714"), "{before}");
+        MetricsWriter::open(&path, 3).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), before);
+        // Cut back to step 2: the first two lines, unchanged.
+        MetricsWriter::open(&path, 2).unwrap();
+        let kept: Vec<&str> = before.lines().take(2).collect();
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            format!("{}\n", kept.join("\n"))
+        );
+    }
 }

@@ -20,6 +20,8 @@ use crate::mllm::{Mllm, MllmBatch};
 use crate::optim::{AdamW, clip_factor, grad_norm, scale_grads};
 use crate::parallel::layout::Layouts;
 use crate::resume::check_resumable;
+use crate::stop::StopFlag;
+use crate::tokenizer::TokenizerFiles;
 
 /// What a front end (the CLI's progress bar, a test) hears from a run.
 pub trait Observer {
@@ -98,6 +100,10 @@ pub struct Trainer {
     pub layouts: Layouts,
     /// The plan's predicted step, when `parallel.plan` set the layouts.
     pub predicted: Option<crate::planning::Predicted>,
+    /// Checked after every step: when set, the run checkpoints that step and stops.
+    pub stop: StopFlag,
+    /// The tokenizer's files, carried into every checkpoint and the export.
+    pub(crate) tokenizer_files: TokenizerFiles,
 }
 
 impl Trainer {
@@ -154,6 +160,7 @@ impl Trainer {
             }
         };
         check_against_dataset(&mconfig, &data, "data.path")?;
+        let tokenizer_files = crate::tokenizer::collect(&d.path, &data, &mut |l| obs.log(l))?;
         let batch_rows = cfg.batch_rows(data.max_seq_len as usize);
         if cfg.train.microbatches > batch_rows {
             return Err(invalid(
@@ -271,6 +278,8 @@ impl Trainer {
             info,
             layouts,
             predicted: applied.predicted,
+            stop: StopFlag::new(),
+            tokenizer_files,
         })
     }
 
@@ -363,10 +372,7 @@ impl Trainer {
             &self.model,
             &self.optim,
             &self.state,
-            &[
-                (checkpoint::CONFIG_FILE, self.config_toml.as_bytes()),
-                (checkpoint::DATA_FILE, self.data_json.as_bytes()),
-            ],
+            &checkpoint_files(&self.config_toml, &self.data_json, &self.tokenizer_files),
             self.cfg.checkpoint.keep,
             self.cfg.fault.abort_during_checkpoint_at == Some(self.state.step),
         )
@@ -395,6 +401,7 @@ impl Trainer {
         let started = Instant::now();
         let mut trail = LossTrail::default();
         let mut last_ckpt = None;
+        let mut saved_at = 0;
         let start_step = self.state.step;
         while self.state.step < total {
             let m = self.step()?;
@@ -405,6 +412,25 @@ impl Trainer {
                 let dir = self.save_checkpoint()?;
                 obs.checkpoint(m.step, &dir);
                 last_ckpt = Some(dir);
+                saved_at = m.step;
+            }
+            if let Some(signal) = self.stop.requested() {
+                // The step is done; its checkpoint (unless the interval just wrote it) is
+                // what `--resume` continues from. Evaluation and export wait for the end.
+                obs.log(&stopping_line(signal, m.step));
+                let dir = match last_ckpt.take() {
+                    Some(d) if saved_at == m.step => d,
+                    _ => {
+                        let d = self.save_checkpoint()?;
+                        obs.checkpoint(m.step, &d);
+                        d
+                    }
+                };
+                return Err(TrainError::Interrupted {
+                    signal,
+                    step: m.step,
+                    checkpoint: dir,
+                });
             }
             let ev = self.cfg.eval.interval;
             if ev > 0
@@ -450,7 +476,9 @@ impl Trainer {
             braid_nn::hf::write_json(&self.cfg.run.dir.join("eval.json"), r)?;
         }
         let export = self.cfg.run.dir.join("hf");
+        let max_len = self.model.config.llm.max_position_embeddings;
         crate::export::export_hf(self.model, &export)?;
+        crate::tokenizer::write_export(&self.tokenizer_files, &export.join("llm"), max_len)?;
         Ok(RunSummary {
             steps: self.state.step,
             skipped_steps: self.state.skipped_steps,
@@ -497,12 +525,48 @@ impl LossTrail {
 
 /// Sets up the run and trains it: on one rank, or on `parallel.world_size` ranks.
 pub fn train(cfg: RunConfig, resume: bool, obs: &mut dyn Observer) -> Result<RunSummary> {
-    let t = Trainer::new(cfg, resume, obs)?;
+    train_stoppable(cfg, resume, obs, StopFlag::new())
+}
+
+/// [`train`] that stops after the step during which `stop` is set, with a checkpoint of
+/// that step ([`TrainError::Interrupted`]); on several ranks every rank stops after the
+/// same step.
+pub fn train_stoppable(
+    cfg: RunConfig,
+    resume: bool,
+    obs: &mut dyn Observer,
+    stop: StopFlag,
+) -> Result<RunSummary> {
+    let mut t = Trainer::new(cfg, resume, obs)?;
+    t.stop = stop;
     if t.layouts.world > 1 {
         crate::parallel::run::run(t, obs)
     } else {
         t.run(obs)
     }
+}
+
+/// What every checkpoint holds besides tensors and state: the resolved run config, the
+/// data config, the tokenizer's files.
+pub(crate) fn checkpoint_files<'a>(
+    config_toml: &'a str,
+    data_json: &'a str,
+    tokenizer: &'a TokenizerFiles,
+) -> Vec<(&'a str, &'a [u8])> {
+    let mut files = vec![
+        (checkpoint::CONFIG_FILE, config_toml.as_bytes()),
+        (checkpoint::DATA_FILE, data_json.as_bytes()),
+    ];
+    files.extend(tokenizer.iter().map(|(n, b)| (n.as_str(), b.as_slice())));
+    files
+}
+
+/// What the run says when a signal stops it.
+pub(crate) fn stopping_line(signal: i32, step: u64) -> String {
+    format!(
+        "{}: stopping after step {step} with a checkpoint (a second signal exits at once)",
+        crate::stop::signal_name(signal)
+    )
 }
 
 fn append_jsonl<T: serde::Serialize>(path: &Path, v: &T) -> Result<()> {

@@ -40,7 +40,7 @@ fn several_ranks_as_threads_train_like_one() {
         "the layouts are shown: {}",
         text(&o)
     );
-    assert_close_runs("4 ranks", &losses(&dir), &want.0);
+    assert_close_runs("4 ranks", &losses(&dir), &want.losses);
     assert!(dir.join("eval.json").exists() && dir.join("hf/llm").exists());
 
     // A layout that does not fit fails before any work, naming the key.

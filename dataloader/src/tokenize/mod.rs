@@ -16,6 +16,7 @@
 
 mod byte;
 mod chat;
+pub mod files;
 mod hf;
 
 pub use byte::ByteTokenizer;

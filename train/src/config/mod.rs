@@ -54,6 +54,25 @@ pub(crate) fn invalid(key: impl Into<String>, reason: impl Into<String>) -> Conf
     }
 }
 
+/// The message of a schema error (unknown key, wrong type, missing key) with the line and
+/// column in the file, as the data config's errors give them. The merged document
+/// (file + `--set`) has no positions; the file alone, parsed with positions, fails with
+/// the same message when the mistake is in the file. Otherwise it came from a `--set`.
+fn located(text: &str, sets: &[String], merged: toml::de::Error) -> String {
+    if let Err(in_file) = toml::from_str::<RunConfig>(text)
+        && in_file.message() == merged.message()
+        && in_file.span().is_some()
+    {
+        return in_file.to_string();
+    }
+    let merged = merged.to_string(); // names the table (`in model.projector.vision`)
+    if sets.is_empty() {
+        merged
+    } else {
+        format!("{} (after the --set overrides)", merged.trim_end())
+    }
+}
+
 /// `[run]`: what the run is called, where it writes, and the seed of everything random
 /// (weight init and the data order; the step itself draws no random numbers).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -224,8 +243,10 @@ impl RunConfig {
         for s in sets {
             apply_set(&mut doc, s)?;
         }
-        let cfg: RunConfig =
-            RunConfig::deserialize(toml::Value::Table(doc)).map_err(|e| parse(e.to_string()))?;
+        let cfg = match RunConfig::deserialize(toml::Value::Table(doc)) {
+            Ok(c) => c,
+            Err(e) => return Err(parse(located(text, sets, e))),
+        };
         cfg.validate()?;
         Ok(cfg)
     }

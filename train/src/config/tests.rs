@@ -138,3 +138,28 @@ batch_rows = 1
         .to_string();
     assert!(e.contains("hf:PATH"), "{e}");
 }
+
+#[test]
+fn schema_errors_in_the_file_give_line_and_column() {
+    // An unknown key and a wrong type, each on a known line of the file.
+    let typo = BASE.replace("steps = 10", "stpes = 10");
+    let line = typo.lines().position(|l| l.starts_with("stpes")).unwrap() + 1;
+    let e = RunConfig::from_toml(&typo, "typo.toml", &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("typo.toml"), "{e}");
+    assert!(e.contains(&format!("line {line}, column 1")), "{e}");
+    assert!(e.contains("stpes"), "{e}");
+
+    let wrong = BASE.replace("seed = 7", "seed = \"seven\"");
+    let line = wrong.lines().position(|l| l.starts_with("seed")).unwrap() + 1;
+    let e = RunConfig::from_toml(&wrong, "wrong.toml", &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(&format!("line {line}, column 8")), "{e}");
+
+    // A mistake that only a --set makes has no line in the file; it says so.
+    let e = err(&["train.stpes=3"]);
+    assert!(e.contains("stpes") && e.contains("--set"), "{e}");
+    assert!(!e.contains("line "), "{e}");
+}

@@ -29,6 +29,7 @@ use crate::metrics::{BalanceMetrics, MetricsWriter, StepMetrics};
 use crate::mllm::Mllm;
 use crate::optim::AdamW;
 use crate::optim::clip_factor;
+use crate::stop::StopFlag;
 use crate::trainer::{LossTrail, Observer, RunSummary, Trainer};
 
 /// What rank 0 tells the caller's observer.
@@ -73,6 +74,8 @@ pub fn run(mut trainer: Trainer, obs: &mut dyn Observer) -> Result<RunSummary> {
         config_toml: &trainer.config_toml,
         data_json: &trainer.data_json,
         resumed: trainer.info.resumed_from.is_some(),
+        stop: &trainer.stop,
+        tokenizer_files: &trainer.tokenizer_files,
     };
     let outcome = std::thread::scope(|s| {
         let ranks = s.spawn(move || {
@@ -117,8 +120,18 @@ pub fn run(mut trainer: Trainer, obs: &mut dyn Observer) -> Result<RunSummary> {
     });
     let (finals, trail, mut last_ckpt) = outcome?;
     let train_s = started.elapsed().as_secs_f64();
-    if let Some(state) = finals.into_iter().next() {
-        trainer.state = state;
+    if let Some(end) = finals.into_iter().next() {
+        trainer.state = end.state;
+        if let Some(signal) = end.stopped {
+            let checkpoint = last_ckpt.ok_or_else(|| {
+                TrainError::Other("stopped by a signal but no checkpoint was written".into())
+            })?;
+            return Err(TrainError::Interrupted {
+                signal,
+                step: trainer.state.step,
+                checkpoint,
+            });
+        }
     }
     if start_step == total {
         obs.log(&format!("the run already reached train.steps = {total}"));
@@ -146,6 +159,32 @@ struct Shared<'a> {
     config_toml: &'a str,
     data_json: &'a str,
     resumed: bool,
+    stop: &'a StopFlag,
+    tokenizer_files: &'a crate::tokenizer::TokenizerFiles,
+}
+
+/// How a rank's run ended: its state, and the signal that stopped it early (if any).
+struct RankEnd {
+    state: TrainState,
+    stopped: Option<i32>,
+}
+
+/// Whether any rank has seen a stop request: every rank calls this after every step and
+/// gets the same answer, so all stop after the same step (a signal reaches the ranks, or
+/// the processes, at different moments).
+fn agree_to_stop(world: &dyn Comm, stop: &StopFlag) -> Result<Option<i32>> {
+    let mine = stop.requested();
+    let mut t = braid_kernels::Tensor::from_vec(
+        vec![f32::from(u8::from(mine.is_some()))],
+        [1],
+        braid_kernels::Device::Cpu,
+    )?;
+    world.all_reduce_sum(&mut t)?;
+    if t.to_vec_f32()?[0] > 0.0 {
+        // Another rank saw it first: the signal it saw (a shared flag) or SIGTERM's number.
+        return Ok(Some(stop.requested().unwrap_or(15)));
+    }
+    Ok(None)
 }
 
 /// One rank's whole run.
@@ -153,7 +192,7 @@ fn rank_main(
     comm: LocalComm,
     t: &Shared<'_>,
     events: Option<&mpsc::Sender<Event>>,
-) -> Result<TrainState> {
+) -> Result<RankEnd> {
     let rank = comm.rank();
     let world: Arc<dyn Comm> = Arc::new(comm);
     let cfg = t.cfg;
@@ -249,23 +288,33 @@ fn rank_main(
             }),
         })));
         let every = cfg.checkpoint.interval;
-        if step == cfg.train.steps || (every > 0 && step.is_multiple_of(every)) {
+        let stopped = agree_to_stop(world.as_ref(), t.stop)?;
+        if let Some(signal) = stopped
+            && rank == 0
+        {
+            say(Event::Log(crate::trainer::stopping_line(signal, step)));
+        }
+        if stopped.is_some() || step == cfg.train.steps || (every > 0 && step.is_multiple_of(every))
+        {
             let dir = ckpt::save(
                 &engine,
                 world.as_ref(),
                 &root,
                 &state,
-                &[
-                    (checkpoint::CONFIG_FILE, t.config_toml.as_bytes()),
-                    (checkpoint::DATA_FILE, t.data_json.as_bytes()),
-                ],
+                &crate::trainer::checkpoint_files(t.config_toml, t.data_json, t.tokenizer_files),
                 cfg.checkpoint.keep,
                 cfg.fault.abort_during_checkpoint_at == Some(step),
             )?;
             say(Event::Checkpoint(step, dir));
         }
+        if stopped.is_some() {
+            return Ok(RankEnd { state, stopped });
+        }
     }
-    Ok(state)
+    Ok(RankEnd {
+        state,
+        stopped: None,
+    })
 }
 
 /// The AdamW moments this rank holds, cut from the full optimizer of the set-up (zeros
