@@ -188,7 +188,7 @@ fn llava_mixed_corpus() {
     let json = ds.join("llava.json");
     fs::write(&json, &body).unwrap();
     let mut cfg = ReadConfig::new(Format::Llava);
-    cfg.image_root = Some(ds.join("img"));
+    cfg.media_roots = vec![ds.join("img")];
     let (good, bad) = read_all(&json, &cfg);
     assert_eq!(ids(&good), ["g1", "text", "multi", "12"]);
     assert_eq!(bad.len(), 12, "{bad:#?}");
