@@ -147,6 +147,21 @@ fn qwen3_tokenizer_needs_qwen_vision_tokens_and_has_no_audio_tokens() {
         info.images > 0 && info.tokenizer.vocab_size > 151_000,
         "{info:?}"
     );
+    // Each image: <|vision_start|> (151652), <|image_pad|> (151655) x N, <|vision_end|> (151653).
+    let (_, ds) = braid_dataloader::dataset::DatasetInfo::open(&out).unwrap();
+    let mut seen = 0;
+    for p in 0..ds.packs().len() {
+        for s in ds.read_pack(p).unwrap() {
+            for m in &s.meta.images {
+                let (at, n) = (m.llm_offset as usize, m.llm_tokens as usize);
+                assert_eq!(s.ids[at - 1], 151_652);
+                assert!(s.ids[at..at + n].iter().all(|&t| t == 151_655));
+                assert_eq!(s.ids[at + n], 151_653);
+                seen += 1;
+            }
+        }
+    }
+    assert_eq!(seen, info.images);
 }
 
 #[test]
