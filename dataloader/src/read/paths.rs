@@ -1,8 +1,9 @@
 //! Path safety: every media path a manifest names must resolve to a regular file inside the
 //! dataset root or a media root the user trusts.
 //!
-//! Two checks, because either alone is not enough: a lexical one (no absolute paths, no `..`
-//! climbing above the root) gives a clear reason before touching the file system, and a
+//! Two checks, because either alone is not enough: a lexical one (no absolute paths unless
+//! media roots are named, no `..` climbing above the root) gives a clear reason before touching
+//! the file system, and a
 //! canonical one (resolve symlinks, then require the root as a prefix) catches links that point
 //! outside. Tar members are never written to disk, but names with `..` or a leading `/` are
 //! still refused: a shard that carries them was built wrongly or with intent.
@@ -100,10 +101,11 @@ impl DatasetRoot {
         }
         let Some(canonical) = canonical else {
             let tried: Vec<String> = candidates.iter().map(|p| p.display().to_string()).collect();
-            return Err(format!(
-                "missing file {rel:?} ({})",
-                tried.join(", not in ")
-            ));
+            let tried = match tried.as_slice() {
+                [one] => one.clone(),
+                many => format!("none of {}", many.join(", ")),
+            };
+            return Err(format!("missing file {rel:?} ({tried})"));
         };
         if !self.trusted(&canonical) {
             if Path::new(rel).is_absolute() {
@@ -122,7 +124,7 @@ impl DatasetRoot {
                 format!(" and every media root ({})", r.join(", "))
             };
             return Err(format!(
-                "media path {rel:?} resolves to {} outside the dataset root {}{roots} (symlink or absolute path); pass --media-root with the target's folder to trust it",
+                "media path {rel:?} resolves to {} outside the dataset root {}{roots} (symlink); pass --media-root with the target's folder to trust it",
                 canonical.display(),
                 self.root.display()
             ));
