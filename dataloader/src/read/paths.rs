@@ -3,9 +3,8 @@
 //!
 //! Two checks, because either alone is not enough: a lexical one (no absolute paths unless
 //! media roots are named, no `..` climbing above the root) gives a clear reason before touching
-//! the file system, and a
-//! canonical one (resolve symlinks, then require the root as a prefix) catches links that point
-//! outside. Tar members are never written to disk, but names with `..` or a leading `/` are
+//! the file system, and a canonical one (resolve symlinks, then require the root or a media
+//! root as a prefix) catches links that point outside. Tar members are never written to disk, but names with `..` or a leading `/` are
 //! still refused: a shard that carries them was built wrongly or with intent.
 
 use std::io;
