@@ -3,8 +3,9 @@
 //! Flags override the data config (`--config DATA.toml`); the resolved config is stored in
 //! `dataset.json`. Exit status: 0 when a dataset was written (rejects or not); 1 when the
 //! template's tokens are not in the tokenizer, more than `pack.max_reject_ratio` of the samples
-//! were rejected, nothing valid remained, or the input/output could not be used; 2 for usage
-//! errors (a bad flag or config, a format that cannot be inferred).
+//! were rejected, a config value is invalid, nothing valid remained, or the input/output could
+//! not be used; 2 for usage errors (a bad flag, a config file that does not parse, a format
+//! that cannot be inferred).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
