@@ -12,9 +12,10 @@
 
 use std::io::Cursor;
 
-use fast_image_resize as fr;
 use image::{DynamicImage, ImageDecoder, ImageFormat, ImageReader, Limits};
 use serde::{Deserialize, Serialize};
+
+use super::resize::{SourceBox, resize_box_rgb8};
 
 /// OpenAI CLIP normalization (`OPENAI_CLIP_MEAN` / `OPENAI_CLIP_STD` in transformers).
 // The digits as transformers publishes them (more than f32 holds; the nearest f32 is what both sides use).
@@ -420,6 +421,20 @@ pub fn preprocess_rgb8(
     name: &str,
     cfg: &ImageConfig,
 ) -> Result<Pixels, ImageError> {
+    // (size, size, 3) u8
+    let resized = resize_rgb8_to_config(rgb, w, h, name, cfg)?;
+    Ok(normalize(&resized, cfg))
+}
+
+/// Resize (+ crop) an already decoded packed RGB8 image (h, w, 3) per `cfg`, stopping before normalization:
+/// packed RGB8 (size, size, 3), what `braid pack` stores.
+pub fn resize_rgb8_to_config(
+    rgb: Vec<u8>,
+    w: u32,
+    h: u32,
+    name: &str,
+    cfg: &ImageConfig,
+) -> Result<Vec<u8>, ImageError> {
     cfg.validate()?;
     let resize_err = |reason: String| ImageError::Resize {
         name: name.into(),
@@ -443,9 +458,7 @@ pub fn preprocess_rgb8(
             rgb.len()
         )));
     }
-    // (size, size, 3) u8
-    let resized = resize_rgb8(rgb, w, h, cfg).map_err(resize_err)?;
-    Ok(normalize(&resized, cfg))
+    resize_rgb8(rgb, w, h, cfg).map_err(resize_err)
 }
 
 /// Any decoded layout (gray, gray+alpha, RGB, RGBA, 8 or 16 bits, palette already expanded by the decoders) to
@@ -492,37 +505,34 @@ pub fn shortest_edge_dims(w: u32, h: u32, size: usize) -> (u64, u64) {
 }
 
 /// Resizes packed RGB8 (h, w, 3) to (size, size, 3). For `ShortestEdgeCrop`, the centre crop is expressed as a source
-/// crop box of the full-image resize: fast_image_resize (like PIL's `box`) places output pixel i at source
-/// coordinate `left + (i + 0.5) * scale` and keeps taps outside the box, so only the kept `size x size` pixels are
-/// computed and they equal resize-then-crop.
+/// box of the full-image resize: output pixel i sits at source coordinate `left + (i + 0.5) * scale` with the taps
+/// outside the box kept (PIL's `box`), so only the kept `size x size` pixels are computed and they equal
+/// resize-then-crop. The passes themselves: `resize::resize_box_rgb8`.
 fn resize_rgb8(rgb: Vec<u8>, w: u32, h: u32, cfg: &ImageConfig) -> Result<Vec<u8>, String> {
     let size = u32::try_from(cfg.size).map_err(|e| e.to_string())?;
-    let src = fr::images::Image::from_vec_u8(w, h, rgb, fr::PixelType::U8x3)
-        .map_err(|e| e.to_string())?;
-    let mut dst = fr::images::Image::new(size, size, fr::PixelType::U8x3);
-    let filter = match cfg.filter {
-        Filter::Bicubic => fr::FilterType::CatmullRom,
-        Filter::Bilinear => fr::FilterType::Bilinear,
+    let bx = match cfg.resize {
+        Resize::Exact => SourceBox {
+            x0: 0.0,
+            y0: 0.0,
+            w: f64::from(w),
+            h: f64::from(h),
+        },
+        Resize::ShortestEdgeCrop => {
+            let (new_w, new_h) = shortest_edge_dims(w, h, cfg.size);
+            let s = u64::from(size);
+            let (left, top) = ((new_w - s) / 2, (new_h - s) / 2);
+            let (sx, sy) = (f64::from(w) / new_w as f64, f64::from(h) / new_h as f64);
+            let (x0, y0) = (left as f64 * sx, top as f64 * sy);
+            // Clamp against f64 rounding pushing the box a hair past the edge.
+            SourceBox {
+                x0,
+                y0,
+                w: (s as f64 * sx).min(f64::from(w) - x0),
+                h: (s as f64 * sy).min(f64::from(h) - y0),
+            }
+        }
     };
-    let mut opts = fr::ResizeOptions::new()
-        .resize_alg(fr::ResizeAlg::Convolution(filter))
-        .use_alpha(false);
-    if cfg.resize == Resize::ShortestEdgeCrop {
-        let (new_w, new_h) = shortest_edge_dims(w, h, cfg.size);
-        let s = u64::from(size);
-        let (left, top) = ((new_w - s) / 2, (new_h - s) / 2);
-        let (sx, sy) = (f64::from(w) / new_w as f64, f64::from(h) / new_h as f64);
-        let (x0, y0) = (left as f64 * sx, top as f64 * sy);
-        // Clamp against f64 rounding pushing the box a hair past the edge (fast_image_resize rejects that).
-        let bw = (s as f64 * sx).min(f64::from(w) - x0);
-        let bh = (s as f64 * sy).min(f64::from(h) - y0);
-        opts = opts.crop(x0, y0, bw, bh);
-    }
-    let mut resizer = fr::Resizer::new();
-    resizer
-        .resize(&src, &mut dst, &opts)
-        .map_err(|e| e.to_string())?;
-    Ok(dst.into_vec())
+    resize_box_rgb8(rgb, w, h, bx, size, cfg.filter)
 }
 
 /// Packed RGB8 (size, size, 3) -> normalized (3, size, size): HF's `rescale` (`u8 as f64 * (1/255)`, cast to f32)

@@ -4,3 +4,4 @@
 pub mod audio;
 pub mod image;
 pub mod mel;
+mod resize;
