@@ -7,8 +7,8 @@
 //! The sizes include the landscape shapes that crashed `fast_image_resize` 6.1.0's AVX2 path
 //! under the CLIP preset (h = 32 at CLIP 224 with widths 35-39, 49-53, 65-95, ...; issue 19):
 //! a segfault in release builds, a caught "attempt to subtract with overflow" panic (so the
-//! sample is wrongly rejected) in the test profile. Both fail this test until the resize path
-//! avoids the bug (`media/image.rs`).
+//! sample was wrongly rejected) in the test profile. Both failed this test until the resize
+//! moved to two single-axis passes (`media/resize.rs`).
 #![allow(clippy::unwrap_used)]
 
 mod common;
