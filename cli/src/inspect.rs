@@ -85,8 +85,19 @@ fn histograms(info: &DatasetInfo) -> [(&'static str, &Histogram); 5] {
     ]
 }
 
+/// What one entry of the histogram `name` counts: `pack_samples` has one entry per pack (the
+/// samples in it); the others one per sample.
+fn counted_unit(name: &str) -> &'static str {
+    if name == "pack_samples" {
+        "packs"
+    } else {
+        "samples"
+    }
+}
+
 /// A log2-bucket histogram as a bar chart (buckets from the first to the last non-empty one).
 fn chart(name: &str, h: &Histogram) -> BarChart {
+    let unit = counted_unit(name);
     let first = h.counts.iter().position(|&c| c > 0).unwrap_or(0);
     let last = h.counts.iter().rposition(|&c| c > 0).unwrap_or(0);
     let bars = (first..=last)
@@ -101,9 +112,29 @@ fn chart(name: &str, h: &Histogram) -> BarChart {
         })
         .collect();
     BarChart {
-        title: format!("{name}: {} samples, mean {:.1}", h.count, h.mean()),
+        title: format!("{name}: {} {unit}, mean {:.1}", h.count, h.mean()),
         x_label: format!("{name} (log2 buckets)"),
-        y_label: "samples".into(),
+        y_label: unit.into(),
         bars,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `pack_samples` has one entry per pack: its chart must say packs, not samples.
+    #[test]
+    fn pack_samples_chart_counts_packs() {
+        let mut h = Histogram::default();
+        for n in [1, 2, 2, 5] {
+            h.record(n);
+        }
+        let c = chart("pack_samples", &h);
+        assert_eq!(c.y_label, "packs");
+        assert!(c.title.starts_with("pack_samples: 4 packs"), "{}", c.title);
+        let c = chart("llm_len", &h);
+        assert_eq!(c.y_label, "samples");
+        assert!(c.title.starts_with("llm_len: 4 samples"), "{}", c.title);
     }
 }

@@ -1,8 +1,11 @@
 //! `braid pack`: raw multimodal data -> validated, tokenized, packed Parquet shards.
 //!
 //! Flags override the data config (`--config DATA.toml`); the resolved config is stored in
-//! `dataset.json`. Exit status: 0 when a dataset was written (rejects or not), 1 when nothing
-//! valid remained or the input/output could not be used, 2 for usage errors.
+//! `dataset.json`. Exit status: 0 when a dataset was written (rejects or not); 1 when the
+//! template's tokens are not in the tokenizer, more than `pack.max_reject_ratio` of the samples
+//! were rejected, a config value is invalid, nothing valid remained, or the input/output could
+//! not be used; 2 for usage errors (a bad flag, a config file that does not parse, a format
+//! that cannot be inferred).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -10,7 +13,7 @@ use std::time::{Duration, Instant};
 use braid_dataloader::config::{DataConfig, MediaStorage};
 use braid_dataloader::dataset::DatasetInfo;
 use braid_dataloader::job::{PackJob, PackProgress, run_pack};
-use braid_dataloader::read::Format;
+use braid_dataloader::read::{Format, infer_format};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -19,21 +22,31 @@ pub struct PackArgs {
     /// Input file or folder (overrides `[input] path`).
     #[arg(long)]
     input: Option<PathBuf>,
-    /// jsonl, llava, wds or parquet (overrides `[input] format`).
+    /// jsonl, llava, wds or parquet (overrides `[input] format`); inferred from the input when
+    /// neither is given (.jsonl, .json, .tar, .parquet, or a folder of one of them).
     #[arg(long)]
     format: Option<String>,
     /// Output folder for the shards, dataset.json and rejects.jsonl.
     #[arg(long)]
     output: PathBuf,
-    /// A Hugging Face tokenizer.json (default: the byte-level tokenizer).
+    /// A Hugging Face tokenizer.json, or a model folder holding one (default: the byte-level
+    /// tokenizer).
     #[arg(long)]
     tokenizer: Option<PathBuf>,
     /// Tokens per packed row (overrides `[pack] max_seq_len`).
     #[arg(long)]
     max_seq_len: Option<usize>,
-    /// LLaVA: folder the `image` paths are relative to.
+    /// A folder of media you trust (repeatable): relative media paths are looked up there
+    /// first, and symlinks into it are followed (adds to `[input] media_roots`).
+    #[arg(long = "media-root", value_name = "DIR")]
+    media_roots: Vec<PathBuf>,
+    /// Old name of `--media-root` (LLaVA's image folder).
+    #[arg(long, hide = true, value_name = "DIR")]
+    image_root: Vec<PathBuf>,
+    /// Largest share of samples that may be rejected before the pack fails (overrides
+    /// `[pack] max_reject_ratio`, default 0.5).
     #[arg(long)]
-    image_root: Option<PathBuf>,
+    max_reject_ratio: Option<f64>,
     /// Data config (TOML): input, tokenizer, template, image, audio, pack, shards.
     #[arg(long)]
     config: Option<PathBuf>,
@@ -57,12 +70,26 @@ fn job(a: PackArgs) -> Result<PackJob, String> {
     if let Some(t) = a.tokenizer {
         cfg.tokenizer.path = Some(t);
     }
+    if let Some(p) = &cfg.tokenizer.path
+        && p.is_dir()
+    {
+        let file = p.join("tokenizer.json");
+        if !file.is_file() {
+            return Err(format!(
+                "tokenizer {}: a folder without tokenizer.json (pass the file, or a model folder holding it)",
+                p.display()
+            ));
+        }
+        cfg.tokenizer.path = Some(file);
+    }
+    if let Some(r) = a.max_reject_ratio {
+        cfg.pack.max_reject_ratio = r;
+    }
     if let Some(n) = a.max_seq_len {
         cfg.pack.max_seq_len = n;
     }
-    if let Some(r) = a.image_root {
-        cfg.input.image_root = Some(r);
-    }
+    cfg.input.media_roots.extend(a.media_roots);
+    cfg.input.media_roots.extend(a.image_root);
     if a.keep_original_media {
         cfg.shards.media = MediaStorage::Original;
     }
@@ -73,12 +100,10 @@ fn job(a: PackArgs) -> Result<PackJob, String> {
         .input
         .or_else(|| cfg.input.path.clone())
         .ok_or("no input: pass --input PATH or set [input] path in the config")?;
-    let format = match a.format {
-        Some(f) => f.parse::<Format>().map_err(|e| e.to_string())?,
-        None => cfg
-            .input
-            .format
-            .ok_or("no format: pass --format jsonl|llava|wds|parquet or set [input] format")?,
+    let format = match (a.format, cfg.input.format) {
+        (Some(f), _) => f.parse::<Format>().map_err(|e| e.to_string())?,
+        (None, Some(f)) => f,
+        (None, None) => infer_format(&input)?,
     };
     cfg.input.path = Some(input.clone());
     cfg.input.format = Some(format);

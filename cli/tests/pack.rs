@@ -117,9 +117,15 @@ fn nothing_valid_and_usage_errors() {
     let o = braid(&["pack", "--input", i, "--format", "csv", "--output", o_]);
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).contains("unknown input format"), "{}", text(&o));
+    // No --format: inferred from the name; a name that says nothing is a usage error.
     let o = braid(&["pack", "--input", i, "--output", o_]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("nothing valid"), "{}", text(&o));
+    let odd = tmp.path().join("x.txt");
+    std::fs::write(&odd, "{}\n").unwrap();
+    let o = braid(&["pack", "--input", odd.to_str().unwrap(), "--output", o_]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(text(&o).contains("no format"), "{}", text(&o));
+    assert!(text(&o).contains("--format"), "{}", text(&o));
     let bad_cfg = tmp.path().join("bad.toml");
     std::fs::write(&bad_cfg, "[pack]\nmax_seq_lenn = 3\n").unwrap();
     let o = braid(&[

@@ -4,7 +4,7 @@
 //! Every section is optional (defaults shown by `DataConfig::default()`); unknown keys are errors.
 //!
 //! ```toml
-//! [input]     path = "data/train.jsonl"  format = "jsonl"     # or llava (+ image_root), wds, parquet
+//! [input]     path = "data/train.jsonl"  format = "jsonl"     # or llava, wds, parquet; media_roots = [..]
 //! [tokenizer] path = "tokenizer.json"                          # absent: byte-level
 //! [template]  loss = "assistant_only"                          # ChatML by default
 //! [image]     preset = "clip"  size = 224  patch = 14  merge = 1
@@ -66,7 +66,12 @@ pub struct DataConfig {
 pub struct InputConfig {
     pub path: Option<PathBuf>,
     pub format: Option<Format>,
-    /// LLaVA: the folder `image` paths are relative to (the JSON file's folder by default).
+    /// Folders of media the user trusts (`--media-root`): relative media paths are looked up
+    /// in them, in order, before the manifest's folder, and symlinks into them are followed.
+    /// JSONL, LLaVA/ShareGPT JSON and Parquet paths (WebDataset media are tar members).
+    pub media_roots: Vec<PathBuf>,
+    /// Deprecated, LLaVA's old key: one more media root (kept so old configs still read).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub image_root: Option<PathBuf>,
     /// Parquet: which columns hold what.
     pub parquet: ParquetColumns,
@@ -285,6 +290,11 @@ impl DataConfig {
         };
         rebase(&mut cfg.input.path);
         rebase(&mut cfg.input.image_root);
+        for r in &mut cfg.input.media_roots {
+            if r.is_relative() {
+                *r = base.join(&*r);
+            }
+        }
         rebase(&mut cfg.tokenizer.path);
         Ok(cfg)
     }
@@ -326,11 +336,18 @@ impl DataConfig {
         Ok(())
     }
 
+    /// `[input] media_roots`, then the deprecated `image_root`.
+    pub fn media_roots(&self) -> Vec<PathBuf> {
+        let mut roots = self.input.media_roots.clone();
+        roots.extend(self.input.image_root.clone());
+        roots
+    }
+
     /// The reader settings for `input` in `format`.
     pub fn read_config(&self, format: Format) -> ReadConfig {
         ReadConfig {
             format,
-            image_root: self.input.image_root.clone(),
+            media_roots: self.media_roots(),
             parquet: self.input.parquet.clone(),
             limits: Limits {
                 max_member_bytes: self.image.max_bytes.max(self.audio.decode.max_bytes as u64),

@@ -25,7 +25,7 @@ use crate::pack::{Admission, Pack, Packer};
 use crate::prepare::{Prepared, Preparer, SampleReject, Stage};
 use crate::read::{self, Format, ReadError};
 use crate::shard::{ShardError, ShardWriter, Staging};
-use crate::tokenize::{ByteTokenizer, HfTokenizer, TokenizeError, Tokenizer};
+use crate::tokenize::{ByteTokenizer, HfTokenizer, TokenizeError, Tokenizer, check_media_tokens};
 
 /// Why `braid pack` stopped.
 #[derive(Debug, thiserror::Error)]
@@ -44,6 +44,30 @@ pub enum PackJobError {
     Dataset(#[from] DatasetError),
     #[error("nothing valid to pack: all {samples} input samples were rejected (see {rejects})")]
     NothingValid { samples: u64, rejects: String },
+    #[error("{}", too_many_rejects(.rejected, .samples, .max_ratio, .by_kind, .rejects))]
+    TooManyRejects {
+        rejected: u64,
+        samples: u64,
+        max_ratio: f64,
+        /// `stage/kind` -> count, as `dataset.json`'s `rejected_by_kind`.
+        by_kind: BTreeMap<String, u64>,
+        rejects: String,
+    },
+}
+
+fn too_many_rejects(
+    rejected: &u64,
+    samples: &u64,
+    max_ratio: &f64,
+    by_kind: &BTreeMap<String, u64>,
+    rejects: &str,
+) -> String {
+    let kinds: Vec<String> = by_kind.iter().map(|(k, n)| format!("{k} {n}")).collect();
+    format!(
+        "{rejected} of {samples} samples rejected ({:.1}%), above pack.max_reject_ratio = {max_ratio}: {}; no dataset was written (shards removed; every reject is in {rejects})",
+        100.0 * *rejected as f64 / (*samples).max(1) as f64,
+        kinds.join(", ")
+    )
 }
 
 fn out_err(path: &Path, e: impl std::fmt::Display) -> PackJobError {
@@ -108,46 +132,69 @@ pub fn load_tokenizer(
     }
 }
 
-/// Prepares `output`: created if missing; an existing dataset is replaced only with
-/// `overwrite`; any other non-empty folder is refused (nothing of the user's is deleted).
+/// Whether `name` is a file `braid pack` itself writes into an output folder. The tokenizer's
+/// copies count only beside a `dataset.json` (`has_dataset`): a `tokenizer.json` in a folder
+/// without one may be the user's own.
+fn written_by_pack(name: &str, has_dataset: bool) -> bool {
+    (has_dataset && crate::tokenize::files::is_tokenizer_file(name))
+        || name == DATASET_JSON
+        || name == REJECTS_JSONL
+        || name.starts_with(".staging")
+        || name.starts_with(".dataset.json")
+        || (name.starts_with("shard-") && (name.ends_with(".parquet") || name.ends_with(".tmp")))
+}
+
+/// Prepares `output`: created if missing; an existing dataset (a `dataset.json`) is replaced
+/// only with `overwrite`. A folder without `dataset.json` holds no dataset: the leftovers of a
+/// killed or failed pack (shards, staging, rejects) are removed and the job goes on. A folder
+/// holding any file the pack does not write is refused: nothing of the user's is deleted.
 fn prepare_output(out: &Path, overwrite: bool) -> Result<(), PackJobError> {
-    if out.exists() {
-        let entries: Vec<PathBuf> = std::fs::read_dir(out)
-            .map_err(|e| out_err(out, e))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .collect();
-        if entries.is_empty() {
-            return Ok(());
-        }
-        let ours = |p: &Path| {
-            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
-            name == DATASET_JSON
-                || name == REJECTS_JSONL
-                || name.starts_with(".staging")
-                || name.starts_with(".dataset.json")
-                || (crate::tokenize::files::is_tokenizer_file(name)
-                    && out.join(DATASET_JSON).is_file())
-                || (name.starts_with("shard-")
-                    && (name.ends_with(".parquet") || name.ends_with(".tmp")))
-        };
-        if !entries.iter().all(|p| ours(p)) {
-            return Err(out_err(
-                out,
-                "exists and holds files that are not a braid dataset; choose an empty folder",
-            ));
-        }
-        if !overwrite {
-            return Err(out_err(
-                out,
-                "already holds a packed dataset; pass --overwrite to replace it",
-            ));
-        }
-        for p in entries {
-            std::fs::remove_file(&p).map_err(|e| out_err(&p, e))?;
-        }
-        return Ok(());
+    if !out.exists() {
+        return std::fs::create_dir_all(out).map_err(|e| out_err(out, e));
     }
-    std::fs::create_dir_all(out).map_err(|e| out_err(out, e))
+    let mut entries = Vec::new();
+    for e in std::fs::read_dir(out).map_err(|e| out_err(out, e))? {
+        entries.push(e.map_err(|e| out_err(out, e))?.path());
+    }
+    let has_dataset = out.join(DATASET_JSON).is_file();
+    let foreign: Vec<String> = entries
+        .iter()
+        .filter(|p| {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            !(p.is_file() && written_by_pack(name, has_dataset))
+        })
+        .map(|p| p.display().to_string())
+        .collect();
+    if !foreign.is_empty() {
+        let shown = foreign
+            .iter()
+            .take(3)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(", ");
+        let more = foreign.len().saturating_sub(3);
+        let more = if more > 0 {
+            format!(" and {more} more")
+        } else {
+            String::new()
+        };
+        return Err(out_err(
+            out,
+            format!(
+                "exists and holds files braid pack did not write ({shown}{more}), so it is not a braid dataset; choose an empty or new folder (nothing was deleted)"
+            ),
+        ));
+    }
+    if out.join(DATASET_JSON).exists() && !overwrite {
+        return Err(out_err(
+            out,
+            "already holds a packed dataset; pass --overwrite to replace it",
+        ));
+    }
+    for p in entries {
+        std::fs::remove_file(&p).map_err(|e| out_err(&p, e))?;
+    }
+    Ok(())
 }
 
 /// Runs the job; `progress` is called after every chunk.
@@ -160,6 +207,11 @@ pub fn run_pack(
     cfg.validate()?;
     let (tokenizer, mut tok_info) = load_tokenizer(cfg)?;
     let preparer = Preparer::new(cfg, tokenizer.as_ref())?;
+    let tokenizer_name = tok_info
+        .path
+        .as_deref()
+        .unwrap_or("the byte-level tokenizer");
+    check_media_tokens(&cfg.template, tokenizer.as_ref(), tokenizer_name)?;
     let records = read::open(&job.input, &cfg.read_config(job.format))?;
     prepare_output(&job.output, job.overwrite)?;
     let threads = match cfg.shards.threads {
@@ -251,6 +303,21 @@ pub fn run_pack(
     if next_pack == 0 {
         return Err(PackJobError::NothingValid {
             samples: p.read,
+            rejects: rejects_path.display().to_string(),
+        });
+    }
+    if p.rejected as f64 > cfg.pack.max_reject_ratio * p.read as f64 {
+        // Shards of a failed pack are not a dataset: remove them now (the next pack into this
+        // folder would too) and keep `rejects.jsonl`, which says what went wrong.
+        for s in &shards {
+            let path = job.output.join(&s.file);
+            std::fs::remove_file(&path).map_err(|e| out_err(&path, e))?;
+        }
+        return Err(PackJobError::TooManyRejects {
+            rejected: rejects.total,
+            samples: p.read,
+            max_ratio: cfg.pack.max_reject_ratio,
+            by_kind: rejects.by_kind.clone(),
             rejects: rejects_path.display().to_string(),
         });
     }

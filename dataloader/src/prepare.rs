@@ -390,7 +390,7 @@ fn read_kind(reason: &str) -> &'static str {
         ("malformed JSON", "malformed_json"),
         ("UTF-8", "invalid_utf8"),
         ("missing file", "missing_file"),
-        ("(symlink)", "path_escape"),
+        ("(symlink", "path_escape"),
         ("escapes the dataset root", "path_escape"),
         ("is absolute", "path_escape"),
         ("absolute name", "path_escape"),

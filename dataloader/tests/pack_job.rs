@@ -254,6 +254,8 @@ fn original_media_mode_and_overflow_and_nothing_valid() {
     check_counts(&info, &s);
     assert!(info.truncated > 0 && s.iter().all(|s| s.ids.len() <= 64));
     short.pack.on_overflow = braid_dataloader::pack::OnOverflow::Reject;
+    // 15 of 16 samples are too long: above the default reject limit, allowed here.
+    short.pack.max_reject_ratio = 1.0;
     let info = pack(&manifest, Format::Jsonl, &tmp.path().join("short2"), &short);
     assert!(
         info.rejected_by_kind.contains_key("pack/too_long"),

@@ -188,7 +188,7 @@ fn llava_mixed_corpus() {
     let json = ds.join("llava.json");
     fs::write(&json, &body).unwrap();
     let mut cfg = ReadConfig::new(Format::Llava);
-    cfg.image_root = Some(ds.join("img"));
+    cfg.media_roots = vec![ds.join("img")];
     let (good, bad) = read_all(&json, &cfg);
     assert_eq!(ids(&good), ["g1", "text", "multi", "12"]);
     assert_eq!(bad.len(), 12, "{bad:#?}");
@@ -280,4 +280,43 @@ fn llava_element_limit() {
     let (good, bad) = read_all(&path, &cfg);
     assert_eq!(ids(&good), ["a", "c"]);
     expect_reject(&bad, "l.json[1]", "longer than 1000 bytes");
+}
+
+#[test]
+fn format_inferred_from_names_and_folders() {
+    use braid_dataloader::read::infer_format;
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    for (name, format) in [
+        ("a.jsonl", Format::Jsonl),
+        ("a.json", Format::Llava),
+        ("a.tar", Format::Wds),
+        ("a.parquet", Format::Parquet),
+    ] {
+        assert_eq!(infer_format(&d.join(name)).unwrap(), format, "{name}");
+    }
+    assert!(
+        infer_format(&d.join("a.csv"))
+            .unwrap_err()
+            .contains("--format")
+    );
+    let pq = d.join("pq");
+    fs::create_dir_all(&pq).unwrap();
+    fs::write(pq.join("0.parquet"), b"").unwrap();
+    fs::write(pq.join("1.parquet"), b"").unwrap();
+    fs::write(pq.join("README.md"), b"").unwrap();
+    assert_eq!(infer_format(&pq).unwrap(), Format::Parquet);
+    fs::write(pq.join("2.tar"), b"").unwrap();
+    let e = infer_format(&pq).unwrap_err();
+    assert!(
+        e.contains("ambiguous") && e.contains(".parquet") && e.contains(".tar"),
+        "{e}"
+    );
+    let js = d.join("js");
+    fs::create_dir_all(&js).unwrap();
+    fs::write(js.join("a.json"), b"[]").unwrap();
+    assert!(infer_format(&js).unwrap_err().contains("one JSON file"));
+    let empty = d.join("empty");
+    fs::create_dir_all(&empty).unwrap();
+    assert!(infer_format(&empty).unwrap_err().contains("--format"));
 }

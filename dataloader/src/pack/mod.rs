@@ -65,6 +65,10 @@ pub struct PackConfig {
     pub balance_rounds: usize,
     /// Module sizes for the per-sample cost.
     pub cost: CostModelConfig,
+    /// Largest share of input samples that may be rejected (0..=1): above it `braid pack`
+    /// fails with the rejects by kind and writes no dataset (a wrong template, root or format
+    /// shows up as most samples rejected, not as a small dataset). 1 accepts any share.
+    pub max_reject_ratio: f64,
 }
 
 impl Default for PackConfig {
@@ -77,6 +81,7 @@ impl Default for PackConfig {
             balance: true,
             balance_rounds: 4,
             cost: CostModelConfig::default(),
+            max_reject_ratio: 0.5,
         }
     }
 }
@@ -108,6 +113,13 @@ impl PackConfig {
                 key: "window",
                 value: "1".into(),
                 reason,
+            });
+        }
+        if !(0.0..=1.0).contains(&self.max_reject_ratio) {
+            return Err(PackError::Config {
+                key: "max_reject_ratio",
+                value: self.max_reject_ratio.to_string(),
+                reason: "must be in [0, 1] (the largest share of samples that may be rejected)",
             });
         }
         let c = &self.cost;

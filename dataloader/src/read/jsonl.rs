@@ -1,5 +1,6 @@
-//! JSONL chat manifests (one record a line), and the chat-`messages` conversion that WebDataset
-//! `.json` members and Parquet `messages` columns share.
+//! JSONL chat manifests (one record a line; the record schemas are in `sharegpt`), and the
+//! chat-`messages` conversion that JSON records, WebDataset `.json` members and Parquet
+//! `messages` columns share.
 //!
 //! Memory: one line at a time, capped at `Limits::max_record_bytes`; a longer line is skipped
 //! to its newline without being held and becomes a reject.
@@ -15,17 +16,31 @@ use super::paths::DatasetRoot;
 use super::sample::{Media, MediaBytes, RawMessage, RawPart, RawSample, Reject, Role};
 use super::{ReadError, SampleIter};
 
-/// Where `{"type": "image"|"audio"}` parts get their media from.
+/// Where `{"type": "image"|"audio"}` parts (and `<image>` / `<audio>` text placeholders) get
+/// their media from.
 pub(crate) enum MediaSource<'a> {
-    /// `{"type": "image", "path": "rel/path.png"}`, resolved inside the root (JSONL).
+    /// `{"type": "image", "path": "rel/path.png"}`, resolved inside the root (JSONL). A text
+    /// placeholder here has no media to take: the record names no `images` / `audios` list.
     Paths(&'a DatasetRoot),
     /// The record's media in order (tar members, Parquet media columns): each part takes the
-    /// next item of its kind; a `path` field, if any, is only a name.
+    /// next item of its kind; a `path` field, if any, is only a name. Text is kept verbatim.
     Queue {
         images: VecDeque<Media>,
         audios: VecDeque<Media>,
     },
+    /// The record's own `images` / `audios` lists, already resolved (ShareGPT / LLaMA-Factory):
+    /// each `<image>` / `<audio>` in string content, and each typed part without a `path`,
+    /// takes the next item of its kind. A typed part that also names a `path` is refused: the
+    /// two ways of naming media do not mix in one record.
+    Listed {
+        images: VecDeque<Media>,
+        audios: VecDeque<Media>,
+    },
 }
+
+/// The text placeholders of ShareGPT / LLaMA-Factory records (and LLaVA's `<image>`).
+pub(crate) const IMAGE_PLACEHOLDER: &str = "<image>";
+pub(crate) const AUDIO_PLACEHOLDER: &str = "<audio>";
 
 impl MediaSource<'_> {
     fn take(&mut self, image: bool, part: &Map<String, Value>, at: &str) -> Result<Media, String> {
@@ -56,26 +71,148 @@ impl MediaSource<'_> {
                     format!("{at}: {kind} part (placeholder) without an {kind} to fill it")
                 })
             }
+            MediaSource::Listed { .. } => {
+                if part.get("path").is_some_and(|p| !p.is_null()) {
+                    return Err(format!(
+                        "{at}: {kind} part with a \"path\" in a record that also has an \"{kind}s\" list (name each {kind} one way)"
+                    ));
+                }
+                self.take_listed(image, at)
+            }
         }
+    }
+
+    /// The media item for one `<image>` / `<audio>` text placeholder.
+    fn take_listed(&mut self, image: bool, at: &str) -> Result<Media, String> {
+        let (kind, list) = if image {
+            ("image", "images")
+        } else {
+            ("audio", "audios")
+        };
+        match self {
+            MediaSource::Listed { images, audios } => {
+                let queue = if image { images } else { audios };
+                queue.pop_front().ok_or_else(|| {
+                    format!("{at}: more {kind} placeholders than entries in \"{list}\"")
+                })
+            }
+            _ => Err(format!(
+                "{at}: {kind} placeholder in the text but the record has no \"{list}\" list"
+            )),
+        }
+    }
+
+    /// Whether `<image>` / `<audio>` in string content are placeholders (JSONL and JSON-array
+    /// records) rather than text (WebDataset and Parquet chats, whose media are typed parts).
+    fn splits_text(&self) -> bool {
+        !matches!(self, MediaSource::Queue { .. })
     }
 
     /// After all parts: every queued media item must have been placed.
     fn finish(self) -> Result<(), String> {
-        if let MediaSource::Queue { images, audios } = self {
-            if !images.is_empty() {
-                return Err(format!(
-                    "{} image(s) without a placeholder ({{\"type\": \"image\"}} part)",
-                    images.len()
-                ));
+        let (images, audios, how) = match self {
+            MediaSource::Paths(_) => return Ok(()),
+            MediaSource::Queue { images, audios } => (
+                images,
+                audios,
+                ["{\"type\": \"image\"} part", "{\"type\": \"audio\"} part"],
+            ),
+            MediaSource::Listed { images, audios } => {
+                (images, audios, [IMAGE_PLACEHOLDER, AUDIO_PLACEHOLDER])
             }
-            if !audios.is_empty() {
-                return Err(format!(
-                    "{} audio clip(s) without a placeholder ({{\"type\": \"audio\"}} part)",
-                    audios.len()
-                ));
-            }
+        };
+        if !images.is_empty() {
+            return Err(format!(
+                "{} image(s) without a placeholder ({})",
+                images.len(),
+                how[0]
+            ));
+        }
+        if !audios.is_empty() {
+            return Err(format!(
+                "{} audio clip(s) without a placeholder ({})",
+                audios.len(),
+                how[1]
+            ));
         }
         Ok(())
+    }
+}
+
+/// `text` cut at its `<image>` / `<audio>` placeholders, each replaced by the next media item
+/// of its kind from `media`. Text around a placeholder is kept verbatim.
+fn split_placeholders(
+    text: &str,
+    media: &mut MediaSource<'_>,
+    at: &str,
+    parts: &mut Vec<RawPart>,
+) -> Result<(), String> {
+    if !text.contains(IMAGE_PLACEHOLDER) && !text.contains(AUDIO_PLACEHOLDER) {
+        parts.push(RawPart::Text(text.to_string()));
+        return Ok(());
+    }
+    let mut rest = text;
+    loop {
+        let image = rest.find(IMAGE_PLACEHOLDER);
+        let audio = rest.find(AUDIO_PLACEHOLDER);
+        let (pos, is_image) = match (image, audio) {
+            (None, None) => break,
+            (Some(i), None) => (i, true),
+            (None, Some(a)) => (a, false),
+            (Some(i), Some(a)) => (i.min(a), i < a),
+        };
+        if pos > 0 {
+            parts.push(RawPart::Text(rest[..pos].to_string()));
+        }
+        let m = media.take_listed(is_image, at)?;
+        parts.push(if is_image {
+            RawPart::Image(m)
+        } else {
+            RawPart::Audio(m)
+        });
+        let len = if is_image {
+            IMAGE_PLACEHOLDER.len()
+        } else {
+            AUDIO_PLACEHOLDER.len()
+        };
+        rest = &rest[pos + len..];
+    }
+    if !rest.is_empty() {
+        parts.push(RawPart::Text(rest.to_string()));
+    }
+    Ok(())
+}
+
+/// A message's role: `role` (`user`/`assistant`/`system`) or ShareGPT's `from`
+/// (`human`/`gpt`/`system`, and the plain names too).
+fn message_role(m: &Map<String, Value>, at: &str) -> Result<Role, String> {
+    let (key, value) = match (m.get("role"), m.get("from")) {
+        (Some(v), _) if !v.is_null() => ("role", v),
+        (_, Some(v)) if !v.is_null() => ("from", v),
+        _ => return Err(format!("{at} has no \"role\" (or \"from\")")),
+    };
+    match value {
+        Value::String(r) => match r.as_str() {
+            "user" | "human" => Ok(Role::User),
+            "assistant" | "gpt" => Ok(Role::Assistant),
+            "system" => Ok(Role::System),
+            _ => Err(format!(
+                "{at}.{key}: unknown role {r:?} (expected \"user\"/\"human\", \"assistant\"/\"gpt\" or \"system\")"
+            )),
+        },
+        other => Err(format!(
+            "{at}.{key} must be a string, got {}",
+            kind_of(other)
+        )),
+    }
+}
+
+/// A message's content: `content`, or ShareGPT's `value`; `None` when neither is set.
+pub(crate) fn message_content(m: &Map<String, Value>) -> Option<(&'static str, &Value)> {
+    match (m.get("content"), m.get("value")) {
+        (Some(v), _) if !v.is_null() => Some(("content", v)),
+        (_, Some(v)) if !v.is_null() => Some(("value", v)),
+        _ => None,
     }
 }
 
@@ -104,8 +241,9 @@ pub(crate) fn record_id(record: &Map<String, Value>) -> Result<Option<String>, S
 }
 
 /// Converts a chat `messages` list: `[{"role", "content": "text" | [{"type": "text", "text"} |
-/// {"type": "image"|"audio", ...}]}]`. Null-valued keys count as absent and unknown keys are
-/// ignored, because Parquet structs carry every field of the union on every part.
+/// {"type": "image"|"audio", ...}]}]`, or ShareGPT's `[{"from", "value"}]`. Null-valued keys
+/// count as absent and unknown keys are ignored, because Parquet structs carry every field of
+/// the union on every part.
 pub(crate) fn messages_from_json(
     messages: &Value,
     mut media: MediaSource<'_>,
@@ -128,26 +266,18 @@ pub(crate) fn messages_from_json(
         let Value::Object(m) = m else {
             return Err(format!("{at} must be an object, got {}", kind_of(m)));
         };
-        let role = match m.get("role") {
-            Some(Value::String(r)) => r.parse::<Role>().map_err(|_| {
-                format!(
-                    "{at}.role: unknown role {r:?} (expected \"user\", \"assistant\" or \"system\")"
-                )
-            })?,
-            None | Some(Value::Null) => return Err(format!("{at} has no \"role\"")),
-            Some(other) => {
-                return Err(format!(
-                    "{at}.role must be a string, got {}",
-                    kind_of(other)
-                ));
+        let role = message_role(m, &at)?;
+        let parts = match message_content(m) {
+            Some((_, Value::String(s))) if media.splits_text() => {
+                let mut parts = Vec::new();
+                split_placeholders(s, &mut media, &at, &mut parts)?;
+                parts
             }
-        };
-        let parts = match m.get("content") {
-            Some(Value::String(s)) => vec![RawPart::Text(s.clone())],
-            Some(Value::Array(items)) => {
+            Some((_, Value::String(s))) => vec![RawPart::Text(s.clone())],
+            Some((key, Value::Array(items))) => {
                 let mut parts = Vec::with_capacity(items.len());
                 for (j, p) in items.iter().enumerate() {
-                    let at = format!("{at}.content[{j}]");
+                    let at = format!("{at}.{key}[{j}]");
                     let Value::Object(p) = p else {
                         return Err(format!("{at} must be an object, got {}", kind_of(p)));
                     };
@@ -187,10 +317,10 @@ pub(crate) fn messages_from_json(
                 }
                 parts
             }
-            None | Some(Value::Null) => return Err(format!("{at} has no \"content\"")),
-            Some(other) => {
+            None => return Err(format!("{at} has no \"content\" (or \"value\")")),
+            Some((key, other)) => {
                 return Err(format!(
-                    "{at}.content must be a string or an array, got {}",
+                    "{at}.{key} must be a string or an array, got {}",
                     kind_of(other)
                 ));
             }
@@ -244,14 +374,20 @@ pub(crate) fn read_line_bounded(
     }
 }
 
-/// Opens one JSONL manifest. Media paths resolve against the manifest's folder.
-pub(crate) fn open(path: &Path, max_record_bytes: usize) -> Result<SampleIter, ReadError> {
+/// Opens one JSONL manifest. Media paths resolve against the media roots, then the manifest's
+/// folder.
+pub(crate) fn open(
+    path: &Path,
+    media_roots: &[std::path::PathBuf],
+    max_record_bytes: usize,
+) -> Result<SampleIter, ReadError> {
     let file = File::open(path).map_err(|e| ReadError::open(path, e))?;
     let dir = path
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    let root = DatasetRoot::new(dir).map_err(|e| ReadError::open(dir, e))?;
+    let root =
+        DatasetRoot::with_media_roots(dir, media_roots).map_err(|e| ReadError::open(dir, e))?;
     Ok(Box::new(JsonlReader {
         name: path.display().to_string(),
         reader: BufReader::with_capacity(1 << 16, file),
@@ -339,14 +475,5 @@ pub(crate) fn parse_object(
 
 fn parse_record(line: &[u8], source: String, root: &DatasetRoot) -> Result<RawSample, Reject> {
     let (record, id) = parse_object(line, &source, "record", "")?;
-    let reject = |why: String| Reject::new(id.clone(), source.clone(), why);
-    let messages = record
-        .get("messages")
-        .ok_or_else(|| reject("no \"messages\" field".into()))?;
-    let messages = messages_from_json(messages, MediaSource::Paths(root)).map_err(reject)?;
-    Ok(RawSample {
-        id: id.unwrap_or_else(|| source.clone()),
-        source,
-        messages,
-    })
+    super::sharegpt::chat_record(&record, id, source, root)
 }

@@ -1,4 +1,6 @@
 //! LLaVA JSON: one top-level array of `{"id", "image", "conversations": [{"from", "value"}]}`.
+//! Elements with `messages`, `images` or `audios` (ShareGPT / LLaMA-Factory arrays) are read
+//! as chat records (`sharegpt`), with the same placeholders and media root.
 //!
 //! The array is not parsed whole (LLaVA-665k is ~1 GB of JSON): a byte scanner that tracks
 //! strings, escapes and bracket depth cuts out one element at a time, which serde_json then
@@ -13,7 +15,7 @@
 
 use std::fs::File;
 use std::io::{self, BufRead, BufReader};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
@@ -24,20 +26,20 @@ use super::{ReadError, SampleIter};
 
 const PLACEHOLDER: &str = "<image>";
 
+/// Opens one LLaVA (or ShareGPT) JSON array. Image paths resolve against the media roots (the
+/// old `--image-root` is one), then the JSON file's folder.
 pub(crate) fn open(
     path: &Path,
-    image_root: Option<&Path>,
+    media_roots: &[PathBuf],
     max_record_bytes: usize,
 ) -> Result<SampleIter, ReadError> {
     let file = File::open(path).map_err(|e| ReadError::open(path, e))?;
-    let root_dir = match image_root {
-        Some(r) => r,
-        None => path
-            .parent()
-            .filter(|d| !d.as_os_str().is_empty())
-            .unwrap_or(Path::new(".")),
-    };
-    let root = DatasetRoot::new(root_dir).map_err(|e| ReadError::open(root_dir, e))?;
+    let root_dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let root = DatasetRoot::with_media_roots(root_dir, media_roots)
+        .map_err(|e| ReadError::open(root_dir, e))?;
     let mut reader = BufReader::with_capacity(1 << 16, file);
     match skip_ws(&mut reader).map_err(|e| ReadError::open(path, e))? {
         Some(b'[') => reader.consume(1),
@@ -254,6 +256,13 @@ impl LlavaReader {
 
 fn parse_element(bytes: &[u8], source: String, root: &DatasetRoot) -> Result<RawSample, Reject> {
     let (record, id) = parse_object(bytes, &source, "element", " of the element")?;
+    // ShareGPT / LLaMA-Factory JSON arrays: chat `messages`, or media in `images` / `audios`.
+    if ["messages", "images", "audios"]
+        .iter()
+        .any(|k| record.get(*k).is_some_and(|v| !v.is_null()))
+    {
+        return super::sharegpt::chat_record(&record, id, source, root);
+    }
     let reject = |why: String| Reject::new(id.clone(), source.clone(), why);
     if record.get("video").is_some_and(|v| !v.is_null()) {
         return Err(reject("video samples are not supported".into()));

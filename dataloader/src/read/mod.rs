@@ -18,6 +18,7 @@ pub mod llava;
 pub mod parquet;
 pub mod paths;
 pub mod sample;
+pub mod sharegpt;
 pub mod wds;
 
 use std::path::{Path, PathBuf};
@@ -55,6 +56,68 @@ impl FromStr for Format {
     }
 }
 
+/// The format of `input` from its name: `.jsonl` -> jsonl, `.json` -> llava (a JSON array:
+/// LLaVA or ShareGPT), `.tar` -> wds, `.parquet` -> parquet; a folder by the files directly
+/// inside it (one kind only). The `Err` says why and asks for `--format`.
+pub fn infer_format(input: &Path) -> Result<Format, String> {
+    let by_ext = |p: &Path| match p.extension().and_then(|e| e.to_str()) {
+        Some("jsonl") => Some(Format::Jsonl),
+        Some("json") => Some(Format::Llava),
+        Some("tar") => Some(Format::Wds),
+        Some("parquet") => Some(Format::Parquet),
+        _ => None,
+    };
+    let ask = "pass --format jsonl|llava|wds|parquet (or set [input] format)";
+    if !input.is_dir() {
+        return by_ext(input).ok_or_else(|| {
+            format!(
+                "cannot tell the format of {} from its name (.jsonl, .json, .tar or .parquet); {ask}",
+                input.display()
+            )
+        });
+    }
+    let entries = std::fs::read_dir(input).map_err(|e| format!("{}: {e}", input.display()))?;
+    let mut kinds: Vec<(Format, &str)> = Vec::new();
+    for entry in entries {
+        let path = entry
+            .map_err(|e| format!("{}: {e}", input.display()))?
+            .path();
+        if !path.is_file() {
+            continue;
+        }
+        if let Some(f) = by_ext(&path)
+            && !kinds.iter().any(|(k, _)| *k == f)
+        {
+            let ext = match f {
+                Format::Jsonl => ".jsonl",
+                Format::Llava => ".json",
+                Format::Wds => ".tar",
+                Format::Parquet => ".parquet",
+            };
+            kinds.push((f, ext));
+        }
+    }
+    match kinds.as_slice() {
+        [(Format::Llava, _)] => Err(format!(
+            "{} is a folder of .json files; a LLaVA/ShareGPT input is one JSON file: pass it as --input",
+            input.display()
+        )),
+        [(f, _)] => Ok(*f),
+        [] => Err(format!(
+            "{} holds no .jsonl, .json, .tar or .parquet files; {ask}",
+            input.display()
+        )),
+        many => {
+            let exts: Vec<&str> = many.iter().map(|(_, e)| *e).collect();
+            Err(format!(
+                "{} holds {} files: the format is ambiguous; {ask}",
+                input.display(),
+                exts.join(" and ")
+            ))
+        }
+    }
+}
+
 /// Caps that keep one hostile record from taking the memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
@@ -80,8 +143,10 @@ impl Default for Limits {
 #[derive(Debug, Clone)]
 pub struct ReadConfig {
     pub format: Format,
-    /// LLaVA only: the folder `image` paths are relative to; the JSON file's folder when `None`.
-    pub image_root: Option<PathBuf>,
+    /// Folders the user trusts (`--media-root`): relative media paths are looked up in them
+    /// before the manifest's folder, and symlinks into them are followed (`paths::DatasetRoot`).
+    /// JSONL, LLaVA and Parquet paths; WebDataset media are tar members and never paths.
+    pub media_roots: Vec<PathBuf>,
     /// Parquet only: which columns hold what.
     pub parquet: ParquetColumns,
     pub limits: Limits,
@@ -91,7 +156,7 @@ impl ReadConfig {
     pub fn new(format: Format) -> ReadConfig {
         ReadConfig {
             format,
-            image_root: None,
+            media_roots: Vec::new(),
             parquet: ParquetColumns::default(),
             limits: Limits::default(),
         }
@@ -146,9 +211,11 @@ pub fn open(input: &Path, cfg: &ReadConfig) -> Result<SampleIter, ReadError> {
             for f in &files {
                 std::fs::File::open(f).map_err(|e| ReadError::open(f, e))?;
             }
+            check_media_roots(&cfg.media_roots)?;
+            let media_roots = cfg.media_roots.clone();
             Ok(Box::new(files.into_iter().flat_map(
                 move |f| -> SampleIter {
-                    match jsonl::open(&f, lim.max_record_bytes) {
+                    match jsonl::open(&f, &media_roots, lim.max_record_bytes) {
                         Ok(records) => records,
                         Err(e) => Box::new(std::iter::once(Err(Reject::new(
                             None,
@@ -166,15 +233,33 @@ pub fn open(input: &Path, cfg: &ReadConfig) -> Result<SampleIter, ReadError> {
                     "LLaVA input must be one JSON file, not a folder",
                 ));
             }
-            llava::open(input, cfg.image_root.as_deref(), lim.max_record_bytes)
+            llava::open(input, &cfg.media_roots, lim.max_record_bytes)
         }
         Format::Wds => wds::open(input_files(input, "tar")?, lim.max_member_bytes),
-        Format::Parquet => parquet::open(
-            input_files(input, "parquet")?,
-            &cfg.parquet,
-            lim.parquet_batch_rows,
-        ),
+        Format::Parquet => {
+            check_media_roots(&cfg.media_roots)?;
+            parquet::open(
+                input_files(input, "parquet")?,
+                &cfg.parquet,
+                &cfg.media_roots,
+                lim.parquet_batch_rows,
+            )
+        }
     }
+}
+
+/// Every media root must be an existing folder: a typo would otherwise show up only as
+/// thousands of "missing file" rejects.
+fn check_media_roots(roots: &[PathBuf]) -> Result<(), ReadError> {
+    for r in roots {
+        if !r.is_dir() {
+            return Err(ReadError::Config(format!(
+                "media root {} is not an existing folder",
+                r.display()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// `input` itself, or the files directly inside it ending in `.ext`, sorted by name.

@@ -172,6 +172,7 @@ fn open_file(
 pub(crate) fn open(
     files: Vec<PathBuf>,
     cols: &ParquetColumns,
+    media_roots: &[PathBuf],
     batch_rows: usize,
 ) -> Result<SampleIter, ReadError> {
     cols.validate()?;
@@ -186,6 +187,7 @@ pub(crate) fn open(
         }
     }
     let cols = cols.clone();
+    let media_roots = media_roots.to_vec();
     Ok(Box::new(files.into_iter().flat_map(
         move |path| -> SampleIter {
             let name = path.display().to_string();
@@ -194,7 +196,8 @@ pub(crate) fn open(
                     .parent()
                     .filter(|d| !d.as_os_str().is_empty())
                     .unwrap_or(Path::new("."));
-                let root = DatasetRoot::new(dir).map_err(|e| ReadError::open(dir, e))?;
+                let root = DatasetRoot::with_media_roots(dir, &media_roots)
+                    .map_err(|e| ReadError::open(dir, e))?;
                 Ok((batches, root))
             });
             match opened {

@@ -1,39 +1,68 @@
-//! Path safety: every media path a manifest names must resolve to a regular file inside the dataset root.
+//! Path safety: every media path a manifest names must resolve to a regular file inside the
+//! dataset root or a media root the user trusts.
 //!
-//! Two checks, because either alone is not enough: a lexical one (no absolute paths, no `..`
-//! climbing above the root) gives a clear reason before touching the file system, and a
-//! canonical one (resolve symlinks, then require the root as a prefix) catches links that point
-//! outside. Tar members are never written to disk, but names with `..` or a leading `/` are
+//! Two checks, because either alone is not enough: a lexical one (no absolute paths unless
+//! media roots are named, no `..` climbing above the root) gives a clear reason before touching
+//! the file system, and a canonical one (resolve symlinks, then require the root or a media
+//! root as a prefix) catches links that point outside. Tar members are never written to disk, but names with `..` or a leading `/` are
 //! still refused: a shard that carries them was built wrongly or with intent.
 
 use std::io;
 use std::path::{Component, Path, PathBuf};
 
-/// A canonical folder that media paths are resolved against and must stay inside.
+/// A canonical folder that media paths are resolved against and must stay inside, plus the
+/// media roots the user trusts (`--media-root`, `[input] media_roots`).
+///
+/// A relative path is looked up in each media root (in the order given), then in the folder;
+/// the first that holds it wins. Its canonical form (symlinks resolved) must lie inside the
+/// folder or a media root: a linked media folder pointing into a trusted root is accepted, a
+/// link out of every trusted root is refused. An absolute path is accepted only inside a media
+/// root.
 #[derive(Debug, Clone)]
 pub struct DatasetRoot {
     root: PathBuf,
+    media_roots: Vec<PathBuf>,
 }
 
 impl DatasetRoot {
     /// Canonicalizes `dir`; fails when it does not exist or is not a folder.
     pub fn new(dir: &Path) -> io::Result<DatasetRoot> {
-        let root = dir.canonicalize()?;
-        if !root.is_dir() {
-            return Err(io::Error::new(
-                io::ErrorKind::NotADirectory,
-                format!("{} is not a folder", root.display()),
-            ));
-        }
-        Ok(DatasetRoot { root })
+        DatasetRoot::with_media_roots(dir, &[])
+    }
+
+    /// Like `new`, trusting `media_roots` too (each canonicalized; the error names it).
+    pub fn with_media_roots(dir: &Path, media_roots: &[PathBuf]) -> io::Result<DatasetRoot> {
+        let canonical_dir = |d: &Path, what: &str| -> io::Result<PathBuf> {
+            let c = d
+                .canonicalize()
+                .map_err(|e| io::Error::new(e.kind(), format!("{what} {}: {e}", d.display())))?;
+            if !c.is_dir() {
+                return Err(io::Error::new(
+                    io::ErrorKind::NotADirectory,
+                    format!("{what} {} is not a folder", d.display()),
+                ));
+            }
+            Ok(c)
+        };
+        let root = canonical_dir(dir, "dataset root")?;
+        let media_roots = media_roots
+            .iter()
+            .map(|r| canonical_dir(r, "media root"))
+            .collect::<io::Result<Vec<_>>>()?;
+        Ok(DatasetRoot { root, media_roots })
     }
 
     pub fn path(&self) -> &Path {
         &self.root
     }
 
-    /// Resolves a relative media path to a canonical regular file inside the root. The `Err` is
-    /// a reject reason that names the path.
+    fn trusted(&self, canonical: &Path) -> bool {
+        canonical.starts_with(&self.root)
+            || self.media_roots.iter().any(|r| canonical.starts_with(r))
+    }
+
+    /// Resolves a media path to a canonical regular file inside the root or a media root. The
+    /// `Err` is a reject reason that names the path.
     pub fn resolve(&self, rel: &str) -> Result<PathBuf, String> {
         if rel.is_empty() {
             return Err("empty media path".into());
@@ -41,24 +70,60 @@ impl DatasetRoot {
         if rel.contains('\0') {
             return Err(format!("media path {rel:?} contains a NUL byte"));
         }
-        let lexical =
-            lexically_inside(Path::new(rel)).map_err(|why| format!("media path {rel:?} {why}"))?;
-        let joined = self.root.join(lexical);
-        let canonical = match joined.canonicalize() {
-            Ok(p) => p,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                return Err(format!("missing file {rel:?} ({})", joined.display()));
+        let candidates: Vec<PathBuf> =
+            if Path::new(rel).is_absolute() && !self.media_roots.is_empty() {
+                vec![PathBuf::from(rel)]
+            } else {
+                let lexical = lexically_inside(Path::new(rel))
+                    .map_err(|why| format!("media path {rel:?} {why}"))?;
+                self.media_roots
+                    .iter()
+                    .chain(std::iter::once(&self.root))
+                    .map(|base| base.join(&lexical))
+                    .collect()
+            };
+        let mut canonical = None;
+        for joined in &candidates {
+            match joined.canonicalize() {
+                Ok(p) => {
+                    canonical = Some(p);
+                    break;
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(format!(
+                        "cannot resolve {rel:?} ({}): {e}",
+                        joined.display()
+                    ));
+                }
             }
-            Err(e) => {
+        }
+        let Some(canonical) = canonical else {
+            let tried: Vec<String> = candidates.iter().map(|p| p.display().to_string()).collect();
+            let tried = match tried.as_slice() {
+                [one] => one.clone(),
+                many => format!("none of {}", many.join(", ")),
+            };
+            return Err(format!("missing file {rel:?} ({tried})"));
+        };
+        if !self.trusted(&canonical) {
+            if Path::new(rel).is_absolute() {
                 return Err(format!(
-                    "cannot resolve {rel:?} ({}): {e}",
-                    joined.display()
+                    "media path {rel:?} is absolute and outside every media root; absolute paths are accepted only inside a --media-root"
                 ));
             }
-        };
-        if !canonical.starts_with(&self.root) {
+            let roots = if self.media_roots.is_empty() {
+                String::new()
+            } else {
+                let r: Vec<String> = self
+                    .media_roots
+                    .iter()
+                    .map(|r| r.display().to_string())
+                    .collect();
+                format!(" and every media root ({})", r.join(", "))
+            };
             return Err(format!(
-                "media path {rel:?} resolves to {} outside the dataset root {} (symlink)",
+                "media path {rel:?} resolves to {} outside the dataset root {}{roots} (symlink); pass --media-root with the target's folder to trust it",
                 canonical.display(),
                 self.root.display()
             ));

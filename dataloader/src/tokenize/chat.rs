@@ -82,7 +82,11 @@ pub struct ChatTemplate {
     pub bos: Option<String>,
     /// Token text put last.
     pub eos: Option<String>,
+    /// `[template.image]`; `image = false`: no image tokens (image samples are rejected).
+    #[serde(with = "super::media_tokens::media_or_off")]
     pub image: Option<MediaFormat>,
+    /// `[template.audio]`; `audio = false`: no audio tokens (audio samples are rejected).
+    #[serde(with = "super::media_tokens::media_or_off")]
     pub audio: Option<MediaFormat>,
     pub loss: LossOn,
 }

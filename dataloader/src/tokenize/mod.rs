@@ -18,10 +18,12 @@ mod byte;
 mod chat;
 pub mod files;
 mod hf;
+mod media_tokens;
 
 pub use byte::ByteTokenizer;
 pub use chat::{ChatTemplate, CompiledTemplate, LossOn, MediaFormat, RoleFormat, tokenize_sample};
 pub use hf::HfTokenizer;
+pub use media_tokens::check_media_tokens;
 
 use std::fmt;
 use std::str::FromStr;

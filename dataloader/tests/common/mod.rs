@@ -4,6 +4,7 @@
 #![allow(dead_code, clippy::unwrap_used)]
 
 pub mod audio_util;
+pub mod hostile_util;
 pub mod image_util;
 pub mod read_util;
 pub mod tokenize_util;
