@@ -4,8 +4,8 @@
 //! mismatches) among good samples of a wide sweep of image sizes and pixel formats. Every good
 //! sample must be packed, every broken one rejected with a reason, and nothing may crash.
 //!
-//! The sizes include the landscape shapes that crashed `fast_image_resize` 6.1.0's AVX2 path
-//! under the CLIP preset (h = 32 at CLIP 224 with widths 35-39, 49-53, 65-95, ...; issue 19):
+//! The sizes include the landscape shapes that crashed `fast_image_resize` 6.1.0's two-axis
+//! crop path (every backend, not only AVX2) under the CLIP preset (h = 32 at CLIP 224 with widths 35-39, 49-53, 65-95, ...; issue 19):
 //! a segfault in release builds, a caught "attempt to subtract with overflow" panic (so the
 //! sample was wrongly rejected) in the test profile. Both failed this test until the resize
 //! moved to two single-axis passes (`media/resize.rs`).
