@@ -14,7 +14,6 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use rayon::prelude::*;
-use sha2::{Digest, Sha256};
 
 use crate::config::{ConfigError, DataConfig};
 use crate::dataset::{
@@ -123,7 +122,7 @@ pub fn load_tokenizer(
             let info = TokenizerInfo {
                 kind: "hf".into(),
                 path: Some(p.display().to_string()),
-                sha256: Some(crate::shard::hex(&Sha256::digest(&bytes))),
+                sha256: Some(crate::tokenize::files::tokenizer_sha256(&bytes)),
                 vocab_size: t.vocab_size(),
                 files: Vec::new(),
             };

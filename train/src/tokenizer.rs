@@ -7,17 +7,14 @@
 use std::path::Path;
 
 use braid_dataloader::dataset::DatasetInfo;
-use braid_dataloader::tokenize::files::{TOKENIZER_JSON, tokenizer_sources};
-use sha2::{Digest, Sha256};
+use braid_dataloader::tokenize::files::{
+    TOKENIZER_CONFIG_JSON, TOKENIZER_JSON, tokenizer_sha256, tokenizer_sources,
+};
 
 use crate::error::{Result, TrainError, io_err};
 
 /// (file name, bytes), `tokenizer.json` first; empty for the byte tokenizer.
 pub type TokenizerFiles = Vec<(String, Vec<u8>)>;
-
-/// Hugging Face's tokenizer config, written to the export when the source had none: the
-/// fast tokenizer class reads everything else from `tokenizer.json`.
-pub const TOKENIZER_CONFIG: &str = "tokenizer_config.json";
 
 /// The tokenizer files of the dataset at `dir`.
 pub fn collect(
@@ -58,7 +55,7 @@ pub fn collect(
         if name == TOKENIZER_JSON
             && let Some(want) = &tok.sha256
         {
-            let got = hex(&Sha256::digest(&bytes));
+            let got = tokenizer_sha256(&bytes);
             if &got != want {
                 return Err(TrainError::Data(format!(
                     "{}: sha256 {got}, but {} says the dataset was tokenized with sha256 {want}: the tokenizer changed since packing (pack again)",
@@ -70,10 +67,6 @@ pub fn collect(
         files.push((name, bytes));
     }
     Ok(files)
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// GPT-2's printable stand-in for each byte (what the `ByteLevel` pre-tokenizer maps bytes
@@ -140,13 +133,14 @@ pub fn write_export(files: &TokenizerFiles, dir: &Path, model_max_length: usize)
         let p = dir.join(name);
         std::fs::write(&p, bytes).map_err(io_err(&p, "write"))?;
     }
-    if !files.iter().any(|(n, _)| n == TOKENIZER_CONFIG) {
+    if !files.iter().any(|(n, _)| n == TOKENIZER_CONFIG_JSON) {
+        // The fast tokenizer class reads everything else from `tokenizer.json`.
         let cfg = serde_json::json!({
             "tokenizer_class": "PreTrainedTokenizerFast",
             "model_max_length": model_max_length,
             "clean_up_tokenization_spaces": false,
         });
-        let p = dir.join(TOKENIZER_CONFIG);
+        let p = dir.join(TOKENIZER_CONFIG_JSON);
         let text =
             serde_json::to_string_pretty(&cfg).map_err(|e| TrainError::Other(e.to_string()))?;
         std::fs::write(&p, text).map_err(io_err(&p, "write"))?;

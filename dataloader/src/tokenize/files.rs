@@ -7,8 +7,17 @@ use std::path::Path;
 
 /// The name the tokenizer itself has in a dataset, checkpoint or export folder.
 pub const TOKENIZER_JSON: &str = "tokenizer.json";
+/// Hugging Face's tokenizer config (the export writes a minimal one when the source had none).
+pub const TOKENIZER_CONFIG_JSON: &str = "tokenizer_config.json";
 /// Hugging Face's companion files, copied when they sit beside the tokenizer.
-pub const COMPANION_FILES: [&str; 2] = ["tokenizer_config.json", "special_tokens_map.json"];
+pub const COMPANION_FILES: [&str; 2] = [TOKENIZER_CONFIG_JSON, "special_tokens_map.json"];
+
+/// The SHA-256 of a `tokenizer.json`'s bytes as `dataset.json` records it (lowercase hex):
+/// written at pack time, checked when a run starts.
+pub fn tokenizer_sha256(bytes: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    crate::shard::hex(&Sha256::digest(bytes))
+}
 
 /// Whether `name` is one of the files [`copy_tokenizer_files`] writes.
 pub fn is_tokenizer_file(name: &str) -> bool {
