@@ -4,11 +4,11 @@ use std::fmt;
 
 use crate::backend::Backend;
 use crate::cpu::CpuBackend;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
-/// A compute device. `Cuda(ordinal)` is part of the type from day one so that configs,
-/// layers and tests can name it; until the CUDA backend lands every attempt to place
-/// data on it is an [`Error::DeviceUnavailable`].
+/// A compute device. `Cuda(ordinal)` is a GPU; on a machine without a driver or without
+/// that GPU, placing data on it is an [`crate::Error::DeviceUnavailable`] that says
+/// what is missing (never a panic).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Device {
     #[default]
@@ -25,16 +25,22 @@ impl Device {
     pub fn backend(self) -> Result<&'static dyn Backend> {
         match self {
             Device::Cpu => Ok(&CPU_BACKEND),
-            Device::Cuda(_) => Err(Error::DeviceUnavailable {
-                device: self,
-                reason: "the CUDA backend is not built yet; use device = \"cpu\"".into(),
-            }),
+            Device::Cuda(ordinal) => Ok(crate::cuda::backend(ordinal)?),
         }
     }
 
-    /// True if data can be placed on this device in this build.
+    /// True if data can be placed on this device here.
     pub fn is_available(self) -> bool {
         self.backend().is_ok()
+    }
+
+    /// Why this device cannot be used here (no driver, no such GPU), or `None`. Cheap
+    /// and side-effect free: creates no CUDA context.
+    pub fn unavailable_reason(self) -> Option<String> {
+        match self {
+            Device::Cpu => None,
+            Device::Cuda(ordinal) => crate::cuda::unavailable_reason(ordinal),
+        }
     }
 }
 

@@ -41,9 +41,40 @@ pub enum Error {
     #[error("{op}: invalid argument: {msg}")]
     Invalid { op: &'static str, msg: String },
 
+    /// A CUDA driver, cuBLASLt or NVRTC call that failed (not out-of-memory, which is
+    /// [`Error::OutOfMemory`]).
+    #[error("{op} on {device}: {msg}")]
+    Cuda {
+        op: &'static str,
+        device: Device,
+        msg: String,
+    },
+
+    /// A device allocation that did not fit. The trainer adds the module it was running;
+    /// the message says what to change.
+    #[error(
+        "{device} is out of memory: {op} needs {} for {what} ({} free of {}); \
+         use more microbatches per step (train.microbatches), turn on activation \
+         recomputation (parallel.<module>.recompute), or a smaller batch_rows",
+        gib(*bytes), gib(*free_bytes), gib(*total_bytes)
+    )]
+    OutOfMemory {
+        device: Device,
+        op: &'static str,
+        what: String,
+        bytes: usize,
+        free_bytes: usize,
+        total_bytes: usize,
+    },
+
     /// A buffer whose length does not match the shape it is given.
     #[error("buffer of {len} elements does not fit shape {shape} ({} elements)", shape.elem_count())]
     BufferLen { len: usize, shape: Shape },
+}
+
+/// Bytes as GiB for messages ("1.50 GiB").
+fn gib(bytes: usize) -> String {
+    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
 }
 
 impl Error {

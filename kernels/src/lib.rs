@@ -8,14 +8,16 @@
 //!   devices: a bad input is an [`Error`] naming them, never a panic) and then calls the
 //!   [`Backend`] of the device its inputs live on.
 //! - [`Backend`] is the list of kernels a device must provide. [`cpu::CpuBackend`] is the
-//!   reference implementation (f32 compute, rayon + the `gemm` crate). A CUDA backend is
-//!   one more `impl Backend` plus a `Storage::Cuda` variant: layers in `braid-nn` call
-//!   [`ops`] only, so none of them changes when it lands.
+//!   reference implementation (f32 compute, rayon + the `gemm` crate);
+//!   [`cuda::CudaBackend`] runs the same contracts on an NVIDIA GPU (NVRTC-compiled
+//!   kernels from `kernels/cuda/`, cuBLASLt GEMMs). Layers in `braid-nn` call [`ops`]
+//!   only, so they run on either.
 //! - [`testing`] holds the finite-difference checker and comparison helpers that every
 //!   test of this crate and of the layers above uses.
 
 pub mod backend;
 pub mod cpu;
+pub mod cuda;
 pub mod device;
 pub mod dtype;
 pub mod error;

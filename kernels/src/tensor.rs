@@ -4,6 +4,7 @@ use std::fmt;
 
 use half::bf16;
 
+use crate::cuda::CudaStorage;
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -11,11 +12,10 @@ use crate::shape::Shape;
 
 /// The buffer behind a tensor, one variant per device kind.
 ///
-/// A CUDA backend adds `Cuda(CudaStorage)` here; every `match` on `Storage` in this
-/// crate then names the place a CUDA code path is needed.
 #[derive(Debug)]
 pub enum Storage {
     Cpu(CpuStorage),
+    Cuda(CudaStorage),
 }
 
 /// A host buffer: the CPU backend's storage, and the unit of every host <-> device copy.
@@ -63,6 +63,7 @@ impl Tensor {
     pub(crate) fn from_storage(storage: Storage, shape: Shape) -> Result<Self> {
         let len = match &storage {
             Storage::Cpu(s) => s.len(),
+            Storage::Cuda(s) => s.len(),
         };
         if len != shape.elem_count() {
             return Err(Error::BufferLen { len, shape });
@@ -159,12 +160,14 @@ impl Tensor {
     pub fn dtype(&self) -> DType {
         match &self.storage {
             Storage::Cpu(s) => s.dtype(),
+            Storage::Cuda(s) => s.dtype(),
         }
     }
 
     pub fn device(&self) -> Device {
         match &self.storage {
             Storage::Cpu(_) => Device::Cpu,
+            Storage::Cuda(s) => Device::Cuda(s.ordinal()),
         }
     }
 
@@ -191,6 +194,7 @@ impl Tensor {
     pub fn try_clone(&self) -> Result<Self> {
         let storage = match &self.storage {
             Storage::Cpu(s) => Storage::Cpu(s.clone()),
+            Storage::Cuda(s) => Storage::Cuda(crate::cuda::clone_storage(s)?),
         };
         Ok(Tensor {
             storage,
@@ -198,10 +202,24 @@ impl Tensor {
         })
     }
 
+    /// Copies this tensor to `device` (a deep copy, also when it is already there).
+    pub fn to_device(&self, device: Device) -> Result<Self> {
+        if device == self.device() {
+            return self.try_clone();
+        }
+        Tensor::from_host(self.to_host()?, self.shape.clone(), device)
+    }
+
     /// Sets every element to zero, keeping shape, dtype and device (grad buffers).
     pub fn zero_(&mut self) -> Result<()> {
-        *self = Tensor::zeros(self.shape.clone(), self.dtype(), self.device())?;
-        Ok(())
+        match &mut self.storage {
+            // In place on the GPU: a memset on the stream, no new allocation.
+            Storage::Cuda(s) => crate::cuda::zero_storage(s),
+            Storage::Cpu(_) => {
+                *self = Tensor::zeros(self.shape.clone(), self.dtype(), self.device())?;
+                Ok(())
+            }
+        }
     }
 
     // ---- backend access (crate-private: layers never touch buffers) ----
@@ -216,6 +234,7 @@ impl Tensor {
                 got: other.dtype(),
                 expected: DType::F32,
             }),
+            Storage::Cuda(s) => Err(not_on_cpu(op, arg, s)),
         }
     }
 
@@ -233,6 +252,7 @@ impl Tensor {
                 got: other.dtype(),
                 expected: DType::F32,
             }),
+            Storage::Cuda(s) => Err(not_on_cpu(op, arg, s)),
         }
     }
 
@@ -246,20 +266,51 @@ impl Tensor {
                 got: other.dtype(),
                 expected: DType::U32,
             }),
+            Storage::Cuda(s) => Err(not_on_cpu(op, arg, s)),
         }
     }
 
     /// The CPU storage, whatever its dtype.
     pub(crate) fn cpu_storage(&self, op: &'static str, arg: &'static str) -> Result<&CpuStorage> {
-        let _ = (op, arg); // used once a second storage variant exists
         match &self.storage {
             Storage::Cpu(s) => Ok(s),
+            Storage::Cuda(s) => Err(not_on_cpu(op, arg, s)),
         }
+    }
+
+    /// The device buffer of a CUDA tensor.
+    pub(crate) fn cuda_storage(&self, op: &'static str, arg: &'static str) -> Result<&CudaStorage> {
+        match &self.storage {
+            Storage::Cuda(s) => Ok(s),
+            Storage::Cpu(_) => Err(Error::Device { op, arg, got: Device::Cpu, expected: Device::Cuda(0) }),
+        }
+    }
+
+    /// The device buffer of a CUDA tensor, mutably.
+    pub(crate) fn cuda_storage_mut(&mut self, op: &'static str, arg: &'static str) -> Result<&mut CudaStorage> {
+        match &mut self.storage {
+            Storage::Cuda(s) => Ok(s),
+            Storage::Cpu(_) => Err(Error::Device { op, arg, got: Device::Cpu, expected: Device::Cuda(0) }),
+        }
+    }
+
+    /// A new CUDA tensor (length checked against the shape).
+    pub(crate) fn from_cuda(storage: CudaStorage, shape: impl Into<Shape>) -> Result<Self> {
+        Self::from_storage(Storage::Cuda(storage), shape.into())
     }
 
     /// A new CPU tensor from an f32 buffer (length checked).
     pub(crate) fn cpu_from_f32(data: Vec<f32>, shape: impl Into<Shape>) -> Result<Self> {
         Self::from_storage(Storage::Cpu(CpuStorage::F32(data)), shape.into())
+    }
+}
+
+fn not_on_cpu(op: &'static str, arg: &'static str, s: &CudaStorage) -> Error {
+    Error::Device {
+        op,
+        arg,
+        got: Device::Cuda(s.ordinal()),
+        expected: Device::Cpu,
     }
 }
 

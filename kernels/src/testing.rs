@@ -111,9 +111,12 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Runs each named test body `fn(Device) -> braid_kernels::Result<()>` once per
-/// device as its own `#[test]` (`<name>::cpu`, ...). When the CUDA backend lands, a
-/// `cuda` arm is added here and every body written this way runs on the GPU against
-/// the same CPU references with no change to the tests themselves.
+/// device as its own `#[test]`: `<name>::cpu`, and `<name>::cuda` on GPU 0.
+///
+/// The CUDA tests are `#[ignore]`d, so a machine without a GPU (CI) counts them as
+/// skipped in its summary; on a GPU machine run the test binary with `--ignored`
+/// (`tools/gpu/check.sh` does). Run there without a usable GPU, they fail naming what
+/// is missing — a CUDA test never passes without running.
 #[macro_export]
 macro_rules! test_on_devices {
     ($($name:ident),* $(,)?) => {
@@ -123,6 +126,14 @@ macro_rules! test_on_devices {
                 fn cpu() {
                     if let Err(e) = super::$name($crate::Device::Cpu) {
                         panic!("{} on cpu: {e}", stringify!($name));
+                    }
+                }
+
+                #[test]
+                #[ignore = "needs a CUDA GPU: run with --ignored on one (tools/gpu/check.sh)"]
+                fn cuda() {
+                    if let Err(e) = super::$name($crate::Device::Cuda(0)) {
+                        panic!("{} on cuda:0: {e}", stringify!($name));
                     }
                 }
             }

@@ -1,0 +1,2 @@
+// activation.cu: the CUDA kernels of this family (not written yet).
+#include "common.cuh"

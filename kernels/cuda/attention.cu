@@ -1,0 +1,2 @@
+// attention.cu: the CUDA kernels of this family (not written yet).
+#include "common.cuh"

@@ -1,0 +1,76 @@
+// elementwise.cu: add, add-assign, scale, and the deterministic sum of squares used by
+// grad clipping. T is float or bf16_t; arithmetic is f32, sums of squares f64.
+#include "common.cuh"
+
+template <typename T>
+__device__ void add(T* out, const T* a, const T* b, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        store_f(out, i, load_f(a, i) + load_f(b, i));
+}
+
+template <typename T>
+__device__ void add_assign(T* acc, const T* x, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        store_f(acc, i, load_f(acc, i) + load_f(x, i));
+}
+
+template <typename T>
+__device__ void scale_assign(T* x, float s, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        store_f(x, i, load_f(x, i) * s);
+}
+
+// Stage 1 of sum(x^2): block b sums a fixed grid-stride subset into partial[b] (f64).
+// The grid size is fixed by the caller, so the partition (and the bits) never change.
+template <typename T>
+__device__ void sum_squares_partial(double* partial, const T* x, u64 n) {
+    __shared__ double scratch[32];
+    double acc = 0.0;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        double v = (double)load_f(x, i);
+        acc += v * v;
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    acc = warp_sum_f64(acc);
+    if (lane == 0) scratch[warp] = acc;
+    __syncthreads();
+    if (warp == 0) {
+        acc = lane < nwarps ? scratch[lane] : 0.0;
+        acc = warp_sum_f64(acc);
+        if (lane == 0) partial[blockIdx.x] = acc;
+    }
+}
+
+// Stage 2: one block adds the partials in a fixed order into out[slot] (+= when
+// accumulate, so one launch per tensor builds a global norm in one buffer).
+extern "C" __global__ void braid_sum_partials_f64(double* out, const double* partial, u32 count, u32 slot, int accumulate) {
+    __shared__ double scratch[32];
+    double acc = 0.0;
+    for (u32 i = threadIdx.x; i < count; i += blockDim.x) acc += partial[i];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    acc = warp_sum_f64(acc);
+    if (lane == 0) scratch[warp] = acc;
+    __syncthreads();
+    if (warp == 0) {
+        acc = lane < nwarps ? scratch[lane] : 0.0;
+        acc = warp_sum_f64(acc);
+        if (lane == 0) out[slot] = accumulate ? out[slot] + acc : acc;
+    }
+}
+
+#define BRAID_ELEMENTWISE(SUFFIX, T)                                                              \
+    extern "C" __global__ void braid_add_##SUFFIX(T* out, const T* a, const T* b, u64 n) {      \
+        add(out, a, b, n);                                                                        \
+    }                                                                                             \
+    extern "C" __global__ void braid_add_assign_##SUFFIX(T* acc, const T* x, u64 n) {           \
+        add_assign(acc, x, n);                                                                    \
+    }                                                                                             \
+    extern "C" __global__ void braid_scale_assign_##SUFFIX(T* x, float s, u64 n) {              \
+        scale_assign(x, s, n);                                                                    \
+    }                                                                                             \
+    extern "C" __global__ void braid_sum_squares_partial_##SUFFIX(double* p, const T* x, u64 n) { \
+        sum_squares_partial(p, x, n);                                                             \
+    }
+
+BRAID_ELEMENTWISE(f32, float)
+BRAID_ELEMENTWISE(bf16, bf16_t)

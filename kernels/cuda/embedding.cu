@@ -1,0 +1,2 @@
+// embedding.cu: the CUDA kernels of this family (not written yet).
+#include "common.cuh"

@@ -1,0 +1,2 @@
+// layout.cu: the CUDA kernels of this family (not written yet).
+#include "common.cuh"

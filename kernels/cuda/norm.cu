@@ -1,0 +1,2 @@
+// norm.cu: the CUDA kernels of this family (not written yet).
+#include "common.cuh"

@@ -1,0 +1,2 @@
+// optim.cu: the CUDA kernels of this family (not written yet).
+#include "common.cuh"

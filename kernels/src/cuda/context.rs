@@ -1,0 +1,301 @@
+//! One [`CudaBackend`] per GPU ordinal: context, stream, cuBLASLt handle, module cache,
+//! and the checks that make `Device::Cuda(n)` an error (never a panic) where there is no
+//! driver or no such GPU.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cudarc::cublaslt::CudaBlasLT;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, DriverError,
+    ValidAsZeroBits, sys,
+};
+
+use super::compile::{self, KernelSource};
+use crate::device::Device;
+use crate::error::{Error, Result};
+
+/// The CUDA backend of one GPU. Every kernel it launches runs on its one stream, so work
+/// is ordered as it is issued and no kernel waits for the host.
+pub struct CudaBackend {
+    pub(crate) ordinal: usize,
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    /// cuBLASLt handle + its workspace. A handle and its workspace must not be used by
+    /// two threads at once (thread ranks may share a GPU), hence the lock.
+    pub(crate) blas: Mutex<CudaBlasLT>,
+    /// `sm_90a` on an H100/H200, `sm_XY` elsewhere: what NVRTC compiles for.
+    pub(crate) arch: String,
+    pub(crate) name: String,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<(&'static str, &'static str), CudaFunction>>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaBackend(cuda:{}, {}, {})", self.ordinal, self.name, self.arch)
+    }
+}
+
+/// Backends created so far, by ordinal. A backend lives for the whole process (the
+/// context and its pool are process-wide resources), so it is leaked once and shared.
+static BACKENDS: Mutex<Vec<Option<&'static CudaBackend>>> = Mutex::new(Vec::new());
+
+/// The backend of GPU `ordinal`, created on first use.
+pub fn backend(ordinal: usize) -> Result<&'static CudaBackend> {
+    let mut all = lock(&BACKENDS);
+    if let Some(Some(b)) = all.get(ordinal) {
+        return Ok(b);
+    }
+    let b: &'static CudaBackend = Box::leak(Box::new(CudaBackend::create(ordinal)?));
+    if all.len() <= ordinal {
+        all.resize(ordinal + 1, None);
+    }
+    all[ordinal] = Some(b);
+    Ok(b)
+}
+
+/// Locks a mutex, recovering the data if a thread panicked while holding it (the guarded
+/// maps and handles stay valid: no update is left half-done across a panic).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The libraries the backend loads at run time, and whether each was found.
+fn missing_libraries() -> Vec<&'static str> {
+    let mut missing = Vec::new();
+    // SAFETY: each call only tries to dlopen the library by its usual names and returns
+    // whether it succeeded; nothing is called through it here.
+    unsafe {
+        if !cudarc::driver::sys::is_culib_present() {
+            missing.push("the NVIDIA driver library libcuda.so (is an NVIDIA driver installed?)");
+        }
+        if !cudarc::cublaslt::sys::is_culib_present() {
+            missing.push("cuBLASLt (libcublasLt.so.13, from the CUDA toolkit or the nvidia-cublas wheel)");
+        }
+        if !cudarc::nvrtc::sys::is_culib_present() {
+            missing.push("NVRTC (libnvrtc.so.13, from the CUDA toolkit or the nvidia-cuda-nvrtc wheel)");
+        }
+    }
+    missing
+}
+
+/// Why `Device::Cuda(ordinal)` cannot be used here, or `None` if it can be tried.
+/// Cheap, never panics, creates no context: used by configs to fail early.
+pub fn unavailable_reason(ordinal: usize) -> Option<String> {
+    let missing = missing_libraries();
+    if !missing.is_empty() {
+        return Some(format!(
+            "not found: {} (set LD_LIBRARY_PATH to the folder that holds it)",
+            missing.join("; ")
+        ));
+    }
+    match CudaContext::device_count() {
+        Ok(n) if (n.max(0) as usize) > ordinal => None,
+        Ok(n) => Some(format!("this machine has {n} CUDA device(s), so cuda:{ordinal} does not exist")),
+        Err(e) => Some(format!("the CUDA driver failed to start: {e}")),
+    }
+}
+
+impl CudaBackend {
+    fn create(ordinal: usize) -> Result<Self> {
+        let device = Device::Cuda(ordinal);
+        if let Some(reason) = unavailable_reason(ordinal) {
+            return Err(Error::DeviceUnavailable { device, reason });
+        }
+        let err = |what: &str, e: DriverError| Error::DeviceUnavailable {
+            device,
+            reason: format!("{what}: {e}"),
+        };
+        let ctx = CudaContext::new(ordinal).map_err(|e| err("creating the context", e))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| err("reading the compute capability", e))?;
+        if major < 8 {
+            return Err(Error::DeviceUnavailable {
+                device,
+                reason: format!(
+                    "compute capability {major}.{minor}: Braid's kernels need bf16 tensor cores (8.0 or newer)"
+                ),
+            });
+        }
+        let arch = if (major, minor) == (9, 0) {
+            // Hopper's architecture-specific features (wgmma, setmaxnreg) need `a`.
+            "sm_90a".to_string()
+        } else {
+            format!("sm_{major}{minor}")
+        };
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        // SAFETY: every buffer this backend creates is used on its one stream (below),
+        // so cudarc's per-buffer events, which order work across streams, are not needed.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(|e| err("creating a stream", e))?;
+        keep_freed_memory_cached(&ctx).map_err(|e| err("configuring the memory pool", e))?;
+        let blas = CudaBlasLT::new(stream.clone()).map_err(|e| Error::DeviceUnavailable {
+            device,
+            reason: format!("creating the cuBLASLt handle: {e:?}"),
+        })?;
+        Ok(CudaBackend {
+            ordinal,
+            ctx,
+            stream,
+            blas: Mutex::new(blas),
+            arch,
+            name,
+            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn device(&self) -> Device {
+        Device::Cuda(self.ordinal)
+    }
+
+    /// The GPU's name and architecture, for run summaries ("NVIDIA H200, sm_90a").
+    pub fn describe(&self) -> String {
+        format!("{}, {}", self.name, self.arch)
+    }
+
+    /// The kernel `name` of `src`, compiling and loading the module on first use.
+    pub(crate) fn function(&self, src: &'static KernelSource, name: &'static str) -> Result<CudaFunction> {
+        if let Some(f) = lock(&self.functions).get(&(src.name, name)) {
+            return Ok(f.clone());
+        }
+        let module = self.module(src)?;
+        let f = module.load_function(name).map_err(|e| self.driver_err("load_function", e))?;
+        lock(&self.functions).insert((src.name, name), f.clone());
+        Ok(f)
+    }
+
+    fn module(&self, src: &'static KernelSource) -> Result<Arc<CudaModule>> {
+        if let Some(m) = lock(&self.modules).get(src.name) {
+            return Ok(m.clone());
+        }
+        let cubin = compile::cached_cubin(src, &self.arch).map_err(|msg| Error::Cuda {
+            op: "nvrtc",
+            device: self.device(),
+            msg,
+        })?;
+        let module = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+            .map_err(|e| self.driver_err("load_module", e))?;
+        lock(&self.modules).insert(src.name, module.clone());
+        Ok(module)
+    }
+
+    /// A driver error as ours; out-of-memory becomes [`Error::OutOfMemory`].
+    pub(crate) fn driver_err(&self, op: &'static str, e: DriverError) -> Error {
+        if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            return self.oom(op, "a device buffer".into(), 0);
+        }
+        Error::Cuda {
+            op,
+            device: self.device(),
+            msg: e.to_string(),
+        }
+    }
+
+    pub(crate) fn oom(&self, op: &'static str, what: String, bytes: usize) -> Error {
+        let (free_bytes, total_bytes) = self.ctx.mem_get_info().unwrap_or((0, 0));
+        Error::OutOfMemory {
+            device: self.device(),
+            op,
+            what,
+            bytes,
+            free_bytes,
+            total_bytes,
+        }
+    }
+
+    /// `n` elements of uninitialized device memory, for outputs a kernel overwrites in
+    /// full. `what` names the tensor in an out-of-memory error.
+    pub(crate) fn alloc<T: DeviceRepr>(&self, op: &'static str, n: usize, what: impl FnOnce() -> String) -> Result<CudaSlice<T>> {
+        if n == 0 {
+            return self.stream.null().map_err(|e| self.driver_err(op, e));
+        }
+        // SAFETY: the caller's kernel writes every element before anything reads it
+        // (each call site says which kernel); the buffer is stream-ordered on our stream.
+        unsafe { self.stream.alloc::<T>(n) }.map_err(|e| self.alloc_err(op, e, n * size_of::<T>(), what))
+    }
+
+    /// `n` zeroed elements.
+    pub(crate) fn alloc_zeros<T: DeviceRepr + ValidAsZeroBits>(&self, op: &'static str, n: usize, what: impl FnOnce() -> String) -> Result<CudaSlice<T>> {
+        if n == 0 {
+            return self.stream.null().map_err(|e| self.driver_err(op, e));
+        }
+        self.stream
+            .alloc_zeros::<T>(n)
+            .map_err(|e| self.alloc_err(op, e, n * size_of::<T>(), what))
+    }
+
+    fn alloc_err(&self, op: &'static str, e: DriverError, bytes: usize, what: impl FnOnce() -> String) -> Error {
+        if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            self.oom(op, what(), bytes)
+        } else {
+            self.driver_err(op, e)
+        }
+    }
+
+    /// Waits for every kernel issued so far (used by explicit host copies and tests).
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(|e| self.driver_err("synchronize", e))
+    }
+
+    /// The most device memory the pool has held since the last reset, in bytes.
+    pub fn peak_memory_bytes(&self) -> Result<u64> {
+        let mut value: u64 = 0;
+        self.pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, &mut value, false)?;
+        Ok(value)
+    }
+
+    /// Starts a new peak-memory window (the trainer calls this at the start of a step).
+    pub fn reset_peak_memory(&self) -> Result<()> {
+        let mut zero: u64 = 0;
+        self.pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, &mut zero, true)
+    }
+
+    fn pool_attribute(&self, attr: sys::CUmemPool_attribute, value: &mut u64, set: bool) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(|e| self.driver_err("bind_to_thread", e))?;
+        let pool = default_pool(&self.ctx).map_err(|e| self.driver_err("cuDeviceGetDefaultMemPool", e))?;
+        let ptr = (value as *mut u64).cast::<c_void>();
+        // SAFETY: `pool` is the device's default pool; USED_MEM_HIGH is a u64 attribute,
+        // and `ptr` points at a live u64 for the duration of the call.
+        let r = unsafe {
+            if set {
+                sys::cuMemPoolSetAttribute(pool, attr, ptr)
+            } else {
+                sys::cuMemPoolGetAttribute(pool, attr, ptr)
+            }
+        };
+        r.result().map_err(|e| self.driver_err("cuMemPool attribute", e))
+    }
+}
+
+fn default_pool(ctx: &CudaContext) -> std::result::Result<sys::CUmemoryPool, DriverError> {
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `pool` is a valid out-pointer; the device handle comes from a live context.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }.result()?;
+    Ok(pool)
+}
+
+/// Raises the stream-ordered pool's release threshold to "never", so memory freed in one
+/// step is reused by the next instead of going back to the driver at every sync.
+fn keep_freed_memory_cached(ctx: &CudaContext) -> std::result::Result<(), DriverError> {
+    if !ctx.has_async_alloc() {
+        return Ok(());
+    }
+    ctx.bind_to_thread()?;
+    let pool = default_pool(ctx)?;
+    let mut threshold: u64 = u64::MAX;
+    // SAFETY: RELEASE_THRESHOLD is a u64 attribute and `threshold` outlives the call.
+    unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast::<c_void>(),
+        )
+    }
+    .result()
+}
