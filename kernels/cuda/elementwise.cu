@@ -74,3 +74,48 @@ extern "C" __global__ void braid_sum_partials_f64(double* out, const double* par
 
 BRAID_ELEMENTWISE(f32, float)
 BRAID_ELEMENTWISE(bf16, bf16_t)
+
+// ---- bias (the linear layer's; the matmul family's kernels) ----
+
+// y[n, c] += bias[c]. y (N, C), bias (C).
+template <typename T>
+__device__ void add_bias(T* y, const T* bias, u64 n_rows, u32 c) {
+    u64 total = n_rows * c;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x)
+        store_f(y, i, load_f(y, i) + load_f(bias, i % c));
+}
+
+// Stage 1 of dbias = sum_n dy[n, :]: grid (ceil(C / blockDim), G); block (cx, g) sums rows
+// g, g + G, g + 2G, ... of its columns into partial[g, c] (f32). Fixed G: deterministic.
+template <typename T>
+__device__ void bias_grad_partial(float* partial, const T* dy, u64 n_rows, u32 c) {
+    u32 col = blockIdx.x * blockDim.x + threadIdx.x;
+    if (col >= c) return;
+    float acc = 0.0f;
+    for (u64 r = blockIdx.y; r < n_rows; r += gridDim.y) acc += load_f(dy, r * c + col);
+    partial[(u64)blockIdx.y * c + col] = acc;
+}
+
+// Stage 2: dbias[c] += sum_g partial[g, c], g in order. dbias is f32 or T.
+template <typename G>
+__device__ void bias_grad_finish(G* dbias, const float* partial, u32 groups, u32 c) {
+    u32 col = blockIdx.x * blockDim.x + threadIdx.x;
+    if (col >= c) return;
+    float acc = 0.0f;
+    for (u32 g = 0; g < groups; ++g) acc += partial[(u64)g * c + col];
+    store_f(dbias, col, load_f(dbias, col) + acc);
+}
+
+#define BRAID_BIAS(SUFFIX, T)                                                                          \
+    extern "C" __global__ void braid_add_bias_##SUFFIX(T* y, const T* bias, u64 n, u32 c) {           \
+        add_bias(y, bias, n, c);                                                                       \
+    }                                                                                                  \
+    extern "C" __global__ void braid_bias_grad_partial_##SUFFIX(float* p, const T* dy, u64 n, u32 c) { \
+        bias_grad_partial(p, dy, n, c);                                                                \
+    }                                                                                                  \
+    extern "C" __global__ void braid_bias_grad_finish_##SUFFIX(T* db, const float* p, u32 g, u32 c) { \
+        bias_grad_finish(db, p, g, c);                                                                 \
+    }
+
+BRAID_BIAS(f32, float)
+BRAID_BIAS(bf16, bf16_t)

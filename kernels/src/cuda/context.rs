@@ -6,13 +6,13 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use cudarc::cublaslt::CudaBlasLT;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, DriverError,
     ValidAsZeroBits, sys,
 };
 
 use super::compile::{self, KernelSource};
+use super::matmul::Blas;
 use crate::device::Device;
 use crate::error::{Error, Result};
 
@@ -24,7 +24,7 @@ pub struct CudaBackend {
     pub(crate) stream: Arc<CudaStream>,
     /// cuBLASLt handle + its workspace. A handle and its workspace must not be used by
     /// two threads at once (thread ranks may share a GPU), hence the lock.
-    pub(crate) blas: Mutex<CudaBlasLT>,
+    pub(crate) blas: Mutex<Blas>,
     /// `sm_90a` on an H100/H200, `sm_XY` elsewhere: what NVRTC compiles for.
     pub(crate) arch: String,
     pub(crate) name: String,
@@ -132,10 +132,7 @@ impl CudaBackend {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(|e| err("creating a stream", e))?;
         keep_freed_memory_cached(&ctx).map_err(|e| err("configuring the memory pool", e))?;
-        let blas = CudaBlasLT::new(stream.clone()).map_err(|e| Error::DeviceUnavailable {
-            device,
-            reason: format!("creating the cuBLASLt handle: {e:?}"),
-        })?;
+        let blas = Blas::new(&stream, major).map_err(|reason| Error::DeviceUnavailable { device, reason })?;
         Ok(CudaBackend {
             ordinal,
             ctx,

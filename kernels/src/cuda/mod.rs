@@ -27,7 +27,6 @@ macro_rules! launch {
         builder.launch($cfg).map(|_| ()).map_err(|e| $be.driver_err($op, e))
     }};
 }
-pub(crate) use launch;
 
 mod context;
 pub mod compile;
