@@ -134,9 +134,10 @@ fn score(
     }
 }
 
-/// Evaluates `model` on every pack of the dataset at `dir` (in stored order).
+/// Evaluates `model` (its weights on `device`) on every pack of the dataset at `dir` (in stored order).
 pub fn evaluate(
     model: &Mllm,
+    device: Device,
     dir: &Path,
     rows_per_forward: usize,
     workers: usize,
@@ -165,7 +166,7 @@ pub fn evaluate(
             continue;
         }
         let refs: Vec<_> = rows.iter().collect();
-        let batch = rows_to_batch(&refs, Device::Cpu)?;
+        let batch = rows_to_batch(&refs, device)?;
         for (zero, tally, kinds) in [
             (false, &mut with, &mut with_kind),
             (true, &mut without, &mut without_kind),

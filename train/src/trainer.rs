@@ -118,7 +118,7 @@ impl Trainer {
         }
         cfg.parallel.plan = None;
         cfg.validate()?;
-        let device = Device::Cpu;
+        let device = cfg.parallel.kernel_device();
         let run_dir = cfg.run.dir.clone();
         let ckpt_root = run_dir.join("checkpoints");
         checkpoint::remove_partial(&ckpt_root)?;
@@ -384,6 +384,7 @@ impl Trainer {
             None => Ok(None),
             Some(dir) => Ok(Some(evaluate(
                 &self.model,
+                self.device,
                 dir,
                 self.cfg.eval.batch_rows,
                 self.cfg.data.workers,

@@ -138,12 +138,33 @@ impl Default for ParallelConfig {
 }
 
 impl ParallelConfig {
+    /// The kernels' device of this process's rank: GPU 0 for `"cuda"` (one rank per
+    /// process and GPU).
+    pub fn kernel_device(&self) -> braid_kernels::Device {
+        match self.device {
+            Device::Cpu => braid_kernels::Device::Cpu,
+            Device::Cuda => braid_kernels::Device::Cuda(0),
+        }
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.device == Device::Cuda {
-            return Err(invalid(
-                "parallel.device",
-                "\"cuda\": this build trains on the CPU backend only (the CUDA backend is not built yet); use \"cpu\"",
-            ));
+            if let Some(reason) = self.kernel_device().unavailable_reason() {
+                return Err(invalid(
+                    "parallel.device",
+                    format!("\"cuda\": no usable GPU here: {reason}; use \"cpu\""),
+                ));
+            }
+            if self.world_size > 1 {
+                return Err(invalid(
+                    "parallel.world_size",
+                    format!(
+                        "{} ranks with device = \"cuda\": the multi-rank engine is not wired to the GPU yet \
+                         (its exchanges go through host buffers on CPU); use world_size = 1 on cuda, or cpu",
+                        self.world_size
+                    ),
+                ));
+            }
         }
         if self.world_size == 0 {
             return Err(invalid("parallel.world_size", "must be >= 1"));
