@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Builds what tools/gpu/check.sh runs on the GPU machine (which has no Rust toolchain):
+# the release `braid` binary and the test binaries whose bodies run on every device,
+# stripped, into gpu-bundle/ (ignored by git; carry it with the device tool: 64 MiB max).
+#
+#   tools/gpu/bundle.sh && du -sh gpu-bundle
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out=gpu-bundle
+rm -rf "$out" && mkdir -p "$out/tests"
+cargo build --release -p braid-cli
+cp target/release/braid "$out/"
+# Test binaries of the crates whose tests use test_on_devices (their `::cuda` arms).
+cargo test --release --no-run --message-format=json \
+    -p braid-kernels -p braid-nn -p braid-llm -p braid-encoders -p braid-train 2>/dev/null |
+    python3 -c '
+import json, sys, shutil, os
+for line in sys.stdin:
+    try: m = json.loads(line)
+    except ValueError: continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        exe = m["executable"]; name = m["target"]["name"]
+        crate = m["package_id"].split("#")[0].rsplit("/", 1)[-1]
+        dst = os.path.join(sys.argv[1], f"{crate}--{name}")
+        shutil.copy(exe, dst)
+' "$out/tests"
+strip "$out/braid" "$out"/tests/* 2>/dev/null || true
+cp tools/gpu/check.sh "$out/"
+du -sh "$out"

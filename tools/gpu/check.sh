@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The device check, run on the lent H200 through the `device` tool in one call:
+#
+#   run(command="bash tools/gpu/check.sh", carry=["gpu-bundle"], timeout_s=480)
+#
+# after tools/gpu/bundle.sh here. Writes under $OUT: gpu.txt (nvidia-smi), tests.json
+# (every CUDA test arm: name, pass/fail, seconds, and the failure text), and the log of
+# each step. Steps are time-boxed so one hang cannot eat the call.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/braid-gpu-out}; mkdir -p "$OUT"
+B=${BRAID_BUNDLE:-gpu-bundle}
+[ -d "$B/tests" ] || { echo "no $B/tests: run tools/gpu/bundle.sh and carry gpu-bundle" >&2; exit 2; }
+
+# cuBLASLt and NVRTC come from the CUDA toolkit or Python's nvidia-* wheels.
+libs=$(python3 - <<'PY' 2>/dev/null
+import glob, os
+try:
+    import nvidia
+    roots = list(nvidia.__path__)
+except Exception:
+    roots = []
+dirs = set()
+for r in roots:
+    for lib in glob.glob(os.path.join(r, "**", "lib"), recursive=True):
+        dirs.add(lib)
+print(":".join(sorted(dirs)))
+PY
+)
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export BRAID_KERNEL_CACHE=/tmp/braid-kernel-cache
+nvidia-smi > "$OUT/gpu.txt" 2>&1
+echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH" >> "$OUT/gpu.txt"
+
+# 1. Every op, layer and model test body on cuda:0 (the `::cuda` arms are #[ignore]d
+#    so that CPU machines count them as skipped).
+: > "$OUT/tests.log"
+for t in "$B"/tests/*; do
+    echo "== $(basename "$t")" >> "$OUT/tests.log"
+    timeout 240 "$t" --ignored --test-threads=1 '::cuda' >> "$OUT/tests.log" 2>&1
+    echo "== exit $?" >> "$OUT/tests.log"
+done
+python3 - "$OUT/tests.log" "$OUT/tests.json" <<'PY'
+import json, re, sys
+results, binary, failures, cur = [], None, {}, None
+for line in open(sys.argv[1], errors="replace"):
+    if line.startswith("== ") and not line.startswith("== exit"):
+        binary = line[3:].strip(); continue
+    m = re.match(r"^test (\S+) \.\.\. (ok|FAILED|ignored)", line)
+    if m:
+        results.append({"binary": binary, "test": m.group(1), "result": m.group(2)}); continue
+    m = re.match(r"^---- (\S+) stdout ----", line)
+    if m:
+        cur = (binary, m.group(1)); failures[cur] = ""; continue
+    if cur and not line.startswith("failures:"):
+        failures[cur] += line
+    if line.startswith("failures:") or line.startswith("test result"):
+        cur = None
+for r in results:
+    r["failure"] = failures.get((r["binary"], r["test"]), "")[:4000]
+n_ok = sum(r["result"] == "ok" for r in results)
+json.dump({"passed": n_ok, "failed": len(results) - n_ok, "tests": results}, open(sys.argv[2], "w"), indent=1)
+print(f"cuda tests: {n_ok} passed, {len(results) - n_ok} failed")
+PY
+
+# 2. The demo on the GPU against the same run on the CPU (data generated and packed by
+#    the CPU run; both runs read it). Final loss and held-out accuracy go to demo.json.
+BRAID=$B/braid
+( time timeout 240 "$BRAID" train --config configs/demo.toml --set run.dir=runs/gpu-check-cpu ) \
+    > "$OUT/demo-cpu.log" 2>&1
+( time timeout 240 "$BRAID" train --config configs/demo.toml --set run.dir=runs/gpu-check-cuda \
+    --set parallel.device=cuda ) > "$OUT/demo-cuda.log" 2>&1
+python3 - "$OUT/demo.json" <<'PY'
+import json, sys, os
+out = {}
+for dev in ("cpu", "cuda"):
+    d = f"runs/gpu-check-{dev}"
+    r = {}
+    try:
+        rows = [json.loads(l) for l in open(f"{d}/metrics.jsonl")]
+        r["steps"] = len(rows)
+        r["final_loss"] = rows[-1]["loss"] if rows else None
+        r["losses"] = [x["loss"] for x in rows]
+        r["step_time_s_median"] = sorted(x["step_time_s"] for x in rows)[len(rows) // 2] if rows else None
+        r["peak_mem_gib"] = rows[-1].get("peak_mem_gib")
+    except Exception as e:
+        r["error"] = f"metrics: {e}"
+    try:
+        r["eval"] = json.load(open(f"{d}/eval.json"))
+    except Exception as e:
+        r["eval_error"] = str(e)
+    out[dev] = r
+c, g = out["cpu"], out["cuda"]
+if c.get("final_loss") and g.get("final_loss"):
+    out["final_loss_rel_diff"] = abs(g["final_loss"] - c["final_loss"]) / abs(c["final_loss"])
+json.dump(out, open(sys.argv[1], "w"), indent=1)
+print("demo:", {k: (v.get("final_loss"), v.get("eval", {}).get("heldout")) for k, v in out.items() if isinstance(v, dict)})
+PY
+cp runs/gpu-check-cuda/loss.png "$OUT/demo-cuda-loss.png" 2>/dev/null || true
