@@ -224,6 +224,9 @@ fn summary(s: &RunSummary, dir: &Path, plot: Option<&Path>) {
             None => eprintln!("step time        median {m:.3} s"),
         }
     }
+    if let Some(p) = s.peak_mem_gib {
+        eprintln!("device memory    peak {p:.2} GiB in a step");
+    }
     if let Some(e) = &s.eval {
         eprintln!(
             "held-out         {} {:.4} vs text only {:.4}; exact answers {:.1} % vs {:.1} %; loss {:.4} vs {:.4} ({} samples)",

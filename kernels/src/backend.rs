@@ -42,6 +42,16 @@ pub trait ElementwiseKernels {
     fn scale_assign(&self, x: &mut Tensor, s: f32) -> Result<()>;
     /// `sum(x^2)` accumulated in f64, returned to the host (one scalar).
     fn sum_squares(&self, x: &Tensor) -> Result<f64>;
+    /// `sum over xs of sum(x^2)`, each tensor's sum in f64 added in order: the squared
+    /// global grad norm. One scalar reaches the host, however many tensors (on a GPU:
+    /// one device accumulator, one copy per step).
+    fn sum_squares_all(&self, xs: &[&Tensor]) -> Result<f64> {
+        let mut total = 0.0f64;
+        for x in xs {
+            total += self.sum_squares(x)?;
+        }
+        Ok(total)
+    }
 }
 
 /// Matrix products.

@@ -44,6 +44,25 @@ impl Device {
     }
 }
 
+impl Device {
+    /// The most memory this device's allocator has held since the last
+    /// [`Device::reset_peak_memory`], in bytes; `None` on the CPU (not tracked).
+    pub fn peak_memory_bytes(self) -> Result<Option<u64>> {
+        match self {
+            Device::Cpu => Ok(None),
+            Device::Cuda(ordinal) => Ok(Some(crate::cuda::backend(ordinal)?.peak_memory_bytes()?)),
+        }
+    }
+
+    /// Starts a new peak-memory window (a no-op on the CPU).
+    pub fn reset_peak_memory(self) -> Result<()> {
+        match self {
+            Device::Cpu => Ok(()),
+            Device::Cuda(ordinal) => crate::cuda::backend(ordinal)?.reset_peak_memory(),
+        }
+    }
+}
+
 impl fmt::Display for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

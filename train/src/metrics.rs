@@ -61,6 +61,10 @@ pub struct StepMetrics {
     /// On several ranks: how even this step's assignment was (absent on one rank).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub balance: Option<BalanceMetrics>,
+    /// On a GPU: the most device memory held during the step, in GiB (the caching
+    /// pool's high-water mark; absent on CPU).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_mem_gib: Option<f64>,
 }
 
 /// Max over mean of the estimated load (forward FLOPs of the balancer's cost model) over
@@ -167,6 +171,7 @@ mod tests {
             skipped: false,
             epoch: 0,
             balance: None,
+            peak_mem_gib: None,
         }
     }
 

@@ -78,6 +78,8 @@ pub struct RunSummary {
     pub median_step_s: Option<f64>,
     /// What the plan (`parallel.plan`) predicted a step would take, and on which cluster.
     pub predicted: Option<crate::planning::Predicted>,
+    /// On a GPU: the largest per-step peak of device memory, GiB.
+    pub peak_mem_gib: Option<f64>,
 }
 
 /// A run, set up and ready to step.
@@ -289,6 +291,7 @@ impl Trainer {
     /// loss or grad norm skips the update; too many in a row is an error.
     pub fn step(&mut self) -> Result<StepMetrics> {
         let started = Instant::now();
+        self.device.reset_peak_memory()?;
         let step = self.state.step + 1;
 
         let batch = self
@@ -360,6 +363,11 @@ impl Trainer {
             skipped,
             epoch: batch.epoch,
             balance: None,
+            peak_mem_gib: self
+                .device
+                .peak_memory_bytes()
+                ?
+                .map(|b| b as f64 / (1u64 << 30) as f64),
         };
         self.metrics.append(&m)?;
         Ok(m)
@@ -468,6 +476,7 @@ impl Trainer {
             first: first_loss,
             tokens,
             step_times,
+            peak_mem_gib,
         } = trail;
         // The median `braid profile` and `validate_plan` report too.
         let median_step_s =
@@ -495,6 +504,7 @@ impl Trainer {
             checkpoint: last_ckpt,
             export: Some(export),
             median_step_s,
+            peak_mem_gib,
             predicted: self.predicted,
         })
     }
@@ -508,11 +518,15 @@ pub(crate) struct LossTrail {
     first: Option<f64>,
     tokens: u64,
     step_times: Vec<f64>,
+    peak_mem_gib: Option<f64>,
 }
 
 impl LossTrail {
     pub(crate) fn record(&mut self, m: &StepMetrics) {
         self.tokens += m.tokens;
+        if let Some(p) = m.peak_mem_gib {
+            self.peak_mem_gib = Some(self.peak_mem_gib.map_or(p, |q| q.max(p)));
+        }
         self.step_times.push(m.step_time_s);
         if !m.skipped {
             self.first.get_or_insert(m.loss);

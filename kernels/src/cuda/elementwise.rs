@@ -84,6 +84,16 @@ impl ElementwiseKernels for CudaBackend {
         let host = self.stream.clone_dtoh(&out).map_err(|e| self.driver_err(OP, e))?;
         Ok(host.first().copied().unwrap_or(0.0))
     }
+
+    fn sum_squares_all(&self, xs: &[&Tensor]) -> Result<f64> {
+        const OP: &str = "sum_squares_all";
+        let mut out = self.alloc_zeros::<f64>(OP, 1, || "the global sum of squares".into())?;
+        for (i, x) in xs.iter().enumerate() {
+            self.sum_squares_into(x, &mut out, 0, i > 0)?;
+        }
+        let host = self.stream.clone_dtoh(&out).map_err(|e| self.driver_err(OP, e))?;
+        Ok(host.first().copied().unwrap_or(0.0))
+    }
 }
 
 impl CudaBackend {

@@ -35,15 +35,20 @@ pub fn sum_squares(x: &Tensor) -> Result<f64> {
     x.device().backend()?.sum_squares(x)
 }
 
-/// The global L2 norm of a set of tensors (the gradients of a model): one f64 per
-/// tensor comes to the host and is summed there, in order, so the result is
-/// deterministic.
+/// The global L2 norm of a set of tensors (the gradients of a model), all on one
+/// device: each tensor's sum of squares in f64, added in order (deterministic), and one
+/// scalar copied to the host for the whole set.
 pub fn global_norm<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<f64> {
-    let mut total = 0.0f64;
-    for t in tensors {
-        total += sum_squares(t)?;
+    let tensors: Vec<&Tensor> = tensors.into_iter().collect();
+    let Some(first) = tensors.first() else {
+        return Ok(0.0);
+    };
+    for t in &tensors {
+        same_float_dtype("global_norm", &[("tensor", t)])?;
     }
-    Ok(total.sqrt())
+    let named: Vec<(&'static str, &Tensor)> = tensors.iter().map(|t| ("tensor", *t)).collect();
+    same_device("global_norm", &named)?;
+    Ok(first.device().backend()?.sum_squares_all(&tensors)?.sqrt())
 }
 
 /// Converts between f32 and bf16 (round to nearest even); the same dtype is a copy.

@@ -286,6 +286,7 @@ fn rank_main(
                 vision: pass.imbalance.vision,
                 audio: pass.imbalance.audio,
             }),
+            peak_mem_gib: None,
         })));
         let every = cfg.checkpoint.interval;
         let stopped = agree_to_stop(world.as_ref(), t.stop)?;
