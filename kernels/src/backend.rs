@@ -211,6 +211,36 @@ pub trait LossKernels {
     ) -> Result<(Tensor, Tensor)>;
 }
 
+/// Cross-entropy over logits split along the vocabulary across a TP group (Megatron's
+/// vocab-parallel loss) on the device: partials per shard, one all-gather of them by the
+/// caller, then the loss and this shard's grad. No logit leaves the device.
+pub trait VocabLossKernels {
+    /// logits shard (T, Vl), targets (T) u32 -> partials (3, T) f32: per row the shard's
+    /// max `m`, `s = sum_j exp(x_j - m)`, and the target's logit where
+    /// `vocab_start <= target < vocab_start + Vl` (0 elsewhere and on ignored rows).
+    fn vocab_loss_partials(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        vocab_start: usize,
+        ignore_index: u32,
+    ) -> Result<Tensor>;
+    /// gathered (R, 3, T): every rank's partials in rank order -> (losses (T),
+    /// dlogits shard (T, Vl)). With `M = max_r m_r` and `S = sum_r s_r e^(m_r - M)`
+    /// (f64, in rank order): `loss = ln S + M - x_target`,
+    /// `dlogits = grad_scale * (e^(x - M) / S - onehot)`; ignored rows 0.
+    #[allow(clippy::too_many_arguments)]
+    fn vocab_loss_finish(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        gathered: &Tensor,
+        vocab_start: usize,
+        ignore_index: u32,
+        grad_scale: f32,
+    ) -> Result<(Tensor, Tensor)>;
+}
+
 /// Convolution-like ops of the encoder stems.
 pub trait ConvKernels {
     /// x (B, CI, L), w (CO, CI, K), b (CO) -> (B, CO, LO).
@@ -264,6 +294,7 @@ pub trait Backend:
     + ActivationKernels
     + AttentionKernels
     + LossKernels
+    + VocabLossKernels
     + ConvKernels
     + OptimKernels
     + Send

@@ -98,6 +98,10 @@ pub fn cross_entropy_loss(
 /// rank's columns `vocab_start .. vocab_start + V/tp` (T, V/tp), as an
 /// [`crate::LlmStage`] under tensor parallelism returns them. Every rank gets the same
 /// loss and its own dlogits shard; a group of one is [`cross_entropy_loss`] itself.
+///
+/// The targets' range is checked here, on the host slice they are made in; the loss
+/// itself runs on the device ([`vocab_parallel_cross_entropy`]'s kernels) and only the
+/// (T) losses come back, for the logged scalar.
 pub fn vocab_parallel_loss(
     group: &dyn Comm,
     logits: &Tensor,
@@ -117,11 +121,13 @@ pub fn vocab_parallel_loss(
             format!("normalizer {denom} is smaller than this batch's {n_valid} valid targets"),
         ));
     }
+    let v = logits.dims().get(1).copied().unwrap_or(0) * group.size();
+    check_targets(OP, targets, IGNORE_INDEX, v)?;
     let scale = if denom == 0 { 0.0 } else { 1.0 / denom as f64 };
     let tt = Tensor::from_vec_u32(targets.to_vec(), [targets.len()], logits.device())
         .ctx(OP, "targets to device")?;
     let (losses, dlogits) =
-        vocab_parallel_cross_entropy(group, logits, vocab_start, &tt, IGNORE_INDEX, scale as f32)?;
+        shard_cross_entropy(group, logits, vocab_start, &tt, IGNORE_INDEX, scale as f32)?;
     let loss_sum: f64 = losses
         .to_vec_f32()
         .ctx(OP, "losses to host")?
@@ -136,21 +142,55 @@ pub fn vocab_parallel_loss(
     })
 }
 
+/// A target `>= v` that is not `ignore_index` is an error naming its row.
+fn check_targets(op: &'static str, targets: &[u32], ignore_index: u32, v: usize) -> Result<()> {
+    match targets
+        .iter()
+        .enumerate()
+        .find(|&(_, &x)| x != ignore_index && x as usize >= v)
+    {
+        Some((row, bad)) => Err(Error::input(
+            op,
+            format!("targets[{row}] = {bad} is out of range for a vocabulary of {v}"),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Cross-entropy of logits split along the vocabulary: this rank holds columns
 /// `vocab_start .. vocab_start + V/tp` of logits (T, V/tp). Returns (losses (T),
 /// dlogits shard (T, V/tp)) equal to [`ops::cross_entropy_fwd_bwd`] on the full logits
 /// (ignore rows: loss 0, grad 0; grads times `grad_scale`).
 ///
-/// Megatron's math: the row max, the target logit (held by exactly one rank, 0
-/// elsewhere) and the sum of `exp(x - max)` are reduced over the group; then
-/// `loss = ln(sum) - (x_target - max)` and `dlogits = grad_scale * (softmax - onehot)`
-/// on each shard. A group of one is the fused kernel itself.
+/// Megatron's math with one collective: each shard's row max `m`, `sum exp(x - m)` and
+/// the target logit (held by exactly one rank, 0 elsewhere) are all-gathered, then every
+/// rank combines them (`M = max m`, `S = sum s e^(m - M)`) and writes
+/// `loss = ln S + M - x_target` and `dlogits = grad_scale * (softmax - onehot)` for its
+/// shard — two device kernels ([`ops::vocab_loss_partials`], [`ops::vocab_loss_finish`])
+/// and a (tp, 3, T) all-gather; no logit leaves the device. A group of one is the fused
+/// kernel itself.
 ///
-/// The shard math runs on host copies of the shard: [`Comm`] has no max all-reduce and
-/// the kernels no row-max/sum-exp pair yet, so the max is an all-gather of (T) per rank.
-/// This is the reference path (CPU training and tests); a device kernel pair replaces
-/// it for the GPU.
+/// `targets` is a device tensor here, so its range check copies it (T u32) to the host;
+/// [`vocab_parallel_loss`], the training path, checks the host slice instead.
 pub fn vocab_parallel_cross_entropy(
+    group: &dyn Comm,
+    logits: &Tensor,
+    vocab_start: usize,
+    targets: &Tensor,
+    ignore_index: u32,
+    grad_scale: f32,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "vocab_parallel_cross_entropy";
+    let vl = logits.dims().get(1).copied().unwrap_or(0);
+    if group.size() > 1 && targets.dtype() == DType::U32 {
+        let tg = targets.to_vec_u32().ctx(OP, "targets to host")?; // (T)
+        check_targets(OP, &tg, ignore_index, vl * group.size())?;
+    }
+    shard_cross_entropy(group, logits, vocab_start, targets, ignore_index, grad_scale)
+}
+
+/// [`vocab_parallel_cross_entropy`] without the targets' range check.
+fn shard_cross_entropy(
     group: &dyn Comm,
     logits: &Tensor,
     vocab_start: usize,
@@ -192,77 +232,13 @@ pub fn vocab_parallel_cross_entropy(
         return ops::cross_entropy_fwd_bwd(logits, targets, ignore_index, grad_scale)
             .ctx(OP, "fused kernel");
     }
-    let dev = logits.device();
-    let v = vl * size;
-    let tg = targets.to_vec_u32().ctx(OP, "targets to host")?; // (T)
-    if let Some((row, bad)) = tg
-        .iter()
-        .enumerate()
-        .find(|&(_, &x)| x != ignore_index && x as usize >= v)
-    {
-        return Err(Error::input(
-            OP,
-            format!("targets[{row}] = {bad} is out of range for a vocabulary of {v}"),
-        ));
-    }
-    let mut x = logits.to_vec_f32().ctx(OP, "logits to host")?; // (T, V/tp)
-    // 1. Global row max: every rank's local max, gathered, then the max over ranks.
-    let local_max: Vec<f32> = x
-        .chunks_exact(vl)
-        .map(|r| r.iter().copied().fold(f32::NEG_INFINITY, f32::max))
-        .collect(); // (T)
+    let partials = ops::vocab_loss_partials(logits, targets, vocab_start, ignore_index)
+        .ctx(OP, "shard partials")?; // (3, T)
     let gathered = group
-        .all_gather(&Tensor::from_vec(local_max, [t], dev).ctx(OP, "max")?)
-        .ctx(OP, "all-gather row max")?
-        .to_vec_f32()
-        .ctx(OP, "row max to host")?; // (tp * T)
-    let max: Vec<f32> = (0..t)
-        .map(|i| {
-            (0..size)
-                .map(|r| gathered[r * t + i])
-                .fold(f32::NEG_INFINITY, f32::max)
-        })
-        .collect(); // (T)
-    // 2. x - max, the target logit (only on the rank that holds the target) and the
-    //    local sum of exp, reduced over the group.
-    let mut target_logit = vec![0.0f32; t]; // (T)
-    let mut sum_exp = vec![0.0f32; t]; // (T)
-    for (i, row) in x.chunks_exact_mut(vl).enumerate() {
-        let local = (tg[i] as usize).wrapping_sub(vocab_start);
-        let mut s = 0.0f64;
-        for (j, xi) in row.iter_mut().enumerate() {
-            *xi -= max[i];
-            if j == local {
-                target_logit[i] = *xi;
-            }
-            *xi = xi.exp(); // row now holds exp(x - max)
-            s += f64::from(*xi);
-        }
-        sum_exp[i] = s as f32;
-    }
-    let mut reduced =
-        Tensor::from_vec([target_logit, sum_exp].concat(), [2, t], dev).ctx(OP, "partial sums")?; // (2, T)
-    group
-        .all_reduce_sum(&mut reduced)
-        .ctx(OP, "all-reduce target logit and sum of exp")?;
-    let reduced = reduced.to_vec_f32().ctx(OP, "sums to host")?;
-    let (target_logit, sum_exp) = reduced.split_at(t);
-    // 3. Loss and softmax - onehot on this shard.
-    let mut losses = vec![0.0f32; t]; // (T)
-    for (i, row) in x.chunks_exact_mut(vl).enumerate() {
-        if tg[i] == ignore_index {
-            row.fill(0.0);
-            continue;
-        }
-        losses[i] = sum_exp[i].ln() - target_logit[i];
-        let scale = grad_scale / sum_exp[i];
-        row.iter_mut().for_each(|e| *e *= scale);
-        let local = (tg[i] as usize).wrapping_sub(vocab_start);
-        if local < vl {
-            row[local] -= grad_scale;
-        }
-    }
-    let losses = Tensor::from_vec(losses, [t], dev).ctx(OP, "losses to device")?;
-    let dlogits = Tensor::from_vec(x, [t, vl], dev).ctx(OP, "dlogits to device")?;
-    Ok((losses, dlogits))
+        .all_gather(&partials)
+        .ctx(OP, "all-gather partials")?
+        .reshape([size, 3, t])
+        .ctx(OP, "partials by rank")?; // (tp, 3, T)
+    ops::vocab_loss_finish(logits, targets, &gathered, vocab_start, ignore_index, grad_scale)
+        .ctx(OP, "loss and grad")
 }

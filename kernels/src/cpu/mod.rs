@@ -19,6 +19,7 @@ mod memory;
 mod norm;
 mod optim;
 mod rope;
+mod vocab_loss;
 
 use crate::backend::Backend;
 

@@ -63,9 +63,10 @@ cuda_source!(ATTENTION, "attention");
 cuda_source!(LOSS, "loss");
 cuda_source!(CONV, "conv");
 cuda_source!(OPTIM, "optim");
+cuda_source!(VOCAB_LOSS, "vocab_loss");
 
 /// Every source, for the compile checks.
-pub static SOURCES: [&KernelSource; 11] = [
+pub static SOURCES: [&KernelSource; 12] = [
     &MEMORY,
     &ELEMENTWISE,
     &LAYOUT,
@@ -77,6 +78,7 @@ pub static SOURCES: [&KernelSource; 11] = [
     &LOSS,
     &CONV,
     &OPTIM,
+    &VOCAB_LOSS,
 ];
 
 /// What NVRTC is asked to produce.

@@ -44,6 +44,7 @@ mod memory;
 mod norm;
 mod optim;
 mod rope;
+mod vocab_loss;
 
 pub use context::{CudaBackend, backend, unavailable_reason};
 pub use storage::CudaStorage;
