@@ -111,18 +111,6 @@ __device__ void swiglu_bwd(T* dgate, T* dup, const T* dy, const T* gate, const T
     }
 }
 
-// Sum over a block in f64 (blockDim.x a multiple of 32); every thread gets the result.
-// Fixed tree: deterministic. Contains __syncthreads: call from every thread.
-__device__ __forceinline__ double block_sum_f64(double v, double* scratch) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    v = warp_sum_f64(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = lane < nwarps ? scratch[lane] : 0.0;
-    return warp_sum_f64(v);
-}
-
 // One block per row of x (N, C). Subtracting the row max keeps every exp <= 1 (no
 // overflow for finite logits; the largest term is 1, so the sum is >= 1). The sum is
 // f64 as on the CPU; the exps are recomputed in the last pass (the same f32 values)

@@ -61,6 +61,17 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     v = lane < nwarps ? scratch[lane] : 0.0f;
     return warp_sum(v);
 }
+// block_sum in f64, for row statistics summed as the CPU backend sums them; `scratch`
+// is 32 doubles of shared memory.
+__device__ __forceinline__ double block_sum_f64(double v, double* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = warp_sum_f64(v);
+    __syncthreads();  // scratch may still be read by a previous call
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < nwarps ? scratch[lane] : 0.0;
+    return warp_sum_f64(v);
+}
 __device__ __forceinline__ float block_max(float v, float* scratch) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     v = warp_max(v);

@@ -5,18 +5,6 @@
 // Threads per block of braid_cross_entropy_T (the Rust side launches this many).
 #define CE_THREADS 512
 
-// Sum over the block in f64 (as block_sum, with double scratch). Every thread gets
-// the result; fixed tree, so deterministic. Contains __syncthreads: call from all.
-__device__ __forceinline__ double block_sum_f64(double v, double* scratch) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    v = warp_sum_f64(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = lane < nwarps ? scratch[lane] : 0.0;
-    return warp_sum_f64(v);
-}
-
 // Row r = blockIdx.x of logits (N, V), target t = targets[r]:
 // - t == ignore: losses[r] = 0, dlogits[r, :] = 0;
 // - t >= V (and not ignore): the row is bad: verdict (set to all ones by the host) is

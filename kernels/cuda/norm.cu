@@ -6,19 +6,6 @@
 // backend does) with a fixed tree, so a row's result depends only on its values and C.
 #include "common.cuh"
 
-// Sum over a block of blockDim.x threads (a multiple of 32, at most 1024), in f64;
-// every thread gets the result. `scratch` is 32 doubles of shared memory. Fixed tree:
-// deterministic. Contains __syncthreads: call from every thread.
-__device__ __forceinline__ double block_sum_f64(double v, double* scratch) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    v = warp_sum_f64(v);
-    __syncthreads();  // scratch may still be read by a previous call
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = lane < nwarps ? scratch[lane] : 0.0;
-    return warp_sum_f64(v);
-}
-
 // One block per row. mean and 1/sqrt(biased var + eps) two-pass in f64 (a one-pass
 // E[x^2] - E[x]^2 loses every digit when |mean| >> std), then y with the f32 statistics
 // the backward will see. b is read only when has_bias.

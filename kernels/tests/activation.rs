@@ -266,17 +266,26 @@ fn activation_errors(dev: Device) -> Result<()> {
     let xb = ops::cast(&x, DType::BF16)?;
     for act in ALL {
         assert_err!(activation_fwd(&ids, act), Error::DType { .. });
-        assert_err!(activation_fwd(&xb, act), Error::DType { .. });
+        if dev == Device::Cpu {
+            // the CPU backend computes in f32 only (bf16 is storage); CUDA takes bf16
+            assert_err!(activation_fwd(&xb, act), Error::DType { .. });
+        }
         assert_err!(activation_bwd(&x32, &x, act), Error::Shape { .. });
         assert_err!(activation_bwd(&xb, &x, act), Error::DType { .. });
-        assert_err!(activation_bwd(&xb, &xb, act), Error::DType { .. });
+        if dev == Device::Cpu {
+            assert_err!(activation_bwd(&xb, &xb, act), Error::DType { .. });
+        }
     }
     assert_err!(swiglu_fwd(&x, &x32), Error::Shape { .. });
     assert_err!(swiglu_fwd(&x, &ids), Error::DType { .. });
-    assert_err!(swiglu_fwd(&xb, &xb), Error::DType { .. });
+    if dev == Device::Cpu {
+        assert_err!(swiglu_fwd(&xb, &xb), Error::DType { .. });
+    }
     assert_err!(swiglu_bwd(&x32, &x, &x), Error::Shape { .. });
     assert_err!(swiglu_bwd(&x, &x, &x32), Error::Shape { .. });
-    assert_err!(swiglu_bwd(&xb, &xb, &xb), Error::DType { .. });
+    if dev == Device::Cpu {
+        assert_err!(swiglu_bwd(&xb, &xb, &xb), Error::DType { .. });
+    }
     let scalar = Tensor::full(1.0, (), dev)?;
     assert_err!(softmax_fwd(&scalar), Error::Shape { .. });
     assert_err!(
@@ -284,9 +293,13 @@ fn activation_errors(dev: Device) -> Result<()> {
         Error::Shape { .. }
     );
     assert_err!(softmax_fwd(&ids), Error::DType { .. });
-    assert_err!(softmax_fwd(&xb), Error::DType { .. });
+    if dev == Device::Cpu {
+        assert_err!(softmax_fwd(&xb), Error::DType { .. });
+    }
     assert_err!(softmax_bwd(&x32, &x), Error::Shape { .. });
-    assert_err!(softmax_bwd(&xb, &xb), Error::DType { .. });
+    if dev == Device::Cpu {
+        assert_err!(softmax_bwd(&xb, &xb), Error::DType { .. });
+    }
     // Empty inputs are fine: no rows.
     assert_eq!(
         softmax_fwd(&Tensor::zeros([0, 5], DType::F32, dev)?)?.dims(),

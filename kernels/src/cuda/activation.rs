@@ -4,7 +4,7 @@
 use cudarc::driver::LaunchConfig;
 
 use super::compile::ACTIVATION;
-use super::norm::{DeviceFloat, slice};
+use super::storage::{DeviceFloat, slice};
 use super::{CudaBackend, grid_for, storage_err, to_u32};
 use crate::backend::ActivationKernels;
 use crate::dtype::DType;

@@ -296,3 +296,28 @@ fn keep_freed_memory_cached(ctx: &CudaContext) -> std::result::Result<(), Driver
     }
     .result()
 }
+
+/// What a verdict word holds until a kernel finds a bad index (`BRAID_NO_VERDICT` in
+/// the `.cu` files). A real verdict is smaller: its position is below 2^32 - 1.
+pub(crate) const NO_VERDICT: u64 = u64::MAX;
+
+
+impl CudaBackend {
+    /// `count` verdict words, each [`NO_VERDICT`], for a check kernel to lower.
+    pub(crate) fn verdicts(&self, op: &'static str, count: usize) -> Result<CudaSlice<u64>> {
+        self.stream
+            .clone_htod(&vec![NO_VERDICT; count])
+            .map_err(|e| self.driver_err(op, e))
+    }
+
+    /// Copies verdict words to the host (this waits for every kernel issued before) and
+    /// decodes each into the first bad `(position, value)`, or `None` if there was none.
+    pub(crate) fn read_verdicts(&self, op: &'static str, v: &CudaSlice<u64>) -> Result<Vec<Option<(u64, u32)>>> {
+        let words = self.stream.clone_dtoh(v).map_err(|e| self.driver_err(op, e))?;
+        Ok(words
+            .into_iter()
+            .map(|w| (w != NO_VERDICT).then_some((w >> 32, w as u32)))
+            .collect())
+    }
+}
+

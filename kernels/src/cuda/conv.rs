@@ -10,7 +10,7 @@
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::compile::CONV;
-use super::norm::{DeviceFloat, slice, slice_mut};
+use super::storage::{DeviceFloat, slice, slice_mut};
 use super::{CudaBackend, grid_for, storage_err, to_u32};
 use crate::backend::{ConvKernels, MatmulKernels};
 use crate::dtype::DType;

@@ -17,10 +17,6 @@ use crate::error::{Error, Result};
 use crate::shape::Shape;
 use crate::tensor::Tensor;
 
-/// What a verdict word holds until a kernel finds a bad index (`BRAID_NO_VERDICT` in
-/// the `.cu` files). A real verdict is smaller: its position is below 2^32 - 1.
-pub(super) const NO_VERDICT: u64 = u64::MAX;
-
 /// The kernel `$name` for the dtype of storage `$s`: `$name` + `_f32` / `_bf16` / `_u32`.
 macro_rules! by_dtype {
     ($s:expr, $name:literal) => {
@@ -42,25 +38,6 @@ macro_rules! map_storage {
             CudaStorage::U32($v) => CudaStorage::U32($body),
         }
     };
-}
-
-impl CudaBackend {
-    /// `count` verdict words, each [`NO_VERDICT`], for a check kernel to lower.
-    pub(super) fn verdicts(&self, op: &'static str, count: usize) -> Result<CudaSlice<u64>> {
-        self.stream
-            .clone_htod(&vec![NO_VERDICT; count])
-            .map_err(|e| self.driver_err(op, e))
-    }
-
-    /// Copies verdict words to the host (this waits for every kernel issued before) and
-    /// decodes each into the first bad `(position, value)`, or `None` if there was none.
-    pub(super) fn read_verdicts(&self, op: &'static str, v: &CudaSlice<u64>) -> Result<Vec<Option<(u64, u32)>>> {
-        let words = self.stream.clone_dtoh(v).map_err(|e| self.driver_err(op, e))?;
-        Ok(words
-            .into_iter()
-            .map(|w| (w != NO_VERDICT).then_some((w >> 32, w as u32)))
-            .collect())
-    }
 }
 
 /// The u32 buffer of an index tensor (ops checked its dtype).

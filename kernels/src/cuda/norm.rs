@@ -1,13 +1,11 @@
 //! LayerNorm and RMSNorm on CUDA (`kernels/cuda/norm.cu`): one block per row for the
 //! forwards and the dx of the backwards; parameter grads (dw, db) as a two-stage column
 //! sum over a fixed number of row groups, with no atomics, so the bits never change.
-//!
-//! Also home of [`DeviceFloat`], the f32 / bf16 dispatch the other float families of
-//! this helper (activation, conv) share.
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, ValidAsZeroBits};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::compile::NORM;
+use super::storage::{DeviceFloat, slice, slice_mut};
 use super::{CudaBackend, CudaStorage, grid_for, storage_err, to_u32};
 use crate::backend::NormKernels;
 use crate::dtype::DType;
@@ -21,71 +19,6 @@ const GROUPS: u32 = 128;
 
 /// Threads per block of the column kernels (one column per thread).
 const COL_THREADS: u32 = 256;
-
-/// An element type of a float device buffer: `f32`, or bf16 as its raw `u16` bits.
-/// Lets one generic function serve both dtypes; `pick` chooses the kernel's name.
-pub(super) trait DeviceFloat: DeviceRepr + ValidAsZeroBits + Unpin + Sized + 'static {
-    const IS_BF16: bool;
-    fn of(s: &CudaStorage) -> Option<&CudaSlice<Self>>;
-    fn of_mut(s: &mut CudaStorage) -> Option<&mut CudaSlice<Self>>;
-    fn wrap(s: CudaSlice<Self>) -> CudaStorage;
-    /// The kernel of this dtype: `f32` or `bf16` of a `braid_<op>_<dtype>` pair.
-    fn pick(f32_name: &'static str, bf16_name: &'static str) -> &'static str {
-        if Self::IS_BF16 { bf16_name } else { f32_name }
-    }
-}
-
-impl DeviceFloat for f32 {
-    const IS_BF16: bool = false;
-    fn of(s: &CudaStorage) -> Option<&CudaSlice<f32>> {
-        match s {
-            CudaStorage::F32(v) => Some(v),
-            _ => None,
-        }
-    }
-    fn of_mut(s: &mut CudaStorage) -> Option<&mut CudaSlice<f32>> {
-        match s {
-            CudaStorage::F32(v) => Some(v),
-            _ => None,
-        }
-    }
-    fn wrap(s: CudaSlice<f32>) -> CudaStorage {
-        CudaStorage::F32(s)
-    }
-}
-
-impl DeviceFloat for u16 {
-    const IS_BF16: bool = true;
-    fn of(s: &CudaStorage) -> Option<&CudaSlice<u16>> {
-        match s {
-            CudaStorage::BF16(v) => Some(v),
-            _ => None,
-        }
-    }
-    fn of_mut(s: &mut CudaStorage) -> Option<&mut CudaSlice<u16>> {
-        match s {
-            CudaStorage::BF16(v) => Some(v),
-            _ => None,
-        }
-    }
-    fn wrap(s: CudaSlice<u16>) -> CudaStorage {
-        CudaStorage::BF16(s)
-    }
-}
-
-/// The `T` buffer of a CUDA tensor, or the backend's dtype error.
-pub(super) fn slice<'a, T: DeviceFloat>(op: &'static str, arg: &'static str, t: &'a Tensor) -> Result<&'a CudaSlice<T>> {
-    T::of(t.cuda_storage(op, arg)?).ok_or_else(|| storage_err(op, arg, t))
-}
-
-/// The `T` buffer of a CUDA tensor, mutably.
-pub(super) fn slice_mut<'a, T: DeviceFloat>(op: &'static str, arg: &'static str, t: &'a mut Tensor) -> Result<&'a mut CudaSlice<T>> {
-    let dbg = format!("{t:?}");
-    match T::of_mut(t.cuda_storage_mut(op, arg)?) {
-        Some(s) => Ok(s),
-        None => Err(crate::Error::invalid(op, format!("`{arg}` {dbg} is not a CUDA tensor of the expected dtype"))),
-    }
-}
 
 /// The f32 buffer of a statistics tensor (mean, rstd: always f32).
 fn stats<'a>(op: &'static str, arg: &'static str, t: &'a Tensor) -> Result<&'a CudaSlice<f32>> {

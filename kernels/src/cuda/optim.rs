@@ -2,7 +2,7 @@
 //! per-step scalars computed on the host exactly as the CPU backend does.
 
 use super::compile::OPTIM;
-use super::norm::{slice, slice_mut};
+use super::storage::{slice, slice_mut};
 use super::{CudaBackend, grid_for};
 use crate::backend::OptimKernels;
 use crate::error::{Error, Result};

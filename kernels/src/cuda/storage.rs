@@ -1,8 +1,11 @@
 //! `CudaStorage`: a tensor's buffer in the memory of one GPU.
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 
+use super::storage_err;
 use crate::dtype::DType;
+use crate::error::Result;
+use crate::tensor::Tensor;
 
 /// A device buffer, one variant per dtype. bf16 is stored as its raw bits (`u16`): the
 /// kernels read and write bf16 as bit patterns (no CUDA headers needed at run time), and
@@ -53,3 +56,69 @@ impl CudaStorage {
         }
     }
 }
+
+/// An element type of a float device buffer: `f32`, or bf16 as its raw `u16` bits.
+/// Lets one generic function serve both dtypes; `pick` chooses the kernel's name.
+pub(crate) trait DeviceFloat: DeviceRepr + ValidAsZeroBits + Unpin + Sized + 'static {
+    const IS_BF16: bool;
+    fn of(s: &CudaStorage) -> Option<&CudaSlice<Self>>;
+    fn of_mut(s: &mut CudaStorage) -> Option<&mut CudaSlice<Self>>;
+    fn wrap(s: CudaSlice<Self>) -> CudaStorage;
+    /// The kernel of this dtype: `f32` or `bf16` of a `braid_<op>_<dtype>` pair.
+    fn pick(f32_name: &'static str, bf16_name: &'static str) -> &'static str {
+        if Self::IS_BF16 { bf16_name } else { f32_name }
+    }
+}
+
+impl DeviceFloat for f32 {
+    const IS_BF16: bool = false;
+    fn of(s: &CudaStorage) -> Option<&CudaSlice<f32>> {
+        match s {
+            CudaStorage::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+    fn of_mut(s: &mut CudaStorage) -> Option<&mut CudaSlice<f32>> {
+        match s {
+            CudaStorage::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+    fn wrap(s: CudaSlice<f32>) -> CudaStorage {
+        CudaStorage::F32(s)
+    }
+}
+
+impl DeviceFloat for u16 {
+    const IS_BF16: bool = true;
+    fn of(s: &CudaStorage) -> Option<&CudaSlice<u16>> {
+        match s {
+            CudaStorage::BF16(v) => Some(v),
+            _ => None,
+        }
+    }
+    fn of_mut(s: &mut CudaStorage) -> Option<&mut CudaSlice<u16>> {
+        match s {
+            CudaStorage::BF16(v) => Some(v),
+            _ => None,
+        }
+    }
+    fn wrap(s: CudaSlice<u16>) -> CudaStorage {
+        CudaStorage::BF16(s)
+    }
+}
+
+/// The `T` buffer of a CUDA tensor, or the backend's dtype error.
+pub(crate) fn slice<'a, T: DeviceFloat>(op: &'static str, arg: &'static str, t: &'a Tensor) -> Result<&'a CudaSlice<T>> {
+    T::of(t.cuda_storage(op, arg)?).ok_or_else(|| storage_err(op, arg, t))
+}
+
+/// The `T` buffer of a CUDA tensor, mutably.
+pub(crate) fn slice_mut<'a, T: DeviceFloat>(op: &'static str, arg: &'static str, t: &'a mut Tensor) -> Result<&'a mut CudaSlice<T>> {
+    let dbg = format!("{t:?}");
+    match T::of_mut(t.cuda_storage_mut(op, arg)?) {
+        Some(s) => Ok(s),
+        None => Err(crate::Error::invalid(op, format!("`{arg}` {dbg} is not a CUDA tensor of the expected dtype"))),
+    }
+}
+
