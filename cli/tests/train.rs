@@ -510,10 +510,15 @@ fn cuda_without_a_driver_exits_2_naming_it() {
     }
     let dir = fixture().join("runs/cuda-here");
     let t = Instant::now();
-    let o = train(&dir, &["--set", "parallel.device=cuda"]).output().unwrap();
+    let o = train(&dir, &["--set", "parallel.device=cuda"])
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     let msg = text(&o);
-    assert!(msg.contains("parallel.device") && msg.contains("libcuda.so"), "{msg}");
+    assert!(
+        msg.contains("parallel.device") && msg.contains("libcuda.so"),
+        "{msg}"
+    );
     assert!(t.elapsed() < Duration::from_secs(2));
     assert!(!dir.exists(), "a failed start left {}", dir.display());
 }

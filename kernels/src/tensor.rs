@@ -210,6 +210,14 @@ impl Tensor {
         Tensor::from_host(self.to_host()?, self.shape.clone(), device)
     }
 
+    /// This tensor on `device`: itself when it is already there (no copy), else a copy.
+    pub fn into_device(self, device: Device) -> Result<Self> {
+        if device == self.device() {
+            return Ok(self);
+        }
+        Tensor::from_host(self.to_host()?, self.shape.clone(), device)
+    }
+
     /// Sets every element to zero, keeping shape, dtype and device (grad buffers).
     pub fn zero_(&mut self) -> Result<()> {
         match &mut self.storage {
@@ -282,15 +290,29 @@ impl Tensor {
     pub(crate) fn cuda_storage(&self, op: &'static str, arg: &'static str) -> Result<&CudaStorage> {
         match &self.storage {
             Storage::Cuda(s) => Ok(s),
-            Storage::Cpu(_) => Err(Error::Device { op, arg, got: Device::Cpu, expected: Device::Cuda(0) }),
+            Storage::Cpu(_) => Err(Error::Device {
+                op,
+                arg,
+                got: Device::Cpu,
+                expected: Device::Cuda(0),
+            }),
         }
     }
 
     /// The device buffer of a CUDA tensor, mutably.
-    pub(crate) fn cuda_storage_mut(&mut self, op: &'static str, arg: &'static str) -> Result<&mut CudaStorage> {
+    pub(crate) fn cuda_storage_mut(
+        &mut self,
+        op: &'static str,
+        arg: &'static str,
+    ) -> Result<&mut CudaStorage> {
         match &mut self.storage {
             Storage::Cuda(s) => Ok(s),
-            Storage::Cpu(_) => Err(Error::Device { op, arg, got: Device::Cpu, expected: Device::Cuda(0) }),
+            Storage::Cpu(_) => Err(Error::Device {
+                op,
+                arg,
+                got: Device::Cpu,
+                expected: Device::Cuda(0),
+            }),
         }
     }
 

@@ -45,16 +45,28 @@ fn scratch(name: &str) -> PathBuf {
 
 /// Runs a tool; panics with its output unless it succeeds. Returns stderr + stdout.
 fn run(tool: &Path, args: &[&str], what: &str) -> String {
-    let out = Command::new(tool).args(args).output().unwrap_or_else(|e| panic!("{what}: cannot run {}: {e}", tool.display()));
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stderr), String::from_utf8_lossy(&out.stdout));
-    assert!(out.status.success(), "{what} failed ({}):\n{text}", out.status);
+    let out = Command::new(tool)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{what}: cannot run {}: {e}", tool.display()));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{text}",
+        out.status
+    );
     text
 }
 
 #[test]
 fn every_kernel_compiles_through_nvrtc_as_the_runtime_does() {
     let Some(_tk) = toolkit() else { return };
-    let (major, minor) = compile::nvrtc_version().expect("NVRTC loads (is LD_LIBRARY_PATH set to the toolkit's lib?)");
+    let (major, minor) = compile::nvrtc_version()
+        .expect("NVRTC loads (is LD_LIBRARY_PATH set to the toolkit's lib?)");
     eprintln!("NVRTC {major}.{minor}");
     for src in SOURCES {
         let cubin = compile::compile(src, ARCH, Output::Cubin).unwrap_or_else(|e| panic!("{e}"));
@@ -93,7 +105,11 @@ fn every_kernel_assembles_for_sm_90a_without_spills() {
                 src.name
             );
         }
-        eprintln!("{}.cu: {} kernel(s) assembled", src.name, report.matches("Compiling entry function").count());
+        eprintln!(
+            "{}.cu: {} kernel(s) assembled",
+            src.name,
+            report.matches("Compiling entry function").count()
+        );
     }
 }
 

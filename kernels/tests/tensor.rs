@@ -99,11 +99,17 @@ fn cuda_without_a_driver_is_a_clear_error() {
     }
     let dev = Device::Cuda(0);
     assert!(!dev.is_available());
-    assert!(dev.unavailable_reason().is_some_and(|r| r.contains("libcuda.so")));
+    assert!(
+        dev.unavailable_reason()
+            .is_some_and(|r| r.contains("libcuda.so"))
+    );
     let e = Tensor::zeros([2], DType::F32, dev).unwrap_err();
     let msg = e.to_string();
     assert!(matches!(e, Error::DeviceUnavailable { .. }), "{msg}");
-    assert!(msg.contains("cuda:0") && msg.contains("libcuda.so"), "{msg}");
+    assert!(
+        msg.contains("cuda:0") && msg.contains("libcuda.so"),
+        "{msg}"
+    );
     assert!(Tensor::from_vec(vec![1.0], [1], dev).is_err());
     assert!(Device::Cuda(3).backend().is_err());
 }

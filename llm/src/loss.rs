@@ -186,7 +186,14 @@ pub fn vocab_parallel_cross_entropy(
         let tg = targets.to_vec_u32().ctx(OP, "targets to host")?; // (T)
         check_targets(OP, &tg, ignore_index, vl * group.size())?;
     }
-    shard_cross_entropy(group, logits, vocab_start, targets, ignore_index, grad_scale)
+    shard_cross_entropy(
+        group,
+        logits,
+        vocab_start,
+        targets,
+        ignore_index,
+        grad_scale,
+    )
 }
 
 /// [`vocab_parallel_cross_entropy`] without the targets' range check.
@@ -239,6 +246,13 @@ fn shard_cross_entropy(
         .ctx(OP, "all-gather partials")?
         .reshape([size, 3, t])
         .ctx(OP, "partials by rank")?; // (tp, 3, T)
-    ops::vocab_loss_finish(logits, targets, &gathered, vocab_start, ignore_index, grad_scale)
-        .ctx(OP, "loss and grad")
+    ops::vocab_loss_finish(
+        logits,
+        targets,
+        &gathered,
+        vocab_start,
+        ignore_index,
+        grad_scale,
+    )
+    .ctx(OP, "loss and grad")
 }

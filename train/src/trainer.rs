@@ -365,8 +365,7 @@ impl Trainer {
             balance: None,
             peak_mem_gib: self
                 .device
-                .peak_memory_bytes()
-                ?
+                .peak_memory_bytes()?
                 .map(|b| b as f64 / (1u64 << 30) as f64),
         };
         self.metrics.append(&m)?;

@@ -78,7 +78,9 @@ impl VocabLossKernels for CpuBackend {
                         return; // loss 0, grad 0
                     }
                     let part = |r: usize, k: usize| g[(r * 3 + k) * t + i];
-                    let big_m = (0..ranks).map(|r| part(r, 0)).fold(f32::NEG_INFINITY, f32::max);
+                    let big_m = (0..ranks)
+                        .map(|r| part(r, 0))
+                        .fold(f32::NEG_INFINITY, f32::max);
                     let big_s: f64 = (0..ranks)
                         .map(|r| f64::from(part(r, 1)) * f64::from(part(r, 0) - big_m).exp())
                         .sum();
@@ -94,6 +96,9 @@ impl VocabLossKernels for CpuBackend {
                     }
                 });
         }
-        Ok((Tensor::cpu_from_f32(losses, [t])?, Tensor::cpu_from_f32(dlogits, [t, vl])?))
+        Ok((
+            Tensor::cpu_from_f32(losses, [t])?,
+            Tensor::cpu_from_f32(dlogits, [t, vl])?,
+        ))
     }
 }

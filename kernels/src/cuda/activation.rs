@@ -27,7 +27,11 @@ fn act_code(act: Activation) -> u32 {
 /// alone, so a row's bits do not depend on the other rows.
 fn row_launch(n: u32, c: usize) -> LaunchConfig {
     let threads = (c.div_ceil(32) * 32).clamp(32, 256) as u32;
-    LaunchConfig { grid_dim: (n, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig {
+        grid_dim: (n, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// `(rows, C)` of a softmax input: C the last dimension, rows all the others.
@@ -80,7 +84,10 @@ impl CudaBackend {
         let xs = slice::<T>(OP, "x", x)?; // (N)
         let mut y = self.alloc::<T>(OP, n, || format!("{act:?} of {x:?}"))?; // (N)
         if n > 0 {
-            let f = self.function(&ACTIVATION, T::pick("braid_activation_fwd_f32", "braid_activation_fwd_bf16"))?;
+            let f = self.function(
+                &ACTIVATION,
+                T::pick("braid_activation_fwd_f32", "braid_activation_fwd_bf16"),
+            )?;
             let (code, n64) = (act_code(act), n as u64);
             // braid_activation_fwd_T(T* y, const T* x, u32 act, u64 n)
             // SAFETY: signature above; y and x hold n elements; grid-stride over i < n.
@@ -96,7 +103,10 @@ impl CudaBackend {
         let xs = slice::<T>(OP, "x", x)?; // (N)
         let mut dx = self.alloc::<T>(OP, n, || format!("the {act:?} grad of {x:?}"))?; // (N)
         if n > 0 {
-            let f = self.function(&ACTIVATION, T::pick("braid_activation_bwd_f32", "braid_activation_bwd_bf16"))?;
+            let f = self.function(
+                &ACTIVATION,
+                T::pick("braid_activation_bwd_f32", "braid_activation_bwd_bf16"),
+            )?;
             let (code, n64) = (act_code(act), n as u64);
             // braid_activation_bwd_T(T* dx, const T* dy, const T* x, u32 act, u64 n)
             // SAFETY: signature above; dx, dy, x hold n elements (ops checked the shapes).
@@ -112,7 +122,10 @@ impl CudaBackend {
         let us = slice::<T>(OP, "up", up)?; // (N)
         let mut y = self.alloc::<T>(OP, n, || format!("the SwiGLU of {gate:?}"))?; // (N)
         if n > 0 {
-            let f = self.function(&ACTIVATION, T::pick("braid_swiglu_fwd_f32", "braid_swiglu_fwd_bf16"))?;
+            let f = self.function(
+                &ACTIVATION,
+                T::pick("braid_swiglu_fwd_f32", "braid_swiglu_fwd_bf16"),
+            )?;
             let n64 = n as u64;
             // braid_swiglu_fwd_T(T* y, const T* gate, const T* up, u64 n)
             // SAFETY: signature above; all three hold n elements (ops checked the shapes).
@@ -121,7 +134,12 @@ impl CudaBackend {
         Tensor::from_cuda(T::wrap(y), gate.shape().clone())
     }
 
-    fn swiglu_bwd_t<T: DeviceFloat>(&self, dy: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)> {
+    fn swiglu_bwd_t<T: DeviceFloat>(
+        &self,
+        dy: &Tensor,
+        gate: &Tensor,
+        up: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
         const OP: &str = "swiglu_bwd";
         let n = gate.elem_count();
         let dys = slice::<T>(OP, "dy", dy)?; // (N)
@@ -130,7 +148,10 @@ impl CudaBackend {
         let mut dgate = self.alloc::<T>(OP, n, || format!("the SwiGLU gate grad of {gate:?}"))?; // (N)
         let mut dup = self.alloc::<T>(OP, n, || format!("the SwiGLU up grad of {up:?}"))?; // (N)
         if n > 0 {
-            let f = self.function(&ACTIVATION, T::pick("braid_swiglu_bwd_f32", "braid_swiglu_bwd_bf16"))?;
+            let f = self.function(
+                &ACTIVATION,
+                T::pick("braid_swiglu_bwd_f32", "braid_swiglu_bwd_bf16"),
+            )?;
             let n64 = n as u64;
             // braid_swiglu_bwd_T(T* dgate, T* dup, const T* dy, const T* gate, const T* up, u64 n)
             // SAFETY: signature above; all five hold n elements (ops checked the shapes).
@@ -148,7 +169,10 @@ impl CudaBackend {
         let xs = slice::<T>(OP, "x", x)?; // (N, C)
         let mut y = self.alloc::<T>(OP, x.elem_count(), || format!("the softmax of {x:?}"))?; // (N, C)
         if rows > 0 {
-            let f = self.function(&ACTIVATION, T::pick("braid_softmax_fwd_f32", "braid_softmax_fwd_bf16"))?;
+            let f = self.function(
+                &ACTIVATION,
+                T::pick("braid_softmax_fwd_f32", "braid_softmax_fwd_bf16"),
+            )?;
             // braid_softmax_fwd_T(T* y, const T* x, u32 C)
             // SAFETY: signature above; grid = rows blocks, block r reads and writes row r
             // of x and y (rows * C elements each).
@@ -162,9 +186,13 @@ impl CudaBackend {
         let (rows, c) = softmax_dims(OP, y)?;
         let dys = slice::<T>(OP, "dy", dy)?; // (N, C)
         let ys = slice::<T>(OP, "y", y)?; // (N, C)
-        let mut dx = self.alloc::<T>(OP, y.elem_count(), || format!("the softmax grad of {y:?}"))?; // (N, C)
+        let mut dx =
+            self.alloc::<T>(OP, y.elem_count(), || format!("the softmax grad of {y:?}"))?; // (N, C)
         if rows > 0 {
-            let f = self.function(&ACTIVATION, T::pick("braid_softmax_bwd_f32", "braid_softmax_bwd_bf16"))?;
+            let f = self.function(
+                &ACTIVATION,
+                T::pick("braid_softmax_bwd_f32", "braid_softmax_bwd_bf16"),
+            )?;
             // braid_softmax_bwd_T(T* dx, const T* dy, const T* y, u32 C)
             // SAFETY: signature above; block r reads row r of dy and y and writes row r of
             // dx (rows * C elements each; ops checked dy and y have one shape).

@@ -5,9 +5,9 @@
 use super::CudaBackend;
 use crate::backend::AttentionKernels;
 use crate::error::{Error, Result};
-use crate::tensor::Tensor;
 use crate::ops::attention::AttentionSpec;
 use crate::ops::attention::QkSegment;
+use crate::tensor::Tensor;
 
 impl AttentionKernels for CudaBackend {
     fn attention_fwd(
@@ -61,7 +61,6 @@ impl AttentionKernels for CudaBackend {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         Err(not_written("attention_bwd_ranges"))
     }
-
 }
 
 fn not_written(op: &'static str) -> Error {

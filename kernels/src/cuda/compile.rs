@@ -124,9 +124,13 @@ pub fn nvrtc_version() -> Result<(i32, i32), String> {
 pub fn compile(src: &KernelSource, arch: &str, output: Output) -> Result<Vec<u8>, String> {
     // SAFETY: is_culib_present only tries to dlopen the library.
     if !unsafe { sys::is_culib_present() } {
-        return Err("NVRTC (libnvrtc.so.13) was not found; set LD_LIBRARY_PATH to the folder that holds it".into());
+        return Err(
+            "NVRTC (libnvrtc.so.13) was not found; set LD_LIBRARY_PATH to the folder that holds it"
+                .into(),
+        );
     }
-    let code = CString::new(src.full_source()).map_err(|_| format!("{}.cu contains a NUL byte", src.name))?;
+    let code = CString::new(src.full_source())
+        .map_err(|_| format!("{}.cu contains a NUL byte", src.name))?;
     let file_name = CString::new(format!("{}.cu", src.name)).map_err(|e| e.to_string())?;
     let prog = nvrtc::create_program(&code, Some(&file_name))
         .map_err(|e| format!("{}.cu: nvrtcCreateProgram: {e:?}", src.name))?;
@@ -222,8 +226,18 @@ pub(crate) fn cached_cubin(src: &KernelSource, arch: &str) -> Result<Vec<u8>, St
     let options = nvrtc_options(arch, Output::Cubin).join(" ");
     let version = format!("{major}.{minor}");
     let full = src.full_source();
-    let key = fnv1a(&[full.as_bytes(), arch.as_bytes(), version.as_bytes(), options.as_bytes()]);
-    let path = cache_dir().map(|d| d.join(format!("{}-{arch}-nvrtc{version}-{key:016x}.cubin", src.name)));
+    let key = fnv1a(&[
+        full.as_bytes(),
+        arch.as_bytes(),
+        version.as_bytes(),
+        options.as_bytes(),
+    ]);
+    let path = cache_dir().map(|d| {
+        d.join(format!(
+            "{}-{arch}-nvrtc{version}-{key:016x}.cubin",
+            src.name
+        ))
+    });
     if let Some(p) = &path
         && let Ok(bytes) = std::fs::read(p)
         && !bytes.is_empty()

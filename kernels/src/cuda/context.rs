@@ -34,7 +34,11 @@ pub struct CudaBackend {
 
 impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "CudaBackend(cuda:{}, {}, {})", self.ordinal, self.name, self.arch)
+        write!(
+            f,
+            "CudaBackend(cuda:{}, {}, {})",
+            self.ordinal, self.name, self.arch
+        )
     }
 }
 
@@ -72,10 +76,14 @@ fn missing_libraries() -> Vec<&'static str> {
             missing.push("the NVIDIA driver library libcuda.so (is an NVIDIA driver installed?)");
         }
         if !cudarc::cublaslt::sys::is_culib_present() {
-            missing.push("cuBLASLt (libcublasLt.so.13, from the CUDA toolkit or the nvidia-cublas wheel)");
+            missing.push(
+                "cuBLASLt (libcublasLt.so.13, from the CUDA toolkit or the nvidia-cublas wheel)",
+            );
         }
         if !cudarc::nvrtc::sys::is_culib_present() {
-            missing.push("NVRTC (libnvrtc.so.13, from the CUDA toolkit or the nvidia-cuda-nvrtc wheel)");
+            missing.push(
+                "NVRTC (libnvrtc.so.13, from the CUDA toolkit or the nvidia-cuda-nvrtc wheel)",
+            );
         }
     }
     missing
@@ -93,7 +101,9 @@ pub fn unavailable_reason(ordinal: usize) -> Option<String> {
     }
     match CudaContext::device_count() {
         Ok(n) if (n.max(0) as usize) > ordinal => None,
-        Ok(n) => Some(format!("this machine has {n} CUDA device(s), so cuda:{ordinal} does not exist")),
+        Ok(n) => Some(format!(
+            "this machine has {n} CUDA device(s), so cuda:{ordinal} does not exist"
+        )),
         Err(e) => Some(format!("the CUDA driver failed to start: {e}")),
     }
 }
@@ -132,7 +142,8 @@ impl CudaBackend {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(|e| err("creating a stream", e))?;
         keep_freed_memory_cached(&ctx).map_err(|e| err("configuring the memory pool", e))?;
-        let blas = Blas::new(&stream, major).map_err(|reason| Error::DeviceUnavailable { device, reason })?;
+        let blas = Blas::new(&stream, major)
+            .map_err(|reason| Error::DeviceUnavailable { device, reason })?;
         Ok(CudaBackend {
             ordinal,
             ctx,
@@ -155,12 +166,18 @@ impl CudaBackend {
     }
 
     /// The kernel `name` of `src`, compiling and loading the module on first use.
-    pub(crate) fn function(&self, src: &'static KernelSource, name: &'static str) -> Result<CudaFunction> {
+    pub(crate) fn function(
+        &self,
+        src: &'static KernelSource,
+        name: &'static str,
+    ) -> Result<CudaFunction> {
         if let Some(f) = lock(&self.functions).get(&(src.name, name)) {
             return Ok(f.clone());
         }
         let module = self.module(src)?;
-        let f = module.load_function(name).map_err(|e| self.driver_err("load_function", e))?;
+        let f = module
+            .load_function(name)
+            .map_err(|e| self.driver_err("load_function", e))?;
         lock(&self.functions).insert((src.name, name), f.clone());
         Ok(f)
     }
@@ -208,17 +225,28 @@ impl CudaBackend {
 
     /// `n` elements of uninitialized device memory, for outputs a kernel overwrites in
     /// full. `what` names the tensor in an out-of-memory error.
-    pub(crate) fn alloc<T: DeviceRepr>(&self, op: &'static str, n: usize, what: impl FnOnce() -> String) -> Result<CudaSlice<T>> {
+    pub(crate) fn alloc<T: DeviceRepr>(
+        &self,
+        op: &'static str,
+        n: usize,
+        what: impl FnOnce() -> String,
+    ) -> Result<CudaSlice<T>> {
         if n == 0 {
             return self.stream.null().map_err(|e| self.driver_err(op, e));
         }
         // SAFETY: the caller's kernel writes every element before anything reads it
         // (each call site says which kernel); the buffer is stream-ordered on our stream.
-        unsafe { self.stream.alloc::<T>(n) }.map_err(|e| self.alloc_err(op, e, n * size_of::<T>(), what))
+        unsafe { self.stream.alloc::<T>(n) }
+            .map_err(|e| self.alloc_err(op, e, n * size_of::<T>(), what))
     }
 
     /// `n` zeroed elements.
-    pub(crate) fn alloc_zeros<T: DeviceRepr + ValidAsZeroBits>(&self, op: &'static str, n: usize, what: impl FnOnce() -> String) -> Result<CudaSlice<T>> {
+    pub(crate) fn alloc_zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        op: &'static str,
+        n: usize,
+        what: impl FnOnce() -> String,
+    ) -> Result<CudaSlice<T>> {
         if n == 0 {
             return self.stream.null().map_err(|e| self.driver_err(op, e));
         }
@@ -227,7 +255,13 @@ impl CudaBackend {
             .map_err(|e| self.alloc_err(op, e, n * size_of::<T>(), what))
     }
 
-    fn alloc_err(&self, op: &'static str, e: DriverError, bytes: usize, what: impl FnOnce() -> String) -> Error {
+    fn alloc_err(
+        &self,
+        op: &'static str,
+        e: DriverError,
+        bytes: usize,
+        what: impl FnOnce() -> String,
+    ) -> Error {
         if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
             self.oom(op, what(), bytes)
         } else {
@@ -237,25 +271,43 @@ impl CudaBackend {
 
     /// Waits for every kernel issued so far (used by explicit host copies and tests).
     pub fn synchronize(&self) -> Result<()> {
-        self.stream.synchronize().map_err(|e| self.driver_err("synchronize", e))
+        self.stream
+            .synchronize()
+            .map_err(|e| self.driver_err("synchronize", e))
     }
 
     /// The most device memory the pool has held since the last reset, in bytes.
     pub fn peak_memory_bytes(&self) -> Result<u64> {
         let mut value: u64 = 0;
-        self.pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, &mut value, false)?;
+        self.pool_attribute(
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            &mut value,
+            false,
+        )?;
         Ok(value)
     }
 
     /// Starts a new peak-memory window (the trainer calls this at the start of a step).
     pub fn reset_peak_memory(&self) -> Result<()> {
         let mut zero: u64 = 0;
-        self.pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, &mut zero, true)
+        self.pool_attribute(
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            &mut zero,
+            true,
+        )
     }
 
-    fn pool_attribute(&self, attr: sys::CUmemPool_attribute, value: &mut u64, set: bool) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(|e| self.driver_err("bind_to_thread", e))?;
-        let pool = default_pool(&self.ctx).map_err(|e| self.driver_err("cuDeviceGetDefaultMemPool", e))?;
+    fn pool_attribute(
+        &self,
+        attr: sys::CUmemPool_attribute,
+        value: &mut u64,
+        set: bool,
+    ) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| self.driver_err("bind_to_thread", e))?;
+        let pool =
+            default_pool(&self.ctx).map_err(|e| self.driver_err("cuDeviceGetDefaultMemPool", e))?;
         let ptr = (value as *mut u64).cast::<c_void>();
         // SAFETY: `pool` is the device's default pool; USED_MEM_HIGH is a u64 attribute,
         // and `ptr` points at a live u64 for the duration of the call.
@@ -266,7 +318,8 @@ impl CudaBackend {
                 sys::cuMemPoolGetAttribute(pool, attr, ptr)
             }
         };
-        r.result().map_err(|e| self.driver_err("cuMemPool attribute", e))
+        r.result()
+            .map_err(|e| self.driver_err("cuMemPool attribute", e))
     }
 }
 
@@ -301,7 +354,6 @@ fn keep_freed_memory_cached(ctx: &CudaContext) -> std::result::Result<(), Driver
 /// the `.cu` files). A real verdict is smaller: its position is below 2^32 - 1.
 pub(crate) const NO_VERDICT: u64 = u64::MAX;
 
-
 impl CudaBackend {
     /// `count` verdict words, each [`NO_VERDICT`], for a check kernel to lower.
     pub(crate) fn verdicts(&self, op: &'static str, count: usize) -> Result<CudaSlice<u64>> {
@@ -312,12 +364,18 @@ impl CudaBackend {
 
     /// Copies verdict words to the host (this waits for every kernel issued before) and
     /// decodes each into the first bad `(position, value)`, or `None` if there was none.
-    pub(crate) fn read_verdicts(&self, op: &'static str, v: &CudaSlice<u64>) -> Result<Vec<Option<(u64, u32)>>> {
-        let words = self.stream.clone_dtoh(v).map_err(|e| self.driver_err(op, e))?;
+    pub(crate) fn read_verdicts(
+        &self,
+        op: &'static str,
+        v: &CudaSlice<u64>,
+    ) -> Result<Vec<Option<(u64, u32)>>> {
+        let words = self
+            .stream
+            .clone_dtoh(v)
+            .map_err(|e| self.driver_err(op, e))?;
         Ok(words
             .into_iter()
             .map(|w| (w != NO_VERDICT).then_some((w >> 32, w as u32)))
             .collect())
     }
 }
-

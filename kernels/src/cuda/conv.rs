@@ -41,10 +41,19 @@ impl Dims {
     fn new(op: &'static str, x: &Tensor, w: &Tensor, spec: &Conv1dSpec) -> Result<Self> {
         let [b, ci, l] = x.shape().dims_n::<3>(op, "x")?;
         let [co, _, k] = w.shape().dims_n::<3>(op, "w")?;
-        let lo = spec
-            .out_len(l, k)
-            .ok_or_else(|| Error::shape(op, format!("x {} too short for w {}", x.shape(), w.shape())))?;
-        Ok(Dims { b, ci, l, co, k, lo, stride: spec.stride, pad: spec.padding })
+        let lo = spec.out_len(l, k).ok_or_else(|| {
+            Error::shape(op, format!("x {} too short for w {}", x.shape(), w.shape()))
+        })?;
+        Ok(Dims {
+            b,
+            ci,
+            l,
+            co,
+            k,
+            lo,
+            stride: spec.stride,
+            pad: spec.padding,
+        })
     }
 
     fn cik(&self) -> usize {
@@ -74,7 +83,18 @@ impl Dims {
 
 /// A plain (batch 1, no broadcast) GEMM spec: `C (m, n) = alpha op(A) op(B) + beta C`.
 fn gemm_spec(m: usize, n: usize, k: usize, trans_a: bool, trans_b: bool, beta: f32) -> GemmSpec {
-    GemmSpec { batch: 1, m, n, k, trans_a, trans_b, stride_a: 0, stride_b: 0, alpha: 1.0, beta }
+    GemmSpec {
+        batch: 1,
+        m,
+        n,
+        k,
+        trans_a,
+        trans_b,
+        stride_a: 0,
+        stride_b: 0,
+        alpha: 1.0,
+        beta,
+    }
 }
 
 /// Dispatches `$self.$f::<T>(args)` on the storage dtype of `$x`.
@@ -89,7 +109,13 @@ macro_rules! by_dtype {
 }
 
 impl ConvKernels for CudaBackend {
-    fn conv1d_fwd(&self, x: &Tensor, w: &Tensor, b: Option<&Tensor>, spec: &Conv1dSpec) -> Result<Tensor> {
+    fn conv1d_fwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: Option<&Tensor>,
+        spec: &Conv1dSpec,
+    ) -> Result<Tensor> {
         by_dtype!(self, "conv1d_fwd", x, conv_fwd(x, w, b, spec))
     }
 
@@ -110,7 +136,12 @@ impl ConvKernels for CudaBackend {
     }
 
     fn unpatchify(&self, dpatches: &Tensor, image_shape: &Shape, patch: usize) -> Result<Tensor> {
-        by_dtype!(self, "unpatchify", dpatches, unpatchify_t(dpatches, image_shape, patch))
+        by_dtype!(
+            self,
+            "unpatchify",
+            dpatches,
+            unpatchify_t(dpatches, image_shape, patch)
+        )
     }
 }
 
@@ -119,7 +150,10 @@ impl ConvKernels for CudaBackend {
 fn patch_dims(op: &'static str, shape: &Shape, patch: usize) -> Result<[usize; 5]> {
     let [b, c, h, w] = shape.dims_n::<4>(op, "images")?;
     if patch == 0 || !h.is_multiple_of(patch) || !w.is_multiple_of(patch) {
-        return Err(Error::shape(op, format!("H = {h}, W = {w} are not multiples of the patch size {patch}")));
+        return Err(Error::shape(
+            op,
+            format!("H = {h}, W = {w} are not multiples of the patch size {patch}"),
+        ));
     }
     Ok([b, c, h, w, patch])
 }
@@ -131,20 +165,38 @@ impl CudaBackend {
     }
 
     /// col (CI*K, nb*LO) of items `b0 .. b0 + nb` of x.
-    fn im2col<T: DeviceFloat>(&self, op: &'static str, d: &Dims, xs: &CudaSlice<T>, b0: u32, nb: u32) -> Result<Tensor> {
+    fn im2col<T: DeviceFloat>(
+        &self,
+        op: &'static str,
+        d: &Dims,
+        xs: &CudaSlice<T>,
+        b0: u32,
+        nb: u32,
+    ) -> Result<Tensor> {
         let [ci, l, k, lo, stride, pad, _, _] = d.u32s(op)?;
         let n = d.cik() * nb as usize * d.lo;
         let mut col = self.alloc::<T>(op, n, || "the conv1d column matrix".into())?;
-        let f = self.function(&CONV, T::pick("braid_conv1d_im2col_f32", "braid_conv1d_im2col_bf16"))?;
+        let f = self.function(
+            &CONV,
+            T::pick("braid_conv1d_im2col_f32", "braid_conv1d_im2col_bf16"),
+        )?;
         // braid_conv1d_im2col_T(T* col, const T* x, u32 b0, u32 nb, u32 CI, u32 L, u32 K,
         //                       u32 LO, u32 stride, u32 pad)
         // SAFETY: signature above; col holds CI*K*nb*LO (written in full, grid-stride);
         // x reads stay inside items b0 .. b0 + nb <= B of x (B*CI*L), positions in [0, L).
-        unsafe { launch!(self, op, f, grid_for(n); &mut col, xs, &b0, &nb, &ci, &l, &k, &lo, &stride, &pad)? };
+        unsafe {
+            launch!(self, op, f, grid_for(n); &mut col, xs, &b0, &nb, &ci, &l, &k, &lo, &stride, &pad)?
+        };
         Self::matrix(col, d.cik(), nb as usize * d.lo)
     }
 
-    fn conv_fwd<T: DeviceFloat>(&self, x: &Tensor, w: &Tensor, b: Option<&Tensor>, spec: &Conv1dSpec) -> Result<Tensor> {
+    fn conv_fwd<T: DeviceFloat>(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: Option<&Tensor>,
+        spec: &Conv1dSpec,
+    ) -> Result<Tensor> {
         const OP: &str = "conv1d_fwd";
         let d = Dims::new(OP, x, w, spec)?;
         let [.., co, _] = d.u32s(OP)?;
@@ -162,20 +214,35 @@ impl CudaBackend {
             return Tensor::from_cuda(T::wrap(y), shape);
         }
         let per = d.items_per_chunk();
-        let f_out = self.function(&CONV, T::pick("braid_conv1d_out_f32", "braid_conv1d_out_bf16"))?;
+        let f_out = self.function(
+            &CONV,
+            T::pick("braid_conv1d_out_f32", "braid_conv1d_out_bf16"),
+        )?;
         for first in (0..d.b).step_by(per) {
             let items = per.min(d.b - first);
-            let (b0, nb) = (to_u32(OP, "batch item", first)?, to_u32(OP, "batch items", items)?);
+            let (b0, nb) = (
+                to_u32(OP, "batch item", first)?,
+                to_u32(OP, "batch items", items)?,
+            );
             let ncols = items * d.lo;
             // ytmp (CO, nb*LO) = w (CO, CI*K) @ col (CI*K, nb*LO); zeros when CI*K = 0.
             let ytmp = if d.cik() == 0 {
-                Self::matrix(self.alloc_zeros::<T>(OP, d.co * ncols, || "conv1d outputs".into())?, d.co, ncols)?
+                Self::matrix(
+                    self.alloc_zeros::<T>(OP, d.co * ncols, || "conv1d outputs".into())?,
+                    d.co,
+                    ncols,
+                )?
             } else {
                 let col = self.im2col::<T>(OP, &d, xs, b0, nb)?;
                 let out = self.alloc::<T>(OP, d.co * ncols, || "conv1d outputs".into())?;
                 let mut ytmp = Self::matrix(out, d.co, ncols)?;
                 // w is passed as stored, (CO, CI, K): the (CO, CI*K) matrix of the spec.
-                self.gemm(w, &col, &mut ytmp, &gemm_spec(d.co, ncols, d.cik(), false, false, 0.0))?;
+                self.gemm(
+                    w,
+                    &col,
+                    &mut ytmp,
+                    &gemm_spec(d.co, ncols, d.cik(), false, false, 0.0),
+                )?;
                 ytmp
             };
             let ys = slice::<T>(OP, "ytmp", &ytmp)?;
@@ -183,7 +250,9 @@ impl CudaBackend {
             //                    u32 nb, u32 CO, u32 LO)
             // SAFETY: signature above; writes y[b0*CO*LO ..][.. nb*CO*LO], inside the
             // B*CO*LO as b0 + nb <= B; reads ytmp (CO*nb*LO) and bias[co < CO].
-            unsafe { launch!(self, OP, f_out, grid_for(d.co * ncols); &mut y, ys, bs, &has_bias, &b0, &nb, &co, &lo)? };
+            unsafe {
+                launch!(self, OP, f_out, grid_for(d.co * ncols); &mut y, ys, bs, &has_bias, &b0, &nb, &co, &lo)?
+            };
         }
         Tensor::from_cuda(T::wrap(y), shape)
     }
@@ -201,7 +270,15 @@ impl CudaBackend {
         const OP: &str = "conv1d_bwd";
         let d = Dims::new(OP, x, w, spec)?;
         if dy.elem_count() != d.b * d.co * d.lo {
-            return Err(Error::shape(OP, format!("dy {} does not fit x {} and w {}", dy.shape(), x.shape(), w.shape())));
+            return Err(Error::shape(
+                OP,
+                format!(
+                    "dy {} does not fit x {} and w {}",
+                    dy.shape(),
+                    x.shape(),
+                    w.shape()
+                ),
+            ));
         }
         let [ci, l, k, lo, stride, pad, co, bsz] = d.u32s(OP)?;
         let dys = slice::<T>(OP, "dy", dy)?; // (B, CO, LO)
@@ -215,24 +292,46 @@ impl CudaBackend {
         }
         let mut dx = self.alloc::<T>(OP, dx_n, dx_what)?; // (B, CI, L)
         let per = d.items_per_chunk();
-        let f_dyt = self.function(&CONV, T::pick("braid_conv1d_dy_t_f32", "braid_conv1d_dy_t_bf16"))?;
-        let f_col2im = self.function(&CONV, T::pick("braid_conv1d_col2im_f32", "braid_conv1d_col2im_bf16"))?;
+        let f_dyt = self.function(
+            &CONV,
+            T::pick("braid_conv1d_dy_t_f32", "braid_conv1d_dy_t_bf16"),
+        )?;
+        let f_col2im = self.function(
+            &CONV,
+            T::pick("braid_conv1d_col2im_f32", "braid_conv1d_col2im_bf16"),
+        )?;
         // CI = 0: dx is empty and dw has no elements, so only db below has work.
         let chunks = if d.cik() == 0 { 0 } else { d.b };
         for first in (0..chunks).step_by(per) {
             let items = per.min(d.b - first);
-            let (b0, nb) = (to_u32(OP, "batch item", first)?, to_u32(OP, "batch items", items)?);
+            let (b0, nb) = (
+                to_u32(OP, "batch item", first)?,
+                to_u32(OP, "batch items", items)?,
+            );
             let ncols = items * d.lo;
             // dyt (CO, nb*LO): the chunk's dy with its items side by side.
-            let mut dyt = self.alloc::<T>(OP, d.co * ncols, || "the permuted conv1d output grad".into())?;
+            let mut dyt = self.alloc::<T>(OP, d.co * ncols, || {
+                "the permuted conv1d output grad".into()
+            })?;
             // braid_conv1d_dy_t_T(T* dyt, const T* dy, u32 b0, u32 nb, u32 CO, u32 LO)
             // SAFETY: signature above; writes all CO*nb*LO of dyt; reads items
             // b0 .. b0 + nb <= B of dy (B*CO*LO).
-            unsafe { launch!(self, OP, f_dyt, grid_for(d.co * ncols); &mut dyt, dys, &b0, &nb, &co, &lo)? };
+            unsafe {
+                launch!(self, OP, f_dyt, grid_for(d.co * ncols); &mut dyt, dys, &b0, &nb, &co, &lo)?
+            };
             let dyt = Self::matrix(dyt, d.co, ncols)?;
             // dcol (CI*K, nb*LO) = wᵀ (CI*K, CO) @ dyt (CO, nb*LO), then folded into dx.
-            let mut dcol = Self::matrix(self.alloc::<T>(OP, d.cik() * ncols, || "the conv1d column grad".into())?, d.cik(), ncols)?;
-            self.gemm(w, &dyt, &mut dcol, &gemm_spec(d.cik(), ncols, d.co, true, false, 0.0))?;
+            let mut dcol = Self::matrix(
+                self.alloc::<T>(OP, d.cik() * ncols, || "the conv1d column grad".into())?,
+                d.cik(),
+                ncols,
+            )?;
+            self.gemm(
+                w,
+                &dyt,
+                &mut dcol,
+                &gemm_spec(d.cik(), ncols, d.co, true, false, 0.0),
+            )?;
             if d.l > 0 {
                 let dcs = slice::<T>(OP, "dcol", &dcol)?;
                 // braid_conv1d_col2im_T(T* dx, const T* dcol, u32 b0, u32 nb, u32 CI, u32 L,
@@ -247,13 +346,25 @@ impl CudaBackend {
             if let Some(dw) = dw.as_deref_mut() {
                 // dw (CO, CI*K) += dyt (CO, nb*LO) @ colᵀ (nb*LO, CI*K), chunk after chunk.
                 let col = self.im2col::<T>(OP, &d, xs, b0, nb)?;
-                self.gemm(&dyt, &col, dw, &gemm_spec(d.co, d.cik(), ncols, false, true, 1.0))?;
+                self.gemm(
+                    &dyt,
+                    &col,
+                    dw,
+                    &gemm_spec(d.co, d.cik(), ncols, false, true, 1.0),
+                )?;
             }
         }
         if let Some(db) = db {
             let dbs = slice_mut::<T>(OP, "db", db)?;
-            let f = self.function(&CONV, T::pick("braid_conv1d_bias_grad_f32", "braid_conv1d_bias_grad_bf16"))?;
-            let cfg = LaunchConfig { grid_dim: (co, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            let f = self.function(
+                &CONV,
+                T::pick("braid_conv1d_bias_grad_f32", "braid_conv1d_bias_grad_bf16"),
+            )?;
+            let cfg = LaunchConfig {
+                grid_dim: (co, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
             // braid_conv1d_bias_grad_T(T* db, const T* dy, u32 B, u32 CO, u32 LO)
             // SAFETY: signature above; block co < CO updates db[co] (db holds CO, checked
             // by ops); reads dy (B*CO*LO).
@@ -270,35 +381,63 @@ impl CudaBackend {
         let img = slice::<T>(OP, "images", images)?; // (B, C, H, W)
         let mut out = self.alloc::<T>(OP, n, || format!("the patches of {images:?}"))?; // (B, HP*WP, C*P*P)
         if n > 0 {
-            let dims = [to_u32(OP, "B", b)?, to_u32(OP, "C", c)?, to_u32(OP, "H", h)?, to_u32(OP, "W", w)?, to_u32(OP, "P", p)?];
+            let dims = [
+                to_u32(OP, "B", b)?,
+                to_u32(OP, "C", c)?,
+                to_u32(OP, "H", h)?,
+                to_u32(OP, "W", w)?,
+                to_u32(OP, "P", p)?,
+            ];
             let f = self.function(&CONV, T::pick("braid_patchify_f32", "braid_patchify_bf16"))?;
             // braid_patchify_T(T* out, const T* img, u32 B, u32 C, u32 H, u32 W, u32 P)
             // SAFETY: signature above; out and img both hold B*C*H*W (a permutation; P
             // divides H and W, checked above); grid-stride over the outputs.
-            unsafe { launch!(self, OP, f, grid_for(n); &mut out, img, &dims[0], &dims[1], &dims[2], &dims[3], &dims[4])? };
+            unsafe {
+                launch!(self, OP, f, grid_for(n); &mut out, img, &dims[0], &dims[1], &dims[2], &dims[3], &dims[4])?
+            };
         }
         Tensor::from_cuda(T::wrap(out), [b, hp * wp, c * p * p])
     }
 
-    fn unpatchify_t<T: DeviceFloat>(&self, dpatches: &Tensor, image_shape: &Shape, patch: usize) -> Result<Tensor> {
+    fn unpatchify_t<T: DeviceFloat>(
+        &self,
+        dpatches: &Tensor,
+        image_shape: &Shape,
+        patch: usize,
+    ) -> Result<Tensor> {
         const OP: &str = "unpatchify";
         let [b, c, h, w, p] = patch_dims(OP, image_shape, patch)?;
         let n = b * c * h * w;
         if dpatches.elem_count() != n {
             return Err(Error::shape(
                 OP,
-                format!("dpatches {} does not fit images {image_shape} with patch {p}", dpatches.shape()),
+                format!(
+                    "dpatches {} does not fit images {image_shape} with patch {p}",
+                    dpatches.shape()
+                ),
             ));
         }
         let dp = slice::<T>(OP, "dpatches", dpatches)?; // (B, HP*WP, C*P*P)
-        let mut img = self.alloc::<T>(OP, n, || format!("the image grad of shape {image_shape}"))?; // (B, C, H, W)
+        let mut img =
+            self.alloc::<T>(OP, n, || format!("the image grad of shape {image_shape}"))?; // (B, C, H, W)
         if n > 0 {
-            let dims = [to_u32(OP, "B", b)?, to_u32(OP, "C", c)?, to_u32(OP, "H", h)?, to_u32(OP, "W", w)?, to_u32(OP, "P", p)?];
-            let f = self.function(&CONV, T::pick("braid_unpatchify_f32", "braid_unpatchify_bf16"))?;
+            let dims = [
+                to_u32(OP, "B", b)?,
+                to_u32(OP, "C", c)?,
+                to_u32(OP, "H", h)?,
+                to_u32(OP, "W", w)?,
+                to_u32(OP, "P", p)?,
+            ];
+            let f = self.function(
+                &CONV,
+                T::pick("braid_unpatchify_f32", "braid_unpatchify_bf16"),
+            )?;
             // braid_unpatchify_T(T* img, const T* patches, u32 B, u32 C, u32 H, u32 W, u32 P)
             // SAFETY: signature above; img and dpatches both hold B*C*H*W (checked above);
             // grid-stride over the pixels, each written once.
-            unsafe { launch!(self, OP, f, grid_for(n); &mut img, dp, &dims[0], &dims[1], &dims[2], &dims[3], &dims[4])? };
+            unsafe {
+                launch!(self, OP, f, grid_for(n); &mut img, dp, &dims[0], &dims[1], &dims[2], &dims[3], &dims[4])?
+            };
         }
         Tensor::from_cuda(T::wrap(img), image_shape.clone())
     }

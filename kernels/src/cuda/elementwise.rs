@@ -49,10 +49,17 @@ impl ElementwiseKernels for CudaBackend {
         match (acc.cuda_storage_mut(OP, "acc")?, xs) {
             // braid_add_assign_T(T* acc, const T* x, u64 n)
             // SAFETY: signature above; both hold n elements (same shapes, checked by ops).
-            (CudaStorage::F32(a), CudaStorage::F32(b)) => unsafe { launch!(self, OP, f, grid_for(n); a, b, &n64) },
+            (CudaStorage::F32(a), CudaStorage::F32(b)) => unsafe {
+                launch!(self, OP, f, grid_for(n); a, b, &n64)
+            },
             // SAFETY: as above.
-            (CudaStorage::BF16(a), CudaStorage::BF16(b)) => unsafe { launch!(self, OP, f, grid_for(n); a, b, &n64) },
-            _ => Err(crate::Error::invalid(OP, format!("`acc` {acc_dbg} and `x` {x:?} differ in dtype"))),
+            (CudaStorage::BF16(a), CudaStorage::BF16(b)) => unsafe {
+                launch!(self, OP, f, grid_for(n); a, b, &n64)
+            },
+            _ => Err(crate::Error::invalid(
+                OP,
+                format!("`acc` {acc_dbg} and `x` {x:?} differ in dtype"),
+            )),
         }
     }
 
@@ -73,7 +80,10 @@ impl ElementwiseKernels for CudaBackend {
                 // SAFETY: as above.
                 unsafe { launch!(self, OP, f, grid_for(n); v, &s, &n64) }
             }
-            CudaStorage::U32(_) => Err(crate::Error::invalid(OP, format!("`x` {dbg} is not a float tensor"))),
+            CudaStorage::U32(_) => Err(crate::Error::invalid(
+                OP,
+                format!("`x` {dbg} is not a float tensor"),
+            )),
         }
     }
 
@@ -81,7 +91,10 @@ impl ElementwiseKernels for CudaBackend {
         const OP: &str = "sum_squares";
         let mut out = self.alloc_zeros::<f64>(OP, 1, || "the sum of squares".into())?;
         self.sum_squares_into(x, &mut out, 0, false)?;
-        let host = self.stream.clone_dtoh(&out).map_err(|e| self.driver_err(OP, e))?;
+        let host = self
+            .stream
+            .clone_dtoh(&out)
+            .map_err(|e| self.driver_err(OP, e))?;
         Ok(host.first().copied().unwrap_or(0.0))
     }
 
@@ -91,14 +104,24 @@ impl ElementwiseKernels for CudaBackend {
         for (i, x) in xs.iter().enumerate() {
             self.sum_squares_into(x, &mut out, 0, i > 0)?;
         }
-        let host = self.stream.clone_dtoh(&out).map_err(|e| self.driver_err(OP, e))?;
+        let host = self
+            .stream
+            .clone_dtoh(&out)
+            .map_err(|e| self.driver_err(OP, e))?;
         Ok(host.first().copied().unwrap_or(0.0))
     }
 }
 
 impl CudaBackend {
     /// `out = a + b` (same dtype `T`): `braid_add_T(T* out, const T* a, const T* b, u64 n)`.
-    fn binary<T>(&self, kernel: &'static str, out: &mut CudaSlice<T>, a: &CudaSlice<T>, b: &CudaSlice<T>, n: usize) -> Result<()> {
+    fn binary<T>(
+        &self,
+        kernel: &'static str,
+        out: &mut CudaSlice<T>,
+        a: &CudaSlice<T>,
+        b: &CudaSlice<T>,
+        n: usize,
+    ) -> Result<()> {
         let f = self.function(&ELEMENTWISE, kernel)?;
         let n64 = n as u64;
         // SAFETY: signature above; all three buffers hold n elements.
@@ -108,12 +131,22 @@ impl CudaBackend {
     /// `out[slot] (+)= sum(x^2)` on the device, in f64, with a fixed reduction order: the
     /// global grad norm is one buffer filled by one launch pair per tensor and copied to
     /// the host once.
-    pub(crate) fn sum_squares_into(&self, x: &Tensor, out: &mut CudaSlice<f64>, slot: u32, accumulate: bool) -> Result<()> {
+    pub(crate) fn sum_squares_into(
+        &self,
+        x: &Tensor,
+        out: &mut CudaSlice<f64>,
+        slot: u32,
+        accumulate: bool,
+    ) -> Result<()> {
         const OP: &str = "sum_squares";
         let n = x.elem_count();
         let mut partial = self.alloc::<f64>(OP, SUM_BLOCKS as usize, || "partial sums".into())?;
         let n64 = n as u64;
-        let cfg = LaunchConfig { grid_dim: (SUM_BLOCKS, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (SUM_BLOCKS, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         // braid_sum_squares_partial_T(double* partial, const T* x, u64 n): writes
         // partial[0 .. SUM_BLOCKS] (every block writes its slot, even with no elements).
         match x.cuda_storage(OP, "x")? {
@@ -131,7 +164,11 @@ impl CudaBackend {
         }
         // braid_sum_partials_f64(double* out, const double* partial, u32 count, u32 slot, int accumulate)
         let f = self.function(&ELEMENTWISE, "braid_sum_partials_f64")?;
-        let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let acc = i32::from(accumulate);
         // SAFETY: signature above; `out` holds at least slot + 1 elements (caller).
         unsafe { launch!(self, OP, f, cfg; out, &partial, &SUM_BLOCKS, &slot, &acc) }

@@ -32,7 +32,13 @@ fn ids_slice<'a>(op: &'static str, ids: &'a Tensor) -> Result<&'a CudaSlice<u32>
 impl CudaBackend {
     /// Launches the range check of `ids` (N) against V; the returned verdict word is read
     /// by [`CudaBackend::ids_error`] after whatever else the caller issues meanwhile.
-    fn check_ids(&self, op: &'static str, ids: &CudaSlice<u32>, n: u32, v: u32) -> Result<CudaSlice<u64>> {
+    fn check_ids(
+        &self,
+        op: &'static str,
+        ids: &CudaSlice<u32>,
+        n: u32,
+        v: u32,
+    ) -> Result<CudaSlice<u64>> {
         let mut verdict = self.verdicts(op, 1)?;
         let f = self.function(&EMBEDDING, "braid_check_ids")?;
         // braid_check_ids(u64* verdict, const u32* ids, u32 n, u32 v): reads ids[0..N),
@@ -55,8 +61,17 @@ impl CudaBackend {
 
     /// Sorts `(id << 32 | position)` for the N ids into a buffer of P = N rounded up to
     /// a power of two (the padding, all ones, sorts last); keys[0..N) are the real ones.
-    fn sorted_keys(&self, op: &'static str, ids: &CudaSlice<u32>, n: u32) -> Result<CudaSlice<u64>> {
-        let p = to_u32(op, "N rounded up to a power of two", (n as usize).next_power_of_two())?;
+    fn sorted_keys(
+        &self,
+        op: &'static str,
+        ids: &CudaSlice<u32>,
+        n: u32,
+    ) -> Result<CudaSlice<u64>> {
+        let p = to_u32(
+            op,
+            "N rounded up to a power of two",
+            (n as usize).next_power_of_two(),
+        )?;
         let mut keys = self.alloc::<u64>(op, p as usize, || format!("the sort keys of {n} ids"))?; // (P)
         let f = self.function(&EMBEDDING, "braid_embedding_keys")?;
         let cfg = grid_for(p as usize);
@@ -100,14 +115,18 @@ impl EmbeddingKernels for CudaBackend {
                 let mut y = self.alloc::<f32>(OP, total, what)?; // (N, C)
                 let f = self.function(&EMBEDDING, "braid_embedding_fwd_f32")?;
                 // SAFETY: signature above; `y` holds N*C, `tv` V*C, `idv` N elements.
-                unsafe { launch!(self, OP, f, grid_for(total); &mut y, tv, idv, &n64, &v32, &c64)? };
+                unsafe {
+                    launch!(self, OP, f, grid_for(total); &mut y, tv, idv, &n64, &v32, &c64)?
+                };
                 CudaStorage::F32(y)
             }
             CudaStorage::BF16(tv) => {
                 let mut y = self.alloc::<u16>(OP, total, what)?; // (N, C)
                 let f = self.function(&EMBEDDING, "braid_embedding_fwd_bf16")?;
                 // SAFETY: as above.
-                unsafe { launch!(self, OP, f, grid_for(total); &mut y, tv, idv, &n64, &v32, &c64)? };
+                unsafe {
+                    launch!(self, OP, f, grid_for(total); &mut y, tv, idv, &n64, &v32, &c64)?
+                };
                 CudaStorage::BF16(y)
             }
             CudaStorage::U32(_) => return Err(storage_err(OP, "table", table)),
@@ -122,20 +141,33 @@ impl EmbeddingKernels for CudaBackend {
         let [v, c] = dtable.shape().dims_n::<2>(OP, "dtable")?;
         if dtable.dtype() != DType::F32 {
             // A bf16 accumulator would round every add; grads accumulate in f32.
-            return Err(Error::DType { op: OP, arg: "dtable", got: dtable.dtype(), expected: DType::F32 });
+            return Err(Error::DType {
+                op: OP,
+                arg: "dtable",
+                got: dtable.dtype(),
+                expected: DType::F32,
+            });
         }
         let idv = ids_slice(OP, ids)?; // (N)
         let n = ids.elem_count();
         let (n32, v32) = (to_u32(OP, "N", n)?, to_u32(OP, "V", v)?);
         let verdict = self.check_ids(OP, idv, n32, v32)?;
         // The sort touches only its own buffer, so it may run before the verdict is read.
-        let keys = if n > 0 && c > 0 { Some(self.sorted_keys(OP, idv, n32)?) } else { None };
+        let keys = if n > 0 && c > 0 {
+            Some(self.sorted_keys(OP, idv, n32)?)
+        } else {
+            None
+        };
         // dtable is untouched until every id is known to be in range.
         self.ids_error(OP, &verdict, v)?;
         let Some(keys) = keys else { return Ok(()) };
 
         let cfg = LaunchConfig {
-            grid_dim: (n.min(BWD_POSITION_BLOCKS) as u32, to_u32(OP, "C / 256", c.div_ceil(THREADS as usize))?, 1),
+            grid_dim: (
+                n.min(BWD_POSITION_BLOCKS) as u32,
+                to_u32(OP, "C / 256", c.div_ceil(THREADS as usize))?,
+                1,
+            ),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -148,7 +180,12 @@ impl EmbeddingKernels for CudaBackend {
         let f = self.function(&EMBEDDING, kernel)?;
         let dt = match dtable.cuda_storage_mut(OP, "dtable")? {
             CudaStorage::F32(dt) => dt,
-            _ => return Err(Error::invalid(OP, "`dtable` is not an f32 CUDA tensor".to_string())),
+            _ => {
+                return Err(Error::invalid(
+                    OP,
+                    "`dtable` is not an f32 CUDA tensor".to_string(),
+                ));
+            }
         };
         // braid_embedding_bwd_T(float* dtable, const T* dy, const u64* keys, u32 n, u64 c):
         // reads keys[0..N) and dy rows (positions < N), writes dtable rows (ids < V,

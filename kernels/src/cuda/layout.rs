@@ -41,7 +41,11 @@ macro_rules! map_storage {
 }
 
 /// The u32 buffer of an index tensor (ops checked its dtype).
-fn index_slice<'a>(op: &'static str, arg: &'static str, idx: &'a Tensor) -> Result<&'a CudaSlice<u32>> {
+fn index_slice<'a>(
+    op: &'static str,
+    arg: &'static str,
+    idx: &'a Tensor,
+) -> Result<&'a CudaSlice<u32>> {
     match idx.cuda_storage(op, arg)? {
         CudaStorage::U32(v) => Ok(v),
         _ => Err(storage_err(op, arg, idx)),
@@ -49,7 +53,10 @@ fn index_slice<'a>(op: &'static str, arg: &'static str, idx: &'a Tensor) -> Resu
 }
 
 fn out_of_range(op: &'static str, pos: u64, value: u32, rows: usize) -> Error {
-    Error::invalid(op, format!("idx[{pos}] = {value} is out of range for {rows} rows"))
+    Error::invalid(
+        op,
+        format!("idx[{pos}] = {value} is out of range for {rows} rows"),
+    )
 }
 
 impl LayoutKernels for CudaBackend {
@@ -87,7 +94,9 @@ impl LayoutKernels for CudaBackend {
             // writes all N*len of out, reads x at r*C + start + k < N*C.
             // SAFETY: signature above; ops checked start + len <= C, so every read is
             // inside x's N*C elements, and `out` holds N*len.
-            unsafe { launch!(self, OP, f, grid_for(n); &mut out, v, &rows64, &c64, &start64, &len64)? };
+            unsafe {
+                launch!(self, OP, f, grid_for(n); &mut out, v, &rows64, &c64, &start64, &len64)?
+            };
             out
         });
         Tensor::from_cuda(out, Shape::new([rows, len]))
@@ -134,7 +143,9 @@ impl LayoutKernels for CudaBackend {
         let (m32, rows32) = (to_u32(OP, "M", m)?, to_u32(OP, "N", rows)?);
 
         // Check every index before dst is touched: in range, then distinct.
-        let mut first = self.alloc::<u32>(OP, rows, || format!("the scatter's row flags ({rows} rows)"))?; // (N)
+        let mut first = self.alloc::<u32>(OP, rows, || {
+            format!("the scatter's row flags ({rows} rows)")
+        })?; // (N)
         let mut verdict = self.verdicts(OP, 2)?; // [out of range, repeat]
         let fill = self.function(&LAYOUT, "braid_fill_u32")?;
         let (rows64, none) = (rows as u64, u32::MAX);
@@ -145,7 +156,9 @@ impl LayoutKernels for CudaBackend {
         // braid_scatter_first(u32* first, u64* verdict, const u32* idx, u32 m, u32 rows):
         // reads idx[0..M), lowers first[idx[p]] only where idx[p] < N, and verdict[0].
         // SAFETY: signature above; `first` holds N, `verdict` 2, `ids` M elements.
-        unsafe { launch!(self, OP, pass1, grid_for(m); &mut first, &mut verdict, ids, &m32, &rows32)? };
+        unsafe {
+            launch!(self, OP, pass1, grid_for(m); &mut first, &mut verdict, ids, &m32, &rows32)?
+        };
         let pass2 = self.function(&LAYOUT, "braid_scatter_repeats")?;
         // braid_scatter_repeats(u64* verdict, const u32* first, const u32* idx, u32 m, u32 rows):
         // reads idx[0..M) and first[idx[p]] where idx[p] < N, lowers verdict[1].
@@ -170,14 +183,26 @@ impl LayoutKernels for CudaBackend {
         let dst_dbg = format!("{dst:?}");
         // braid_scatter_rows_T(T* dst, const T* src, const u32* idx, u64 m, u64 c): reads
         // src[0..M*C), writes dst rows idx[r] (all < N and distinct: checked above).
-        match (dst.cuda_storage_mut(OP, "dst")?, src.cuda_storage(OP, "src")?) {
+        match (
+            dst.cuda_storage_mut(OP, "dst")?,
+            src.cuda_storage(OP, "src")?,
+        ) {
             // SAFETY: signature above; `d` holds N*C, `s` M*C, `ids` M elements.
-            (CudaStorage::F32(d), CudaStorage::F32(s)) => unsafe { launch!(self, OP, f, grid_for(n); d, s, ids, &m64, &c64) },
+            (CudaStorage::F32(d), CudaStorage::F32(s)) => unsafe {
+                launch!(self, OP, f, grid_for(n); d, s, ids, &m64, &c64)
+            },
             // SAFETY: as above.
-            (CudaStorage::BF16(d), CudaStorage::BF16(s)) => unsafe { launch!(self, OP, f, grid_for(n); d, s, ids, &m64, &c64) },
+            (CudaStorage::BF16(d), CudaStorage::BF16(s)) => unsafe {
+                launch!(self, OP, f, grid_for(n); d, s, ids, &m64, &c64)
+            },
             // SAFETY: as above.
-            (CudaStorage::U32(d), CudaStorage::U32(s)) => unsafe { launch!(self, OP, f, grid_for(n); d, s, ids, &m64, &c64) },
-            _ => Err(Error::invalid(OP, format!("`dst` {dst_dbg} and `src` {src:?} differ in dtype"))),
+            (CudaStorage::U32(d), CudaStorage::U32(s)) => unsafe {
+                launch!(self, OP, f, grid_for(n); d, s, ids, &m64, &c64)
+            },
+            _ => Err(Error::invalid(
+                OP,
+                format!("`dst` {dst_dbg} and `src` {src:?} differ in dtype"),
+            )),
         }
     }
 }

@@ -29,7 +29,11 @@ impl LossKernels for CudaBackend {
         if targets.elem_count() != n {
             return Err(Error::shape(
                 OP,
-                format!("targets {} do not match logits {}", targets.shape(), logits.shape()),
+                format!(
+                    "targets {} do not match logits {}",
+                    targets.shape(),
+                    logits.shape()
+                ),
             ));
         }
         let tv = match targets.cuda_storage(OP, "targets")? {
@@ -38,13 +42,20 @@ impl LossKernels for CudaBackend {
         };
         let (n32, v32) = (to_u32(OP, "N", n)?, to_u32(OP, "V", v)?);
         if n32 > i32::MAX as u32 {
-            return Err(Error::invalid(OP, format!("N = {n} rows exceed a grid's 2^31 - 1 blocks")));
+            return Err(Error::invalid(
+                OP,
+                format!("N = {n} rows exceed a grid's 2^31 - 1 blocks"),
+            ));
         }
         let mut losses = self.alloc::<f32>(OP, n, || format!("the losses of {n} rows"))?; // (N)
         let mut verdict = self.verdicts(OP, 1)?;
         let total = n * v;
         let what = || format!("the logits' grad, like {logits:?}");
-        let cfg = LaunchConfig { grid_dim: (n32, 1, 1), block_dim: (CE_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (n32, 1, 1),
+            block_dim: (CE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
         // braid_cross_entropy_T(float* losses, T* dlogits, u64* verdict, const T* logits,
         //                       const u32* targets, u32 v, u32 ignore, float grad_scale):
         // block r reads targets[r], logits row r and writes losses[r] and dlogits row r in
@@ -87,6 +98,9 @@ impl LossKernels for CudaBackend {
                 ),
             ));
         }
-        Ok((Tensor::from_cuda(CudaStorage::F32(losses), [n])?, Tensor::from_cuda(dlogits, [n, v])?))
+        Ok((
+            Tensor::from_cuda(CudaStorage::F32(losses), [n])?,
+            Tensor::from_cuda(dlogits, [n, v])?,
+        ))
     }
 }

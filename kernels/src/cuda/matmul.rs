@@ -39,12 +39,20 @@ impl std::fmt::Debug for Blas {
 
 impl Blas {
     /// Hopper wants a 32 MiB workspace, older GPUs 4 MiB (NVIDIA's recommendation).
-    pub(crate) fn new(be_stream: &std::sync::Arc<cudarc::driver::CudaStream>, major: i32) -> std::result::Result<Self, String> {
+    pub(crate) fn new(
+        be_stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+        major: i32,
+    ) -> std::result::Result<Self, String> {
         let handle = lt::create_handle().map_err(|e| format!("cublasLtCreate: {e:?}"))?;
         let size = if major >= 9 { 32 << 20 } else { 4 << 20 };
         // SAFETY: a workspace is scratch that cuBLASLt writes before it reads.
-        let workspace = unsafe { be_stream.alloc::<u8>(size) }.map_err(|e| format!("allocating the cuBLASLt workspace: {e}"))?;
-        Ok(Blas { handle, workspace, algos: HashMap::new() })
+        let workspace = unsafe { be_stream.alloc::<u8>(size) }
+            .map_err(|e| format!("allocating the cuBLASLt workspace: {e}"))?;
+        Ok(Blas {
+            handle,
+            workspace,
+            algos: HashMap::new(),
+        })
     }
 }
 
@@ -91,11 +99,22 @@ impl Drop for Pref {
 }
 
 fn blas_err(op: &'static str, be: &CudaBackend, what: &str, e: impl std::fmt::Debug) -> Error {
-    Error::Cuda { op, device: be.device(), msg: format!("{what}: {e:?}") }
+    Error::Cuda {
+        op,
+        device: be.device(),
+        msg: format!("{what}: {e:?}"),
+    }
 }
 
 /// A column-major layout of `rows x cols` with leading dimension `ld`, batched.
-fn layout(dtype: sys::cudaDataType, rows: u64, cols: u64, ld: i64, batch: usize, stride: usize) -> std::result::Result<Layout, lt::CublasError> {
+fn layout(
+    dtype: sys::cudaDataType,
+    rows: u64,
+    cols: u64,
+    ld: i64,
+    batch: usize,
+    stride: usize,
+) -> std::result::Result<Layout, lt::CublasError> {
     let l = Layout(lt::create_matrix_layout(dtype, rows, cols, ld)?);
     if batch > 1 {
         let count = batch as i32;
@@ -120,11 +139,22 @@ fn layout(dtype: sys::cudaDataType, rows: u64, cols: u64, ld: i64, batch: usize,
     Ok(l)
 }
 
-fn set_trans(desc: &Desc, attr: sys::cublasLtMatmulDescAttributes_t, t: bool) -> std::result::Result<(), lt::CublasError> {
+fn set_trans(
+    desc: &Desc,
+    attr: sys::cublasLtMatmulDescAttributes_t,
+    t: bool,
+) -> std::result::Result<(), lt::CublasError> {
     // cublasOperation_t as an int32: CUBLAS_OP_N = 0, CUBLAS_OP_T = 1.
     let op = i32::from(t);
     // SAFETY: TRANSA/TRANSB take a cublasOperation_t (an int32); `op` outlives the call.
-    unsafe { lt::set_matmul_desc_attribute(desc.0, attr, (&op as *const i32).cast::<c_void>(), size_of::<i32>()) }
+    unsafe {
+        lt::set_matmul_desc_attribute(
+            desc.0,
+            attr,
+            (&op as *const i32).cast::<c_void>(),
+            size_of::<i32>(),
+        )
+    }
 }
 
 impl CudaBackend {
@@ -147,15 +177,31 @@ impl CudaBackend {
         let (ar, ac, lda) = if spec.trans_b { (k, n, k) } else { (n, k, n) };
         // cuBLAS's B = our A: (M, K) row-major = col-major K x M, ld K; or (K, M) = M x K.
         let (br, bc, ldb) = if spec.trans_a { (m, k, m) } else { (k, m, k) };
-        let la = layout(b_type, ar, ac, lda as i64, spec.batch, spec.stride_b).map_err(|x| e("layout A", x))?;
-        let lb = layout(a_type, br, bc, ldb as i64, spec.batch, spec.stride_a).map_err(|x| e("layout B", x))?;
-        let lc = layout(c_type, n, m, n as i64, spec.batch, spec.m * spec.n).map_err(|x| e("layout C", x))?;
+        let la = layout(b_type, ar, ac, lda as i64, spec.batch, spec.stride_b)
+            .map_err(|x| e("layout A", x))?;
+        let lb = layout(a_type, br, bc, ldb as i64, spec.batch, spec.stride_a)
+            .map_err(|x| e("layout B", x))?;
+        let lc = layout(c_type, n, m, n as i64, spec.batch, spec.m * spec.n)
+            .map_err(|x| e("layout C", x))?;
         let desc = Desc(
-            lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType_t::CUDA_R_32F)
-                .map_err(|x| e("matmul desc", x))?,
+            lt::create_matmul_desc(
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cudaDataType_t::CUDA_R_32F,
+            )
+            .map_err(|x| e("matmul desc", x))?,
         );
-        set_trans(&desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, spec.trans_b).map_err(|x| e("TRANSA", x))?;
-        set_trans(&desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, spec.trans_a).map_err(|x| e("TRANSB", x))?;
+        set_trans(
+            &desc,
+            sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+            spec.trans_b,
+        )
+        .map_err(|x| e("TRANSA", x))?;
+        set_trans(
+            &desc,
+            sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+            spec.trans_a,
+        )
+        .map_err(|x| e("TRANSB", x))?;
 
         let mut blas = lock(&self.blas);
         let key = GemmKey {
@@ -184,8 +230,18 @@ impl CudaBackend {
                 }
                 .map_err(|x| e("workspace preference", x))?;
                 // SAFETY: every descriptor is live (owned above) and describes the call.
-                let h = unsafe { lt::get_matmul_algo_heuristic(blas.handle, desc.0, la.0, lb.0, lc.0, lc.0, pref.0) }
-                    .map_err(|x| e(&format!("no cuBLASLt algorithm for {spec:?}"), x))?;
+                let h = unsafe {
+                    lt::get_matmul_algo_heuristic(
+                        blas.handle,
+                        desc.0,
+                        la.0,
+                        lb.0,
+                        lc.0,
+                        lc.0,
+                        pref.0,
+                    )
+                }
+                .map_err(|x| e(&format!("no cuBLASLt algorithm for {spec:?}"), x))?;
                 blas.algos.insert(key, h.algo);
                 h.algo
             }
@@ -242,16 +298,27 @@ impl MatmulKernels for CudaBackend {
             CudaStorage::U32(_) => return Err(storage_err(OP, "b", b)),
         };
         if ta != tb {
-            return Err(Error::invalid(OP, format!("`a` {a:?} and `b` {b:?} differ in dtype")));
+            return Err(Error::invalid(
+                OP,
+                format!("`a` {a:?} and `b` {b:?} differ in dtype"),
+            ));
         }
         let c_dbg = format!("{c:?}");
         let (pc, tc) = match c.cuda_storage_mut(OP, "c")? {
             CudaStorage::F32(s) => (s.device_ptr_mut(&self.stream).0, R_32F),
             CudaStorage::BF16(s) => (s.device_ptr_mut(&self.stream).0, R_16BF),
-            CudaStorage::U32(_) => return Err(Error::invalid(OP, format!("`c` {c_dbg} is not a float tensor"))),
+            CudaStorage::U32(_) => {
+                return Err(Error::invalid(
+                    OP,
+                    format!("`c` {c_dbg} is not a float tensor"),
+                ));
+            }
         };
         if ta == R_32F && tc != R_32F {
-            return Err(Error::invalid(OP, format!("f32 inputs need an f32 `c`, got {c_dbg}")));
+            return Err(Error::invalid(
+                OP,
+                format!("f32 inputs need an f32 `c`, got {c_dbg}"),
+            ));
         }
         if spec.k == 0 {
             // op(A) op(B) is all zeros: C = beta C (cuBLASLt rejects K = 0). With
@@ -283,7 +350,10 @@ impl MatmulKernels for CudaBackend {
                 // SAFETY: as above.
                 unsafe { launch!(self, OP, f, cfg; ys, bs, &rows64, &c32) }
             }
-            _ => Err(Error::invalid(OP, format!("`y` {y_dbg} and `bias` {bias:?} differ in dtype"))),
+            _ => Err(Error::invalid(
+                OP,
+                format!("`y` {y_dbg} and `bias` {bias:?} differ in dtype"),
+            )),
         }
     }
 
@@ -297,17 +367,46 @@ impl MatmulKernels for CudaBackend {
         // Groups of rows summed separately, then in order: a function of N only, so the
         // bits do not depend on the GPU.
         let groups = rows.div_ceil(64).clamp(1, 256);
-        let (rows64, c32, g32) = (rows as u64, super::to_u32(OP, "channels", c)?, groups as u32);
-        let mut partial = self.alloc::<f32>(OP, groups * c, || format!("bias-grad partial sums ({groups}, {c})"))?;
+        let (rows64, c32, g32) = (
+            rows as u64,
+            super::to_u32(OP, "channels", c)?,
+            groups as u32,
+        );
+        let mut partial = self.alloc::<f32>(OP, groups * c, || {
+            format!("bias-grad partial sums ({groups}, {c})")
+        })?;
         let col_blocks = c.div_ceil(256) as u32;
-        let cfg1 = LaunchConfig { grid_dim: (col_blocks, g32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let cfg2 = LaunchConfig { grid_dim: (col_blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let kernel = |t: &str| if t == "f32" { ("braid_bias_grad_partial_f32", "braid_bias_grad_finish_f32") } else { ("braid_bias_grad_partial_bf16", "braid_bias_grad_finish_bf16") };
+        let cfg1 = LaunchConfig {
+            grid_dim: (col_blocks, g32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let cfg2 = LaunchConfig {
+            grid_dim: (col_blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let kernel = |t: &str| {
+            if t == "f32" {
+                ("braid_bias_grad_partial_f32", "braid_bias_grad_finish_f32")
+            } else {
+                (
+                    "braid_bias_grad_partial_bf16",
+                    "braid_bias_grad_finish_bf16",
+                )
+            }
+        };
         let db_dbg = format!("{dbias:?}");
-        match (dy.cuda_storage(OP, "dy")?, dbias.cuda_storage_mut(OP, "dbias")?) {
+        match (
+            dy.cuda_storage(OP, "dy")?,
+            dbias.cuda_storage_mut(OP, "dbias")?,
+        ) {
             (CudaStorage::F32(d), CudaStorage::F32(db)) => {
                 let (k1, k2) = kernel("f32");
-                let (f1, f2) = (self.function(&ELEMENTWISE, k1)?, self.function(&ELEMENTWISE, k2)?);
+                let (f1, f2) = (
+                    self.function(&ELEMENTWISE, k1)?,
+                    self.function(&ELEMENTWISE, k2)?,
+                );
                 // SAFETY: braid_bias_grad_partial_T(float* p, const T* dy, u64 n, u32 c)
                 // writes p[g, col] for every g < G, col < c (grid covers both); dy holds n x c.
                 unsafe { launch!(self, OP, f1, cfg1; &mut partial, d, &rows64, &c32)? };
@@ -316,14 +415,19 @@ impl MatmulKernels for CudaBackend {
             }
             (CudaStorage::BF16(d), CudaStorage::BF16(db)) => {
                 let (k1, k2) = kernel("bf16");
-                let (f1, f2) = (self.function(&ELEMENTWISE, k1)?, self.function(&ELEMENTWISE, k2)?);
+                let (f1, f2) = (
+                    self.function(&ELEMENTWISE, k1)?,
+                    self.function(&ELEMENTWISE, k2)?,
+                );
                 // SAFETY: as above.
                 unsafe { launch!(self, OP, f1, cfg1; &mut partial, d, &rows64, &c32)? };
                 // SAFETY: as above.
                 unsafe { launch!(self, OP, f2, cfg2; db, &partial, &g32, &c32) }
             }
-            _ => Err(Error::invalid(OP, format!("`dy` {dy:?} and `dbias` {db_dbg} differ in dtype"))),
+            _ => Err(Error::invalid(
+                OP,
+                format!("`dy` {dy:?} and `dbias` {db_dbg} differ in dtype"),
+            )),
         }
     }
 }
-

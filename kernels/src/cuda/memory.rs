@@ -3,7 +3,6 @@
 use half::bf16;
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 
-
 use super::compile::MEMORY;
 use super::{CudaBackend, CudaStorage, backend, grid_for};
 use crate::backend::MemoryKernels;
@@ -29,12 +28,16 @@ impl MemoryKernels for CudaBackend {
         const OP: &str = "copy_from_host";
         let err = |e| self.driver_err(OP, e);
         let storage = match &data {
-            CpuStorage::F32(v) => CudaStorage::F32(self.stream.clone_htod(v.as_slice()).map_err(err)?),
+            CpuStorage::F32(v) => {
+                CudaStorage::F32(self.stream.clone_htod(v.as_slice()).map_err(err)?)
+            }
             CpuStorage::BF16(v) => {
                 let bits: &[u16] = v.as_slice().reinterpret_cast();
                 CudaStorage::BF16(self.stream.clone_htod(bits).map_err(err)?)
             }
-            CpuStorage::U32(v) => CudaStorage::U32(self.stream.clone_htod(v.as_slice()).map_err(err)?),
+            CpuStorage::U32(v) => {
+                CudaStorage::U32(self.stream.clone_htod(v.as_slice()).map_err(err)?)
+            }
         };
         Tensor::from_cuda(storage, shape)
     }
@@ -104,4 +107,3 @@ pub(crate) fn zero_storage(s: &mut CudaStorage) -> Result<()> {
         CudaStorage::U32(x) => b.stream.memset_zeros(x).map_err(err),
     }
 }
-

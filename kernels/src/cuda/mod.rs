@@ -28,8 +28,8 @@ macro_rules! launch {
     }};
 }
 
-mod context;
 pub mod compile;
+mod context;
 mod storage;
 
 mod activation;
@@ -47,8 +47,8 @@ mod rope;
 mod vocab_loss;
 
 pub use context::{CudaBackend, backend, unavailable_reason};
-pub use storage::CudaStorage;
 pub(crate) use memory::{clone_storage, zero_storage};
+pub use storage::CudaStorage;
 
 use cudarc::driver::LaunchConfig;
 
@@ -79,13 +79,19 @@ pub(crate) fn grid_for(n: usize) -> LaunchConfig {
 /// A `usize` that a kernel takes as `int`/`u32` (rows, channels, heads), or an error
 /// naming it when it does not fit.
 pub(crate) fn to_u32(op: &'static str, what: &str, v: usize) -> Result<u32> {
-    u32::try_from(v).map_err(|_| Error::invalid(op, format!("{what} = {v} does not fit the kernel's 32-bit index")))
+    u32::try_from(v).map_err(|_| {
+        Error::invalid(
+            op,
+            format!("{what} = {v} does not fit the kernel's 32-bit index"),
+        )
+    })
 }
-
 
 /// Shorthand used by every family: the backend's error for a CUDA tensor of the wrong
 /// storage (ops validate dtypes first, so this only fires on an internal mistake).
 pub(crate) fn storage_err(op: &'static str, arg: &'static str, t: &Tensor) -> Error {
-    Error::invalid(op, format!("`{arg}` {t:?} is not a CUDA tensor of the expected dtype"))
+    Error::invalid(
+        op,
+        format!("`{arg}` {t:?} is not a CUDA tensor of the expected dtype"),
+    )
 }
-

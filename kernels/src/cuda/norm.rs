@@ -30,12 +30,20 @@ fn stats<'a>(op: &'static str, arg: &'static str, t: &'a Tensor) -> Result<&'a C
 /// do not depend on how many rows come with it.
 fn row_launch(n: u32, c: usize) -> LaunchConfig {
     let threads = (c.div_ceil(32) * 32).clamp(32, 256) as u32;
-    LaunchConfig { grid_dim: (n, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig {
+        grid_dim: (n, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// The grid of the first stage of a parameter-grad sum: column blocks x [`GROUPS`].
 fn partial_launch(c: u32) -> LaunchConfig {
-    LaunchConfig { grid_dim: (c.div_ceil(COL_THREADS), GROUPS, 1), block_dim: (COL_THREADS, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig {
+        grid_dim: (c.div_ceil(COL_THREADS), GROUPS, 1),
+        block_dim: (COL_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// `(N, C)` of a normalized tensor, as the kernels' 32-bit counts.
@@ -46,7 +54,13 @@ fn dims(op: &'static str, x: &Tensor, w: &Tensor) -> Result<(u32, u32)> {
 }
 
 impl NormKernels for CudaBackend {
-    fn layer_norm_fwd(&self, x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f32) -> Result<(Tensor, Tensor, Tensor)> {
+    fn layer_norm_fwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: Option<&Tensor>,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         match x.dtype() {
             DType::F32 => self.ln_fwd::<f32>(x, w, b, eps),
             DType::BF16 => self.ln_fwd::<u16>(x, w, b, eps),
@@ -79,7 +93,14 @@ impl NormKernels for CudaBackend {
         }
     }
 
-    fn rms_norm_bwd(&self, dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor, dw: Option<&mut Tensor>) -> Result<Tensor> {
+    fn rms_norm_bwd(
+        &self,
+        dy: &Tensor,
+        x: &Tensor,
+        w: &Tensor,
+        rstd: &Tensor,
+        dw: Option<&mut Tensor>,
+    ) -> Result<Tensor> {
         match x.dtype() {
             DType::F32 => self.rms_bwd::<f32>(dy, x, w, rstd, dw),
             DType::BF16 => self.rms_bwd::<u16>(dy, x, w, rstd, dw),
@@ -89,7 +110,13 @@ impl NormKernels for CudaBackend {
 }
 
 impl CudaBackend {
-    fn ln_fwd<T: DeviceFloat>(&self, x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f32) -> Result<(Tensor, Tensor, Tensor)> {
+    fn ln_fwd<T: DeviceFloat>(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: Option<&Tensor>,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         const OP: &str = "layer_norm_fwd";
         let (n, c) = dims(OP, x, w)?;
         let xs = slice::<T>(OP, "x", x)?; // (N, C)
@@ -104,12 +131,17 @@ impl CudaBackend {
         let mut mean = self.alloc::<f32>(OP, n as usize, || "layer norm means".into())?; // (N)
         let mut rstd = self.alloc::<f32>(OP, n as usize, || "layer norm rstds".into())?; // (N)
         if n > 0 {
-            let f = self.function(&NORM, T::pick("braid_layer_norm_fwd_f32", "braid_layer_norm_fwd_bf16"))?;
+            let f = self.function(
+                &NORM,
+                T::pick("braid_layer_norm_fwd_f32", "braid_layer_norm_fwd_bf16"),
+            )?;
             // braid_layer_norm_fwd_T(T* y, float* mean, float* rstd, const T* x, const T* w,
             //                        const T* b, int has_bias, u32 C, float eps)
             // SAFETY: signature above; grid N blocks, block n writes row n of y (C values of
             // the N*C) and mean[n], rstd[n] (N each); x is N*C, w and b hold C.
-            unsafe { launch!(self, OP, f, row_launch(n, c as usize); &mut y, &mut mean, &mut rstd, xs, ws, bs, &has_bias, &c, &eps)? };
+            unsafe {
+                launch!(self, OP, f, row_launch(n, c as usize); &mut y, &mut mean, &mut rstd, xs, ws, bs, &has_bias, &c, &eps)?
+            };
         }
         Ok((
             Tensor::from_cuda(T::wrap(y), x.shape().clone())?,
@@ -136,31 +168,48 @@ impl CudaBackend {
         let ws = slice::<T>(OP, "w", w)?; // (C)
         let ms = stats(OP, "mean", mean)?; // (N)
         let rs = stats(OP, "rstd", rstd)?; // (N)
-        let mut dx = self.alloc::<T>(OP, x.elem_count(), || format!("the layer norm grad of {x:?}"))?; // (N, C)
+        let mut dx = self.alloc::<T>(OP, x.elem_count(), || {
+            format!("the layer norm grad of {x:?}")
+        })?; // (N, C)
         if n == 0 {
             // No rows: dx is empty and the parameter grads gain nothing.
             return Tensor::from_cuda(T::wrap(dx), x.shape().clone());
         }
-        let f = self.function(&NORM, T::pick("braid_layer_norm_bwd_f32", "braid_layer_norm_bwd_bf16"))?;
+        let f = self.function(
+            &NORM,
+            T::pick("braid_layer_norm_bwd_f32", "braid_layer_norm_bwd_bf16"),
+        )?;
         // braid_layer_norm_bwd_T(T* dx, const T* dy, const T* x, const T* w,
         //                        const float* mean, const float* rstd, u32 C)
         // SAFETY: signature above; block n writes row n of dx (N*C) and reads row n of dy
         // and x (N*C), mean[n], rstd[n] (N) and w (C).
-        unsafe { launch!(self, OP, f, row_launch(n, c as usize); &mut dx, dys, xs, ws, ms, rs, &c)? };
+        unsafe {
+            launch!(self, OP, f, row_launch(n, c as usize); &mut dx, dys, xs, ws, ms, rs, &c)?
+        };
 
         if dw.is_some() || db.is_some() {
             let (want_dw, want_db) = (i32::from(dw.is_some()), i32::from(db.is_some()));
             let g_c = GROUPS as usize * c as usize;
             // (2, G, C): the dw partials, then the db partials; every slot of a wanted
             // part is written by the first stage.
-            let mut partial = self.alloc::<f64>(OP, 2 * g_c, || "layer norm parameter-grad partial sums".into())?;
-            let f = self.function(&NORM, T::pick("braid_layer_norm_param_partial_f32", "braid_layer_norm_param_partial_bf16"))?;
+            let mut partial = self.alloc::<f64>(OP, 2 * g_c, || {
+                "layer norm parameter-grad partial sums".into()
+            })?;
+            let f = self.function(
+                &NORM,
+                T::pick(
+                    "braid_layer_norm_param_partial_f32",
+                    "braid_layer_norm_param_partial_bf16",
+                ),
+            )?;
             // braid_layer_norm_param_partial_T(double* partial, const T* dy, const T* x,
             //     const float* mean, const float* rstd, u32 N, u32 C, int want_dw, int want_db)
             // SAFETY: signature above; grid (ceil(C/256), G): thread (j < C, g) writes
             // partial[g*C + j] and partial[(G + g)*C + j], inside the 2*G*C; reads rows
             // n < N of dy and x (N*C) and mean[n], rstd[n].
-            unsafe { launch!(self, OP, f, partial_launch(c); &mut partial, dys, xs, ms, rs, &n, &c, &want_dw, &want_db)? };
+            unsafe {
+                launch!(self, OP, f, partial_launch(c); &mut partial, dys, xs, ms, rs, &n, &c, &want_dw, &want_db)?
+            };
             if let Some(dw) = dw {
                 self.add_partials::<T>(OP, slice_mut::<T>(OP, "dw", dw)?, &partial, 0, c)?;
             }
@@ -171,7 +220,12 @@ impl CudaBackend {
         Tensor::from_cuda(T::wrap(dx), x.shape().clone())
     }
 
-    fn rms_fwd<T: DeviceFloat>(&self, x: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
+    fn rms_fwd<T: DeviceFloat>(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor)> {
         const OP: &str = "rms_norm_fwd";
         let (n, c) = dims(OP, x, w)?;
         let xs = slice::<T>(OP, "x", x)?; // (N, C)
@@ -179,11 +233,16 @@ impl CudaBackend {
         let mut y = self.alloc::<T>(OP, x.elem_count(), || format!("the RMS norm of {x:?}"))?; // (N, C)
         let mut rstd = self.alloc::<f32>(OP, n as usize, || "RMS norm rstds".into())?; // (N)
         if n > 0 {
-            let f = self.function(&NORM, T::pick("braid_rms_norm_fwd_f32", "braid_rms_norm_fwd_bf16"))?;
+            let f = self.function(
+                &NORM,
+                T::pick("braid_rms_norm_fwd_f32", "braid_rms_norm_fwd_bf16"),
+            )?;
             // braid_rms_norm_fwd_T(T* y, float* rstd, const T* x, const T* w, u32 C, float eps)
             // SAFETY: signature above; block n writes row n of y (N*C) and rstd[n] (N),
             // reads row n of x (N*C) and w (C).
-            unsafe { launch!(self, OP, f, row_launch(n, c as usize); &mut y, &mut rstd, xs, ws, &c, &eps)? };
+            unsafe {
+                launch!(self, OP, f, row_launch(n, c as usize); &mut y, &mut rstd, xs, ws, &c, &eps)?
+            };
         }
         Ok((
             Tensor::from_cuda(T::wrap(y), x.shape().clone())?,
@@ -191,26 +250,45 @@ impl CudaBackend {
         ))
     }
 
-    fn rms_bwd<T: DeviceFloat>(&self, dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor, dw: Option<&mut Tensor>) -> Result<Tensor> {
+    fn rms_bwd<T: DeviceFloat>(
+        &self,
+        dy: &Tensor,
+        x: &Tensor,
+        w: &Tensor,
+        rstd: &Tensor,
+        dw: Option<&mut Tensor>,
+    ) -> Result<Tensor> {
         const OP: &str = "rms_norm_bwd";
         let (n, c) = dims(OP, x, w)?;
         let dys = slice::<T>(OP, "dy", dy)?; // (N, C)
         let xs = slice::<T>(OP, "x", x)?; // (N, C)
         let ws = slice::<T>(OP, "w", w)?; // (C)
         let rs = stats(OP, "rstd", rstd)?; // (N)
-        let mut dx = self.alloc::<T>(OP, x.elem_count(), || format!("the RMS norm grad of {x:?}"))?; // (N, C)
+        let mut dx =
+            self.alloc::<T>(OP, x.elem_count(), || format!("the RMS norm grad of {x:?}"))?; // (N, C)
         if n == 0 {
             return Tensor::from_cuda(T::wrap(dx), x.shape().clone());
         }
-        let f = self.function(&NORM, T::pick("braid_rms_norm_bwd_f32", "braid_rms_norm_bwd_bf16"))?;
+        let f = self.function(
+            &NORM,
+            T::pick("braid_rms_norm_bwd_f32", "braid_rms_norm_bwd_bf16"),
+        )?;
         // braid_rms_norm_bwd_T(T* dx, const T* dy, const T* x, const T* w, const float* rstd, u32 C)
         // SAFETY: signature above; block n writes row n of dx (N*C), reads row n of dy, x
         // (N*C), rstd[n] (N) and w (C).
         unsafe { launch!(self, OP, f, row_launch(n, c as usize); &mut dx, dys, xs, ws, rs, &c)? };
         if let Some(dw) = dw {
             // (1, G, C): only the dw part.
-            let mut partial = self.alloc::<f64>(OP, GROUPS as usize * c as usize, || "RMS norm dw partial sums".into())?;
-            let f = self.function(&NORM, T::pick("braid_rms_norm_param_partial_f32", "braid_rms_norm_param_partial_bf16"))?;
+            let mut partial = self.alloc::<f64>(OP, GROUPS as usize * c as usize, || {
+                "RMS norm dw partial sums".into()
+            })?;
+            let f = self.function(
+                &NORM,
+                T::pick(
+                    "braid_rms_norm_param_partial_f32",
+                    "braid_rms_norm_param_partial_bf16",
+                ),
+            )?;
             // braid_rms_norm_param_partial_T(double* partial, const T* dy, const T* x,
             //                                const float* rstd, u32 N, u32 C)
             // SAFETY: signature above; grid (ceil(C/256), G): thread (j < C, g) writes only
@@ -224,8 +302,21 @@ impl CudaBackend {
 
     /// Stage 2: `out[j] += sum_g partial[offset + g*C + j]`, G = [`GROUPS`], for j < C.
     /// A bf16 `out` is read, summed in f32 and rounded back to bf16.
-    fn add_partials<T: DeviceFloat>(&self, op: &'static str, out: &mut CudaSlice<T>, partial: &CudaSlice<f64>, offset: u64, c: u32) -> Result<()> {
-        let f = self.function(&NORM, T::pick("braid_norm_sum_partials_f32", "braid_norm_sum_partials_bf16"))?;
+    fn add_partials<T: DeviceFloat>(
+        &self,
+        op: &'static str,
+        out: &mut CudaSlice<T>,
+        partial: &CudaSlice<f64>,
+        offset: u64,
+        c: u32,
+    ) -> Result<()> {
+        let f = self.function(
+            &NORM,
+            T::pick(
+                "braid_norm_sum_partials_f32",
+                "braid_norm_sum_partials_bf16",
+            ),
+        )?;
         // braid_norm_sum_partials_T(T* out, const double* partial, u64 offset, u32 G, u32 C)
         // SAFETY: signature above; `out` holds C (ops checked dw/db against w), `partial`
         // holds at least offset + G*C (the callers allocate (2, G, C) or (1, G, C) and pass

@@ -10,7 +10,14 @@ use crate::ops::optim::AdamWSpec;
 use crate::tensor::Tensor;
 
 impl OptimKernels for CudaBackend {
-    fn adamw_step(&self, param: &mut Tensor, grad: &Tensor, m: &mut Tensor, v: &mut Tensor, spec: &AdamWSpec) -> Result<()> {
+    fn adamw_step(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        m: &mut Tensor,
+        v: &mut Tensor,
+        spec: &AdamWSpec,
+    ) -> Result<()> {
         const OP: &str = "adamw_step";
         let n = param.elem_count();
         if grad.elem_count() != n || m.elem_count() != n || v.elem_count() != n {

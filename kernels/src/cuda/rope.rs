@@ -40,7 +40,9 @@ impl CudaBackend {
         // SAFETY: signature above; `y` and `x` hold n = T*NH*HS elements and the tables
         // T*(R/2) (ops checked cos/sin are (T, R/2) with the x's T, and 2 * half <= HS,
         // so x[head + ch + half] stays inside the head).
-        unsafe { launch!(self, OP, f, grid_for(d.n); &mut y, x, cos, sin, &d.nh, &d.hs, &d.half, &d.sign, &n64)? };
+        unsafe {
+            launch!(self, OP, f, grid_for(d.n); &mut y, x, cos, sin, &d.nh, &d.hs, &d.half, &d.sign, &n64)?
+        };
         Ok(y)
     }
 }
@@ -52,14 +54,32 @@ impl RopeKernels for CudaBackend {
         let [_, half] = cos.shape().dims_n::<2>(OP, "cos")?;
         // The backward rotates by -theta: cos is even, sin odd.
         let sign = if inverse { -1.0f32 } else { 1.0 };
-        let d = RopeDims { nh: nh as u64, hs: hs as u64, half: half as u64, sign, n: x.elem_count() };
+        let d = RopeDims {
+            nh: nh as u64,
+            hs: hs as u64,
+            half: half as u64,
+            sign,
+            n: x.elem_count(),
+        };
         let what = || format!("the rotation of {x:?}");
         use CudaStorage::{BF16, F32};
-        let y = match (x.cuda_storage(OP, "x")?, cos.cuda_storage(OP, "cos")?, sin.cuda_storage(OP, "sin")?) {
-            (F32(xv), F32(c), F32(s)) => F32(self.rope_typed("braid_rope_f32_f32", xv, c, s, &d, what)?),
-            (F32(xv), BF16(c), BF16(s)) => F32(self.rope_typed("braid_rope_f32_bf16", xv, c, s, &d, what)?),
-            (BF16(xv), F32(c), F32(s)) => BF16(self.rope_typed("braid_rope_bf16_f32", xv, c, s, &d, what)?),
-            (BF16(xv), BF16(c), BF16(s)) => BF16(self.rope_typed("braid_rope_bf16_bf16", xv, c, s, &d, what)?),
+        let y = match (
+            x.cuda_storage(OP, "x")?,
+            cos.cuda_storage(OP, "cos")?,
+            sin.cuda_storage(OP, "sin")?,
+        ) {
+            (F32(xv), F32(c), F32(s)) => {
+                F32(self.rope_typed("braid_rope_f32_f32", xv, c, s, &d, what)?)
+            }
+            (F32(xv), BF16(c), BF16(s)) => {
+                F32(self.rope_typed("braid_rope_f32_bf16", xv, c, s, &d, what)?)
+            }
+            (BF16(xv), F32(c), F32(s)) => {
+                BF16(self.rope_typed("braid_rope_bf16_f32", xv, c, s, &d, what)?)
+            }
+            (BF16(xv), BF16(c), BF16(s)) => {
+                BF16(self.rope_typed("braid_rope_bf16_bf16", xv, c, s, &d, what)?)
+            }
             (F32(_) | BF16(_), _, _) => return Err(storage_err(OP, "cos", cos)),
             _ => return Err(storage_err(OP, "x", x)),
         };

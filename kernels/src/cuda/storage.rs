@@ -59,7 +59,9 @@ impl CudaStorage {
 
 /// An element type of a float device buffer: `f32`, or bf16 as its raw `u16` bits.
 /// Lets one generic function serve both dtypes; `pick` chooses the kernel's name.
-pub(crate) trait DeviceFloat: DeviceRepr + ValidAsZeroBits + Unpin + Sized + 'static {
+pub(crate) trait DeviceFloat:
+    DeviceRepr + ValidAsZeroBits + Unpin + Sized + 'static
+{
     const IS_BF16: bool;
     fn of(s: &CudaStorage) -> Option<&CudaSlice<Self>>;
     fn of_mut(s: &mut CudaStorage) -> Option<&mut CudaSlice<Self>>;
@@ -109,16 +111,26 @@ impl DeviceFloat for u16 {
 }
 
 /// The `T` buffer of a CUDA tensor, or the backend's dtype error.
-pub(crate) fn slice<'a, T: DeviceFloat>(op: &'static str, arg: &'static str, t: &'a Tensor) -> Result<&'a CudaSlice<T>> {
+pub(crate) fn slice<'a, T: DeviceFloat>(
+    op: &'static str,
+    arg: &'static str,
+    t: &'a Tensor,
+) -> Result<&'a CudaSlice<T>> {
     T::of(t.cuda_storage(op, arg)?).ok_or_else(|| storage_err(op, arg, t))
 }
 
 /// The `T` buffer of a CUDA tensor, mutably.
-pub(crate) fn slice_mut<'a, T: DeviceFloat>(op: &'static str, arg: &'static str, t: &'a mut Tensor) -> Result<&'a mut CudaSlice<T>> {
+pub(crate) fn slice_mut<'a, T: DeviceFloat>(
+    op: &'static str,
+    arg: &'static str,
+    t: &'a mut Tensor,
+) -> Result<&'a mut CudaSlice<T>> {
     let dbg = format!("{t:?}");
     match T::of_mut(t.cuda_storage_mut(op, arg)?) {
         Some(s) => Ok(s),
-        None => Err(crate::Error::invalid(op, format!("`{arg}` {dbg} is not a CUDA tensor of the expected dtype"))),
+        None => Err(crate::Error::invalid(
+            op,
+            format!("`{arg}` {dbg} is not a CUDA tensor of the expected dtype"),
+        )),
     }
 }
-

@@ -11,7 +11,11 @@ use crate::tensor::Tensor;
 
 /// One block per row; 256 threads stride over the row's Vl columns.
 fn per_row(t: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (t.max(1) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig {
+        grid_dim: (t.max(1) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 impl VocabLossKernels for CudaBackend {
@@ -24,7 +28,11 @@ impl VocabLossKernels for CudaBackend {
     ) -> Result<Tensor> {
         const OP: &str = "vocab_loss_partials";
         let [t, vl] = logits.shape().dims_n::<2>(OP, "logits")?;
-        let (t32, vl32, start) = (to_u32(OP, "T", t)?, to_u32(OP, "Vl", vl)?, vocab_start as u64);
+        let (t32, vl32, start) = (
+            to_u32(OP, "T", t)?,
+            to_u32(OP, "Vl", vl)?,
+            vocab_start as u64,
+        );
         let mut out = self.alloc::<f32>(OP, 3 * t, || format!("vocab-loss partials (3, {t})"))?;
         let CudaStorage::U32(tg) = targets.cuda_storage(OP, "targets")? else {
             return Err(storage_err(OP, "targets", targets));
@@ -37,12 +45,16 @@ impl VocabLossKernels for CudaBackend {
                 CudaStorage::F32(x) => {
                     let f = self.function(&VOCAB_LOSS, "braid_vocab_loss_partials_f32")?;
                     // SAFETY: signature above; x holds t x vl, tg t, out 3t elements.
-                    unsafe { launch!(self, OP, f, per_row(t); &mut out, x, tg, &t32, &vl32, &start, &ignore_index)? }
+                    unsafe {
+                        launch!(self, OP, f, per_row(t); &mut out, x, tg, &t32, &vl32, &start, &ignore_index)?
+                    }
                 }
                 CudaStorage::BF16(x) => {
                     let f = self.function(&VOCAB_LOSS, "braid_vocab_loss_partials_bf16")?;
                     // SAFETY: as above.
-                    unsafe { launch!(self, OP, f, per_row(t); &mut out, x, tg, &t32, &vl32, &start, &ignore_index)? }
+                    unsafe {
+                        launch!(self, OP, f, per_row(t); &mut out, x, tg, &t32, &vl32, &start, &ignore_index)?
+                    }
                 }
                 CudaStorage::U32(_) => return Err(storage_err(OP, "logits", logits)),
             }
@@ -62,7 +74,11 @@ impl VocabLossKernels for CudaBackend {
         const OP: &str = "vocab_loss_finish";
         let [t, vl] = logits.shape().dims_n::<2>(OP, "logits")?;
         let ranks = to_u32(OP, "R", gathered.dims()[0])?;
-        let (t32, vl32, start) = (to_u32(OP, "T", t)?, to_u32(OP, "Vl", vl)?, vocab_start as u64);
+        let (t32, vl32, start) = (
+            to_u32(OP, "T", t)?,
+            to_u32(OP, "Vl", vl)?,
+            vocab_start as u64,
+        );
         let mut losses = self.alloc::<f32>(OP, t, || format!("losses ({t})"))?;
         let CudaStorage::U32(tg) = targets.cuda_storage(OP, "targets")? else {
             return Err(storage_err(OP, "targets", targets));
@@ -81,7 +97,9 @@ impl VocabLossKernels for CudaBackend {
                     let f = self.function(&VOCAB_LOSS, "braid_vocab_loss_finish_f32")?;
                     // SAFETY: signature above; x and d hold t x vl, tg and losses t, g
                     // ranks x 3 x t elements (validated by ops).
-                    unsafe { launch!(self, OP, f, per_row(t); &mut losses, &mut d, x, tg, g, &ranks, &t32, &vl32, &start, &ignore_index, &grad_scale)? }
+                    unsafe {
+                        launch!(self, OP, f, per_row(t); &mut losses, &mut d, x, tg, g, &ranks, &t32, &vl32, &start, &ignore_index, &grad_scale)?
+                    }
                 }
                 CudaStorage::F32(d)
             }
@@ -90,12 +108,17 @@ impl VocabLossKernels for CudaBackend {
                 if t > 0 {
                     let f = self.function(&VOCAB_LOSS, "braid_vocab_loss_finish_bf16")?;
                     // SAFETY: as above.
-                    unsafe { launch!(self, OP, f, per_row(t); &mut losses, &mut d, x, tg, g, &ranks, &t32, &vl32, &start, &ignore_index, &grad_scale)? }
+                    unsafe {
+                        launch!(self, OP, f, per_row(t); &mut losses, &mut d, x, tg, g, &ranks, &t32, &vl32, &start, &ignore_index, &grad_scale)?
+                    }
                 }
                 CudaStorage::BF16(d)
             }
             CudaStorage::U32(_) => return Err(storage_err(OP, "logits", logits)),
         };
-        Ok((Tensor::from_cuda(CudaStorage::F32(losses), [t])?, Tensor::from_cuda(dlogits, [t, vl])?))
+        Ok((
+            Tensor::from_cuda(CudaStorage::F32(losses), [t])?,
+            Tensor::from_cuda(dlogits, [t, vl])?,
+        ))
     }
 }

@@ -81,16 +81,26 @@ pub fn vocab_loss_finish(
     if r == 0 || three != 3 || tg != t {
         return Err(Error::shape(
             OP,
-            format!("gathered must be (R >= 1, 3, T = {t}), got {}", gathered.shape()),
+            format!(
+                "gathered must be (R >= 1, 3, T = {t}), got {}",
+                gathered.shape()
+            ),
         ));
     }
     if !grad_scale.is_finite() {
-        return Err(Error::invalid(OP, format!("grad_scale must be finite, got {grad_scale}")));
+        return Err(Error::invalid(
+            OP,
+            format!("grad_scale must be finite, got {grad_scale}"),
+        ));
     }
-    logits
-        .device()
-        .backend()?
-        .vocab_loss_finish(logits, targets, gathered, vocab_start, ignore_index, grad_scale)
+    logits.device().backend()?.vocab_loss_finish(
+        logits,
+        targets,
+        gathered,
+        vocab_start,
+        ignore_index,
+        grad_scale,
+    )
 }
 
 /// A (T, Vl > 0) float shard and (T) u32 targets on one device; returns [T, Vl].
@@ -100,7 +110,10 @@ fn check_shard(op: &'static str, logits: &Tensor, targets: &Tensor) -> Result<[u
     expect_dtype(op, DType::U32, &[("targets", targets)])?;
     let [t, vl] = logits.shape().dims_n::<2>(op, "logits")?;
     if vl == 0 {
-        return Err(Error::shape(op, format!("logits shard {} has no columns", logits.shape())));
+        return Err(Error::shape(
+            op,
+            format!("logits shard {} has no columns", logits.shape()),
+        ));
     }
     expect_shape(op, "targets", targets, &Shape::new([t]))?;
     Ok([t, vl])

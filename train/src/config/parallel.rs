@@ -148,23 +148,13 @@ impl ParallelConfig {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.device == Device::Cuda {
-            if let Some(reason) = self.kernel_device().unavailable_reason() {
-                return Err(invalid(
-                    "parallel.device",
-                    format!("\"cuda\": no usable GPU here: {reason}; use \"cpu\""),
-                ));
-            }
-            if self.world_size > 1 {
-                return Err(invalid(
-                    "parallel.world_size",
-                    format!(
-                        "{} ranks with device = \"cuda\": the multi-rank engine is not wired to the GPU yet \
-                         (its exchanges go through host buffers on CPU); use world_size = 1 on cuda, or cpu",
-                        self.world_size
-                    ),
-                ));
-            }
+        if self.device == Device::Cuda
+            && let Some(reason) = self.kernel_device().unavailable_reason()
+        {
+            return Err(invalid(
+                "parallel.device",
+                format!("\"cuda\": no usable GPU here: {reason}; use \"cpu\""),
+            ));
         }
         if self.world_size == 0 {
             return Err(invalid("parallel.world_size", "must be >= 1"));

@@ -17,7 +17,7 @@ use braid_encoders::{
 use braid_kernels::{DType, Device, Shape, Tensor, ops};
 use braid_nn::Module;
 
-use super::model::{AudioPart, ModuleGroups, VisionPart};
+use super::model::{AudioPart, ModuleGroups, VisionPart, device_of};
 use super::plan::{ItemKind, StepPlan};
 use crate::error::{Result, TrainError};
 use crate::mllm::{
@@ -85,12 +85,14 @@ pub(crate) fn encode_images(
             let it = &plan.items[i];
             pixels.extend_from_slice(&rows[it.row].images[it.index].pixels);
         }
-        let px = Tensor::from_vec(pixels, [b, 3, h, w], Device::Cpu)?;
+        let px = Tensor::from_vec(pixels, [b, 3, h, w], device_of(&part.encoder))?;
         part.encoder
             .forward_stage(VisionStageInput::Pixels(&px), b)?
     } else {
         let n = part.encoder.hidden_tokens(b)?;
-        let h = world.recv(&Shape::new([n, d]), neighbor(g, world, -1)?)?; // (N_local, D)
+        let h = world
+            .recv(&Shape::new([n, d]), neighbor(g, world, -1)?)?
+            .into_device(device_of(&part.encoder))?; // (N_local, D)
         part.encoder.forward_stage(VisionStageInput::Hidden(h), b)?
     };
     let out = match out {
@@ -131,8 +133,9 @@ pub(crate) fn backward_images(
     let g = part.groups.clone();
     let d = part.encoder.config.hidden_size;
     let n = part.encoder.hidden_tokens(work.items.len())?; // N_local
+    let dev = device_of(&part.encoder);
     let projector = &mut part.projector;
-    let Some((cache, dout)) = grad_in(&g, world, work, grads, c, n, d, |branch, dy| {
+    let Some((cache, dout)) = grad_in(&g, world, dev, work, grads, c, n, d, |branch, dy| {
         let proj = projector.as_mut().ok_or_else(|| no_projector(&g))?;
         let back = vision_unproject(d, proj, branch, dy)?;
         replicated_over_cp(proj, &g)?;
@@ -170,14 +173,20 @@ pub(crate) fn encode_clips(
             .iter()
             .map(|&i| {
                 let a = clip(i);
-                Tensor::from_vec(a.mel.clone(), [a.n_mels, a.frames], Device::Cpu)
+                Tensor::from_vec(
+                    a.mel.clone(),
+                    [a.n_mels, a.frames],
+                    device_of(&part.encoder),
+                )
             })
             .collect::<braid_kernels::Result<Vec<_>>>()?; // (n_mels, F) each
         part.encoder
             .forward_stage(AudioStageInput::Clips(&clips), &frames)?
     } else {
         let n = part.encoder.hidden_tokens(&frames)?;
-        let h = world.recv(&Shape::new([n, d]), neighbor(g, world, -1)?)?; // (T_local, D)
+        let h = world
+            .recv(&Shape::new([n, d]), neighbor(g, world, -1)?)?
+            .into_device(device_of(&part.encoder))?; // (T_local, D)
         part.encoder
             .forward_stage(AudioStageInput::Hidden(h), &frames)?
     };
@@ -216,8 +225,9 @@ pub(crate) fn backward_clips(
     let g = part.groups.clone();
     let d = part.encoder.config.d_model;
     let n = part.encoder.hidden_tokens(&work.frames)?; // T_local
+    let dev = device_of(&part.encoder);
     let projector = &mut part.projector;
-    let Some((cache, dout)) = grad_in(&g, world, work, grads, c, n, d, |branch, dy| {
+    let Some((cache, dout)) = grad_in(&g, world, dev, work, grads, c, n, d, |branch, dy| {
         let proj = projector.as_mut().ok_or_else(|| no_projector(&g))?;
         let back = audio_unproject(proj, branch, dy)?;
         replicated_over_cp(proj, &g)?;
@@ -273,9 +283,11 @@ fn hand_on<F, B, C>(
 /// projector (`unproject`) on the last stage, from the next stage otherwise (`n` rows of
 /// width `d`). `None` when nothing here runs backward.
 #[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments)]
 fn grad_in<B, C>(
     g: &ModuleGroups,
     world: &dyn Comm,
+    dev: Device,
     work: Encoded<B, C>,
     grads: &[(usize, Tensor)],
     c: usize,
@@ -286,11 +298,13 @@ fn grad_in<B, C>(
     match work.held {
         Held::Last(None) | Held::Middle(None) => Ok(None),
         Held::Last(Some(branch)) => {
-            let dy = stack_grads(grads, &work.items, &work.rows, c)?;
+            let dy = stack_grads(grads, &work.items, &work.rows, c, dev)?;
             unproject(branch, &dy)
         }
         Held::Middle(Some(cache)) => {
-            let dh = world.recv(&Shape::new([n, d]), neighbor(g, world, 1)?)?; // (N_local, D)
+            let dh = world
+                .recv(&Shape::new([n, d]), neighbor(g, world, 1)?)?
+                .into_device(dev)?; // (N_local, D)
             Ok(Some((cache, dh)))
         }
     }
@@ -358,16 +372,17 @@ fn stack_grads(
     items: &[usize],
     n_rows: &[usize],
     c: usize,
+    dev: Device,
 ) -> Result<Tensor> {
     let total: usize = n_rows.iter().sum();
-    let mut dy = Tensor::zeros(vec![total, c], DType::F32, Device::Cpu)?; // (N, C)
+    let mut dy = Tensor::zeros(vec![total, c], DType::F32, dev)?; // (N, C)
     let mut off = 0;
     for (&i, &n) in items.iter().zip(n_rows) {
         let g = grads.iter().find(|(j, _)| *j == i).ok_or_else(|| {
             TrainError::Other(format!("the bridge returned no grad for item {i}"))
         })?;
         let idx: Vec<u32> = (off as u32..(off + n) as u32).collect();
-        let idx = Tensor::from_vec_u32(idx, [n], Device::Cpu)?;
+        let idx = Tensor::from_vec_u32(idx, [n], dev)?;
         ops::scatter_rows(&mut dy, &idx, &g.1)?;
         off += n;
     }

@@ -141,7 +141,13 @@ impl Engine {
         drop(produced);
 
         // The LLM pipeline; the modality grads come back in `received`'s row order.
-        let mut dreceived = Tensor::zeros(received.shape().clone(), DType::F32, Device::Cpu)?; // (M_r, C)
+        let dev = self
+            .model
+            .llm
+            .as_ref()
+            .map_or(Device::Cpu, |l| super::model::device_of(&l.stage));
+        let received = received.into_device(dev)?; // (M_r, C)
+        let mut dreceived = Tensor::zeros(received.shape().clone(), DType::F32, dev)?; // (M_r, C)
         let norm = plan.targets.max(1);
         let loss_local = match &mut self.model.llm {
             Some(l) => run_pipeline(
@@ -247,14 +253,19 @@ struct LocalBatch {
     targets: Vec<u32>,
 }
 
-fn local_batch(rows: &[Row], mb: &super::plan::Microbatch, cp_rank: usize) -> Result<LocalBatch> {
+fn local_batch(
+    rows: &[Row],
+    mb: &super::plan::Microbatch,
+    cp_rank: usize,
+    dev: Device,
+) -> Result<LocalBatch> {
     let refs: Vec<&Row> = mb.rows.iter().map(|&r| &rows[r]).collect();
     // Text only: the LLM never reads this microbatch's pixels or mel frames.
     let text = rows_to_text(&refs)?;
     let Some(plan) = &mb.split.plan else {
         let t = text.ids.len();
         return Ok(LocalBatch {
-            ids: Tensor::from_vec_u32(text.ids, [t], Device::Cpu)?,
+            ids: Tensor::from_vec_u32(text.ids, [t], dev)?,
             seq: text.seq,
             targets: text.targets,
         });
@@ -264,7 +275,7 @@ fn local_batch(rows: &[Row], mb: &super::plan::Microbatch, cp_rank: usize) -> Re
     let mine = plan.tokens(cp_rank)?;
     let local_ids: Vec<u32> = mine.iter().map(|&i| text.ids[i]).collect();
     Ok(LocalBatch {
-        ids: Tensor::from_vec_u32(local_ids, [mine.len()], Device::Cpu)?,
+        ids: Tensor::from_vec_u32(local_ids, [mine.len()], dev)?,
         seq: plan.seq_info(cp_rank, &text.seq)?,
         targets: mine.iter().map(|&i| text.targets[i]).collect(),
     })
@@ -297,6 +308,7 @@ fn run_pipeline(
     norm: usize,
 ) -> Result<f64> {
     let g = part.groups.clone();
+    let dev = super::model::device_of(&part.stage);
     let rank = world.rank();
     let (stage, stages) = (g.coord.pp, g.grid.dims.pp);
     let (first, last) = (stage == 0, stage + 1 == stages);
@@ -335,16 +347,16 @@ fn run_pipeline(
     for op in one_f_one_b(stage, stages, mbs.len()) {
         match op {
             Op::Forward(j) => {
-                let b = local_batch(rows, mbs[j], g.coord.cp)?;
+                let b = local_batch(rows, mbs[j], g.coord.cp, dev)?;
                 let t = b.seq.num_tokens();
                 let (out, cache) = if first {
                     let (idx, pos) = &fill[j];
                     let modality = if idx.is_empty() {
                         None
                     } else {
-                        let idx_t = Tensor::from_vec_u32(idx.clone(), [idx.len()], Device::Cpu)?;
+                        let idx_t = Tensor::from_vec_u32(idx.clone(), [idx.len()], dev)?;
                         Some(ModalityEmbeds {
-                            positions: Tensor::from_vec_u32(pos.clone(), [pos.len()], Device::Cpu)?,
+                            positions: Tensor::from_vec_u32(pos.clone(), [pos.len()], dev)?,
                             embeds: ops::gather_rows(received, &idx_t)?, // (M_mb, C)
                         })
                     };
@@ -355,7 +367,7 @@ fn run_pipeline(
                     part.stage.forward(input, &b.seq)?
                 } else {
                     let from = prev.ok_or_else(|| TrainError::Other("no previous stage".into()))?;
-                    let h = world.recv(&Shape::new([t, c]), from)?; // (T, C)
+                    let h = world.recv(&Shape::new([t, c]), from)?.into_device(dev)?; // (T, C)
                     part.stage.forward(StageInput::Hidden(h), &b.seq)?
                 };
                 if last {
@@ -380,7 +392,7 @@ fn run_pipeline(
                     Some(d) => d,
                     None => {
                         let from = next.ok_or_else(|| TrainError::Other("no next stage".into()))?;
-                        world.recv(&Shape::new([t, c]), from)? // (T, C)
+                        world.recv(&Shape::new([t, c]), from)?.into_device(dev)? // (T, C)
                     }
                 };
                 let dx = part.stage.backward(cache, &dout)?;
@@ -392,8 +404,7 @@ fn run_pipeline(
                 } else if let Some(dmod) = dx
                     && !fill[j].0.is_empty()
                 {
-                    let idx =
-                        Tensor::from_vec_u32(fill[j].0.clone(), [fill[j].0.len()], Device::Cpu)?;
+                    let idx = Tensor::from_vec_u32(fill[j].0.clone(), [fill[j].0.len()], dev)?;
                     ops::scatter_rows(dreceived, &idx, &dmod)?;
                 }
             }

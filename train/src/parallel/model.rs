@@ -128,6 +128,15 @@ pub fn stage_layers(layers: usize, pp: usize, s: usize) -> Range<usize> {
     s * per..(s + 1) * per
 }
 
+/// The device a module's parameters live on (the CPU for a module without any).
+pub fn device_of<M: Module + ?Sized>(m: &M) -> Device {
+    let mut device = None;
+    m.visit_params(&mut |p| {
+        device.get_or_insert(p.value.device());
+    });
+    device.unwrap_or(Device::Cpu)
+}
+
 fn prefix<M: Module + ?Sized>(m: &mut M, p: &str) {
     m.visit_params_mut(&mut |q| q.name.insert_str(0, p));
 }
@@ -136,7 +145,8 @@ impl RankModel {
     /// The share of world rank `rank`, cut from `full`.
     pub fn build(full: &Mllm, world: &dyn Comm, layouts: &Layouts, rank: usize) -> Result<Self> {
         let cfg = &full.config;
-        let zeros = Init::for_loading(Device::Cpu);
+        // The shards live where the full model does (the configured device).
+        let zeros = Init::for_loading(device_of(full));
         let mut model = RankModel::default();
         if let (Some(vc), Some(pc)) = (&cfg.vision, &cfg.vision_projector)
             && let Some(groups) =

@@ -142,7 +142,8 @@ pub fn run(mut trainer: Trainer, obs: &mut dyn Observer) -> Result<RunSummary> {
     }
     // The full model from the last checkpoint, for evaluation and export.
     if let Some(dir) = &last_ckpt {
-        checkpoint::load_weights(dir, &mut trainer.model, braid_kernels::Device::Cpu)?;
+        let device = crate::parallel::model::device_of(&trainer.model);
+        checkpoint::load_weights(dir, &mut trainer.model, device)?;
     }
     trainer.finish(trail, train_s, last_ckpt)
 }
@@ -338,7 +339,7 @@ fn copy_moments(engine: &mut Engine, t: &Shared<'_>) -> Result<()> {
             (&mut m.exp_avg_sq, &full.exp_avg_sq),
         ] {
             let (data, dims) = cut_shard(&m.name, src.to_vec_f32()?, src.dims(), shard)?;
-            *dst = braid_kernels::Tensor::from_vec(data, dims, braid_kernels::Device::Cpu)?;
+            *dst = braid_kernels::Tensor::from_vec(data, dims, dst.device())?;
         }
     }
     engine.optim.step = t.optim.step;
