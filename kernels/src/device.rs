@@ -54,6 +54,16 @@ impl Device {
         }
     }
 
+    /// Waits until every kernel issued on this device has finished (a no-op on the CPU,
+    /// where every op returns when it is done). For timing, not for correctness: host
+    /// copies already wait for the work they read.
+    pub fn synchronize(self) -> Result<()> {
+        match self {
+            Device::Cpu => Ok(()),
+            Device::Cuda(ordinal) => crate::cuda::backend(ordinal)?.synchronize(),
+        }
+    }
+
     /// Starts a new peak-memory window (a no-op on the CPU).
     pub fn reset_peak_memory(self) -> Result<()> {
         match self {

@@ -24,6 +24,16 @@ for line in sys.stdin:
         dst = os.path.join(sys.argv[1], f"{crate}--{name}")
         shutil.copy(exe, dst)
 ' "$out/tests"
-strip "$out/braid" "$out"/tests/* 2>/dev/null || true
+# The step benchmark (train/benches/step.rs), for the 1B LLM on the GPU.
+cargo bench --no-run --message-format=json -p braid-train --bench step 2>/dev/null |
+    python3 -c '
+import json, sys, shutil
+for line in sys.stdin:
+    try: m = json.loads(line)
+    except ValueError: continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "step":
+        shutil.copy(m["executable"], sys.argv[1])
+' "$out/bench-step"
+strip "$out/braid" "$out/bench-step" "$out"/tests/* 2>/dev/null || true
 cp tools/gpu/check.sh "$out/"
 du -sh "$out"

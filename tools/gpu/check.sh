@@ -10,6 +10,10 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/braid-gpu-out}; mkdir -p "$OUT"
 B=${BRAID_BUNDLE:-gpu-bundle}
+# The whole script fits in 8 minutes: each step gets at most its cap and never more than
+# what is left of the budget (so a slow step cannot make the call time out and lose $OUT).
+START=$(date +%s); BUDGET=${BRAID_CHECK_BUDGET_S:-470}
+cap() { local left=$(( BUDGET - ($(date +%s) - START) )); [ "$left" -lt 5 ] && left=5; [ "$1" -lt "$left" ] && echo "$1" || echo "$left"; }
 [ -d "$B/tests" ] || { echo "no $B/tests: run tools/gpu/bundle.sh and carry gpu-bundle" >&2; exit 2; }
 
 # cuBLASLt and NVRTC come from the CUDA toolkit or Python's nvidia-* wheels.
@@ -37,7 +41,7 @@ echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH" >> "$OUT/gpu.txt"
 : > "$OUT/tests.log"
 for t in "$B"/tests/*; do
     echo "== $(basename "$t")" >> "$OUT/tests.log"
-    timeout 240 "$t" --ignored --test-threads=1 '::cuda' >> "$OUT/tests.log" 2>&1
+    timeout "$(cap 60)" "$t" --ignored --test-threads=1 '::cuda' >> "$OUT/tests.log" 2>&1
     echo "== exit $?" >> "$OUT/tests.log"
 done
 python3 - "$OUT/tests.log" "$OUT/tests.json" <<'PY'
@@ -66,9 +70,9 @@ PY
 # 2. The demo on the GPU against the same run on the CPU (data generated and packed by
 #    the CPU run; both runs read it). Final loss and held-out accuracy go to demo.json.
 BRAID=$B/braid
-( time timeout 240 "$BRAID" train --config configs/demo.toml --set run.dir=runs/gpu-check-cpu ) \
+( time timeout "$(cap 90)" "$BRAID" train --config configs/demo.toml --set run.dir=runs/gpu-check-cpu ) \
     > "$OUT/demo-cpu.log" 2>&1
-( time timeout 240 "$BRAID" train --config configs/demo.toml --set run.dir=runs/gpu-check-cuda \
+( time timeout "$(cap 90)" "$BRAID" train --config configs/demo.toml --set run.dir=runs/gpu-check-cuda \
     --set parallel.device=cuda ) > "$OUT/demo-cuda.log" 2>&1
 python3 - "$OUT/demo.json" <<'PY'
 import json, sys, os
@@ -97,3 +101,16 @@ json.dump(out, open(sys.argv[1], "w"), indent=1)
 print("demo:", {k: (v.get("final_loss"), v.get("eval", {}).get("heldout")) for k, v in out.items() if isinstance(v, dict)})
 PY
 cp runs/gpu-check-cuda/loss.png "$OUT/demo-cuda-loss.png" 2>/dev/null || true
+
+# 3. The benchmark, side by side in this one run on this card: the LLM of
+#    configs/gpu-1b.toml at 8 x 4096 tokens a step, Braid (train/benches/step.rs) against
+#    LlamaForCausalLM eager and compiled (tools/gpu/bench_llm_torch.py), plus attention
+#    and GEMM alone. Raw outputs in bench-*.txt / bench-torch.json.
+BRAID_BENCH_DEVICE=cuda BRAID_BENCH_CONFIG=configs/gpu-1b.toml BRAID_BENCH_TEXT_ONLY=1 \
+    BRAID_BENCH_ROWS=8 BRAID_BENCH_SEQ=4096 BRAID_BENCH_SAMPLES=1 BRAID_BENCH_MICROBATCHES=8 \
+    BRAID_BENCH_STEPS=5 BRAID_BENCH_WARMUP=2 BRAID_BENCH_PARTS=0 BRAID_BENCH_THREADS=16 \
+    timeout "$(cap 100)" "$B/bench-step" > "$OUT/bench-braid.txt" 2>&1
+echo "exit $?" >> "$OUT/bench-braid.txt"
+timeout "$(cap 150)" python3 tools/gpu/bench_llm_torch.py --device cuda --steps 5 --warmup 2 \
+    > "$OUT/bench-torch.json" 2> "$OUT/bench-torch.log"
+echo "done in $(( $(date +%s) - START )) s: $(ls "$OUT")"

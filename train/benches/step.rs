@@ -12,7 +12,9 @@
 //!       BRAID_BENCH_ROWS (8), _SEQ (512), _SAMPLES (5 per row), _IMAGES (20), _CLIPS (20),
 //!       _FRAMES (100 mel frames per clip), _MICROBATCHES (2), _STEPS (20), _WARMUP (3),
 //!       BRAID_BENCH_TEXT_ONLY=1 (no images or clips: the LLM alone),
-//!       BRAID_BENCH_PARTS (10: repetitions of the per-module timing after the steps; 0 = off).
+//!       BRAID_BENCH_PARTS (10: repetitions of the per-module timing after the steps; 0 = off),
+//!       BRAID_BENCH_DEVICE (cpu; `cuda` runs Braid's side on GPU 0, each phase timed to
+//!       the end of its kernels; tools/gpu/check.sh runs it for the 1B LLM).
 //!
 //! The batch: ROWS rows of SAMPLES samples of L = SEQ / SAMPLES tokens (510 tokens a row for
 //! 512 / 5); media item k (the images, then the clips) goes to sample k % (ROWS * SAMPLES)
@@ -177,9 +179,18 @@ fn layout(sh: &Shape, tok_img: usize, tok_clip: usize) -> (Placed, Placed) {
     (img, clip)
 }
 
+/// The device Braid's side runs on: BRAID_BENCH_DEVICE = cpu (default) or cuda.
+fn bench_device() -> Device {
+    match std::env::var("BRAID_BENCH_DEVICE").as_deref() {
+        Ok("cuda") => Device::Cuda(0),
+        Ok("cpu") | Err(_) => Device::Cpu,
+        Ok(other) => panic!("BRAID_BENCH_DEVICE={other}: expected cpu or cuda"),
+    }
+}
+
 /// One packed `MllmBatch` per microbatch, laid out as the module doc says.
 fn make_batches(config: &MllmConfig, sh: &Shape, seed: u64) -> Vec<MllmBatch> {
-    let dev = Device::Cpu;
+    let dev = bench_device();
     let mut rng = Rng::new(seed);
     let l = sh.sample_len();
     let n_samples = sh.rows * sh.samples;
@@ -260,8 +271,11 @@ fn step(
     batches: &[MllmBatch],
     targets: usize,
 ) -> (Phases, f64, f64) {
+    // On a GPU each phase is timed to the end of its kernels.
+    let sync = || bench_device().synchronize().unwrap();
     let t0 = Instant::now();
     model.zero_grads().unwrap();
+    sync();
     let t1 = Instant::now();
     let (mut fwd, mut bwd, mut loss_sum) = (0.0, 0.0, 0.0);
     for mb in batches {
@@ -269,6 +283,7 @@ fn step(
         let (loss, cache) = model.forward_normalized(mb, Some(targets)).unwrap();
         let f1 = Instant::now();
         model.backward(cache).unwrap();
+        sync();
         fwd += (f1 - f0).as_secs_f64();
         bwd += f1.elapsed().as_secs_f64();
         loss_sum += loss.loss_sum;
@@ -281,6 +296,7 @@ fn step(
     let t3 = Instant::now();
     let lr = optim.config.lr;
     optim.update(model, lr).unwrap();
+    sync();
     let t4 = Instant::now();
     let ph = [
         (t1 - t0).as_secs_f64(),
@@ -322,7 +338,7 @@ fn time_parts(
                         let dy = Tensor::from_vec(
                             rng.normal_vec(y.elem_count(), 1.0),
                             y.shape().clone(),
-                            Device::Cpu,
+                            bench_device(),
                         )
                         .unwrap();
                         let t1 = Instant::now();
@@ -342,7 +358,7 @@ fn time_parts(
                         let dy = Tensor::from_vec(
                             rng.normal_vec(y.elem_count(), 1.0),
                             y.shape().clone(),
-                            Device::Cpu,
+                            bench_device(),
                         )
                         .unwrap();
                         let t1 = Instant::now();
@@ -451,7 +467,7 @@ fn main() {
 
     let cfg = RunConfig::from_file(&config_path, &sets).unwrap();
     let config = braid_train::assemble::model_config(&cfg).unwrap();
-    let init = Init::new(cfg.run.seed, Device::Cpu).with_std(cfg.model.init_std);
+    let init = Init::new(cfg.run.seed, bench_device()).with_std(cfg.model.init_std);
     let mut model = Mllm::new(config, &init).unwrap();
     let batches = make_batches(&model.config, &sh, cfg.run.seed);
     let targets: usize = batches
