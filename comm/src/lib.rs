@@ -5,10 +5,14 @@
 //! every parallel layer is exactly its plain counterpart; [`local::LocalComm`] runs the
 //! ranks of a world as threads (deterministic, with timeouts and poisoning); `NcclComm`
 //! implements the same trait for GPUs. [`grid::Grid`] lays a module's ranks out as named
-//! axes (TP fastest, then CP, DP, PP) with a rank offset.
+//! axes (TP fastest, then CP, DP, PP) with a rank offset. For a world of processes,
+//! [`launch::LaunchEnv`] reads which rank this process is from the launcher (torchrun,
+//! SLURM, `braid launch`) and [`store`] is the TCP key-value store they meet on.
 
 pub mod grid;
+pub mod launch;
 pub mod local;
+pub mod store;
 pub mod testing;
 
 use std::fmt;

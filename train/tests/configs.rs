@@ -84,7 +84,7 @@ fn gpu_1b_is_the_published_shapes() {
         "Whisper-small encoder blocks: {ap}"
     );
 
-    assert_eq!(cfg.train.batch_rows, 8);
+    assert_eq!(cfg.train.batch_rows, Some(8));
     let data =
         std::fs::read_to_string(repo().join("configs/data-gpu-1b.toml")).expect("data config");
     assert!(

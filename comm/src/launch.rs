@@ -1,0 +1,226 @@
+//! Which rank of which world this process is, from the launcher's environment:
+//! torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
+//! `MASTER_ADDR`, `MASTER_PORT`; `braid launch` sets the same ones) or SLURM's
+//! (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE`, the first
+//! host of `SLURM_JOB_NODELIST`). No such variable: `None`, a world of threads as before.
+
+use std::fmt;
+
+/// Where the world's description came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Launcher {
+    /// torchrun, or `braid launch` (which sets torchrun's variables and `BRAID_LAUNCH=1`).
+    Torchrun,
+    Braid,
+    Slurm,
+}
+
+impl fmt::Display for Launcher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Launcher::Torchrun => "torchrun",
+            Launcher::Braid => "braid launch",
+            Launcher::Slurm => "SLURM",
+        })
+    }
+}
+
+/// This process's place in a multi-process world.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchEnv {
+    pub launcher: Launcher,
+    pub rank: usize,
+    pub world_size: usize,
+    /// Rank on this machine: the GPU ordinal it uses.
+    pub local_rank: usize,
+    pub local_world_size: Option<usize>,
+    /// Host of rank 0, which serves the rendezvous store.
+    pub master_addr: String,
+    /// The port the store listens on (see [`LaunchEnv::store_port`]).
+    pub store_port: u16,
+}
+
+/// A launcher variable that is missing or malformed: names it and its value.
+#[derive(Debug, thiserror::Error)]
+#[error("launcher environment ({launcher}): {msg}")]
+pub struct LaunchEnvError {
+    pub launcher: &'static str,
+    pub msg: String,
+}
+
+/// torch's default rendezvous port.
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+impl LaunchEnv {
+    /// Reads this process's environment.
+    pub fn from_env() -> Result<Option<Self>, LaunchEnvError> {
+        Self::from_vars(|k| std::env::var(k).ok())
+    }
+
+    /// Reads the variables through `var` (tests pass a map).
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Option<Self>, LaunchEnvError> {
+        if var("RANK").is_some() || var("WORLD_SIZE").is_some() {
+            let braid = var("BRAID_LAUNCH").is_some_and(|v| v == "1");
+            return torchrun(&var, if braid { Launcher::Braid } else { Launcher::Torchrun }).map(Some);
+        }
+        if var("SLURM_PROCID").is_some() && var("SLURM_NTASKS").is_some() {
+            return slurm(&var).map(Some);
+        }
+        Ok(None)
+    }
+
+    /// `host:port` of the rendezvous store.
+    pub fn store_addr(&self) -> String {
+        format!("{}:{}", self.master_addr, self.store_port)
+    }
+}
+
+fn err(launcher: &'static str, msg: impl Into<String>) -> LaunchEnvError {
+    LaunchEnvError { launcher, msg: msg.into() }
+}
+
+fn number(var: &impl Fn(&str) -> Option<String>, launcher: &'static str, key: &str) -> Result<Option<usize>, LaunchEnvError> {
+    match var(key) {
+        None => Ok(None),
+        Some(v) => v
+            .trim()
+            .parse::<usize>()
+            .map(Some)
+            .map_err(|_| err(launcher, format!("{key}={v:?} is not a non-negative integer"))),
+    }
+}
+
+fn required(var: &impl Fn(&str) -> Option<String>, launcher: &'static str, key: &str, why: &str) -> Result<usize, LaunchEnvError> {
+    number(var, launcher, key)?.ok_or_else(|| err(launcher, format!("{key} is not set ({why})")))
+}
+
+/// The store's port: `BRAID_STORE_PORT` if set; under torchrun `MASTER_PORT + 1`,
+/// because torchrun's agent already serves its own c10d store on `MASTER_PORT`
+/// (`TORCHELASTIC_USE_AGENT_STORE=True`) and Braid's store speaks its own protocol;
+/// else `MASTER_PORT` (default 29500).
+fn store_port(var: &impl Fn(&str) -> Option<String>, launcher: Launcher, name: &'static str) -> Result<u16, LaunchEnvError> {
+    let parse = |key: &str, v: String| {
+        v.trim()
+            .parse::<u16>()
+            .map_err(|_| err(name, format!("{key}={v:?} is not a port number")))
+    };
+    if let Some(p) = var("BRAID_STORE_PORT") {
+        return parse("BRAID_STORE_PORT", p);
+    }
+    let master = match var("MASTER_PORT") {
+        Some(p) => parse("MASTER_PORT", p)?,
+        None => DEFAULT_MASTER_PORT,
+    };
+    let agent_store = var("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true"));
+    if launcher == Launcher::Torchrun || agent_store {
+        return master
+            .checked_add(1)
+            .ok_or_else(|| err(name, format!("MASTER_PORT={master}: no port above it for Braid's store (set BRAID_STORE_PORT)")));
+    }
+    Ok(master)
+}
+
+fn check_rank(name: &'static str, rank: usize, world: usize, rank_key: &str, world_key: &str) -> Result<(), LaunchEnvError> {
+    if world == 0 {
+        return Err(err(name, format!("{world_key}=0: a world has at least one rank")));
+    }
+    if rank >= world {
+        return Err(err(name, format!("{rank_key}={rank} is not below {world_key}={world}")));
+    }
+    Ok(())
+}
+
+fn torchrun(var: &impl Fn(&str) -> Option<String>, launcher: Launcher) -> Result<LaunchEnv, LaunchEnvError> {
+    let name = if launcher == Launcher::Braid { "braid launch" } else { "torchrun" };
+    let rank = required(var, name, "RANK", "WORLD_SIZE is")?;
+    let world_size = required(var, name, "WORLD_SIZE", "RANK is")?;
+    check_rank(name, rank, world_size, "RANK", "WORLD_SIZE")?;
+    let local_rank = number(var, name, "LOCAL_RANK")?.unwrap_or(0);
+    let local_world_size = number(var, name, "LOCAL_WORLD_SIZE")?;
+    if let Some(l) = local_world_size
+        && local_rank >= l
+    {
+        return Err(err(name, format!("LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={l}")));
+    }
+    let master_addr = var("MASTER_ADDR").filter(|s| !s.trim().is_empty()).ok_or_else(|| {
+        err(name, "MASTER_ADDR is not set (the host of rank 0, where the rendezvous store runs)")
+    })?;
+    Ok(LaunchEnv {
+        launcher,
+        rank,
+        world_size,
+        local_rank,
+        local_world_size,
+        master_addr: master_addr.trim().to_string(),
+        store_port: store_port(var, launcher, name)?,
+    })
+}
+
+fn slurm(var: &impl Fn(&str) -> Option<String>) -> Result<LaunchEnv, LaunchEnvError> {
+    const NAME: &str = "SLURM";
+    let rank = required(var, NAME, "SLURM_PROCID", "SLURM_NTASKS is")?;
+    let world_size = required(var, NAME, "SLURM_NTASKS", "SLURM_PROCID is")?;
+    check_rank(NAME, rank, world_size, "SLURM_PROCID", "SLURM_NTASKS")?;
+    let local_rank = number(var, NAME, "SLURM_LOCALID")?.unwrap_or(0);
+    // "8", "8(x4)" or "2,1": the first node's count (every node of a homogeneous job).
+    let local_world_size = match var("SLURM_NTASKS_PER_NODE") {
+        None => None,
+        Some(v) => {
+            let head: String = v.trim().chars().take_while(char::is_ascii_digit).collect();
+            Some(head.parse::<usize>().map_err(|_| {
+                err(NAME, format!("SLURM_NTASKS_PER_NODE={v:?} does not start with a task count"))
+            })?)
+        }
+    };
+    let master_addr = match var("MASTER_ADDR").filter(|s| !s.trim().is_empty()) {
+        Some(a) => a.trim().to_string(),
+        None => {
+            let list = var("SLURM_JOB_NODELIST")
+                .or_else(|| var("SLURM_NODELIST"))
+                .ok_or_else(|| err(NAME, "neither MASTER_ADDR nor SLURM_JOB_NODELIST is set: no host for rank 0's store"))?;
+            first_host(&list).ok_or_else(|| err(NAME, format!("SLURM_JOB_NODELIST={list:?} names no host")))?
+        }
+    };
+    Ok(LaunchEnv {
+        launcher: Launcher::Slurm,
+        rank,
+        world_size,
+        local_rank,
+        local_world_size,
+        master_addr,
+        store_port: store_port(var, Launcher::Slurm, NAME)?,
+    })
+}
+
+/// The first host of a SLURM host list: `node[01-04,07],gpu9` -> `node01`,
+/// `rack[1-2]-n[3-4]` -> `rack1-n3`, `a,b` -> `a`.
+pub fn first_host(list: &str) -> Option<String> {
+    // The first entry: up to the first comma outside brackets.
+    let mut depth = 0usize;
+    let mut entry = String::new();
+    for c in list.trim().chars() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth = depth.saturating_sub(1),
+            ',' if depth == 0 => break,
+            _ => {}
+        }
+        entry.push(c);
+    }
+    // Each bracket group becomes its first value (up to ',' or '-').
+    let mut host = String::new();
+    let mut chars = entry.chars();
+    while let Some(c) = chars.next() {
+        if c != '[' {
+            host.push(c);
+            continue;
+        }
+        let group: String = chars.by_ref().take_while(|&c| c != ']').collect();
+        let first: String = group.chars().take_while(|&c| c != ',' && c != '-').collect();
+        if first.is_empty() {
+            return None;
+        }
+        host.push_str(&first);
+    }
+    (!host.is_empty()).then_some(host)
+}

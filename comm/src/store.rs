@@ -1,0 +1,462 @@
+//! The rendezvous store: a TCP key-value store served by rank 0 (set / get / wait / add,
+//! every wait with a timeout), on which the processes of a world meet — the start
+//! barrier, NCCL unique ids per group, and the check that every rank resolved the same
+//! config and dataset.
+//!
+//! Protocol (one request, one reply, on a connection a client keeps open): a request is
+//! an opcode byte, then length-prefixed fields (`u32` little-endian length + bytes); a
+//! reply is a status byte, then one length-prefixed field. Keys and values are bytes.
+//! Like torch's c10d TCPStore in spirit, not wire-compatible with it: Braid's store
+//! listens on `MASTER_PORT + 1` under torchrun, whose agent already serves its own store
+//! on `MASTER_PORT` (see [`crate::launch`]).
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// What went wrong with the store, naming the address, the key and how long was waited.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("rendezvous store at {addr}: {what}: {source}")]
+    Io {
+        addr: String,
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("rendezvous store at {addr}: waited {waited_s:.1} s for `{key}`: {hint}")]
+    Timeout {
+        addr: String,
+        key: String,
+        waited_s: f64,
+        hint: String,
+    },
+    #[error("rendezvous store at {addr}: {msg}")]
+    Protocol { addr: String, msg: String },
+    /// Ranks that disagree on what they run (config, dataset): names both.
+    #[error("{0}")]
+    Mismatch(String),
+}
+
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+const OP_SET: u8 = 1;
+const OP_GET: u8 = 2;
+const OP_WAIT: u8 = 3;
+const OP_ADD: u8 = 4;
+
+const ST_OK: u8 = 0;
+const ST_MISSING: u8 = 1;
+const ST_TIMEOUT: u8 = 2;
+
+/// Largest field accepted (a config or an NCCL id is far smaller): a corrupt length
+/// never makes the server allocate gigabytes.
+const MAX_FIELD: u32 = 64 << 20;
+
+#[derive(Default)]
+struct State {
+    map: HashMap<Vec<u8>, Vec<u8>>,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    changed: Condvar,
+    stop: AtomicBool,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panicking connection thread leaves the map consistent (each update is one
+        // insert), so a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The store's server (rank 0 runs one). Dropping it stops accepting connections.
+pub struct StoreServer {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    acceptor: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for StoreServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StoreServer({})", self.addr)
+    }
+}
+
+impl StoreServer {
+    /// Listens on `addr` (`0.0.0.0:29501`; port 0 picks a free one, see [`Self::addr`]).
+    pub fn bind(addr: &str) -> Result<Self> {
+        let io = |what: &str| {
+            let (addr, what) = (addr.to_string(), what.to_string());
+            move |source| StoreError::Io { addr, what, source }
+        };
+        let listener = TcpListener::bind(addr).map_err(io("binding (is the port in use?)"))?;
+        let local = listener.local_addr().map_err(io("reading the bound address"))?;
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State::default()),
+            changed: Condvar::new(),
+            stop: AtomicBool::new(false),
+        });
+        let acc_shared = Arc::clone(&shared);
+        let acceptor = std::thread::Builder::new()
+            .name("braid-store".into())
+            .spawn(move || accept_loop(listener, acc_shared))
+            .map_err(io("starting the server thread"))?;
+        Ok(StoreServer { addr: local, shared, acceptor: Some(acceptor) })
+    }
+
+    /// The address the server listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        self.shared.changed.notify_all();
+        // Wake the acceptor with a connection of our own, then let it go.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+        if let Some(h) = self.acceptor.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    for conn in listener.incoming() {
+        if shared.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(stream) = conn else { continue };
+        let s = Arc::clone(&shared);
+        // One thread per client: a world has one connection per rank.
+        let _ = std::thread::Builder::new()
+            .name("braid-store-conn".into())
+            .spawn(move || serve(stream, s));
+    }
+}
+
+fn read_u32(r: &mut impl Read) -> std::io::Result<u32> {
+    let mut b = [0u8; 4];
+    r.read_exact(&mut b)?;
+    Ok(u32::from_le_bytes(b))
+}
+
+fn read_field(r: &mut impl Read) -> std::io::Result<Vec<u8>> {
+    let n = read_u32(r)?;
+    if n > MAX_FIELD {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("field of {n} bytes (limit {MAX_FIELD})"),
+        ));
+    }
+    let mut v = vec![0u8; n as usize];
+    r.read_exact(&mut v)?;
+    Ok(v)
+}
+
+fn write_field(w: &mut Vec<u8>, f: &[u8]) {
+    w.extend_from_slice(&(f.len() as u32).to_le_bytes());
+    w.extend_from_slice(f);
+}
+
+/// Serves one client until it disconnects (or sends garbage: the connection is closed).
+fn serve(mut stream: TcpStream, shared: Arc<Shared>) {
+    let _ = stream.set_nodelay(true);
+    loop {
+        let mut op = [0u8; 1];
+        if stream.read_exact(&mut op).is_err() {
+            return;
+        }
+        let reply = match handle(op[0], &mut stream, &shared) {
+            Ok(r) => r,
+            Err(_) => return,
+        };
+        if stream.write_all(&reply).is_err() {
+            return;
+        }
+    }
+}
+
+fn handle(op: u8, stream: &mut TcpStream, shared: &Shared) -> std::io::Result<Vec<u8>> {
+    let mut reply = Vec::new();
+    match op {
+        OP_SET => {
+            let (k, v) = (read_field(stream)?, read_field(stream)?);
+            shared.lock().map.insert(k, v);
+            shared.changed.notify_all();
+            reply.push(ST_OK);
+            write_field(&mut reply, &[]);
+        }
+        OP_GET => {
+            let k = read_field(stream)?;
+            match shared.lock().map.get(&k) {
+                Some(v) => {
+                    reply.push(ST_OK);
+                    write_field(&mut reply, v);
+                }
+                None => {
+                    reply.push(ST_MISSING);
+                    write_field(&mut reply, &[]);
+                }
+            }
+        }
+        OP_WAIT => {
+            let k = read_field(stream)?;
+            let t = read_field(stream)?;
+            let ms = u64::from(u32::from_le_bytes(t.as_slice().try_into().map_err(|_| {
+                std::io::Error::new(std::io::ErrorKind::InvalidData, "wait: timeout is not 4 bytes")
+            })?));
+            let deadline = Instant::now() + Duration::from_millis(ms);
+            let mut st = shared.lock();
+            loop {
+                if let Some(v) = st.map.get(&k) {
+                    reply.push(ST_OK);
+                    write_field(&mut reply, v);
+                    break;
+                }
+                let now = Instant::now();
+                if now >= deadline || shared.stop.load(Ordering::SeqCst) {
+                    reply.push(ST_TIMEOUT);
+                    write_field(&mut reply, &[]);
+                    break;
+                }
+                st = shared
+                    .changed
+                    .wait_timeout(st, deadline - now)
+                    .map(|(g, _)| g)
+                    .unwrap_or_else(|p| p.into_inner().0);
+            }
+        }
+        OP_ADD => {
+            let k = read_field(stream)?;
+            let d = read_field(stream)?;
+            let delta = i64::from_le_bytes(d.as_slice().try_into().map_err(|_| {
+                std::io::Error::new(std::io::ErrorKind::InvalidData, "add: delta is not 8 bytes")
+            })?);
+            let mut st = shared.lock();
+            let cur = st
+                .map
+                .get(&k)
+                .and_then(|v| <[u8; 8]>::try_from(v.as_slice()).ok())
+                .map_or(0, i64::from_le_bytes);
+            let new = cur.wrapping_add(delta);
+            st.map.insert(k, new.to_le_bytes().to_vec());
+            drop(st);
+            shared.changed.notify_all();
+            reply.push(ST_OK);
+            write_field(&mut reply, &new.to_le_bytes());
+        }
+        _ => {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "unknown opcode"));
+        }
+    }
+    Ok(reply)
+}
+
+/// A client of the store: one connection, requests in turn (wrap it in a mutex to share).
+#[derive(Debug)]
+pub struct StoreClient {
+    addr: String,
+    stream: TcpStream,
+}
+
+impl StoreClient {
+    /// Connects to `addr` (`host:port`), retrying until `timeout` (rank 0 may not be up
+    /// yet when the others start).
+    pub fn connect(addr: &str, timeout: Duration) -> Result<Self> {
+        let start = Instant::now();
+        let mut last_err = None;
+        while start.elapsed() < timeout {
+            let addrs: Vec<SocketAddr> = match addr.to_socket_addrs() {
+                Ok(a) => a.collect(),
+                Err(e) => {
+                    last_err = Some(e);
+                    std::thread::sleep(Duration::from_millis(100));
+                    continue;
+                }
+            };
+            for a in addrs {
+                match TcpStream::connect_timeout(&a, Duration::from_secs(2)) {
+                    Ok(stream) => {
+                        let _ = stream.set_nodelay(true);
+                        return Ok(StoreClient { addr: addr.to_string(), stream });
+                    }
+                    Err(e) => last_err = Some(e),
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Err(StoreError::Timeout {
+            addr: addr.to_string(),
+            key: "(connect)".into(),
+            waited_s: start.elapsed().as_secs_f64(),
+            hint: format!(
+                "no store answered ({}); is rank 0 running, and MASTER_ADDR/MASTER_PORT the same on every rank?",
+                last_err.map_or("no address".into(), |e| e.to_string())
+            ),
+        })
+    }
+
+    fn io(&self, what: &str) -> impl FnOnce(std::io::Error) -> StoreError + use<> {
+        let (addr, what) = (self.addr.clone(), what.to_string());
+        move |source| StoreError::Io { addr, what, source }
+    }
+
+    /// Sends one request and reads its reply: (status, field).
+    fn call(&mut self, op: u8, fields: &[&[u8]], what: &str, read_timeout: Option<Duration>) -> Result<(u8, Vec<u8>)> {
+        let mut req = vec![op];
+        for f in fields {
+            write_field(&mut req, f);
+        }
+        self.stream.set_read_timeout(read_timeout).map_err(self.io(what))?;
+        self.stream.write_all(&req).map_err(self.io(what))?;
+        let mut st = [0u8; 1];
+        self.stream.read_exact(&mut st).map_err(self.io(what))?;
+        let v = read_field(&mut self.stream).map_err(self.io(what))?;
+        Ok((st[0], v))
+    }
+
+    pub fn set(&mut self, key: &str, value: &[u8]) -> Result<()> {
+        self.call(OP_SET, &[key.as_bytes(), value], &format!("set `{key}`"), Some(Duration::from_secs(60)))?;
+        Ok(())
+    }
+
+    /// The value of `key`, or `None` if no rank set it yet.
+    pub fn get(&mut self, key: &str) -> Result<Option<Vec<u8>>> {
+        let (st, v) = self.call(OP_GET, &[key.as_bytes()], &format!("get `{key}`"), Some(Duration::from_secs(60)))?;
+        Ok((st == ST_OK).then_some(v))
+    }
+
+    /// Waits until `key` is set and returns its value; [`StoreError::Timeout`] after
+    /// `timeout`, with `hint` (who was expected to set it) in the message.
+    pub fn wait(&mut self, key: &str, timeout: Duration, hint: &str) -> Result<Vec<u8>> {
+        let ms = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
+        let start = Instant::now();
+        // The server answers by the deadline; the socket gives it a margin more.
+        let (st, v) = self.call(
+            OP_WAIT,
+            &[key.as_bytes(), &ms.to_le_bytes()],
+            &format!("wait for `{key}`"),
+            Some(timeout + Duration::from_secs(10)),
+        )?;
+        match st {
+            ST_OK => Ok(v),
+            _ => Err(StoreError::Timeout {
+                addr: self.addr.clone(),
+                key: key.to_string(),
+                waited_s: start.elapsed().as_secs_f64(),
+                hint: hint.to_string(),
+            }),
+        }
+    }
+
+    /// Adds `delta` to the counter `key` (0 when unset) and returns the new value.
+    pub fn add(&mut self, key: &str, delta: i64) -> Result<i64> {
+        let (_, v) = self.call(OP_ADD, &[key.as_bytes(), &delta.to_le_bytes()], &format!("add to `{key}`"), Some(Duration::from_secs(60)))?;
+        let b: [u8; 8] = v.as_slice().try_into().map_err(|_| StoreError::Protocol {
+            addr: self.addr.clone(),
+            msg: format!("add to `{key}`: the reply is {} bytes, not 8", v.len()),
+        })?;
+        Ok(i64::from_le_bytes(b))
+    }
+
+    /// Returns once all `world` ranks have called it with the same `name`, or fails after
+    /// `timeout` naming the ranks that never arrived.
+    pub fn barrier(&mut self, name: &str, rank: usize, world: usize, timeout: Duration) -> Result<()> {
+        self.set(&format!("{name}/arrived/{rank}"), b"1")?;
+        let n = self.add(&format!("{name}/count"), 1)?;
+        let done = format!("{name}/done");
+        if n as usize == world {
+            self.set(&done, b"1")?;
+        }
+        match self.wait(&done, timeout, "") {
+            Ok(_) => Ok(()),
+            Err(StoreError::Timeout { addr, key, waited_s, .. }) => {
+                let mut missing = Vec::new();
+                for r in 0..world {
+                    if self.get(&format!("{name}/arrived/{r}"))?.is_none() {
+                        missing.push(r.to_string());
+                    }
+                }
+                Err(StoreError::Timeout {
+                    addr,
+                    key,
+                    waited_s,
+                    hint: format!("rank(s) {} never reached `{name}`", missing.join(", ")),
+                })
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Every rank publishes `entries` (name -> value: the resolved config's keys, the
+    /// dataset's hash, ...) under `name` and checks them against rank 0's; the first key
+    /// that differs is a [`StoreError::Mismatch`] naming both ranks and both values.
+    pub fn agree(
+        &mut self,
+        name: &str,
+        rank: usize,
+        entries: &[(String, String)],
+        timeout: Duration,
+    ) -> Result<()> {
+        let encode = |e: &[(String, String)]| {
+            let mut out = Vec::new();
+            for (k, v) in e {
+                write_field(&mut out, k.as_bytes());
+                write_field(&mut out, v.as_bytes());
+            }
+            out
+        };
+        self.set(&format!("{name}/{rank}"), &encode(entries))?;
+        if rank == 0 {
+            return Ok(());
+        }
+        let theirs = self.wait(&format!("{name}/0"), timeout, "rank 0 publishes what it runs")?;
+        let mut r = theirs.as_slice();
+        let mut zero = Vec::new();
+        while !r.is_empty() {
+            let k = read_field(&mut r).map_err(|e| self.protocol(name, e))?;
+            let v = read_field(&mut r).map_err(|e| self.protocol(name, e))?;
+            zero.push((String::from_utf8_lossy(&k).into_owned(), String::from_utf8_lossy(&v).into_owned()));
+        }
+        for (k, v) in entries {
+            match zero.iter().find(|(k0, _)| k0 == k) {
+                Some((_, v0)) if v0 == v => {}
+                Some((_, v0)) => {
+                    return Err(StoreError::Mismatch(format!(
+                        "rank {rank} and rank 0 disagree on `{k}`: {v} here, {v0} on rank 0 (every rank must run the same {name})"
+                    )));
+                }
+                None => {
+                    return Err(StoreError::Mismatch(format!(
+                        "rank {rank} has `{k}` = {v}, which rank 0 does not have (every rank must run the same {name})"
+                    )));
+                }
+            }
+        }
+        if let Some((k, v0)) = zero.iter().find(|(k0, _)| !entries.iter().any(|(k, _)| k == k0)) {
+            return Err(StoreError::Mismatch(format!(
+                "rank 0 has `{k}` = {v0}, which rank {rank} does not have (every rank must run the same {name})"
+            )));
+        }
+        Ok(())
+    }
+
+    fn protocol(&self, name: &str, e: std::io::Error) -> StoreError {
+        StoreError::Protocol { addr: self.addr.clone(), msg: format!("`{name}`: {e}") }
+    }
+}
+
+impl Drop for StoreClient {
+    fn drop(&mut self) {
+        let _ = self.stream.shutdown(Shutdown::Both);
+    }
+}

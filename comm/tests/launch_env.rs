@@ -1,0 +1,100 @@
+//! The launcher's environment: torchrun's variables, `braid launch`'s, SLURM's (host list
+//! included), and a clear error naming the variable for every malformed or missing one.
+
+use std::collections::HashMap;
+
+use braid_comm::launch::{LaunchEnv, Launcher, first_host};
+
+fn env(pairs: &[(&str, &str)]) -> Result<Option<LaunchEnv>, String> {
+    let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    LaunchEnv::from_vars(|k| m.get(k).cloned()).map_err(|e| e.to_string())
+}
+
+#[test]
+fn no_launcher_variables_means_threads() {
+    assert_eq!(env(&[]).unwrap(), None);
+    assert_eq!(env(&[("PATH", "/bin"), ("SLURM_JOB_ID", "7")]).unwrap(), None);
+}
+
+#[test]
+fn torchrun_variables() {
+    let e = env(&[
+        ("RANK", "5"),
+        ("WORLD_SIZE", "32"),
+        ("LOCAL_RANK", "5"),
+        ("LOCAL_WORLD_SIZE", "8"),
+        ("MASTER_ADDR", "node01"),
+        ("MASTER_PORT", "29400"),
+        ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+    ])
+    .unwrap()
+    .unwrap();
+    assert_eq!(e.launcher, Launcher::Torchrun);
+    assert_eq!((e.rank, e.world_size, e.local_rank, e.local_world_size), (5, 32, 5, Some(8)));
+    // torchrun's agent serves its own store on MASTER_PORT: Braid's is on the next port.
+    assert_eq!(e.store_addr(), "node01:29401");
+    let e = env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "h"), ("BRAID_STORE_PORT", "40000")])
+        .unwrap()
+        .unwrap();
+    assert_eq!(e.store_addr(), "h:40000");
+}
+
+#[test]
+fn braid_launch_sets_the_same_variables() {
+    let e = env(&[("RANK", "1"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29600"), ("BRAID_LAUNCH", "1")])
+        .unwrap()
+        .unwrap();
+    assert_eq!(e.launcher, Launcher::Braid);
+    assert_eq!(e.store_addr(), "127.0.0.1:29600");
+}
+
+#[test]
+fn slurm_variables_and_host_lists() {
+    let e = env(&[
+        ("SLURM_PROCID", "9"),
+        ("SLURM_NTASKS", "16"),
+        ("SLURM_LOCALID", "1"),
+        ("SLURM_NTASKS_PER_NODE", "8(x2)"),
+        ("SLURM_JOB_NODELIST", "gpu[017-018]"),
+    ])
+    .unwrap()
+    .unwrap();
+    assert_eq!(e.launcher, Launcher::Slurm);
+    assert_eq!((e.rank, e.world_size, e.local_rank, e.local_world_size), (9, 16, 1, Some(8)));
+    assert_eq!(e.store_addr(), "gpu017:29500");
+    let e = env(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2"), ("SLURM_JOB_NODELIST", "a,b"), ("MASTER_ADDR", "login1"), ("MASTER_PORT", "1234")])
+        .unwrap()
+        .unwrap();
+    assert_eq!(e.store_addr(), "login1:1234");
+    for (list, first) in [
+        ("node[01-04,07],gpu9", "node01"),
+        ("rack[1-2]-n[3-4]", "rack1-n3"),
+        ("a,b", "a"),
+        ("single", "single"),
+        ("n[7,9]", "n7"),
+        (" x[10-12] ", "x10"),
+    ] {
+        assert_eq!(first_host(list).as_deref(), Some(first), "{list}");
+    }
+    assert_eq!(first_host(""), None);
+    assert_eq!(first_host("n[]"), None);
+}
+
+#[test]
+fn bad_or_missing_variables_are_named() {
+    for (vars, needle) in [
+        (vec![("RANK", "0")], "WORLD_SIZE is not set"),
+        (vec![("WORLD_SIZE", "2")], "RANK is not set"),
+        (vec![("RANK", "x"), ("WORLD_SIZE", "2")], "RANK=\"x\""),
+        (vec![("RANK", "2"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")], "RANK=2 is not below WORLD_SIZE=2"),
+        (vec![("RANK", "0"), ("WORLD_SIZE", "0"), ("MASTER_ADDR", "h")], "WORLD_SIZE=0"),
+        (vec![("RANK", "0"), ("WORLD_SIZE", "2")], "MASTER_ADDR is not set"),
+        (vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "99999")], "MASTER_PORT=\"99999\""),
+        (vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("LOCAL_RANK", "3"), ("LOCAL_WORLD_SIZE", "2")], "LOCAL_RANK=3"),
+        (vec![("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2")], "SLURM_JOB_NODELIST"),
+        (vec![("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2"), ("SLURM_JOB_NODELIST", "a"), ("SLURM_NTASKS_PER_NODE", "(x2)")], "SLURM_NTASKS_PER_NODE"),
+    ] {
+        let e = env(&vars).unwrap_err();
+        assert!(e.contains(needle), "{vars:?}: {e}");
+    }
+}

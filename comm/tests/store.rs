@@ -1,0 +1,166 @@
+//! The rendezvous store: set/get/wait/add between clients on threads (as ranks of
+//! separate processes would use it over TCP), waits that time out naming the key and who
+//! was missing, the barrier, and the same-config check naming the rank and the key.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use braid_comm::store::{StoreClient, StoreError, StoreServer};
+
+fn server() -> (StoreServer, String) {
+    let s = StoreServer::bind("127.0.0.1:0").expect("bind a free port");
+    let addr = s.addr().to_string();
+    (s, addr)
+}
+
+fn client(addr: &str) -> StoreClient {
+    StoreClient::connect(addr, Duration::from_secs(5)).expect("connect")
+}
+
+#[test]
+fn set_get_wait_and_add_across_clients() {
+    let (_s, addr) = server();
+    let mut a = client(&addr);
+    let mut b = client(&addr);
+    assert_eq!(a.get("k").unwrap(), None);
+    a.set("k", b"value").unwrap();
+    assert_eq!(b.get("k").unwrap().as_deref(), Some(&b"value"[..]));
+    // A wait that another client satisfies later.
+    let addr2 = addr.clone();
+    let h = std::thread::spawn(move || {
+        let mut c = client(&addr2);
+        c.wait("late", Duration::from_secs(10), "the setter").unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    b.set("late", &[0, 1, 2, 255]).unwrap();
+    assert_eq!(h.join().unwrap(), vec![0, 1, 2, 255]);
+    // add is atomic across 8 clients x 50 increments.
+    let hs: Vec<_> = (0..8)
+        .map(|_| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let mut c = client(&addr);
+                for _ in 0..50 {
+                    c.add("n", 1).unwrap();
+                }
+            })
+        })
+        .collect();
+    for h in hs {
+        h.join().unwrap();
+    }
+    assert_eq!(a.add("n", 0).unwrap(), 400);
+    assert_eq!(a.add("n", -401).unwrap(), -1);
+    // Large values (an NCCL id is 128 bytes; a resolved config a few KiB).
+    let big: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+    a.set("big", &big).unwrap();
+    assert_eq!(b.wait("big", Duration::from_secs(1), "").unwrap(), big);
+}
+
+#[test]
+fn a_wait_times_out_naming_the_key_and_the_hint() {
+    let (_s, addr) = server();
+    let mut a = client(&addr);
+    let t = Instant::now();
+    let e = a.wait("nccl/id/tp-0", Duration::from_millis(300), "rank 0 makes the id").unwrap_err();
+    let took = t.elapsed();
+    assert!(took >= Duration::from_millis(300) && took < Duration::from_secs(5), "{took:?}");
+    let msg = e.to_string();
+    assert!(matches!(e, StoreError::Timeout { .. }), "{msg}");
+    assert!(msg.contains("nccl/id/tp-0") && msg.contains("rank 0 makes the id"), "{msg}");
+    // The connection still works after a timed-out wait.
+    a.set("x", b"1").unwrap();
+    assert!(a.get("x").unwrap().is_some());
+}
+
+#[test]
+fn connecting_to_nothing_fails_in_time_with_a_hint() {
+    // A port nobody listens on: bind one, learn it, drop the listener.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let t = Instant::now();
+    let e = StoreClient::connect(&format!("127.0.0.1:{port}"), Duration::from_millis(500)).unwrap_err();
+    assert!(t.elapsed() < Duration::from_secs(5));
+    assert!(e.to_string().contains("MASTER_ADDR"), "{e}");
+}
+
+#[test]
+fn clients_started_before_the_server_connect_once_it_is_up() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr = format!("127.0.0.1:{port}");
+    let a2 = addr.clone();
+    let h = std::thread::spawn(move || {
+        let mut c = StoreClient::connect(&a2, Duration::from_secs(10)).unwrap();
+        c.wait("go", Duration::from_secs(10), "").unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let _s = StoreServer::bind(&addr).unwrap();
+    client(&addr).set("go", b"now").unwrap();
+    assert_eq!(h.join().unwrap(), b"now");
+}
+
+#[test]
+fn barrier_waits_for_every_rank_and_names_the_missing_ones() {
+    let (_s, addr) = server();
+    let world = 4;
+    let hs: Vec<_> = (0..world)
+        .map(|r| {
+            let addr = addr.clone();
+            std::thread::spawn(move || client(&addr).barrier("start", r, world, Duration::from_secs(10)))
+        })
+        .collect();
+    for h in hs {
+        h.join().unwrap().unwrap();
+    }
+    // Ranks 1 and 3 never come.
+    let addr = Arc::new(addr);
+    let hs: Vec<_> = [0usize, 2]
+        .into_iter()
+        .map(|r| {
+            let addr = Arc::clone(&addr);
+            std::thread::spawn(move || client(&addr).barrier("step-1", r, world, Duration::from_millis(400)))
+        })
+        .collect();
+    for h in hs {
+        let e = h.join().unwrap().unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("rank(s) 1, 3 never reached `step-1`"), "{msg}");
+    }
+}
+
+#[test]
+fn ranks_that_resolved_different_configs_are_named_with_the_key() {
+    let (_s, addr) = server();
+    let entries = |lr: &str, hash: &str| {
+        vec![
+            ("optim.lr".to_string(), lr.to_string()),
+            ("dataset.json sha256".to_string(), hash.to_string()),
+        ]
+    };
+    let t = Duration::from_secs(5);
+    client(&addr).agree("config", 0, &entries("0.001", "ab12"), t).unwrap();
+    client(&addr).agree("config", 1, &entries("0.001", "ab12"), t).unwrap();
+    let e = client(&addr).agree("config", 2, &entries("0.001", "ff00"), t).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("rank 2 and rank 0 disagree on `dataset.json sha256`: ff00 here, ab12 on rank 0"),
+        "{msg}"
+    );
+    let e = client(&addr).agree("config", 3, &entries("0.002", "ab12")[..1], t).unwrap_err();
+    assert!(e.to_string().contains("`optim.lr`: 0.002 here, 0.001 on rank 0"), "{e}");
+}
+
+#[test]
+fn garbage_on_the_wire_closes_that_connection_only() {
+    use std::io::Write;
+    let (_s, addr) = server();
+    let mut raw = std::net::TcpStream::connect(&addr).unwrap();
+    // An unknown opcode, then a field that claims 4 GiB.
+    raw.write_all(&[99, 0xff, 0xff, 0xff, 0xff]).unwrap();
+    drop(raw);
+    let mut raw = std::net::TcpStream::connect(&addr).unwrap();
+    raw.write_all(&[1, 0xff, 0xff, 0xff, 0xff]).unwrap();
+    drop(raw);
+    let mut a = client(&addr);
+    a.set("still", b"up").unwrap();
+    assert_eq!(a.get("still").unwrap().as_deref(), Some(&b"up"[..]));
+}
