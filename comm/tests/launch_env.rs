@@ -1,6 +1,8 @@
 //! The launcher's environment: torchrun's variables, `braid launch`'s, SLURM's (host list
 //! included), and a clear error naming the variable for every malformed or missing one.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::collections::HashMap;
 
 use braid_comm::launch::{LaunchEnv, Launcher, first_host};

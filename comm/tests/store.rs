@@ -2,6 +2,8 @@
 //! separate processes would use it over TCP), waits that time out naming the key and who
 //! was missing, the barrier, and the same-config check naming the rank and the key.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

@@ -218,8 +218,8 @@ impl CudaBackend {
             Some(a) => *a,
             None => {
                 let pref = Pref(lt::create_matmul_pref().map_err(|x| e("preference", x))?);
-                // SAFETY: MAX_WORKSPACE_BYTES takes a u64; `ws` outlives the call.
                 let ws = ws_size as u64;
+                // SAFETY: MAX_WORKSPACE_BYTES takes a u64; `ws` outlives the call.
                 unsafe {
                     lt::set_matmul_pref_attribute(
                         pref.0,
@@ -334,7 +334,7 @@ impl MatmulKernels for CudaBackend {
     fn add_bias(&self, y: &mut Tensor, bias: &Tensor) -> Result<()> {
         const OP: &str = "add_bias";
         let c = bias.elem_count();
-        let rows = if c == 0 { 0 } else { y.elem_count() / c };
+        let rows = y.elem_count().checked_div(c).unwrap_or(0);
         let (rows64, c32) = (rows as u64, super::to_u32(OP, "channels", c)?);
         let cfg = grid_for(y.elem_count());
         let y_dbg = format!("{y:?}");
