@@ -9,7 +9,8 @@
 // j <= k_len - q_len + i. Scores are kept pre-multiplied by log2(e) so the softmax uses
 // exp2f; lse is returned in natural log. T is float or bf16_t; all math is f32.
 //
-// SIMT kernels (f32 exact path, also the bf16 fallback): 128 threads, tiles of BR = 32
+// The bf16 forward for HS = 64, 96, 128 runs on tensor cores (att_fwd_tc, at the end).
+// SIMT kernels (f32 exact path, also the bf16 backward and other bf16 head sizes): 128 threads, tiles of BR = 32
 // query rows x BC = 32 key rows. Thread t owns row t / 4 of the tile and, of the other
 // axis, columns (t % 4) + 4 j (scores) / head channels (t % 4) + 4 i (accumulators); the
 // four threads of a row are consecutive lanes, so row reductions and broadcasts of a
@@ -389,3 +390,220 @@ __device__ __forceinline__ void att_bwd_dkv(float* dk, float* dv, const T* dout,
 
 BRAID_ATT_SIMT_ALL(f32, float)
 BRAID_ATT_SIMT_ALL(bf16, bf16_t)
+
+// ---------------------------------------------------------------------------------------
+// bf16 forward on tensor cores: mma.sync m16n8k16 (bf16 in, f32 accumulate), FA2-style.
+// Block: 4 warps, a tile of TC_BR = 64 query rows (16 per warp) of one head; key tiles of
+// TC_BC = 64. D = HS in {64, 96, 128}. Per warp, in registers: Q's A fragments, the S
+// block (16, 64) as C fragments, which are reused as P's A fragments for P V (the C
+// layout of m16n8k16 is the A layout of the next product), and O (16, D).
+// Shared (bf16): K tile (64, D + 8) row-major, also holding Q at the start; V tile
+// transposed (D, 64 + 8), so every fragment is a 32-bit load, and the +8 pads put the 8
+// rows a fragment load touches in distinct banks. Grid (64-row tiles, NH); block 128;
+// static shared 64 * (D + 8) * 2 + D * 72 * 2 bytes (<= 36 KiB).
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16 .bf16; g = lane / 4, t = lane % 4; each 32-bit
+// register holds two bf16, the lower index in the low half):
+//   A (16 x 16, row-major):  a0 (g, 2t..), a1 (g + 8, 2t..), a2 (g, 2t + 8..), a3 (g + 8, 2t + 8..)
+//   B (16 x 8, "col"):        b0 (k = 2t.., n = g), b1 (k = 2t + 8.., n = g)
+//   C (16 x 8, f32):          c0, c1 (g, 2t, 2t + 1), c2, c3 (g + 8, 2t, 2t + 1)
+#define TC_BR 64
+#define TC_BC 64
+#define TC_LDV (TC_BC + 8)
+
+struct alignas(16) AttU4 {
+    u32 x, y, z, w;
+};
+
+__device__ __forceinline__ void att_mma(float* c, const u32* a, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two f32 -> bf16x2 (round to nearest even): lo in the low half.
+__device__ __forceinline__ u32 att_pack_bf16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ u32 att_ld32(const bf16_t* p) { return *reinterpret_cast<const u32*>(p); }
+
+// dst (64, D + 8) bf16 <- rows row0 .. row0 + n of head h of src (T, heads, D); rows n ..
+// 64 zero. 16-byte loads: rows are D * 2 bytes, D a multiple of 8, buffers 256-byte aligned.
+template <int D>
+__device__ __forceinline__ void att_tc_load_rows(bf16_t* dst, const bf16_t* src, int row0, int n, int heads, int h) {
+    constexpr int V = D / 8;  // 16-byte vectors per row
+    for (int idx = threadIdx.x; idx < 64 * V; idx += ATT_THREADS) {
+        const int r = idx / V, c = idx - r * V;
+        AttU4 x = {0u, 0u, 0u, 0u};
+        if (r < n) x = reinterpret_cast<const AttU4*>(src + ((i64)(row0 + r) * heads + h) * D)[c];
+        *reinterpret_cast<AttU4*>(dst + r * (D + 8) + c * 8) = x;
+    }
+}
+
+// dst (D, 64 + 8) bf16 <- the same rows transposed: dst[ch][row].
+template <int D>
+__device__ __forceinline__ void att_tc_load_rows_t(bf16_t* dst, const bf16_t* src, int row0, int n, int heads, int h) {
+    constexpr int V = D / 8;
+    for (int idx = threadIdx.x; idx < 64 * V; idx += ATT_THREADS) {
+        const int r = idx / V, c = idx - r * V;
+        AttU4 x = {0u, 0u, 0u, 0u};
+        if (r < n) x = reinterpret_cast<const AttU4*>(src + ((i64)(row0 + r) * heads + h) * D)[c];
+        const u32 w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            dst[(c * 8 + 2 * u) * TC_LDV + r] = (bf16_t)(w[u] & 0xffffu);
+            dst[(c * 8 + 2 * u + 1) * TC_LDV + r] = (bf16_t)(w[u] >> 16);
+        }
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void att_fwd_tc(bf16_t* out, float* lse, const bf16_t* q, const bf16_t* k,
+                                           const bf16_t* v, const u32* segs, const u32* tiles, int nh, int nkv,
+                                           int tq, float scale, int causal) {
+    constexpr int LD = D + 8;
+    constexpr int KC = D / 16;  // k-steps over channels
+    constexpr int DN = D / 8;   // n-tiles over channels
+    constexpr int NT = TC_BC / 8;  // n-tiles over keys
+    __shared__ __align__(16) bf16_t ks[TC_BR * LD];     // K tile (64, LD); Q first
+    __shared__ __align__(16) bf16_t vts[D * TC_LDV];    // V tile transposed (D, 72)
+
+    const AttSeg g = att_seg(segs, tiles[2 * blockIdx.x]);
+    const int q0 = (int)tiles[2 * blockIdx.x + 1];
+    const int h = blockIdx.y, kvh = h / (nh / nkv);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gr = lane >> 2, t4 = lane & 3;
+    const int i0 = q0 + warp * 16 + gr, i1 = i0 + 8;  // this thread's two query rows
+    const int q1 = min(q0 + TC_BR, g.q_len);
+    const int kend = causal ? min(g.off + q1, g.k_len) : g.k_len;
+    const float sl2 = scale * ATT_LOG2E;
+
+    // Q -> shared -> A fragments (kept in registers for the whole tile).
+    att_tc_load_rows<D>(ks, q, g.q_start + q0, q1 - q0, nh, h);
+    __syncthreads();
+    u32 qa[KC][4];
+    {
+        const bf16_t* qw = ks + (warp * 16 + gr) * LD + 2 * t4;
+#pragma unroll
+        for (int kc = 0; kc < KC; ++kc) {
+            qa[kc][0] = att_ld32(qw + 16 * kc);
+            qa[kc][1] = att_ld32(qw + 8 * LD + 16 * kc);
+            qa[kc][2] = att_ld32(qw + 16 * kc + 8);
+            qa[kc][3] = att_ld32(qw + 8 * LD + 16 * kc + 8);
+        }
+    }
+    float o[DN][4];
+#pragma unroll
+    for (int dn = 0; dn < DN; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
+    float m0 = BRAID_NEG_INF, m1 = BRAID_NEG_INF, l0 = 0.0f, l1 = 0.0f;  // rows i0, i1
+
+    for (int k0 = 0; k0 < kend; k0 += TC_BC) {
+        const int nk = min(TC_BC, kend - k0);
+        __syncthreads();  // Q fragments / the previous tile are no longer read
+        att_tc_load_rows<D>(ks, k, g.k_start + k0, nk, nkv, kvh);
+        att_tc_load_rows_t<D>(vts, v, g.k_start + k0, nk, nkv, kvh);
+        __syncthreads();
+        float s[NT][4];  // S (16, 64) of this warp: keys k0 + 8 nt + 2 t4 + {0, 1}
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+        for (int kc = 0; kc < KC; ++kc) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const bf16_t* kp = ks + (8 * nt + gr) * LD + 16 * kc + 2 * t4;
+                att_mma(s[nt], qa[kc], att_ld32(kp), att_ld32(kp + 8));
+            }
+        }
+        float mx0 = BRAID_NEG_INF, mx1 = BRAID_NEG_INF;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const int j = k0 + 8 * nt + 2 * t4 + u;
+                s[nt][u] = att_visible(g, i0, j, causal) ? s[nt][u] * sl2 : BRAID_NEG_INF;
+                s[nt][2 + u] = att_visible(g, i1, j, causal) ? s[nt][2 + u] * sl2 : BRAID_NEG_INF;
+                mx0 = fmaxf(mx0, s[nt][u]);
+                mx1 = fmaxf(mx1, s[nt][2 + u]);
+            }
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        const float mu0 = mn0 == BRAID_NEG_INF ? 0.0f : mn0, mu1 = mn1 == BRAID_NEG_INF ? 0.0f : mn1;
+        const float c0 = exp2f(m0 - mu0), c1 = exp2f(m1 - mu1);
+        float ls0 = 0.0f, ls1 = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                s[nt][u] = exp2f(s[nt][u] - mu0);
+                s[nt][2 + u] = exp2f(s[nt][2 + u] - mu1);
+                ls0 += s[nt][u];
+                ls1 += s[nt][2 + u];
+            }
+        }
+        ls0 += __shfl_xor_sync(0xffffffffu, ls0, 1);
+        ls0 += __shfl_xor_sync(0xffffffffu, ls0, 2);
+        ls1 += __shfl_xor_sync(0xffffffffu, ls1, 1);
+        ls1 += __shfl_xor_sync(0xffffffffu, ls1, 2);
+        l0 = l0 * c0 + ls0;
+        l1 = l1 * c1 + ls1;
+        m0 = mn0;
+        m1 = mn1;
+#pragma unroll
+        for (int dn = 0; dn < DN; ++dn) {
+            o[dn][0] *= c0;
+            o[dn][1] *= c0;
+            o[dn][2] *= c1;
+            o[dn][3] *= c1;
+        }
+        // O += P V: P's A fragment of keys 16 kk .. 16 kk + 15 is S's C fragments 2 kk, 2 kk + 1.
+#pragma unroll
+        for (int kk = 0; kk < TC_BC / 16; ++kk) {
+            u32 pa[4];
+            pa[0] = att_pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+            pa[1] = att_pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+            pa[2] = att_pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[3] = att_pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int dn = 0; dn < DN; ++dn) {
+                const bf16_t* vp = vts + (8 * dn + gr) * TC_LDV + 16 * kk + 2 * t4;
+                att_mma(o[dn], pa, att_ld32(vp), att_ld32(vp + 8));
+            }
+        }
+    }
+    // Rows i0, i1: columns 8 dn + 2 t4 + {0, 1}, one 32-bit store each.
+    const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+    if (i0 < g.q_len) {
+        const i64 row = (i64)(g.q_start + i0);
+        u32* dst = reinterpret_cast<u32*>(out + (row * nh + h) * D + 2 * t4);
+#pragma unroll
+        for (int dn = 0; dn < DN; ++dn) dst[4 * dn] = att_pack_bf16(o[dn][0] * inv0, o[dn][1] * inv0);
+        if (t4 == 0) lse[(i64)h * tq + row] = l0 > 0.0f ? (m0 + log2f(l0)) * ATT_LN2 : BRAID_NEG_INF;
+    }
+    if (i1 < g.q_len) {
+        const i64 row = (i64)(g.q_start + i1);
+        u32* dst = reinterpret_cast<u32*>(out + (row * nh + h) * D + 2 * t4);
+#pragma unroll
+        for (int dn = 0; dn < DN; ++dn) dst[4 * dn] = att_pack_bf16(o[dn][2] * inv1, o[dn][3] * inv1);
+        if (t4 == 0) lse[(i64)h * tq + row] = l1 > 0.0f ? (m1 + log2f(l1)) * ATT_LN2 : BRAID_NEG_INF;
+    }
+}
+
+// Exported tensor-core forwards (bf16 only). Tables as for the SIMT forward, with
+// 64-row tiles.
+#define BRAID_ATT_TC(D)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) braid_attention_fwd_tc_hs##D##_bf16(         \
+        bf16_t* out, float* lse, const bf16_t* q, const bf16_t* k, const bf16_t* v, const u32* segs,           \
+        const u32* tiles, int nh, int nkv, int tq, float scale, int causal) {                                   \
+        att_fwd_tc<D>(out, lse, q, k, v, segs, tiles, nh, nkv, tq, scale, causal);                              \
+    }
+BRAID_ATT_TC(64)
+BRAID_ATT_TC(96)
+BRAID_ATT_TC(128)

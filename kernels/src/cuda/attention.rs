@@ -14,8 +14,10 @@
 //! ranges are disjoint: a key row shared by segments gets their grads added in segment
 //! order. bf16 dK/dV are cast from those f32 sums at the end.
 //!
-//! All kernels are SIMT with f32 math (exact path for f32, also used for bf16 inputs);
-//! head sizes up to 128.
+//! Data paths: f32 inputs run SIMT kernels with exact f32 math (tiles of 32 x 32,
+//! 128 threads); bf16 inputs with HS = 64, 96 or 128 run a tensor-core forward
+//! (`mma.sync` m16n8k16 bf16 -> f32, tiles of 64 x 64) and the SIMT backward; other bf16
+//! head sizes run the SIMT kernels throughout. HS up to 128 (larger is an error).
 
 use std::collections::BTreeMap;
 
@@ -32,6 +34,8 @@ use crate::tensor::Tensor;
 
 /// Query rows per tile (forward, dQ); `ATT_BR` in the .cu.
 const BR: usize = 32;
+/// Query rows per tile of the tensor-core forward; `TC_BR` in the .cu.
+const TC_BR: usize = 64;
 /// Key rows per tile (dK/dV); `ATT_BC` in the .cu.
 const BC: usize = 32;
 /// Threads per block of the tile kernels; `ATT_THREADS` in the .cu.
@@ -62,6 +66,12 @@ macro_rules! kernel_table {
 static FWD: [[&str; 7]; 2] = kernel_table!("fwd");
 static BWD_DQ: [[&str; 7]; 2] = kernel_table!("bwd_dq");
 static BWD_DKV: [[&str; 7]; 2] = kernel_table!("bwd_dkv");
+/// The tensor-core bf16 forwards, HS = 64, 96, 128.
+static FWD_TC: [&str; 3] = [
+    "braid_attention_fwd_tc_hs64_bf16",
+    "braid_attention_fwd_tc_hs96_bf16",
+    "braid_attention_fwd_tc_hs128_bf16",
+];
 static DSUM: [&str; 2] = ["braid_attention_dsum_f32", "braid_attention_dsum_bf16"];
 
 /// The kernel variant for head size `hs` -> (index into the tables, HSMAX of the kernel).
@@ -158,7 +168,8 @@ struct Plan {
 
 impl Plan {
     /// `segs` are validated (`check_qk_ranges`); sizes are checked to fit the kernels.
-    fn new(op: &'static str, segs: &[QkSegment], dims: &AttentionDims) -> Result<Plan> {
+    /// Query tiles have `bq` rows (32, or 64 for the tensor-core forward).
+    fn new(op: &'static str, segs: &[QkSegment], dims: &AttentionDims, bq: usize) -> Result<Plan> {
         to_i32(op, "Tq", dims.t)?;
         to_i32(op, "Tk", dims.tk)?;
         let u = |v: usize| v as u32; // every value is <= Tq or Tk, checked just above
@@ -179,7 +190,7 @@ impl Plan {
                 continue;
             }
             let si = to_i32(op, "segment count", i)? as u32;
-            for q0 in (0..s.q_len).step_by(BR) {
+            for q0 in (0..s.q_len).step_by(bq) {
                 plan.qtiles.extend([si, u(q0)]);
             }
             let (a, b) = (s.k_start, s.k_start + s.k_len);
@@ -283,7 +294,14 @@ impl CudaBackend {
         let AttentionDims { t, nh, hs, .. } = *dims;
         let (vi, hsmax) = variant(op, hs)?;
         let sc = Scalars::new(op, dims, spec)?;
-        let plan = Plan::new(op, segs, dims)?;
+        // bf16 with HS 64, 96, 128: the tensor-core forward (64-row tiles).
+        let tc = match (T::DT, hs) {
+            (1, 64) => Some(FWD_TC[0]),
+            (1, 96) => Some(FWD_TC[1]),
+            (1, 128) => Some(FWD_TC[2]),
+            _ => None,
+        };
+        let plan = Plan::new(op, segs, dims, if tc.is_some() { TC_BR } else { BR })?;
         let (qs, ks, vs) = (
             get::<T>(op, "q", q)?,
             get::<T>(op, "k", k)?,
@@ -293,7 +311,26 @@ impl CudaBackend {
             self.alloc::<T>(op, t * nh * hs, || format!("the attention output of {q:?}"))?;
         let mut lse = self.alloc::<f32>(op, nh * t, || format!("the attention lse of {q:?}"))?;
         let ntiles = plan.qtiles.len() / 2;
-        if ntiles > 0 {
+        if let (true, Some(name)) = (ntiles > 0, tc) {
+            let segs_d = self.upload(op, &plan.segs)?;
+            let tiles_d = self.upload(op, &plan.qtiles)?;
+            let f = self.function(&ATTENTION, name)?;
+            let cfg = LaunchConfig {
+                grid_dim: (ntiles as u32, nh as u32, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // braid_attention_fwd_tc_hs<D>_bf16(bf16* out, float* lse, const bf16* q, const bf16* k,
+            //   const bf16* v, const u32* segs, const u32* tiles, int nh, int nkv, int tq, float scale, int causal)
+            // SAFETY: signature above; T is bf16 here (T::DT == 1) and HS == D. Sizes and
+            // tables as in the SIMT forward below, with 64-row tiles (the plan's); the
+            // kernel's shared memory is static; its 16-byte row loads need each buffer
+            // 16-byte aligned, which device allocations are (256 bytes).
+            unsafe {
+                launch!(self, op, f, cfg; &mut out, &mut lse, qs, ks, vs, &segs_d, &tiles_d,
+                    &sc.nh, &sc.nkv, &sc.tq, &sc.scale, &sc.causal)?;
+            }
+        } else if ntiles > 0 {
             let segs_d = self.upload(op, &plan.segs)?;
             let tiles_d = self.upload(op, &plan.qtiles)?;
             let f = self.function(&ATTENTION, FWD[T::DT][vi])?;
@@ -329,7 +366,7 @@ impl CudaBackend {
         let AttentionDims { t, tk, nh, nkv, hs } = *dims;
         let (vi, hsmax) = variant(op, hs)?;
         let sc = Scalars::new(op, dims, spec)?;
-        let plan = Plan::new(op, segs, dims)?;
+        let plan = Plan::new(op, segs, dims, BR)?;
         let (qs, ks, vs) = (
             get::<T>(op, "q", q)?,
             get::<T>(op, "k", k)?,
