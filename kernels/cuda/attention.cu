@@ -9,7 +9,7 @@
 // j <= k_len - q_len + i. Scores are kept pre-multiplied by log2(e) so the softmax uses
 // exp2f; lse is returned in natural log. T is float or bf16_t; all math is f32.
 //
-// The bf16 forward for HS = 64, 96, 128 runs on tensor cores (att_fwd_tc, at the end).
+// The bf16 forward for HS = 64, 80, 96, 128 runs on tensor cores (att_fwd_tc, at the end).
 // SIMT kernels (f32 exact path, also the bf16 backward and other bf16 head sizes): 128 threads, tiles of BR = 32
 // query rows x BC = 32 key rows. Thread t owns row t / 4 of the tile and, of the other
 // axis, columns (t % 4) + 4 j (scores) / head channels (t % 4) + 4 i (accumulators); the
@@ -394,7 +394,7 @@ BRAID_ATT_SIMT_ALL(bf16, bf16_t)
 // ---------------------------------------------------------------------------------------
 // bf16 forward on tensor cores: mma.sync m16n8k16 (bf16 in, f32 accumulate), FA2-style.
 // Block: 4 warps, a tile of TC_BR = 64 query rows (16 per warp) of one head; key tiles of
-// TC_BC = 64. D = HS in {64, 96, 128}. Per warp, in registers: Q's A fragments, the S
+// TC_BC = 64. D = HS in {64, 80, 96, 128} (a multiple of 16). Per warp, in registers: Q's A fragments, the S
 // block (16, 64) as C fragments, which are reused as P's A fragments for P V (the C
 // layout of m16n8k16 is the A layout of the next product), and O (16, D).
 // Shared (bf16): K tile (64, D + 8) row-major, also holding Q at the start; V tile
@@ -605,5 +605,6 @@ __device__ __forceinline__ void att_fwd_tc(bf16_t* out, float* lse, const bf16_t
         att_fwd_tc<D>(out, lse, q, k, v, segs, tiles, nh, nkv, tq, scale, causal);                              \
     }
 BRAID_ATT_TC(64)
+BRAID_ATT_TC(80)
 BRAID_ATT_TC(96)
 BRAID_ATT_TC(128)

@@ -15,7 +15,7 @@
 //! order. bf16 dK/dV are cast from those f32 sums at the end.
 //!
 //! Data paths: f32 inputs run SIMT kernels with exact f32 math (tiles of 32 x 32,
-//! 128 threads); bf16 inputs with HS = 64, 96 or 128 run a tensor-core forward
+//! 128 threads); bf16 inputs with HS = 64, 80, 96 or 128 run a tensor-core forward
 //! (`mma.sync` m16n8k16 bf16 -> f32, tiles of 64 x 64) and the SIMT backward; other bf16
 //! head sizes run the SIMT kernels throughout. HS up to 128 (larger is an error).
 
@@ -66,9 +66,10 @@ macro_rules! kernel_table {
 static FWD: [[&str; 7]; 2] = kernel_table!("fwd");
 static BWD_DQ: [[&str; 7]; 2] = kernel_table!("bwd_dq");
 static BWD_DKV: [[&str; 7]; 2] = kernel_table!("bwd_dkv");
-/// The tensor-core bf16 forwards, HS = 64, 96, 128.
-static FWD_TC: [&str; 3] = [
+/// The tensor-core bf16 forwards, HS = 64, 80, 96, 128.
+static FWD_TC: [&str; 4] = [
     "braid_attention_fwd_tc_hs64_bf16",
+    "braid_attention_fwd_tc_hs80_bf16",
     "braid_attention_fwd_tc_hs96_bf16",
     "braid_attention_fwd_tc_hs128_bf16",
 ];
@@ -294,11 +295,12 @@ impl CudaBackend {
         let AttentionDims { t, nh, hs, .. } = *dims;
         let (vi, hsmax) = variant(op, hs)?;
         let sc = Scalars::new(op, dims, spec)?;
-        // bf16 with HS 64, 96, 128: the tensor-core forward (64-row tiles).
+        // bf16 with HS 64, 80, 96, 128: the tensor-core forward (64-row tiles).
         let tc = match (T::DT, hs) {
             (1, 64) => Some(FWD_TC[0]),
-            (1, 96) => Some(FWD_TC[1]),
-            (1, 128) => Some(FWD_TC[2]),
+            (1, 80) => Some(FWD_TC[1]),
+            (1, 96) => Some(FWD_TC[2]),
+            (1, 128) => Some(FWD_TC[3]),
             _ => None,
         };
         let plan = Plan::new(op, segs, dims, if tc.is_some() { TC_BR } else { BR })?;
