@@ -5,6 +5,7 @@ mod demo;
 mod forward;
 mod generate;
 mod inspect;
+mod launch;
 mod pack;
 mod plan;
 mod plot;
@@ -72,6 +73,10 @@ enum Command {
     /// Writes a cluster TOML for `braid plan --cluster`. Measures the CPU (ranks are
     /// threads); GPUs come with the CUDA backend.
     Profile(profile::ProfileArgs),
+    /// Start the processes of one machine of a multi-process world (like torchrun's static
+    /// mode): `braid launch --nproc-per-node 4 -- train --config RUN.toml`. Each process gets
+    /// RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; output is prefixed by rank.
+    Launch(launch::LaunchArgs),
 }
 
 fn main() -> ExitCode {
@@ -95,5 +100,6 @@ fn main() -> ExitCode {
         Command::Inspect(args) => ExitCode::from(inspect::run(args)),
         Command::Plan(args) => ExitCode::from(plan::run(args)),
         Command::Profile(args) => ExitCode::from(profile::run(args)),
+        Command::Launch(args) => launch::run(args),
     }
 }

@@ -597,6 +597,8 @@ fn modules_start_from_a_hugging_face_export() {
 mod demo_resume;
 /// The multi-rank runs: in their own file, in this test binary (one fixture, one
 /// reference run).
+#[path = "train/procs.rs"]
+mod procs;
 #[path = "train/ranks.rs"]
 mod ranks;
 #[path = "train/signal.rs"]

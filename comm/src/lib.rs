@@ -12,6 +12,7 @@
 pub mod grid;
 pub mod launch;
 pub mod local;
+pub mod socket;
 pub mod store;
 pub mod testing;
 

@@ -324,6 +324,15 @@ impl StoreClient {
         Ok((st[0], v))
     }
 
+    /// This end's IP address: how the store's host reaches this process, so the address
+    /// to give the other ranks of a world.
+    pub fn local_ip(&self) -> Result<String> {
+        self.stream
+            .local_addr()
+            .map(|a| a.ip().to_string())
+            .map_err(self.io("reading the local address"))
+    }
+
     pub fn set(&mut self, key: &str, value: &[u8]) -> Result<()> {
         self.call(OP_SET, &[key.as_bytes(), value], &format!("set `{key}`"), Some(Duration::from_secs(60)))?;
         Ok(())

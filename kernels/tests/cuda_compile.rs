@@ -68,9 +68,17 @@ fn every_kernel_compiles_through_nvrtc_as_the_runtime_does() {
     let (major, minor) = compile::nvrtc_version()
         .expect("NVRTC loads (is LD_LIBRARY_PATH set to the toolkit's lib?)");
     eprintln!("NVRTC {major}.{minor}");
+    // tools/gpu/bundle.sh sets BRAID_PREBUILD_KERNELS to ship these cubins to the GPU
+    // machine as its kernel cache (same names as the runtime's cache).
+    let prebuild = std::env::var_os("BRAID_PREBUILD_KERNELS").map(std::path::PathBuf::from);
     for src in SOURCES {
         let cubin = compile::compile(src, ARCH, Output::Cubin).unwrap_or_else(|e| panic!("{e}"));
         assert!(cubin.len() > 16, "{}.cu: empty cubin", src.name);
+        if let Some(dir) = &prebuild {
+            std::fs::create_dir_all(dir).expect("prebuild dir");
+            let name = compile::cache_file_name(src, ARCH).expect("cache name");
+            std::fs::write(dir.join(name), &cubin).expect("write cubin");
+        }
     }
 }
 

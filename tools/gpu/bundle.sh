@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=gpu-bundle
 rm -rf "$out" && mkdir -p "$out/tests"
-cargo build --release -p braid-cli
+cargo build --release -p braid
 cp target/release/braid "$out/"
 # Test binaries of the crates whose tests use test_on_devices (their `::cuda` arms).
 cargo test --release --no-run --message-format=json \
@@ -35,5 +35,10 @@ for line in sys.stdin:
         shutil.copy(m["executable"], sys.argv[1])
 ' "$out/bench-step"
 strip "$out/braid" "$out/bench-step" "$out"/tests/* 2>/dev/null || true
+# The kernels compiled for sm_90a here, as the GPU machine's kernel cache (NVRTC takes
+# minutes for attention.cu; the device's time is better spent running it).
+eval "$(tools/cuda-tools.sh)"
+BRAID_PREBUILD_KERNELS="$PWD/$out/kernel-cache" \
+    cargo test --release -p braid-kernels --test cuda_compile every_kernel_compiles_through_nvrtc
 cp tools/gpu/check.sh "$out/"
 du -sh "$out"

@@ -32,7 +32,10 @@ print(":".join(sorted(dirs)))
 PY
 )
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# The bundle's pre-built cubins (same cache key: NVRTC 13.0, sm_90a); missing ones are
+# compiled here and added.
 export BRAID_KERNEL_CACHE=/tmp/braid-kernel-cache
+mkdir -p "$BRAID_KERNEL_CACHE" && cp "$B"/kernel-cache/*.cubin "$BRAID_KERNEL_CACHE"/ 2>/dev/null
 nvidia-smi > "$OUT/gpu.txt" 2>&1
 echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH" >> "$OUT/gpu.txt"
 

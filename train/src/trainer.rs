@@ -470,6 +470,32 @@ impl Trainer {
         train_s: f64,
         last_ckpt: Option<PathBuf>,
     ) -> Result<RunSummary> {
+        let eval = self.evaluate()?;
+        if let Some(r) = &eval {
+            braid_nn::hf::write_json(&self.cfg.run.dir.join("eval.json"), r)?;
+        }
+        let export = self.cfg.run.dir.join("hf");
+        let max_len = self.model.config.llm.max_position_embeddings;
+        let mut summary = self.summary_parts(trail, train_s, last_ckpt);
+        crate::export::export_hf(self.model, &export)?;
+        crate::tokenizer::write_export(&self.tokenizer_files, &export.join("llm"), max_len)?;
+        summary.eval = eval;
+        summary.export = Some(export);
+        Ok(summary)
+    }
+
+    /// The summary of a rank that neither evaluates nor exports (not rank 0 of a world of
+    /// processes).
+    pub(crate) fn summary_without_eval(
+        &self,
+        trail: LossTrail,
+        train_s: f64,
+        last_ckpt: Option<PathBuf>,
+    ) -> RunSummary {
+        self.summary_parts(trail, train_s, last_ckpt)
+    }
+
+    fn summary_parts(&self, trail: LossTrail, train_s: f64, last_ckpt: Option<PathBuf>) -> RunSummary {
         let LossTrail {
             recent,
             first: first_loss,
@@ -480,15 +506,7 @@ impl Trainer {
         // The median `braid profile` and `validate_plan` report too.
         let median_step_s =
             (!step_times.is_empty()).then(|| braid_balancer::plan::check::median(&step_times));
-        let eval = self.evaluate()?;
-        if let Some(r) = &eval {
-            braid_nn::hf::write_json(&self.cfg.run.dir.join("eval.json"), r)?;
-        }
-        let export = self.cfg.run.dir.join("hf");
-        let max_len = self.model.config.llm.max_position_embeddings;
-        crate::export::export_hf(self.model, &export)?;
-        crate::tokenizer::write_export(&self.tokenizer_files, &export.join("llm"), max_len)?;
-        Ok(RunSummary {
+        RunSummary {
             steps: self.state.step,
             skipped_steps: self.state.skipped_steps,
             final_loss: if recent.is_empty() {
@@ -499,13 +517,13 @@ impl Trainer {
             first_loss,
             tokens,
             train_s,
-            eval,
+            eval: None,
             checkpoint: last_ckpt,
-            export: Some(export),
+            export: None,
             median_step_s,
             peak_mem_gib,
-            predicted: self.predicted,
-        })
+            predicted: self.predicted.clone(),
+        }
     }
 }
 
@@ -551,6 +569,9 @@ pub fn train_stoppable(
     obs: &mut dyn Observer,
     stop: StopFlag,
 ) -> Result<RunSummary> {
+    if let Some(procs) = crate::parallel::procs::Processes::from_env()? {
+        return crate::parallel::procs::train(procs, cfg, resume, obs, stop);
+    }
     let mut t = Trainer::new(cfg, resume, obs)?;
     t.stop = stop;
     if t.layouts.world > 1 {

@@ -19,6 +19,7 @@ pub mod engine;
 pub mod layout;
 pub mod model;
 pub mod plan;
+pub mod procs;
 pub mod run;
 pub mod schedule;
 pub mod sync;

@@ -41,7 +41,19 @@ enum Event {
 
 /// Trains `trainer`'s run on `parallel.world_size` ranks (threads) and returns what the
 /// one-rank [`Trainer::run`] returns.
-pub fn run(mut trainer: Trainer, obs: &mut dyn Observer) -> Result<RunSummary> {
+pub fn run(trainer: Trainer, obs: &mut dyn Observer) -> Result<RunSummary> {
+    run_ranks(trainer, None, obs)
+}
+
+/// Trains as one rank of a world of processes, over `comm` (the whole world). Rank 0
+/// writes the metrics, evaluates and exports; the other ranks only train and save their
+/// shards.
+pub fn run_process(trainer: Trainer, comm: Arc<dyn Comm>, obs: &mut dyn Observer) -> Result<RunSummary> {
+    run_ranks(trainer, Some(comm), obs)
+}
+
+fn run_ranks(mut trainer: Trainer, process: Option<Arc<dyn Comm>>, obs: &mut dyn Observer) -> Result<RunSummary> {
+    let writes = process.as_ref().is_none_or(|c| c.rank() == 0);
     obs.start(&trainer.info);
     for line in trainer.layouts.describe() {
         obs.log(&line);
@@ -59,10 +71,14 @@ pub fn run(mut trainer: Trainer, obs: &mut dyn Observer) -> Result<RunSummary> {
     let start_step = trainer.state.step;
     let total = trainer.cfg.train.steps;
     let started = Instant::now();
-    let mut metrics = MetricsWriter::open(
-        &trainer.cfg.run.dir.join("metrics.jsonl"),
-        trainer.state.step,
-    )?;
+    let mut metrics = if writes {
+        Some(MetricsWriter::open(
+            &trainer.cfg.run.dir.join("metrics.jsonl"),
+            trainer.state.step,
+        )?)
+    } else {
+        None
+    };
     let (tx, rx) = mpsc::channel::<Event>();
     let shared = &Shared {
         cfg: &trainer.cfg,
@@ -76,14 +92,41 @@ pub fn run(mut trainer: Trainer, obs: &mut dyn Observer) -> Result<RunSummary> {
         resumed: trainer.info.resumed_from.is_some(),
         stop: &trainer.stop,
         tokenizer_files: &trainer.tokenizer_files,
+        transport: match &process {
+            None => "threads".into(),
+            Some(_) => format!("processes over TCP ({})", crate::parallel::procs::TRANSPORT),
+        },
     };
     let outcome = std::thread::scope(|s| {
-        let ranks = s.spawn(move || {
+        let ranks = s.spawn(move || -> Result<Vec<RankEnd>> {
             let tx = tx;
-            run_local(world_size, timeout, |comm: LocalComm| {
-                let events = (comm.rank() == 0).then_some(&tx);
-                rank_main(comm, shared, events)
-            })
+            match process {
+                // This process is one rank of a world of processes.
+                Some(comm) => {
+                    let events = (comm.rank() == 0).then_some(&tx);
+                    let rank = comm.rank();
+                    let end = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        rank_main(comm, shared, events)
+                    }))
+                    .map_err(|p| {
+                        TrainError::Other(format!(
+                            "rank {rank} panicked: {}",
+                            braid_comm::local::panic_message(p.as_ref())
+                        ))
+                    })??;
+                    Ok(vec![end])
+                }
+                None => run_local(world_size, timeout, |comm: LocalComm| {
+                    let events = (comm.rank() == 0).then_some(&tx);
+                    rank_main(Arc::new(comm), shared, events)
+                })
+                .map_err(|f| {
+                    TrainError::Other(format!(
+                        "rank {} of {world_size} failed: {} (every other rank stopped)",
+                        f.rank, f.message
+                    ))
+                }),
+            }
         });
         let mut trail = LossTrail::default();
         let mut last_ckpt = None;
@@ -93,7 +136,9 @@ pub fn run(mut trainer: Trainer, obs: &mut dyn Observer) -> Result<RunSummary> {
                 Event::Log(l) => obs.log(&l),
                 Event::Step(m) => {
                     trail.record(&m);
-                    if let Err(e) = metrics.append(&m) {
+                    if let Some(metrics) = metrics.as_mut()
+                        && let Err(e) = metrics.append(&m)
+                    {
                         write_err.get_or_insert(e);
                     }
                     obs.step(&m, total);
@@ -104,15 +149,9 @@ pub fn run(mut trainer: Trainer, obs: &mut dyn Observer) -> Result<RunSummary> {
                 }
             }
         }
-        let ranks = ranks
+        let finals = ranks
             .join()
-            .map_err(|_| TrainError::Other("the rank launcher panicked".into()))?;
-        let finals = ranks.map_err(|f| {
-            TrainError::Other(format!(
-                "rank {} of {world_size} failed: {} (every other rank stopped)",
-                f.rank, f.message
-            ))
-        })?;
+            .map_err(|_| TrainError::Other("the rank launcher panicked".into()))??;
         if let Some(e) = write_err {
             return Err(e);
         }
@@ -140,6 +179,10 @@ pub fn run(mut trainer: Trainer, obs: &mut dyn Observer) -> Result<RunSummary> {
     if last_ckpt.is_none() {
         last_ckpt = checkpoint::latest(&root)?.map(|(_, p)| p);
     }
+    if !writes {
+        // Not rank 0 of a world of processes: rank 0 evaluates and exports.
+        return Ok(trainer.summary_without_eval(trail, train_s, last_ckpt));
+    }
     // The full model from the last checkpoint, for evaluation and export.
     if let Some(dir) = &last_ckpt {
         let device = crate::parallel::model::device_of(&trainer.model);
@@ -162,6 +205,8 @@ struct Shared<'a> {
     resumed: bool,
     stop: &'a StopFlag,
     tokenizer_files: &'a crate::tokenizer::TokenizerFiles,
+    /// How the ranks talk, for the log ("threads", "processes over TCP ...").
+    transport: String,
 }
 
 /// How a rank's run ended: its state, and the signal that stopped it early (if any).
@@ -190,12 +235,11 @@ fn agree_to_stop(world: &dyn Comm, stop: &StopFlag) -> Result<Option<i32>> {
 
 /// One rank's whole run.
 fn rank_main(
-    comm: LocalComm,
+    world: Arc<dyn Comm>,
     t: &Shared<'_>,
     events: Option<&mpsc::Sender<Event>>,
 ) -> Result<RankEnd> {
-    let rank = comm.rank();
-    let world: Arc<dyn Comm> = Arc::new(comm);
+    let rank = world.rank();
     let cfg = t.cfg;
     let say = |e: Event| {
         if let Some(tx) = events {
@@ -216,8 +260,9 @@ fn rank_main(
     .map_err(|e| TrainError::Data(format!("{}: {e}", cfg.data.path.display())))?;
     if rank == 0 {
         say(Event::Log(format!(
-            "{} ranks as threads; rank 0 holds {} parameter elements and {} of optimizer state (the whole model: {} and {})",
+            "{} ranks ({}); rank 0 holds {} parameter elements and {} of optimizer state (the whole model: {} and {})",
             t.layouts.world,
+            t.transport,
             engine.model.num_params(),
             engine.optim.num_state(),
             t.model.num_params(),

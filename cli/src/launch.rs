@@ -1,0 +1,211 @@
+//! `braid launch`: starts the processes of one machine of a world (like torchrun's static
+//! mode), each `braid <command>` with torchrun's variables set; prefixes every line with
+//! its rank, forwards SIGINT/SIGTERM, and exits non-zero naming the first rank that
+//! failed. Ranks that outlive a failed one by more than the grace period are killed.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitCode, ExitStatus, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use clap::Args;
+
+#[derive(Debug, Args)]
+pub struct LaunchArgs {
+    /// Processes on this machine (one per GPU on a GPU machine).
+    #[arg(long)]
+    nproc_per_node: usize,
+    /// Machines in the world.
+    #[arg(long, default_value_t = 1)]
+    nnodes: usize,
+    /// This machine's index, 0..nnodes (rank = node_rank * nproc_per_node + local rank).
+    #[arg(long, default_value_t = 0)]
+    node_rank: usize,
+    /// Host of rank 0 (node 0), reachable from every machine.
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
+    /// Port of the rendezvous store on the master.
+    #[arg(long, default_value_t = 29500)]
+    master_port: u16,
+    /// Seconds the other ranks may outlive a failed one before they are killed (they stop
+    /// on their own as soon as they notice; this bounds a hung one).
+    #[arg(long, default_value_t = 60.0)]
+    grace_s: f64,
+    /// The braid command each process runs, after `--` (e.g. `-- train --config RUN.toml`).
+    #[arg(last = true, required = true)]
+    command: Vec<String>,
+}
+
+/// The signal that asked us to stop (0: none): set by the handlers, forwarded to every
+/// child.
+fn register_signals() -> Arc<AtomicUsize> {
+    let signal = Arc::new(AtomicUsize::new(0));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        if let Err(e) = signal_hook::flag::register_usize(sig, Arc::clone(&signal), sig as usize) {
+            eprintln!("braid launch: cannot handle signal {sig}: {e}");
+        }
+    }
+    signal
+}
+
+fn send_signal(child: &Child, sig: i32) {
+    // SAFETY: kill(2) on a child we started and have not reaped (its pid is still ours).
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, sig);
+    }
+}
+
+/// Copies a child's output to ours, a line at a time, each prefixed with its rank.
+fn relay(stream: impl std::io::Read + Send + 'static, rank: usize, to_stderr: bool) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut r = BufReader::new(stream);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            match r.read_until(b'\n', &mut line) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {
+                    let text = String::from_utf8_lossy(&line);
+                    let text = text.trim_end_matches(['\n', '\r']);
+                    // A progress bar redraws with '\r': keep the last frame of the line.
+                    let text = text.rsplit('\r').next().unwrap_or(text);
+                    let out = format!("[rank {rank}] {text}\n");
+                    if to_stderr {
+                        let _ = std::io::stderr().lock().write_all(out.as_bytes());
+                    } else {
+                        let _ = std::io::stdout().lock().write_all(out.as_bytes());
+                    }
+                }
+            }
+        }
+    })
+}
+
+fn describe(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exit code {c}"),
+        (None, Some(s)) => format!("killed by signal {s}"),
+        _ => "an unknown status".into(),
+    }
+}
+
+pub fn run(args: LaunchArgs) -> ExitCode {
+    if args.nproc_per_node == 0 || args.nnodes == 0 || args.node_rank >= args.nnodes {
+        eprintln!(
+            "braid launch: need --nproc-per-node >= 1 and --node-rank < --nnodes (got {}, {} of {})",
+            args.nproc_per_node, args.node_rank, args.nnodes
+        );
+        return ExitCode::from(2);
+    }
+    let exe: PathBuf = match std::env::current_exe() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("braid launch: cannot find this executable: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let world = args.nproc_per_node * args.nnodes;
+    let signal = register_signals();
+    let mut children: Vec<(usize, Child)> = Vec::new();
+    let mut relays = Vec::new();
+    for local in 0..args.nproc_per_node {
+        let rank = args.node_rank * args.nproc_per_node + local;
+        let mut cmd = Command::new(&exe);
+        cmd.args(&args.command)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("LOCAL_WORLD_SIZE", args.nproc_per_node.to_string())
+            .env("GROUP_RANK", args.node_rank.to_string())
+            .env("MASTER_ADDR", &args.master_addr)
+            .env("MASTER_PORT", args.master_port.to_string())
+            .env("BRAID_LAUNCH", "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        // Own process group: a Ctrl-C in the terminal reaches the launcher only, which
+        // forwards it once to every rank.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        match cmd.spawn() {
+            Ok(mut child) => {
+                if let Some(o) = child.stdout.take() {
+                    relays.push(relay(o, rank, false));
+                }
+                if let Some(e) = child.stderr.take() {
+                    relays.push(relay(e, rank, true));
+                }
+                children.push((rank, child));
+            }
+            Err(e) => {
+                eprintln!("braid launch: cannot start rank {rank}: {e}");
+                for (_, c) in &mut children {
+                    let _ = c.kill();
+                }
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    let outcome = supervise(&mut children, &signal, Duration::from_secs_f64(args.grace_s.max(0.0)));
+    for r in relays {
+        let _ = r.join();
+    }
+    match outcome {
+        None => ExitCode::SUCCESS,
+        Some((rank, status)) => {
+            eprintln!(
+                "braid launch: rank {rank} failed first ({}); {} rank(s) in all",
+                describe(status),
+                world
+            );
+            let code = status.code().unwrap_or(1).clamp(1, 255);
+            ExitCode::from(u8::try_from(code).unwrap_or(1))
+        }
+    }
+}
+
+/// Waits for every child; returns the first that failed (rank, status). After a failure
+/// (or a forwarded signal) the rest get `grace` to end on their own, then SIGKILL.
+fn supervise(children: &mut [(usize, Child)], signal: &AtomicUsize, grace: Duration) -> Option<(usize, ExitStatus)> {
+    let mut done: Vec<Option<ExitStatus>> = vec![None; children.len()];
+    let mut first_failure: Option<(usize, ExitStatus)> = None;
+    let mut forwarded = 0usize;
+    let mut deadline: Option<Instant> = None;
+    while done.iter().any(Option::is_none) {
+        let sig = signal.load(Ordering::SeqCst);
+        if sig != 0 && sig != forwarded {
+            for ((_, c), d) in children.iter().zip(&done) {
+                if d.is_none() {
+                    send_signal(c, sig as i32);
+                }
+            }
+            forwarded = sig;
+        }
+        for (i, (rank, c)) in children.iter_mut().enumerate() {
+            if done[i].is_some() {
+                continue;
+            }
+            if let Ok(Some(st)) = c.try_wait() {
+                done[i] = Some(st);
+                if !st.success() && first_failure.is_none() {
+                    first_failure = Some((*rank, st));
+                    deadline = Some(Instant::now() + grace);
+                }
+            }
+        }
+        if let Some(d) = deadline
+            && Instant::now() >= d
+        {
+            for (i, (rank, c)) in children.iter_mut().enumerate() {
+                if done[i].is_none() {
+                    eprintln!("braid launch: rank {rank} still running {grace:?} after the failure: killing it");
+                    let _ = c.kill();
+                }
+            }
+            deadline = None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    first_failure
+}

@@ -1,0 +1,526 @@
+//! `SocketComm`: the ranks of a world as processes on CPU, over TCP — for development
+//! and CI only (NCCL is the transport at scale).
+//!
+//! - **Deterministic, and the same bits as [`crate::local::LocalComm`].** Every reduction
+//!   gathers the members' contributions and sums them in rank order on every rank, so a
+//!   multi-process run matches the threads run bit for bit.
+//! - **Nothing hangs.** A reader thread per peer drains its connection into per-group
+//!   queues, so sends never block on a busy receiver. A peer whose connection closes (it
+//!   exited, panicked, was killed) makes every wait on it fail at once, naming the rank and
+//!   its host; a peer that stops answering (SIGSTOP) fails the wait after the timeout.
+//! - **Set up through the rendezvous store**: each rank listens on a free port, publishes
+//!   `host:port` under `socket/<rank>`, connects to the ranks below it and accepts the
+//!   ones above; the connection opens with the connecting rank's number.
+//!
+//! Groups are keyed by their member list, as in `LocalComm` and NCCL communicators: the
+//! members of a group call it in one program order, so one FIFO per (peer, group) pairs
+//! every message with its receive.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use braid_kernels::tensor::CpuStorage;
+use braid_kernels::{DType, Device, Shape, Tensor};
+use half::bf16;
+
+use crate::store::StoreClient;
+use crate::{Comm, CommError, Result};
+
+/// A tensor on the wire: its host data and shape, and the group it belongs to.
+struct Frame {
+    group: u64,
+    dims: Vec<usize>,
+    data: CpuStorage,
+}
+
+/// Messages from one peer, by group, and whether the peer is gone (and why).
+#[derive(Default)]
+struct Inbox {
+    queues: HashMap<u64, VecDeque<Frame>>,
+    gone: Option<String>,
+}
+
+struct Peer {
+    rank: usize,
+    host: String,
+    writer: Mutex<BufWriter<TcpStream>>,
+    inbox: Mutex<Inbox>,
+    arrived: Condvar,
+    stream: TcpStream,
+}
+
+impl Peer {
+    fn inbox(&self) -> MutexGuard<'_, Inbox> {
+        self.inbox.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The process's connections to every other rank of the world.
+pub struct SocketWorld {
+    rank: usize,
+    size: usize,
+    timeout: Duration,
+    /// By world rank; `None` at this rank's own index.
+    peers: Vec<Option<Arc<Peer>>>,
+    hosts: Vec<String>,
+}
+
+impl fmt::Debug for SocketWorld {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SocketWorld(rank {} of {})", self.rank, self.size)
+    }
+}
+
+fn io_err(op: &'static str, rank: usize, size: usize, what: String) -> impl FnOnce(std::io::Error) -> CommError {
+    move |e| CommError::Invalid { op, rank, size, msg: format!("{what}: {e}") }
+}
+
+impl SocketWorld {
+    /// Connects world rank `rank` of `size` to every other rank through `store`.
+    /// `host` is how the other ranks reach this one (the address its store connection
+    /// uses is a good choice). Every wait, here and in the collectives, is `timeout`.
+    pub fn connect(store: &mut StoreClient, rank: usize, size: usize, host: &str, timeout: Duration) -> Result<Arc<Self>> {
+        const OP: &str = "socket rendezvous";
+        let io = |what: String| io_err(OP, rank, size, what);
+        let store_err = |e: crate::store::StoreError| CommError::Invalid { op: OP, rank, size, msg: e.to_string() };
+        let listener = TcpListener::bind((host, 0)).map_err(io(format!("listening on {host}")))?;
+        let port = listener.local_addr().map_err(io("reading the listener's port".into()))?.port();
+        store.set(&format!("socket/{rank}"), format!("{host}:{port}").as_bytes()).map_err(store_err)?;
+        let mut hosts = vec![String::new(); size];
+        hosts[rank] = host.to_string();
+        let mut streams: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
+        // Connect to the ranks below; they accept.
+        for (peer, slot) in streams.iter_mut().enumerate().take(rank) {
+            let addr = store
+                .wait(&format!("socket/{peer}"), timeout, &format!("rank {peer} publishes its address"))
+                .map_err(store_err)?;
+            let addr = String::from_utf8_lossy(&addr).into_owned();
+            hosts[peer] = addr.rsplit_once(':').map_or(addr.clone(), |(h, _)| h.to_string());
+            let mut s = TcpStream::connect(&addr).map_err(io(format!("connecting to rank {peer} at {addr}")))?;
+            s.write_all(&(rank as u32).to_le_bytes()).map_err(io(format!("greeting rank {peer}")))?;
+            *slot = Some(s);
+        }
+        // Accept the ranks above; each says who it is.
+        listener.set_nonblocking(true).map_err(io("listener".into()))?;
+        let deadline = Instant::now() + timeout;
+        let mut waiting = size - rank - 1;
+        while waiting > 0 {
+            match listener.accept() {
+                Ok((mut s, from)) => {
+                    s.set_nonblocking(false).map_err(io("accepted socket".into()))?;
+                    s.set_read_timeout(Some(timeout)).map_err(io("accepted socket".into()))?;
+                    let mut b = [0u8; 4];
+                    s.read_exact(&mut b).map_err(io(format!("reading the greeting of {from}")))?;
+                    s.set_read_timeout(None).map_err(io("accepted socket".into()))?;
+                    let peer = u32::from_le_bytes(b) as usize;
+                    if peer <= rank || peer >= size || streams[peer].is_some() {
+                        return Err(CommError::Invalid { op: OP, rank, size, msg: format!("{from} says it is rank {peer}") });
+                    }
+                    hosts[peer] = from.ip().to_string();
+                    streams[peer] = Some(s);
+                    waiting -= 1;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        let missing: Vec<String> = (rank + 1..size).filter(|&p| streams[p].is_none()).map(|p| p.to_string()).collect();
+                        return Err(CommError::Timeout {
+                            op: OP,
+                            rank,
+                            group: (0..size).collect(),
+                            waited_s: timeout.as_secs_f64(),
+                            missing: format!("rank(s) {} never connected", missing.join(", ")),
+                        });
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Err(e) => return Err(io("accepting".into())(e)),
+            }
+        }
+        let mut peers = Vec::with_capacity(size);
+        for (p, s) in streams.into_iter().enumerate() {
+            let Some(s) = s else {
+                peers.push(None);
+                continue;
+            };
+            let _ = s.set_nodelay(true);
+            let reader = s.try_clone().map_err(io(format!("socket of rank {p}")))?;
+            let writer = s.try_clone().map_err(io(format!("socket of rank {p}")))?;
+            let peer = Arc::new(Peer {
+                rank: p,
+                host: hosts[p].clone(),
+                writer: Mutex::new(BufWriter::new(writer)),
+                inbox: Mutex::new(Inbox::default()),
+                arrived: Condvar::new(),
+                stream: s,
+            });
+            let rp = Arc::clone(&peer);
+            std::thread::Builder::new()
+                .name(format!("braid-socket-{p}"))
+                .spawn(move || read_loop(reader, rp))
+                .map_err(io("starting a reader thread".into()))?;
+            peers.push(Some(peer));
+        }
+        Ok(Arc::new(SocketWorld { rank, size, timeout, peers, hosts }))
+    }
+
+    /// Host of world rank `r`, for messages.
+    pub fn host(&self, r: usize) -> &str {
+        self.hosts.get(r).map_or("?", String::as_str)
+    }
+}
+
+impl Drop for SocketWorld {
+    fn drop(&mut self) {
+        for p in self.peers.iter().flatten() {
+            let _ = p.stream.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+const DT_F32: u8 = 0;
+const DT_BF16: u8 = 1;
+const DT_U32: u8 = 2;
+
+/// Reads frames until the connection ends, then marks the peer gone.
+fn read_loop(stream: TcpStream, peer: Arc<Peer>) {
+    let mut r = BufReader::new(stream);
+    let why = loop {
+        match read_frame(&mut r) {
+            Ok(f) => {
+                let mut inbox = peer.inbox();
+                inbox.queues.entry(f.group).or_default().push_back(f);
+                drop(inbox);
+                peer.arrived.notify_all();
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break "its connection closed (the process exited or was killed)".to_string(),
+            Err(e) => break format!("its connection failed: {e}"),
+        }
+    };
+    peer.inbox().gone = Some(why);
+    peer.arrived.notify_all();
+}
+
+fn read_frame(r: &mut impl Read) -> std::io::Result<Frame> {
+    let mut h = [0u8; 8 + 1 + 4];
+    r.read_exact(&mut h)?;
+    let group = u64::from_le_bytes(h[0..8].try_into().unwrap_or_default());
+    let dtype = h[8];
+    let rank = u32::from_le_bytes(h[9..13].try_into().unwrap_or_default()) as usize;
+    if rank > 16 {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("a tensor of rank {rank}")));
+    }
+    let mut dims = Vec::with_capacity(rank);
+    for _ in 0..rank {
+        let mut d = [0u8; 8];
+        r.read_exact(&mut d)?;
+        dims.push(u64::from_le_bytes(d) as usize);
+    }
+    let n: usize = dims.iter().product();
+    let elem = if dtype == DT_BF16 { 2 } else { 4 };
+    let mut bytes = vec![0u8; n * elem];
+    r.read_exact(&mut bytes)?;
+    let data = match dtype {
+        DT_F32 => CpuStorage::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
+        DT_U32 => CpuStorage::U32(bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
+        DT_BF16 => CpuStorage::BF16(bytes.chunks_exact(2).map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect()),
+        other => return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("dtype byte {other}"))),
+    };
+    Ok(Frame { group, dims, data })
+}
+
+fn encode_frame(group: u64, dims: &[usize], data: &CpuStorage) -> Vec<u8> {
+    let (dt, n) = match data {
+        CpuStorage::F32(v) => (DT_F32, v.len() * 4),
+        CpuStorage::BF16(v) => (DT_BF16, v.len() * 2),
+        CpuStorage::U32(v) => (DT_U32, v.len() * 4),
+    };
+    let mut out = Vec::with_capacity(13 + 8 * dims.len() + n);
+    out.extend_from_slice(&group.to_le_bytes());
+    out.push(dt);
+    out.extend_from_slice(&(dims.len() as u32).to_le_bytes());
+    for &d in dims {
+        out.extend_from_slice(&(d as u64).to_le_bytes());
+    }
+    match data {
+        CpuStorage::F32(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+        CpuStorage::U32(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+        CpuStorage::BF16(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_bits().to_le_bytes())),
+    }
+    out
+}
+
+/// FNV-1a of a member list: the group's key on the wire (same members, same key).
+fn group_key(members: &[usize]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &m in members {
+        for b in (m as u64).to_le_bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
+/// One group of a [`SocketWorld`]: the whole world or a subgroup.
+#[derive(Clone)]
+pub struct SocketComm {
+    world: Arc<SocketWorld>,
+    /// World ranks of the members, in group order.
+    members: Vec<usize>,
+    /// This rank's index in `members`.
+    rank: usize,
+    key: u64,
+}
+
+impl fmt::Debug for SocketComm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SocketComm(rank {} of group {:?})", self.rank, self.members)
+    }
+}
+
+impl SocketComm {
+    /// The whole world as a group.
+    pub fn world(world: Arc<SocketWorld>) -> Self {
+        let members: Vec<usize> = (0..world.size).collect();
+        let rank = world.rank;
+        SocketComm { key: group_key(&members), world, members, rank }
+    }
+
+    fn err(&self, op: &'static str, msg: impl Into<String>) -> CommError {
+        CommError::Invalid { op, rank: self.world.rank, size: self.members.len(), msg: msg.into() }
+    }
+
+    fn peer(&self, op: &'static str, member: usize) -> Result<&Arc<Peer>> {
+        let w = *self.members.get(member).ok_or_else(|| self.err(op, format!("rank {member} is not in this group of {}", self.members.len())))?;
+        self.world.peers.get(w).and_then(Option::as_ref).ok_or_else(|| self.err(op, format!("no connection to world rank {w}")))
+    }
+
+    fn send_to(&self, op: &'static str, member: usize, dims: &[usize], data: &CpuStorage) -> Result<()> {
+        let p = self.peer(op, member)?;
+        let bytes = encode_frame(self.key, dims, data);
+        let mut w = p.writer.lock().unwrap_or_else(|e| e.into_inner());
+        w.write_all(&bytes)
+            .and_then(|()| w.flush())
+            .map_err(|e| self.gone(op, p, &format!("sending failed: {e}")))
+    }
+
+    fn gone(&self, op: &'static str, p: &Peer, why: &str) -> CommError {
+        CommError::Poisoned { op, rank: self.world.rank, by: p.rank, why: format!("rank {} on {}: {why}", p.rank, p.host) }
+    }
+
+    fn recv_from(&self, op: &'static str, member: usize) -> Result<Frame> {
+        let p = self.peer(op, member)?;
+        let start = Instant::now();
+        let mut inbox = p.inbox();
+        loop {
+            if let Some(f) = inbox.queues.get_mut(&self.key).and_then(VecDeque::pop_front) {
+                return Ok(f);
+            }
+            if let Some(why) = &inbox.gone {
+                return Err(self.gone(op, p, why));
+            }
+            let waited = start.elapsed();
+            if waited >= self.world.timeout {
+                return Err(CommError::Timeout {
+                    op,
+                    rank: self.world.rank,
+                    group: self.members.clone(),
+                    waited_s: waited.as_secs_f64(),
+                    missing: format!("rank {} on {} sent nothing (stopped or hung?)", p.rank, p.host),
+                });
+            }
+            inbox = p
+                .arrived
+                .wait_timeout(inbox, self.world.timeout - waited)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
+        }
+    }
+
+    /// Every member's `t` (this rank's own included, not sent), in member order.
+    fn gather_all(&self, op: &'static str, t: &Tensor) -> Result<Vec<(Vec<usize>, CpuStorage)>> {
+        let mine = t.to_host()?;
+        for m in 0..self.members.len() {
+            if m != self.rank {
+                self.send_to(op, m, t.dims(), &mine)?;
+            }
+        }
+        let mut all = Vec::with_capacity(self.members.len());
+        for m in 0..self.members.len() {
+            if m == self.rank {
+                all.push((t.dims().to_vec(), mine.clone()));
+            } else {
+                let f = self.recv_from(op, m)?;
+                if f.dims != t.dims() {
+                    return Err(self.err(op, format!("rank {m} sent shape {:?}, this rank has {}", f.dims, t.shape())));
+                }
+                all.push((f.dims, f.data));
+            }
+        }
+        Ok(all)
+    }
+}
+
+fn as_f32(op: &'static str, s: &CpuStorage) -> Result<Vec<f32>> {
+    match s {
+        CpuStorage::F32(v) => Ok(v.clone()),
+        CpuStorage::BF16(v) => Ok(v.iter().map(|x| x.to_f32()).collect()),
+        CpuStorage::U32(_) => Err(CommError::Invalid { op, rank: 0, size: 0, msg: "u32 tensors cannot be summed".into() }),
+    }
+}
+
+/// Sums in member order: `((0 + x_0) + x_1) + ...`, the order LocalComm uses.
+fn sum_in_order(op: &'static str, parts: &[CpuStorage]) -> Result<Vec<f32>> {
+    let mut sum: Vec<f32> = Vec::new();
+    for p in parts {
+        let v = as_f32(op, p)?;
+        if sum.is_empty() {
+            sum = vec![0.0; v.len()];
+        }
+        sum.iter_mut().zip(&v).for_each(|(s, x)| *s += x);
+    }
+    Ok(sum)
+}
+
+impl Comm for SocketComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    fn all_reduce_sum(&self, t: &mut Tensor) -> Result<()> {
+        const OP: &str = "all_reduce_sum";
+        let all = self.gather_all(OP, t)?;
+        let parts: Vec<CpuStorage> = all.into_iter().map(|(_, d)| d).collect();
+        let sum = sum_in_order(OP, &parts)?;
+        *t = Tensor::from_vec(sum, t.shape().clone(), t.device())?;
+        Ok(())
+    }
+
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
+        const OP: &str = "all_gather";
+        let all = self.gather_all(OP, t)?;
+        let mut dims = t.dims().to_vec();
+        if dims.is_empty() {
+            return Err(self.err(OP, "cannot gather a scalar along dim 0"));
+        }
+        dims[0] *= self.members.len();
+        let data = concat(all.into_iter().map(|(_, d)| d).collect())?;
+        Ok(Tensor::from_host(data, dims, t.device())?)
+    }
+
+    fn reduce_scatter_sum(&self, t: &Tensor) -> Result<Tensor> {
+        const OP: &str = "reduce_scatter_sum";
+        let n = self.members.len();
+        let dims = t.dims().to_vec();
+        if dims.first().is_none_or(|&d| d % n != 0) {
+            return Err(self.err(OP, format!("dim 0 of {} does not split into {n} equal slices", t.shape())));
+        }
+        // Gather everything, sum in order, keep this rank's slice: the same bits as
+        // LocalComm's (which sums whole tensors), at n times the traffic; CI sizes only.
+        let all = self.gather_all(OP, t)?;
+        let parts: Vec<CpuStorage> = all.into_iter().map(|(_, d)| d).collect();
+        let sum = sum_in_order(OP, &parts)?;
+        let chunk = sum.len() / n;
+        let mine = sum[self.rank * chunk..(self.rank + 1) * chunk].to_vec();
+        let mut out = dims;
+        out[0] /= n;
+        Ok(Tensor::from_vec(mine, out, t.device())?)
+    }
+
+    fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<()> {
+        const OP: &str = "broadcast";
+        if root >= self.members.len() {
+            return Err(self.err(OP, format!("root {root} is not in this group of {}", self.members.len())));
+        }
+        if self.rank == root {
+            let data = t.to_host()?;
+            for m in 0..self.members.len() {
+                if m != root {
+                    self.send_to(OP, m, t.dims(), &data)?;
+                }
+            }
+            return Ok(());
+        }
+        let f = self.recv_from(OP, root)?;
+        if f.dims != t.dims() {
+            return Err(self.err(OP, format!("root {root} sent shape {:?}, this rank has {}", f.dims, t.shape())));
+        }
+        *t = Tensor::from_host(f.data, f.dims, t.device())?;
+        Ok(())
+    }
+
+    fn send(&self, t: &Tensor, dst: usize) -> Result<()> {
+        self.send_to("send", dst, t.dims(), &t.to_host()?)
+    }
+
+    fn recv(&self, shape: &Shape, src: usize) -> Result<Tensor> {
+        const OP: &str = "recv";
+        let f = self.recv_from(OP, src)?;
+        if f.dims != shape.dims() {
+            return Err(self.err(OP, format!("rank {src} sent shape {:?} but this rank expects {shape}", f.dims)));
+        }
+        Ok(Tensor::from_host(f.data, f.dims, Device::Cpu)?)
+    }
+
+    fn all_to_all_v(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        const OP: &str = "all_to_all_v";
+        let n = self.members.len();
+        if parts.len() != n {
+            return Err(self.err(OP, format!("expected {n} parts (one per rank), got {}", parts.len())));
+        }
+        let device = parts.first().map_or(Device::Cpu, Tensor::device);
+        for (m, p) in parts.iter().enumerate() {
+            if m != self.rank {
+                self.send_to(OP, m, p.dims(), &p.to_host()?)?;
+            }
+        }
+        let mut out = Vec::with_capacity(n);
+        let mut own = parts.into_iter().nth(self.rank);
+        for m in 0..n {
+            if m == self.rank {
+                out.push(own.take().ok_or_else(|| self.err(OP, "own part missing"))?);
+            } else {
+                let f = self.recv_from(OP, m)?;
+                out.push(Tensor::from_host(f.data, f.dims, device)?);
+            }
+        }
+        Ok(out)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let token = Tensor::from_vec(Vec::new(), [0], Device::Cpu)?;
+        self.gather_all("barrier", &token).map(|_| ())
+    }
+
+    fn subgroup(&self, members: &[usize]) -> Result<Arc<dyn Comm>> {
+        const OP: &str = "subgroup";
+        let world: Vec<usize> = members
+            .iter()
+            .map(|&m| self.members.get(m).copied().ok_or_else(|| self.err(OP, format!("rank {m} is not in this group"))))
+            .collect::<Result<_>>()?;
+        let rank = world
+            .iter()
+            .position(|&w| w == self.world.rank)
+            .ok_or_else(|| self.err(OP, format!("this rank is not a member of {members:?}")))?;
+        Ok(Arc::new(SocketComm { key: group_key(&world), world: Arc::clone(&self.world), members: world, rank }))
+    }
+}
+
+/// Concatenates host buffers of one dtype.
+fn concat(parts: Vec<CpuStorage>) -> Result<CpuStorage> {
+    let dtype = parts.first().map_or(DType::F32, CpuStorage::dtype);
+    let bad = || CommError::Invalid { op: "all_gather", rank: 0, size: parts.len(), msg: "ranks sent different dtypes".into() };
+    Ok(match dtype {
+        DType::F32 => CpuStorage::F32(parts.iter().map(|p| match p { CpuStorage::F32(v) => Ok(v.clone()), _ => Err(bad()) }).collect::<Result<Vec<_>>>()?.concat()),
+        DType::BF16 => CpuStorage::BF16(parts.iter().map(|p| match p { CpuStorage::BF16(v) => Ok(v.clone()), _ => Err(bad()) }).collect::<Result<Vec<_>>>()?.concat()),
+        DType::U32 => CpuStorage::U32(parts.iter().map(|p| match p { CpuStorage::U32(v) => Ok(v.clone()), _ => Err(bad()) }).collect::<Result<Vec<_>>>()?.concat()),
+    })
+}

@@ -1,0 +1,130 @@
+//! One process per rank: a world started by torchrun, SLURM or `braid launch`.
+//!
+//! The launcher's environment says which rank this process is
+//! ([`braid_comm::launch::LaunchEnv`]); rank 0 serves the rendezvous store
+//! ([`braid_comm::store`]). Rank 0 sets the run up first (it makes the datasets if
+//! needed), the others after it; every rank then checks through the store that all
+//! resolved the same config and see the same dataset, the ranks connect to each other
+//! ([`SocketComm`]: TCP between CPU processes; NCCL on GPUs is the next piece), and each
+//! trains its share ([`super::run::run_process`]). `parallel.world_size` comes from the
+//! environment: a config that sets another value is an error naming both.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use braid_comm::Comm;
+use braid_comm::launch::LaunchEnv;
+use braid_comm::socket::{SocketComm, SocketWorld};
+use braid_comm::store::{StoreClient, StoreServer};
+
+use crate::config::RunConfig;
+use crate::error::{Result, TrainError};
+use crate::stop::StopFlag;
+use crate::trainer::{Observer, Quiet, RunSummary, Trainer};
+
+/// How the processes talk, for the log and the summary.
+pub const TRANSPORT: &str = "SocketComm: TCP between CPU processes, for development and CI; NCCL is the transport on GPUs";
+
+/// How long a rank waits for the store to come up, and for rank 0 to set the run up
+/// (packing a dataset can take a while; a rank 0 that dies ends the wait at once, since
+/// it serves the store).
+const STORE_CONNECT: Duration = Duration::from_secs(120);
+const SETUP_WAIT: Duration = Duration::from_secs(3600);
+
+/// This process's place in a world of processes, and its store connection.
+#[derive(Debug)]
+pub struct Processes {
+    pub env: LaunchEnv,
+    store: StoreClient,
+    /// Rank 0 serves the store for as long as the run lasts.
+    _server: Option<StoreServer>,
+}
+
+fn store_err(e: braid_comm::store::StoreError) -> TrainError {
+    TrainError::Other(e.to_string())
+}
+
+impl Processes {
+    /// The world of the launcher's environment, or `None` (threads, as before).
+    pub fn from_env() -> Result<Option<Self>> {
+        let env = LaunchEnv::from_env().map_err(|e| {
+            TrainError::Config(crate::config::invalid("environment", e.to_string()))
+        })?;
+        let Some(env) = env else { return Ok(None) };
+        let server = if env.rank == 0 {
+            Some(StoreServer::bind(&format!("0.0.0.0:{}", env.store_port)).map_err(store_err)?)
+        } else {
+            None
+        };
+        let store = StoreClient::connect(&env.store_addr(), STORE_CONNECT).map_err(store_err)?;
+        Ok(Some(Processes { env, store, _server: server }))
+    }
+}
+
+/// Sets the run up as rank `env.rank` of the world and trains it.
+pub fn train(
+    mut p: Processes,
+    cfg: RunConfig,
+    resume: bool,
+    obs: &mut dyn Observer,
+    stop: StopFlag,
+) -> Result<RunSummary> {
+    let env = p.env.clone();
+    let mut cfg = cfg;
+    if cfg.parallel.world_size != 1 && cfg.parallel.world_size != env.world_size {
+        return Err(TrainError::Config(crate::config::invalid(
+            "parallel.world_size",
+            format!(
+                "{} in the config, but {} started {} processes (leave it unset under a launcher)",
+                cfg.parallel.world_size, env.launcher, env.world_size
+            ),
+        )));
+    }
+    cfg.parallel.world_size = env.world_size;
+    let timeout = Duration::from_secs_f64(cfg.parallel.timeout_s);
+    // Only rank 0 talks to the user; the others' errors still reach their stderr.
+    let mut quiet = Quiet;
+    let obs: &mut dyn Observer = if env.rank == 0 { obs } else { &mut quiet };
+    const STATUS: &str = "setup/rank-0";
+    let mut trainer = if env.rank == 0 {
+        match Trainer::new(cfg, resume, obs) {
+            Ok(t) => {
+                p.store.set(STATUS, b"ok").map_err(store_err)?;
+                t
+            }
+            Err(e) => {
+                let _ = p.store.set(STATUS, format!("error: {e}").as_bytes());
+                return Err(e);
+            }
+        }
+    } else {
+        let v = p
+            .store
+            .wait(STATUS, SETUP_WAIT, "rank 0 sets the run up (and packs the data if needed)")
+            .map_err(store_err)?;
+        if v != b"ok" {
+            return Err(TrainError::Other(format!(
+                "rank 0 failed to set the run up: {}",
+                String::from_utf8_lossy(&v)
+            )));
+        }
+        Trainer::new(cfg, resume, obs)?
+    };
+    trainer.stop = stop;
+    let entries = [
+        ("the resolved config".to_string(), trainer.config_toml.clone()),
+        ("the dataset (dataset.json)".to_string(), trainer.data_json.clone()),
+    ];
+    p.store.agree("run", env.rank, &entries, timeout).map_err(store_err)?;
+    let host = p.store.local_ip().map_err(store_err)?;
+    let world = SocketWorld::connect(&mut p.store, env.rank, env.world_size, &host, timeout)?;
+    let comm: Arc<dyn Comm> = Arc::new(SocketComm::world(world));
+    obs.log(&format!(
+        "rank {} of {} ({}, store {}): {TRANSPORT}",
+        env.rank,
+        env.world_size,
+        env.launcher,
+        env.store_addr()
+    ));
+    super::run::run_process(trainer, comm, obs)
+}
