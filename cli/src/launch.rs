@@ -165,11 +165,14 @@ pub fn run(args: LaunchArgs) -> ExitCode {
     }
 }
 
-/// Waits for every child; returns the first that failed (rank, status). After a failure
-/// (or a forwarded signal) the rest get `grace` to end on their own, then SIGKILL.
+/// Waits for every child; returns the rank that failed first by itself (rank, status):
+/// ranks that exit with [`crate::train::PEER_FAILED`] only stopped because another one
+/// failed, so the first other failure is named (a rank the launcher had to kill, when
+/// all the others merely timed out waiting for it). After a failure (or a forwarded
+/// signal) the rest get `grace` to end on their own, then SIGKILL.
 fn supervise(children: &mut [(usize, Child)], signal: &AtomicUsize, grace: Duration) -> Option<(usize, ExitStatus)> {
     let mut done: Vec<Option<ExitStatus>> = vec![None; children.len()];
-    let mut first_failure: Option<(usize, ExitStatus)> = None;
+    let mut failures: Vec<(usize, ExitStatus)> = Vec::new();
     let mut forwarded = 0usize;
     let mut deadline: Option<Instant> = None;
     while done.iter().any(Option::is_none) {
@@ -188,9 +191,11 @@ fn supervise(children: &mut [(usize, Child)], signal: &AtomicUsize, grace: Durat
             }
             if let Ok(Some(st)) = c.try_wait() {
                 done[i] = Some(st);
-                if !st.success() && first_failure.is_none() {
-                    first_failure = Some((*rank, st));
-                    deadline = Some(Instant::now() + grace);
+                if !st.success() {
+                    if failures.is_empty() {
+                        deadline = Some(Instant::now() + grace);
+                    }
+                    failures.push((*rank, st));
                 }
             }
         }
@@ -207,5 +212,10 @@ fn supervise(children: &mut [(usize, Child)], signal: &AtomicUsize, grace: Durat
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    first_failure
+    let follower = |st: &ExitStatus| st.code() == Some(i32::from(crate::train::PEER_FAILED));
+    failures
+        .iter()
+        .find(|(_, st)| !follower(st))
+        .or(failures.first())
+        .copied()
 }

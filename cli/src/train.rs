@@ -174,6 +174,23 @@ impl Observer for Progress {
     }
 }
 
+/// The exit code of a rank of a world of processes that stopped because another rank
+/// failed or stopped answering (not because of anything of its own): `braid launch` names
+/// the rank that failed by itself, not the ones that followed.
+pub const PEER_FAILED: u8 = 3;
+
+/// Whether `e` is a collective that another rank broke (it went away, or never answered).
+fn stopped_by_a_peer(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if let Some(c) = err.downcast_ref::<braid_comm::CommError>() {
+            return matches!(c, braid_comm::CommError::Poisoned { .. } | braid_comm::CommError::Timeout { .. });
+        }
+        cur = err.source();
+    }
+    false
+}
+
 /// Loss against step from metrics.jsonl, as a PNG.
 fn plot_loss(run_dir: &Path) -> Result<PathBuf, String> {
     let metrics = read_metrics(&run_dir.join("metrics.jsonl")).map_err(|e| e.to_string())?;
@@ -274,8 +291,24 @@ pub fn run(args: TrainArgs) -> ExitCode {
     if let Some(b) = progress.bar.take() {
         b.finish_and_clear();
     }
+    // Under a launcher, rank 0 reports for the world; the other ranks say they are done.
+    let launched = braid_comm::launch::LaunchEnv::from_env().ok().flatten();
     match result {
+        Ok(s) if launched.as_ref().is_some_and(|e| e.rank != 0) => {
+            let e = launched.as_ref().map_or((0, 0), |e| (e.rank, e.world_size));
+            eprintln!("braid train: rank {} of {}: {} steps done (rank 0 reports the run)", e.0, e.1, s.steps);
+            ExitCode::SUCCESS
+        }
         Ok(s) => {
+            if let Some(e) = &launched {
+                eprintln!(
+                    "world            {} processes ({}), store {}; {}",
+                    e.world_size,
+                    e.launcher,
+                    e.store_addr(),
+                    braid_train::parallel::procs::TRANSPORT
+                );
+            }
             let plot = match plot_loss(&dir) {
                 Ok(p) => Some(p),
                 Err(e) => {
@@ -293,6 +326,10 @@ pub fn run(args: TrainArgs) -> ExitCode {
         Err(e @ TrainError::Config(_)) => {
             eprintln!("braid train: error: {e}");
             ExitCode::from(2)
+        }
+        Err(e) if launched.is_some() && stopped_by_a_peer(&e) => {
+            eprintln!("braid train: error: {e}");
+            ExitCode::from(PEER_FAILED)
         }
         Err(e) => {
             eprintln!("braid train: error: {e}");

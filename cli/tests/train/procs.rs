@@ -45,7 +45,9 @@ fn threads_and_processes_agree(name: &str, n: usize, layout: &[&str]) {
 
 #[test]
 fn tensor_parallel_processes_match_threads_bit_for_bit() {
-    threads_and_processes_agree("tp2", 2, &["parallel.llm.tp=2"]);
+    // Vision on rank 0, audio on rank 1, the LLM in TP 2 on ranks 2-3 (the fixture's
+    // LLM gets 2 KV heads and a vocabulary of 262 so that TP 2 divides both).
+    threads_and_processes_agree("tp2", 4, &["parallel.llm.tp=2", "model.llm.kv_heads=2", "model.llm.vocab=262"]);
 }
 
 #[test]
@@ -57,18 +59,20 @@ fn disjoint_encoders_and_uneven_dp_processes_match_threads_bit_for_bit() {
 #[test]
 fn torchrun_variables_set_by_hand_train_like_threads() {
     reference();
+    // The LLM in two pipeline stages (of one layer each) on ranks 2-3.
+    let pp = ["--set", "parallel.llm.pp=2", "--set", "model.llm.layers=2"];
     let threads = fixture().join("runs/pp2-threads");
-    let o = train(&threads, &["--set", "parallel.world_size=2", "--set", "parallel.llm.pp=2"]).output().unwrap();
+    let o = train(&threads, &[&["--set", "parallel.world_size=4"][..], &pp[..]].concat()).output().unwrap();
     assert!(o.status.success(), "{}", text(&o));
     let dir = fixture().join("runs/pp2-torchrun");
     let port = free_port().to_string();
-    let children: Vec<_> = (0..2)
+    let children: Vec<_> = (0..4)
         .map(|r| {
-            train(&dir, &["--set", "parallel.llm.pp=2"])
+            train(&dir, &pp)
                 .env("RANK", r.to_string())
-                .env("WORLD_SIZE", "2")
+                .env("WORLD_SIZE", "4")
                 .env("LOCAL_RANK", r.to_string())
-                .env("LOCAL_WORLD_SIZE", "2")
+                .env("LOCAL_WORLD_SIZE", "4")
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", &port)
                 .spawn()
@@ -87,7 +91,7 @@ fn a_world_size_that_disagrees_with_the_launcher_is_named() {
     reference();
     let dir = fixture().join("runs/procs-bad-world");
     let t = Instant::now();
-    let o = launch(2, &dir, &["--set", "parallel.world_size=4", "--set", "parallel.llm.dp=4"]).output().unwrap();
+    let o = launch(2, &dir, &["--set", "parallel.world_size=4", "--set", "parallel.llm.dp=2"]).output().unwrap();
     assert!(!o.status.success());
     let out = text(&o);
     assert!(out.contains("parallel.world_size") && out.contains("started 2 processes"), "{out}");
@@ -100,10 +104,11 @@ fn a_rank_that_panics_ends_every_process_and_the_launcher_names_it() {
     reference();
     let dir = fixture().join("runs/procs-panic");
     let t = Instant::now();
+    // Vision, audio, then the LLM's three replicas on ranks 2-4; rank 3 panics.
     let o = launch(
-        3,
+        5,
         &dir,
-        &["--set", "parallel.llm.dp=3", "--set", "fault.panic_at=3", "--set", "fault.panic_rank=2", "--set", "parallel.timeout_s=600"],
+        &["--set", "parallel.llm.dp=3", "--set", "fault.panic_at=3", "--set", "fault.panic_rank=3", "--set", "parallel.timeout_s=600"],
     )
     .output()
     .unwrap();
@@ -111,9 +116,76 @@ fn a_rank_that_panics_ends_every_process_and_the_launcher_names_it() {
     let out = text(&o);
     assert!(!o.status.success(), "{out}");
     assert!(took < Duration::from_secs(60), "took {took:?}: {out}");
-    assert!(out.contains("rank 2 panicked") && out.contains("fault injection"), "{out}");
-    // The others stopped because rank 2 went away, and said so.
-    assert!(out.contains("rank 2 on"), "{out}");
-    assert!(out.contains("braid launch: rank 2 failed first"), "{out}");
+    assert!(out.contains("rank 3 panicked") && out.contains("fault injection"), "{out}");
+    // The others stopped because rank 3 went away, and said so.
+    assert!(out.contains("rank 3 on 127.0.0.1"), "{out}");
+    assert!(out.contains("braid launch: rank 3 failed first"), "{out}");
     assert_eq!(losses(&dir).len(), 2, "{out}");
+}
+
+/// The pid of the `braid train` process of world rank `rank` whose run dir is `dir`
+/// (found through /proc: its command line names the dir, its environment the rank).
+fn rank_pid(dir: &Path, rank: usize) -> Option<u32> {
+    let want_dir = format!("run.dir={}", dir.display());
+    let want_rank = format!("RANK={rank}");
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let cmd = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        if !cmd.contains(&want_dir) || !cmd.contains(" train ") || cmd.contains(" launch ") {
+            continue;
+        }
+        let env = std::fs::read(entry.path().join("environ")).unwrap_or_default();
+        if env.split(|&b| b == 0).any(|kv| kv == want_rank.as_bytes()) {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+/// Launches 5 processes (vision, audio, 3 LLM replicas), waits until `steps` steps are in
+/// metrics.jsonl, then sends `signal` to rank 3; returns the launcher's output, how long
+/// it took from the signal to the launcher's exit, and its exit code.
+fn launch_and_signal(name: &str, signal: &str, steps: usize, timeout_s: u32) -> (String, Duration, Option<i32>) {
+    reference();
+    let dir = fixture().join(format!("runs/{name}"));
+    let timeout = format!("parallel.timeout_s={timeout_s}");
+    let child = launch(5, &dir, &["--set", "parallel.llm.dp=3", "--set", &timeout, "--set", "train.steps=400"])
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while !std::fs::read_to_string(dir.join("metrics.jsonl")).is_ok_and(|m| m.lines().count() >= steps) {
+        assert!(t.elapsed() < Duration::from_secs(120), "{name}: no progress");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let pid = rank_pid(&dir, 3).expect("rank 3's process");
+    let k = Command::new("kill").args([signal, &pid.to_string()]).status().unwrap();
+    assert!(k.success());
+    let t = Instant::now();
+    let o = child.wait_with_output().unwrap();
+    let took = t.elapsed();
+    if signal == "-STOP" {
+        let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+    }
+    (text(&o), took, o.status.code())
+}
+
+#[test]
+fn a_rank_killed_with_sigkill_ends_every_process_naming_it() {
+    let (out, took, code) = launch_and_signal("procs-kill9", "-9", 3, 600);
+    assert_ne!(code, Some(0), "{out}");
+    assert!(took < Duration::from_secs(60), "took {took:?}: {out}");
+    assert!(out.contains("braid launch: rank 3 failed first (killed by signal 9)"), "{out}");
+    assert!(out.contains("rank 3 on 127.0.0.1"), "the other ranks name it: {out}");
+}
+
+#[test]
+fn a_stopped_rank_ends_every_process_after_the_timeout_naming_it() {
+    let (out, took, code) = launch_and_signal("procs-sigstop", "-STOP", 3, 5);
+    assert_ne!(code, Some(0), "{out}");
+    // The others time out after parallel.timeout_s = 5 s; the launcher then kills the
+    // stopped rank after its grace period (20 s in these tests).
+    assert!(took < Duration::from_secs(60), "took {took:?}: {out}");
+    assert!(out.contains("rank 3 on 127.0.0.1 sent nothing"), "{out}");
+    assert!(out.contains("failed first"), "{out}");
 }

@@ -86,6 +86,7 @@ pub fn train(
     let mut quiet = Quiet;
     let obs: &mut dyn Observer = if env.rank == 0 { obs } else { &mut quiet };
     const STATUS: &str = "setup/rank-0";
+    const SEEN: &str = "setup/seen";
     let mut trainer = if env.rank == 0 {
         match Trainer::new(cfg, resume, obs) {
             Ok(t) => {
@@ -94,6 +95,17 @@ pub fn train(
             }
             Err(e) => {
                 let _ = p.store.set(STATUS, format!("error: {e}").as_bytes());
+                // Keep serving the store until the other ranks have read the failure (at
+                // most 30 s), so they stop with rank 0's message at once instead of
+                // retrying to reach a store that is gone.
+                let deadline = std::time::Instant::now() + Duration::from_secs(30);
+                while std::time::Instant::now() < deadline {
+                    match p.store.add(SEEN, 0) {
+                        Ok(n) if n as usize + 1 >= env.world_size => break,
+                        Ok(_) => std::thread::sleep(Duration::from_millis(50)),
+                        Err(_) => break,
+                    }
+                }
                 return Err(e);
             }
         }
@@ -102,6 +114,7 @@ pub fn train(
             .store
             .wait(STATUS, SETUP_WAIT, "rank 0 sets the run up (and packs the data if needed)")
             .map_err(store_err)?;
+        let _ = p.store.add(SEEN, 1);
         if v != b"ok" {
             return Err(TrainError::Other(format!(
                 "rank 0 failed to set the run up: {}",
