@@ -58,7 +58,11 @@ fn send_signal(child: &Child, sig: i32) {
 }
 
 /// Copies a child's output to ours, a line at a time, each prefixed with its rank.
-fn relay(stream: impl std::io::Read + Send + 'static, rank: usize, to_stderr: bool) -> std::thread::JoinHandle<()> {
+fn relay(
+    stream: impl std::io::Read + Send + 'static,
+    rank: usize,
+    to_stderr: bool,
+) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let mut r = BufReader::new(stream);
         let mut line = Vec::new();
@@ -147,7 +151,11 @@ pub fn run(args: LaunchArgs) -> ExitCode {
             }
         }
     }
-    let outcome = supervise(&mut children, &signal, Duration::from_secs_f64(args.grace_s.max(0.0)));
+    let outcome = supervise(
+        &mut children,
+        &signal,
+        Duration::from_secs_f64(args.grace_s.max(0.0)),
+    );
     for r in relays {
         let _ = r.join();
     }
@@ -170,7 +178,11 @@ pub fn run(args: LaunchArgs) -> ExitCode {
 /// failed, so the first other failure is named (a rank the launcher had to kill, when
 /// all the others merely timed out waiting for it). After a failure (or a forwarded
 /// signal) the rest get `grace` to end on their own, then SIGKILL.
-fn supervise(children: &mut [(usize, Child)], signal: &AtomicUsize, grace: Duration) -> Option<(usize, ExitStatus)> {
+fn supervise(
+    children: &mut [(usize, Child)],
+    signal: &AtomicUsize,
+    grace: Duration,
+) -> Option<(usize, ExitStatus)> {
     let mut done: Vec<Option<ExitStatus>> = vec![None; children.len()];
     let mut failures: Vec<(usize, ExitStatus)> = Vec::new();
     let mut forwarded = 0usize;
@@ -204,7 +216,9 @@ fn supervise(children: &mut [(usize, Child)], signal: &AtomicUsize, grace: Durat
         {
             for (i, (rank, c)) in children.iter_mut().enumerate() {
                 if done[i].is_none() {
-                    eprintln!("braid launch: rank {rank} still running {grace:?} after the failure: killing it");
+                    eprintln!(
+                        "braid launch: rank {rank} still running {grace:?} after the failure: killing it"
+                    );
                     let _ = c.kill();
                 }
             }

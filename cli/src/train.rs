@@ -45,6 +45,9 @@ struct Progress {
     first_step: u64,
     /// Set by SIGINT/SIGTERM once training has started.
     stop: StopFlag,
+    /// A rank other than 0 of a world of processes: prints nothing (rank 0 reports the
+    /// run), but still stops on a signal like every rank.
+    quiet: bool,
 }
 
 /// SIGINT and SIGTERM: the first asks the run to stop after the current step (with a
@@ -82,6 +85,7 @@ impl Progress {
             started: Instant::now(),
             first_step: 0,
             stop: StopFlag::new(),
+            quiet: false,
         }
     }
 
@@ -110,6 +114,9 @@ impl Progress {
 
 impl Observer for Progress {
     fn log(&mut self, line: &str) {
+        if self.quiet {
+            return;
+        }
         match &self.bar {
             Some(b) => b.println(line),
             None => eprintln!("{line}"),
@@ -117,6 +124,14 @@ impl Observer for Progress {
     }
 
     fn start(&mut self, info: &RunInfo) {
+        // Only now: a signal during set-up (packing, loading) ends braid at once, as
+        // there is nothing to save yet.
+        if let Err(e) = install_stop_handlers(&self.stop) {
+            eprintln!("braid train: warning: Ctrl-C will not checkpoint: {e}");
+        }
+        if self.quiet {
+            return;
+        }
         let m = |n: usize| n as f64 / 1e6;
         eprintln!(
             "run {}: {:.2}M params ({:.2}M trainable), {} packs of <= {} tokens, {} rows/step in {} microbatch(es), {} steps/epoch",
@@ -131,11 +146,6 @@ impl Observer for Progress {
         );
         self.started = Instant::now();
         self.first_step = info.start_step;
-        // Only now: a signal during set-up (packing, loading) ends braid at once, as
-        // there is nothing to save yet.
-        if let Err(e) = install_stop_handlers(&self.stop) {
-            eprintln!("braid train: warning: Ctrl-C will not checkpoint: {e}");
-        }
         if std::io::stderr().is_terminal() {
             let bar = ProgressBar::with_draw_target(Some(info.steps), ProgressDrawTarget::stderr());
             bar.set_style(
@@ -148,6 +158,9 @@ impl Observer for Progress {
     }
 
     fn step(&mut self, m: &StepMetrics, total: u64) {
+        if self.quiet {
+            return;
+        }
         let line = self.line(m, total);
         match &self.bar {
             Some(b) => {
@@ -184,7 +197,10 @@ fn stopped_by_a_peer(e: &(dyn std::error::Error + 'static)) -> bool {
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(err) = cur {
         if let Some(c) = err.downcast_ref::<braid_comm::CommError>() {
-            return matches!(c, braid_comm::CommError::Poisoned { .. } | braid_comm::CommError::Timeout { .. });
+            return matches!(
+                c,
+                braid_comm::CommError::Poisoned { .. } | braid_comm::CommError::Timeout { .. }
+            );
         }
         cur = err.source();
     }
@@ -285,18 +301,22 @@ pub fn run(args: TrainArgs) -> ExitCode {
         }
     };
     let dir = cfg.run.dir.clone();
+    // Under a launcher, rank 0 reports for the world; the other ranks say they are done.
+    let launched = braid_comm::launch::LaunchEnv::from_env().ok().flatten();
     let mut progress = Progress::new(cfg.log.interval);
+    progress.quiet = launched.as_ref().is_some_and(|e| e.rank != 0);
     let stop = progress.stop.clone();
     let result = braid_train::trainer::train_stoppable(cfg, args.resume, &mut progress, stop);
     if let Some(b) = progress.bar.take() {
         b.finish_and_clear();
     }
-    // Under a launcher, rank 0 reports for the world; the other ranks say they are done.
-    let launched = braid_comm::launch::LaunchEnv::from_env().ok().flatten();
     match result {
         Ok(s) if launched.as_ref().is_some_and(|e| e.rank != 0) => {
             let e = launched.as_ref().map_or((0, 0), |e| (e.rank, e.world_size));
-            eprintln!("braid train: rank {} of {}: {} steps done (rank 0 reports the run)", e.0, e.1, s.steps);
+            eprintln!(
+                "braid train: rank {} of {}: {} steps done (rank 0 reports the run)",
+                e.0, e.1, s.steps
+            );
             ExitCode::SUCCESS
         }
         Ok(s) => {

@@ -61,7 +61,15 @@ impl LaunchEnv {
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Option<Self>, LaunchEnvError> {
         if var("RANK").is_some() || var("WORLD_SIZE").is_some() {
             let braid = var("BRAID_LAUNCH").is_some_and(|v| v == "1");
-            return torchrun(&var, if braid { Launcher::Braid } else { Launcher::Torchrun }).map(Some);
+            return torchrun(
+                &var,
+                if braid {
+                    Launcher::Braid
+                } else {
+                    Launcher::Torchrun
+                },
+            )
+            .map(Some);
         }
         if var("SLURM_PROCID").is_some() && var("SLURM_NTASKS").is_some() {
             return slurm(&var).map(Some);
@@ -76,21 +84,34 @@ impl LaunchEnv {
 }
 
 fn err(launcher: &'static str, msg: impl Into<String>) -> LaunchEnvError {
-    LaunchEnvError { launcher, msg: msg.into() }
-}
-
-fn number(var: &impl Fn(&str) -> Option<String>, launcher: &'static str, key: &str) -> Result<Option<usize>, LaunchEnvError> {
-    match var(key) {
-        None => Ok(None),
-        Some(v) => v
-            .trim()
-            .parse::<usize>()
-            .map(Some)
-            .map_err(|_| err(launcher, format!("{key}={v:?} is not a non-negative integer"))),
+    LaunchEnvError {
+        launcher,
+        msg: msg.into(),
     }
 }
 
-fn required(var: &impl Fn(&str) -> Option<String>, launcher: &'static str, key: &str, why: &str) -> Result<usize, LaunchEnvError> {
+fn number(
+    var: &impl Fn(&str) -> Option<String>,
+    launcher: &'static str,
+    key: &str,
+) -> Result<Option<usize>, LaunchEnvError> {
+    match var(key) {
+        None => Ok(None),
+        Some(v) => v.trim().parse::<usize>().map(Some).map_err(|_| {
+            err(
+                launcher,
+                format!("{key}={v:?} is not a non-negative integer"),
+            )
+        }),
+    }
+}
+
+fn required(
+    var: &impl Fn(&str) -> Option<String>,
+    launcher: &'static str,
+    key: &str,
+    why: &str,
+) -> Result<usize, LaunchEnvError> {
     number(var, launcher, key)?.ok_or_else(|| err(launcher, format!("{key} is not set ({why})")))
 }
 
@@ -98,7 +119,11 @@ fn required(var: &impl Fn(&str) -> Option<String>, launcher: &'static str, key: 
 /// because torchrun's agent already serves its own c10d store on `MASTER_PORT`
 /// (`TORCHELASTIC_USE_AGENT_STORE=True`) and Braid's store speaks its own protocol;
 /// else `MASTER_PORT` (default 29500).
-fn store_port(var: &impl Fn(&str) -> Option<String>, launcher: Launcher, name: &'static str) -> Result<u16, LaunchEnvError> {
+fn store_port(
+    var: &impl Fn(&str) -> Option<String>,
+    launcher: Launcher,
+    name: &'static str,
+) -> Result<u16, LaunchEnvError> {
     let parse = |key: &str, v: String| {
         v.trim()
             .parse::<u16>()
@@ -111,7 +136,8 @@ fn store_port(var: &impl Fn(&str) -> Option<String>, launcher: Launcher, name: &
         Some(p) => parse("MASTER_PORT", p)?,
         None => DEFAULT_MASTER_PORT,
     };
-    let agent_store = var("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true"));
+    let agent_store =
+        var("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true"));
     if launcher == Launcher::Torchrun || agent_store {
         return master
             .checked_add(1)
@@ -120,18 +146,37 @@ fn store_port(var: &impl Fn(&str) -> Option<String>, launcher: Launcher, name: &
     Ok(master)
 }
 
-fn check_rank(name: &'static str, rank: usize, world: usize, rank_key: &str, world_key: &str) -> Result<(), LaunchEnvError> {
+fn check_rank(
+    name: &'static str,
+    rank: usize,
+    world: usize,
+    rank_key: &str,
+    world_key: &str,
+) -> Result<(), LaunchEnvError> {
     if world == 0 {
-        return Err(err(name, format!("{world_key}=0: a world has at least one rank")));
+        return Err(err(
+            name,
+            format!("{world_key}=0: a world has at least one rank"),
+        ));
     }
     if rank >= world {
-        return Err(err(name, format!("{rank_key}={rank} is not below {world_key}={world}")));
+        return Err(err(
+            name,
+            format!("{rank_key}={rank} is not below {world_key}={world}"),
+        ));
     }
     Ok(())
 }
 
-fn torchrun(var: &impl Fn(&str) -> Option<String>, launcher: Launcher) -> Result<LaunchEnv, LaunchEnvError> {
-    let name = if launcher == Launcher::Braid { "braid launch" } else { "torchrun" };
+fn torchrun(
+    var: &impl Fn(&str) -> Option<String>,
+    launcher: Launcher,
+) -> Result<LaunchEnv, LaunchEnvError> {
+    let name = if launcher == Launcher::Braid {
+        "braid launch"
+    } else {
+        "torchrun"
+    };
     let rank = required(var, name, "RANK", "WORLD_SIZE is")?;
     let world_size = required(var, name, "WORLD_SIZE", "RANK is")?;
     check_rank(name, rank, world_size, "RANK", "WORLD_SIZE")?;
@@ -140,11 +185,19 @@ fn torchrun(var: &impl Fn(&str) -> Option<String>, launcher: Launcher) -> Result
     if let Some(l) = local_world_size
         && local_rank >= l
     {
-        return Err(err(name, format!("LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={l}")));
+        return Err(err(
+            name,
+            format!("LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={l}"),
+        ));
     }
-    let master_addr = var("MASTER_ADDR").filter(|s| !s.trim().is_empty()).ok_or_else(|| {
-        err(name, "MASTER_ADDR is not set (the host of rank 0, where the rendezvous store runs)")
-    })?;
+    let master_addr = var("MASTER_ADDR")
+        .filter(|s| !s.trim().is_empty())
+        .ok_or_else(|| {
+            err(
+                name,
+                "MASTER_ADDR is not set (the host of rank 0, where the rendezvous store runs)",
+            )
+        })?;
     Ok(LaunchEnv {
         launcher,
         rank,
@@ -168,7 +221,10 @@ fn slurm(var: &impl Fn(&str) -> Option<String>) -> Result<LaunchEnv, LaunchEnvEr
         Some(v) => {
             let head: String = v.trim().chars().take_while(char::is_ascii_digit).collect();
             Some(head.parse::<usize>().map_err(|_| {
-                err(NAME, format!("SLURM_NTASKS_PER_NODE={v:?} does not start with a task count"))
+                err(
+                    NAME,
+                    format!("SLURM_NTASKS_PER_NODE={v:?} does not start with a task count"),
+                )
             })?)
         }
     };
@@ -178,7 +234,8 @@ fn slurm(var: &impl Fn(&str) -> Option<String>) -> Result<LaunchEnv, LaunchEnvEr
             let list = var("SLURM_JOB_NODELIST")
                 .or_else(|| var("SLURM_NODELIST"))
                 .ok_or_else(|| err(NAME, "neither MASTER_ADDR nor SLURM_JOB_NODELIST is set: no host for rank 0's store"))?;
-            first_host(&list).ok_or_else(|| err(NAME, format!("SLURM_JOB_NODELIST={list:?} names no host")))?
+            first_host(&list)
+                .ok_or_else(|| err(NAME, format!("SLURM_JOB_NODELIST={list:?} names no host")))?
         }
     };
     Ok(LaunchEnv {
@@ -216,7 +273,10 @@ pub fn first_host(list: &str) -> Option<String> {
             continue;
         }
         let group: String = chars.by_ref().take_while(|&c| c != ']').collect();
-        let first: String = group.chars().take_while(|&c| c != ',' && c != '-').collect();
+        let first: String = group
+            .chars()
+            .take_while(|&c| c != ',' && c != '-')
+            .collect();
         if first.is_empty() {
             return None;
         }

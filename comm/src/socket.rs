@@ -75,50 +75,98 @@ impl fmt::Debug for SocketWorld {
     }
 }
 
-fn io_err(op: &'static str, rank: usize, size: usize, what: String) -> impl FnOnce(std::io::Error) -> CommError {
-    move |e| CommError::Invalid { op, rank, size, msg: format!("{what}: {e}") }
+fn io_err(
+    op: &'static str,
+    rank: usize,
+    size: usize,
+    what: String,
+) -> impl FnOnce(std::io::Error) -> CommError {
+    move |e| CommError::Invalid {
+        op,
+        rank,
+        size,
+        msg: format!("{what}: {e}"),
+    }
 }
 
 impl SocketWorld {
     /// Connects world rank `rank` of `size` to every other rank through `store`.
     /// `host` is how the other ranks reach this one (the address its store connection
     /// uses is a good choice). Every wait, here and in the collectives, is `timeout`.
-    pub fn connect(store: &mut StoreClient, rank: usize, size: usize, host: &str, timeout: Duration) -> Result<Arc<Self>> {
+    pub fn connect(
+        store: &mut StoreClient,
+        rank: usize,
+        size: usize,
+        host: &str,
+        timeout: Duration,
+    ) -> Result<Arc<Self>> {
         const OP: &str = "socket rendezvous";
         let io = |what: String| io_err(OP, rank, size, what);
-        let store_err = |e: crate::store::StoreError| CommError::Invalid { op: OP, rank, size, msg: e.to_string() };
+        let store_err = |e: crate::store::StoreError| CommError::Invalid {
+            op: OP,
+            rank,
+            size,
+            msg: e.to_string(),
+        };
         let listener = TcpListener::bind((host, 0)).map_err(io(format!("listening on {host}")))?;
-        let port = listener.local_addr().map_err(io("reading the listener's port".into()))?.port();
-        store.set(&format!("socket/{rank}"), format!("{host}:{port}").as_bytes()).map_err(store_err)?;
+        let port = listener
+            .local_addr()
+            .map_err(io("reading the listener's port".into()))?
+            .port();
+        store
+            .set(
+                &format!("socket/{rank}"),
+                format!("{host}:{port}").as_bytes(),
+            )
+            .map_err(store_err)?;
         let mut hosts = vec![String::new(); size];
         hosts[rank] = host.to_string();
         let mut streams: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
         // Connect to the ranks below; they accept.
         for (peer, slot) in streams.iter_mut().enumerate().take(rank) {
             let addr = store
-                .wait(&format!("socket/{peer}"), timeout, &format!("rank {peer} publishes its address"))
+                .wait(
+                    &format!("socket/{peer}"),
+                    timeout,
+                    &format!("rank {peer} publishes its address"),
+                )
                 .map_err(store_err)?;
             let addr = String::from_utf8_lossy(&addr).into_owned();
-            hosts[peer] = addr.rsplit_once(':').map_or(addr.clone(), |(h, _)| h.to_string());
-            let mut s = TcpStream::connect(&addr).map_err(io(format!("connecting to rank {peer} at {addr}")))?;
-            s.write_all(&(rank as u32).to_le_bytes()).map_err(io(format!("greeting rank {peer}")))?;
+            hosts[peer] = addr
+                .rsplit_once(':')
+                .map_or(addr.clone(), |(h, _)| h.to_string());
+            let mut s = TcpStream::connect(&addr)
+                .map_err(io(format!("connecting to rank {peer} at {addr}")))?;
+            s.write_all(&(rank as u32).to_le_bytes())
+                .map_err(io(format!("greeting rank {peer}")))?;
             *slot = Some(s);
         }
         // Accept the ranks above; each says who it is.
-        listener.set_nonblocking(true).map_err(io("listener".into()))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(io("listener".into()))?;
         let deadline = Instant::now() + timeout;
         let mut waiting = size - rank - 1;
         while waiting > 0 {
             match listener.accept() {
                 Ok((mut s, from)) => {
-                    s.set_nonblocking(false).map_err(io("accepted socket".into()))?;
-                    s.set_read_timeout(Some(timeout)).map_err(io("accepted socket".into()))?;
+                    s.set_nonblocking(false)
+                        .map_err(io("accepted socket".into()))?;
+                    s.set_read_timeout(Some(timeout))
+                        .map_err(io("accepted socket".into()))?;
                     let mut b = [0u8; 4];
-                    s.read_exact(&mut b).map_err(io(format!("reading the greeting of {from}")))?;
-                    s.set_read_timeout(None).map_err(io("accepted socket".into()))?;
+                    s.read_exact(&mut b)
+                        .map_err(io(format!("reading the greeting of {from}")))?;
+                    s.set_read_timeout(None)
+                        .map_err(io("accepted socket".into()))?;
                     let peer = u32::from_le_bytes(b) as usize;
                     if peer <= rank || peer >= size || streams[peer].is_some() {
-                        return Err(CommError::Invalid { op: OP, rank, size, msg: format!("{from} says it is rank {peer}") });
+                        return Err(CommError::Invalid {
+                            op: OP,
+                            rank,
+                            size,
+                            msg: format!("{from} says it is rank {peer}"),
+                        });
                     }
                     hosts[peer] = from.ip().to_string();
                     streams[peer] = Some(s);
@@ -126,7 +174,10 @@ impl SocketWorld {
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     if Instant::now() >= deadline {
-                        let missing: Vec<String> = (rank + 1..size).filter(|&p| streams[p].is_none()).map(|p| p.to_string()).collect();
+                        let missing: Vec<String> = (rank + 1..size)
+                            .filter(|&p| streams[p].is_none())
+                            .map(|p| p.to_string())
+                            .collect();
                         return Err(CommError::Timeout {
                             op: OP,
                             rank,
@@ -164,7 +215,13 @@ impl SocketWorld {
                 .map_err(io("starting a reader thread".into()))?;
             peers.push(Some(peer));
         }
-        Ok(Arc::new(SocketWorld { rank, size, timeout, peers, hosts }))
+        Ok(Arc::new(SocketWorld {
+            rank,
+            size,
+            timeout,
+            peers,
+            hosts,
+        }))
     }
 
     /// Host of world rank `r`, for messages.
@@ -196,7 +253,9 @@ fn read_loop(stream: TcpStream, peer: Arc<Peer>) {
                 drop(inbox);
                 peer.arrived.notify_all();
             }
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break "its connection closed (the process exited or was killed)".to_string(),
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                break "its connection closed (the process exited or was killed)".to_string();
+            }
             Err(e) => break format!("its connection failed: {e}"),
         }
     };
@@ -211,7 +270,10 @@ fn read_frame(r: &mut impl Read) -> std::io::Result<Frame> {
     let dtype = h[8];
     let rank = u32::from_le_bytes(h[9..13].try_into().unwrap_or_default()) as usize;
     if rank > 16 {
-        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("a tensor of rank {rank}")));
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("a tensor of rank {rank}"),
+        ));
     }
     let mut dims = Vec::with_capacity(rank);
     for _ in 0..rank {
@@ -224,10 +286,30 @@ fn read_frame(r: &mut impl Read) -> std::io::Result<Frame> {
     let mut bytes = vec![0u8; n * elem];
     r.read_exact(&mut bytes)?;
     let data = match dtype {
-        DT_F32 => CpuStorage::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
-        DT_U32 => CpuStorage::U32(bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
-        DT_BF16 => CpuStorage::BF16(bytes.chunks_exact(2).map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect()),
-        other => return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("dtype byte {other}"))),
+        DT_F32 => CpuStorage::F32(
+            bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        ),
+        DT_U32 => CpuStorage::U32(
+            bytes
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        ),
+        DT_BF16 => CpuStorage::BF16(
+            bytes
+                .chunks_exact(2)
+                .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])))
+                .collect(),
+        ),
+        other => {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("dtype byte {other}"),
+            ));
+        }
     };
     Ok(Frame { group, dims, data })
 }
@@ -246,9 +328,15 @@ fn encode_frame(group: u64, dims: &[usize], data: &CpuStorage) -> Vec<u8> {
         out.extend_from_slice(&(d as u64).to_le_bytes());
     }
     match data {
-        CpuStorage::F32(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-        CpuStorage::U32(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-        CpuStorage::BF16(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_bits().to_le_bytes())),
+        CpuStorage::F32(v) => v
+            .iter()
+            .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+        CpuStorage::U32(v) => v
+            .iter()
+            .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+        CpuStorage::BF16(v) => v
+            .iter()
+            .for_each(|x| out.extend_from_slice(&x.to_bits().to_le_bytes())),
     }
     out
 }
@@ -278,7 +366,11 @@ pub struct SocketComm {
 
 impl fmt::Debug for SocketComm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "SocketComm(rank {} of group {:?})", self.rank, self.members)
+        write!(
+            f,
+            "SocketComm(rank {} of group {:?})",
+            self.rank, self.members
+        )
     }
 }
 
@@ -287,19 +379,47 @@ impl SocketComm {
     pub fn world(world: Arc<SocketWorld>) -> Self {
         let members: Vec<usize> = (0..world.size).collect();
         let rank = world.rank;
-        SocketComm { key: group_key(&members), world, members, rank }
+        SocketComm {
+            key: group_key(&members),
+            world,
+            members,
+            rank,
+        }
     }
 
     fn err(&self, op: &'static str, msg: impl Into<String>) -> CommError {
-        CommError::Invalid { op, rank: self.world.rank, size: self.members.len(), msg: msg.into() }
+        CommError::Invalid {
+            op,
+            rank: self.world.rank,
+            size: self.members.len(),
+            msg: msg.into(),
+        }
     }
 
     fn peer(&self, op: &'static str, member: usize) -> Result<&Arc<Peer>> {
-        let w = *self.members.get(member).ok_or_else(|| self.err(op, format!("rank {member} is not in this group of {}", self.members.len())))?;
-        self.world.peers.get(w).and_then(Option::as_ref).ok_or_else(|| self.err(op, format!("no connection to world rank {w}")))
+        let w = *self.members.get(member).ok_or_else(|| {
+            self.err(
+                op,
+                format!(
+                    "rank {member} is not in this group of {}",
+                    self.members.len()
+                ),
+            )
+        })?;
+        self.world
+            .peers
+            .get(w)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| self.err(op, format!("no connection to world rank {w}")))
     }
 
-    fn send_to(&self, op: &'static str, member: usize, dims: &[usize], data: &CpuStorage) -> Result<()> {
+    fn send_to(
+        &self,
+        op: &'static str,
+        member: usize,
+        dims: &[usize],
+        data: &CpuStorage,
+    ) -> Result<()> {
         let p = self.peer(op, member)?;
         let bytes = encode_frame(self.key, dims, data);
         let mut w = p.writer.lock().unwrap_or_else(|e| e.into_inner());
@@ -309,7 +429,12 @@ impl SocketComm {
     }
 
     fn gone(&self, op: &'static str, p: &Peer, why: &str) -> CommError {
-        CommError::Poisoned { op, rank: self.world.rank, by: p.rank, why: format!("rank {} on {}: {why}", p.rank, p.host) }
+        CommError::Poisoned {
+            op,
+            rank: self.world.rank,
+            by: p.rank,
+            why: format!("rank {} on {}: {why}", p.rank, p.host),
+        }
     }
 
     fn recv_from(&self, op: &'static str, member: usize) -> Result<Frame> {
@@ -317,7 +442,11 @@ impl SocketComm {
         let start = Instant::now();
         let mut inbox = p.inbox();
         loop {
-            if let Some(f) = inbox.queues.get_mut(&self.key).and_then(VecDeque::pop_front) {
+            if let Some(f) = inbox
+                .queues
+                .get_mut(&self.key)
+                .and_then(VecDeque::pop_front)
+            {
                 return Ok(f);
             }
             if let Some(why) = &inbox.gone {
@@ -330,7 +459,10 @@ impl SocketComm {
                     rank: self.world.rank,
                     group: self.members.clone(),
                     waited_s: waited.as_secs_f64(),
-                    missing: format!("rank {} on {} sent nothing (stopped or hung?)", p.rank, p.host),
+                    missing: format!(
+                        "rank {} on {} sent nothing (stopped or hung?)",
+                        p.rank, p.host
+                    ),
                 });
             }
             inbox = p
@@ -356,7 +488,14 @@ impl SocketComm {
             } else {
                 let f = self.recv_from(op, m)?;
                 if f.dims != t.dims() {
-                    return Err(self.err(op, format!("rank {m} sent shape {:?}, this rank has {}", f.dims, t.shape())));
+                    return Err(self.err(
+                        op,
+                        format!(
+                            "rank {m} sent shape {:?}, this rank has {}",
+                            f.dims,
+                            t.shape()
+                        ),
+                    ));
                 }
                 all.push((f.dims, f.data));
             }
@@ -369,7 +508,12 @@ fn as_f32(op: &'static str, s: &CpuStorage) -> Result<Vec<f32>> {
     match s {
         CpuStorage::F32(v) => Ok(v.clone()),
         CpuStorage::BF16(v) => Ok(v.iter().map(|x| x.to_f32()).collect()),
-        CpuStorage::U32(_) => Err(CommError::Invalid { op, rank: 0, size: 0, msg: "u32 tensors cannot be summed".into() }),
+        CpuStorage::U32(_) => Err(CommError::Invalid {
+            op,
+            rank: 0,
+            size: 0,
+            msg: "u32 tensors cannot be summed".into(),
+        }),
     }
 }
 
@@ -421,7 +565,13 @@ impl Comm for SocketComm {
         let n = self.members.len();
         let dims = t.dims().to_vec();
         if dims.first().is_none_or(|&d| d % n != 0) {
-            return Err(self.err(OP, format!("dim 0 of {} does not split into {n} equal slices", t.shape())));
+            return Err(self.err(
+                OP,
+                format!(
+                    "dim 0 of {} does not split into {n} equal slices",
+                    t.shape()
+                ),
+            ));
         }
         // Gather everything, sum in order, keep this rank's slice: the same bits as
         // LocalComm's (which sums whole tensors), at n times the traffic; CI sizes only.
@@ -438,7 +588,10 @@ impl Comm for SocketComm {
     fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<()> {
         const OP: &str = "broadcast";
         if root >= self.members.len() {
-            return Err(self.err(OP, format!("root {root} is not in this group of {}", self.members.len())));
+            return Err(self.err(
+                OP,
+                format!("root {root} is not in this group of {}", self.members.len()),
+            ));
         }
         if self.rank == root {
             let data = t.to_host()?;
@@ -451,7 +604,14 @@ impl Comm for SocketComm {
         }
         let f = self.recv_from(OP, root)?;
         if f.dims != t.dims() {
-            return Err(self.err(OP, format!("root {root} sent shape {:?}, this rank has {}", f.dims, t.shape())));
+            return Err(self.err(
+                OP,
+                format!(
+                    "root {root} sent shape {:?}, this rank has {}",
+                    f.dims,
+                    t.shape()
+                ),
+            ));
         }
         *t = Tensor::from_host(f.data, f.dims, t.device())?;
         Ok(())
@@ -465,7 +625,13 @@ impl Comm for SocketComm {
         const OP: &str = "recv";
         let f = self.recv_from(OP, src)?;
         if f.dims != shape.dims() {
-            return Err(self.err(OP, format!("rank {src} sent shape {:?} but this rank expects {shape}", f.dims)));
+            return Err(self.err(
+                OP,
+                format!(
+                    "rank {src} sent shape {:?} but this rank expects {shape}",
+                    f.dims
+                ),
+            ));
         }
         Ok(Tensor::from_host(f.data, f.dims, Device::Cpu)?)
     }
@@ -474,7 +640,10 @@ impl Comm for SocketComm {
         const OP: &str = "all_to_all_v";
         let n = self.members.len();
         if parts.len() != n {
-            return Err(self.err(OP, format!("expected {n} parts (one per rank), got {}", parts.len())));
+            return Err(self.err(
+                OP,
+                format!("expected {n} parts (one per rank), got {}", parts.len()),
+            ));
         }
         let device = parts.first().map_or(Device::Cpu, Tensor::device);
         for (m, p) in parts.iter().enumerate() {
@@ -504,23 +673,65 @@ impl Comm for SocketComm {
         const OP: &str = "subgroup";
         let world: Vec<usize> = members
             .iter()
-            .map(|&m| self.members.get(m).copied().ok_or_else(|| self.err(OP, format!("rank {m} is not in this group"))))
+            .map(|&m| {
+                self.members
+                    .get(m)
+                    .copied()
+                    .ok_or_else(|| self.err(OP, format!("rank {m} is not in this group")))
+            })
             .collect::<Result<_>>()?;
         let rank = world
             .iter()
             .position(|&w| w == self.world.rank)
             .ok_or_else(|| self.err(OP, format!("this rank is not a member of {members:?}")))?;
-        Ok(Arc::new(SocketComm { key: group_key(&world), world: Arc::clone(&self.world), members: world, rank }))
+        Ok(Arc::new(SocketComm {
+            key: group_key(&world),
+            world: Arc::clone(&self.world),
+            members: world,
+            rank,
+        }))
     }
 }
 
 /// Concatenates host buffers of one dtype.
 fn concat(parts: Vec<CpuStorage>) -> Result<CpuStorage> {
     let dtype = parts.first().map_or(DType::F32, CpuStorage::dtype);
-    let bad = || CommError::Invalid { op: "all_gather", rank: 0, size: parts.len(), msg: "ranks sent different dtypes".into() };
+    let bad = || CommError::Invalid {
+        op: "all_gather",
+        rank: 0,
+        size: parts.len(),
+        msg: "ranks sent different dtypes".into(),
+    };
     Ok(match dtype {
-        DType::F32 => CpuStorage::F32(parts.iter().map(|p| match p { CpuStorage::F32(v) => Ok(v.clone()), _ => Err(bad()) }).collect::<Result<Vec<_>>>()?.concat()),
-        DType::BF16 => CpuStorage::BF16(parts.iter().map(|p| match p { CpuStorage::BF16(v) => Ok(v.clone()), _ => Err(bad()) }).collect::<Result<Vec<_>>>()?.concat()),
-        DType::U32 => CpuStorage::U32(parts.iter().map(|p| match p { CpuStorage::U32(v) => Ok(v.clone()), _ => Err(bad()) }).collect::<Result<Vec<_>>>()?.concat()),
+        DType::F32 => CpuStorage::F32(
+            parts
+                .iter()
+                .map(|p| match p {
+                    CpuStorage::F32(v) => Ok(v.clone()),
+                    _ => Err(bad()),
+                })
+                .collect::<Result<Vec<_>>>()?
+                .concat(),
+        ),
+        DType::BF16 => CpuStorage::BF16(
+            parts
+                .iter()
+                .map(|p| match p {
+                    CpuStorage::BF16(v) => Ok(v.clone()),
+                    _ => Err(bad()),
+                })
+                .collect::<Result<Vec<_>>>()?
+                .concat(),
+        ),
+        DType::U32 => CpuStorage::U32(
+            parts
+                .iter()
+                .map(|p| match p {
+                    CpuStorage::U32(v) => Ok(v.clone()),
+                    _ => Err(bad()),
+                })
+                .collect::<Result<Vec<_>>>()?
+                .concat(),
+        ),
     })
 }

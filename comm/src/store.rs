@@ -97,7 +97,9 @@ impl StoreServer {
             move |source| StoreError::Io { addr, what, source }
         };
         let listener = TcpListener::bind(addr).map_err(io("binding (is the port in use?)"))?;
-        let local = listener.local_addr().map_err(io("reading the bound address"))?;
+        let local = listener
+            .local_addr()
+            .map_err(io("reading the bound address"))?;
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
@@ -108,7 +110,11 @@ impl StoreServer {
             .name("braid-store".into())
             .spawn(move || accept_loop(listener, acc_shared))
             .map_err(io("starting the server thread"))?;
-        Ok(StoreServer { addr: local, shared, acceptor: Some(acceptor) })
+        Ok(StoreServer {
+            addr: local,
+            shared,
+            acceptor: Some(acceptor),
+        })
     }
 
     /// The address the server listens on.
@@ -211,9 +217,14 @@ fn handle(op: u8, stream: &mut TcpStream, shared: &Shared) -> std::io::Result<Ve
         OP_WAIT => {
             let k = read_field(stream)?;
             let t = read_field(stream)?;
-            let ms = u64::from(u32::from_le_bytes(t.as_slice().try_into().map_err(|_| {
-                std::io::Error::new(std::io::ErrorKind::InvalidData, "wait: timeout is not 4 bytes")
-            })?));
+            let ms = u64::from(u32::from_le_bytes(t.as_slice().try_into().map_err(
+                |_| {
+                    std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        "wait: timeout is not 4 bytes",
+                    )
+                },
+            )?));
             let deadline = Instant::now() + Duration::from_millis(ms);
             let mut st = shared.lock();
             loop {
@@ -255,7 +266,10 @@ fn handle(op: u8, stream: &mut TcpStream, shared: &Shared) -> std::io::Result<Ve
             write_field(&mut reply, &new.to_le_bytes());
         }
         _ => {
-            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "unknown opcode"));
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "unknown opcode",
+            ));
         }
     }
     Ok(reply)
@@ -287,7 +301,10 @@ impl StoreClient {
                 match TcpStream::connect_timeout(&a, Duration::from_secs(2)) {
                     Ok(stream) => {
                         let _ = stream.set_nodelay(true);
-                        return Ok(StoreClient { addr: addr.to_string(), stream });
+                        return Ok(StoreClient {
+                            addr: addr.to_string(),
+                            stream,
+                        });
                     }
                     Err(e) => last_err = Some(e),
                 }
@@ -311,12 +328,20 @@ impl StoreClient {
     }
 
     /// Sends one request and reads its reply: (status, field).
-    fn call(&mut self, op: u8, fields: &[&[u8]], what: &str, read_timeout: Option<Duration>) -> Result<(u8, Vec<u8>)> {
+    fn call(
+        &mut self,
+        op: u8,
+        fields: &[&[u8]],
+        what: &str,
+        read_timeout: Option<Duration>,
+    ) -> Result<(u8, Vec<u8>)> {
         let mut req = vec![op];
         for f in fields {
             write_field(&mut req, f);
         }
-        self.stream.set_read_timeout(read_timeout).map_err(self.io(what))?;
+        self.stream
+            .set_read_timeout(read_timeout)
+            .map_err(self.io(what))?;
         self.stream.write_all(&req).map_err(self.io(what))?;
         let mut st = [0u8; 1];
         self.stream.read_exact(&mut st).map_err(self.io(what))?;
@@ -334,13 +359,23 @@ impl StoreClient {
     }
 
     pub fn set(&mut self, key: &str, value: &[u8]) -> Result<()> {
-        self.call(OP_SET, &[key.as_bytes(), value], &format!("set `{key}`"), Some(Duration::from_secs(60)))?;
+        self.call(
+            OP_SET,
+            &[key.as_bytes(), value],
+            &format!("set `{key}`"),
+            Some(Duration::from_secs(60)),
+        )?;
         Ok(())
     }
 
     /// The value of `key`, or `None` if no rank set it yet.
     pub fn get(&mut self, key: &str) -> Result<Option<Vec<u8>>> {
-        let (st, v) = self.call(OP_GET, &[key.as_bytes()], &format!("get `{key}`"), Some(Duration::from_secs(60)))?;
+        let (st, v) = self.call(
+            OP_GET,
+            &[key.as_bytes()],
+            &format!("get `{key}`"),
+            Some(Duration::from_secs(60)),
+        )?;
         Ok((st == ST_OK).then_some(v))
     }
 
@@ -369,7 +404,12 @@ impl StoreClient {
 
     /// Adds `delta` to the counter `key` (0 when unset) and returns the new value.
     pub fn add(&mut self, key: &str, delta: i64) -> Result<i64> {
-        let (_, v) = self.call(OP_ADD, &[key.as_bytes(), &delta.to_le_bytes()], &format!("add to `{key}`"), Some(Duration::from_secs(60)))?;
+        let (_, v) = self.call(
+            OP_ADD,
+            &[key.as_bytes(), &delta.to_le_bytes()],
+            &format!("add to `{key}`"),
+            Some(Duration::from_secs(60)),
+        )?;
         let b: [u8; 8] = v.as_slice().try_into().map_err(|_| StoreError::Protocol {
             addr: self.addr.clone(),
             msg: format!("add to `{key}`: the reply is {} bytes, not 8", v.len()),
@@ -379,7 +419,13 @@ impl StoreClient {
 
     /// Returns once all `world` ranks have called it with the same `name`, or fails after
     /// `timeout` naming the ranks that never arrived.
-    pub fn barrier(&mut self, name: &str, rank: usize, world: usize, timeout: Duration) -> Result<()> {
+    pub fn barrier(
+        &mut self,
+        name: &str,
+        rank: usize,
+        world: usize,
+        timeout: Duration,
+    ) -> Result<()> {
         self.set(&format!("{name}/arrived/{rank}"), b"1")?;
         let n = self.add(&format!("{name}/count"), 1)?;
         let done = format!("{name}/done");
@@ -388,7 +434,12 @@ impl StoreClient {
         }
         match self.wait(&done, timeout, "") {
             Ok(_) => Ok(()),
-            Err(StoreError::Timeout { addr, key, waited_s, .. }) => {
+            Err(StoreError::Timeout {
+                addr,
+                key,
+                waited_s,
+                ..
+            }) => {
                 let mut missing = Vec::new();
                 for r in 0..world {
                     if self.get(&format!("{name}/arrived/{r}"))?.is_none() {
@@ -428,13 +479,20 @@ impl StoreClient {
         if rank == 0 {
             return Ok(());
         }
-        let theirs = self.wait(&format!("{name}/0"), timeout, "rank 0 publishes what it runs")?;
+        let theirs = self.wait(
+            &format!("{name}/0"),
+            timeout,
+            "rank 0 publishes what it runs",
+        )?;
         let mut r = theirs.as_slice();
         let mut zero = Vec::new();
         while !r.is_empty() {
             let k = read_field(&mut r).map_err(|e| self.protocol(name, e))?;
             let v = read_field(&mut r).map_err(|e| self.protocol(name, e))?;
-            zero.push((String::from_utf8_lossy(&k).into_owned(), String::from_utf8_lossy(&v).into_owned()));
+            zero.push((
+                String::from_utf8_lossy(&k).into_owned(),
+                String::from_utf8_lossy(&v).into_owned(),
+            ));
         }
         for (k, v) in entries {
             match zero.iter().find(|(k0, _)| k0 == k) {
@@ -451,7 +509,10 @@ impl StoreClient {
                 }
             }
         }
-        if let Some((k, v0)) = zero.iter().find(|(k0, _)| !entries.iter().any(|(k, _)| k == k0)) {
+        if let Some((k, v0)) = zero
+            .iter()
+            .find(|(k0, _)| !entries.iter().any(|(k, _)| k == k0))
+        {
             return Err(StoreError::Mismatch(format!(
                 "rank 0 has `{k}` = {v0}, which rank {rank} does not have (every rank must run the same {name})"
             )));
@@ -460,7 +521,10 @@ impl StoreClient {
     }
 
     fn protocol(&self, name: &str, e: std::io::Error) -> StoreError {
-        StoreError::Protocol { addr: self.addr.clone(), msg: format!("`{name}`: {e}") }
+        StoreError::Protocol {
+            addr: self.addr.clone(),
+            msg: format!("`{name}`: {e}"),
+        }
     }
 }
 

@@ -8,14 +8,20 @@ use std::collections::HashMap;
 use braid_comm::launch::{LaunchEnv, Launcher, first_host};
 
 fn env(pairs: &[(&str, &str)]) -> Result<Option<LaunchEnv>, String> {
-    let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    let m: HashMap<String, String> = pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
     LaunchEnv::from_vars(|k| m.get(k).cloned()).map_err(|e| e.to_string())
 }
 
 #[test]
 fn no_launcher_variables_means_threads() {
     assert_eq!(env(&[]).unwrap(), None);
-    assert_eq!(env(&[("PATH", "/bin"), ("SLURM_JOB_ID", "7")]).unwrap(), None);
+    assert_eq!(
+        env(&[("PATH", "/bin"), ("SLURM_JOB_ID", "7")]).unwrap(),
+        None
+    );
 }
 
 #[test]
@@ -32,20 +38,35 @@ fn torchrun_variables() {
     .unwrap()
     .unwrap();
     assert_eq!(e.launcher, Launcher::Torchrun);
-    assert_eq!((e.rank, e.world_size, e.local_rank, e.local_world_size), (5, 32, 5, Some(8)));
+    assert_eq!(
+        (e.rank, e.world_size, e.local_rank, e.local_world_size),
+        (5, 32, 5, Some(8))
+    );
     // torchrun's agent serves its own store on MASTER_PORT: Braid's is on the next port.
     assert_eq!(e.store_addr(), "node01:29401");
-    let e = env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "h"), ("BRAID_STORE_PORT", "40000")])
-        .unwrap()
-        .unwrap();
+    let e = env(&[
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("MASTER_ADDR", "h"),
+        ("BRAID_STORE_PORT", "40000"),
+    ])
+    .unwrap()
+    .unwrap();
     assert_eq!(e.store_addr(), "h:40000");
 }
 
 #[test]
 fn braid_launch_sets_the_same_variables() {
-    let e = env(&[("RANK", "1"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29600"), ("BRAID_LAUNCH", "1")])
-        .unwrap()
-        .unwrap();
+    let e = env(&[
+        ("RANK", "1"),
+        ("WORLD_SIZE", "4"),
+        ("LOCAL_RANK", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29600"),
+        ("BRAID_LAUNCH", "1"),
+    ])
+    .unwrap()
+    .unwrap();
     assert_eq!(e.launcher, Launcher::Braid);
     assert_eq!(e.store_addr(), "127.0.0.1:29600");
 }
@@ -62,11 +83,20 @@ fn slurm_variables_and_host_lists() {
     .unwrap()
     .unwrap();
     assert_eq!(e.launcher, Launcher::Slurm);
-    assert_eq!((e.rank, e.world_size, e.local_rank, e.local_world_size), (9, 16, 1, Some(8)));
+    assert_eq!(
+        (e.rank, e.world_size, e.local_rank, e.local_world_size),
+        (9, 16, 1, Some(8))
+    );
     assert_eq!(e.store_addr(), "gpu017:29500");
-    let e = env(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2"), ("SLURM_JOB_NODELIST", "a,b"), ("MASTER_ADDR", "login1"), ("MASTER_PORT", "1234")])
-        .unwrap()
-        .unwrap();
+    let e = env(&[
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_JOB_NODELIST", "a,b"),
+        ("MASTER_ADDR", "login1"),
+        ("MASTER_PORT", "1234"),
+    ])
+    .unwrap()
+    .unwrap();
     assert_eq!(e.store_addr(), "login1:1234");
     for (list, first) in [
         ("node[01-04,07],gpu9", "node01"),
@@ -88,13 +118,50 @@ fn bad_or_missing_variables_are_named() {
         (vec![("RANK", "0")], "WORLD_SIZE is not set"),
         (vec![("WORLD_SIZE", "2")], "RANK is not set"),
         (vec![("RANK", "x"), ("WORLD_SIZE", "2")], "RANK=\"x\""),
-        (vec![("RANK", "2"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")], "RANK=2 is not below WORLD_SIZE=2"),
-        (vec![("RANK", "0"), ("WORLD_SIZE", "0"), ("MASTER_ADDR", "h")], "WORLD_SIZE=0"),
-        (vec![("RANK", "0"), ("WORLD_SIZE", "2")], "MASTER_ADDR is not set"),
-        (vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "99999")], "MASTER_PORT=\"99999\""),
-        (vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("LOCAL_RANK", "3"), ("LOCAL_WORLD_SIZE", "2")], "LOCAL_RANK=3"),
-        (vec![("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2")], "SLURM_JOB_NODELIST"),
-        (vec![("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2"), ("SLURM_JOB_NODELIST", "a"), ("SLURM_NTASKS_PER_NODE", "(x2)")], "SLURM_NTASKS_PER_NODE"),
+        (
+            vec![("RANK", "2"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")],
+            "RANK=2 is not below WORLD_SIZE=2",
+        ),
+        (
+            vec![("RANK", "0"), ("WORLD_SIZE", "0"), ("MASTER_ADDR", "h")],
+            "WORLD_SIZE=0",
+        ),
+        (
+            vec![("RANK", "0"), ("WORLD_SIZE", "2")],
+            "MASTER_ADDR is not set",
+        ),
+        (
+            vec![
+                ("RANK", "0"),
+                ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "h"),
+                ("MASTER_PORT", "99999"),
+            ],
+            "MASTER_PORT=\"99999\"",
+        ),
+        (
+            vec![
+                ("RANK", "0"),
+                ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "h"),
+                ("LOCAL_RANK", "3"),
+                ("LOCAL_WORLD_SIZE", "2"),
+            ],
+            "LOCAL_RANK=3",
+        ),
+        (
+            vec![("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2")],
+            "SLURM_JOB_NODELIST",
+        ),
+        (
+            vec![
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", "2"),
+                ("SLURM_JOB_NODELIST", "a"),
+                ("SLURM_NTASKS_PER_NODE", "(x2)"),
+            ],
+            "SLURM_NTASKS_PER_NODE",
+        ),
     ] {
         let e = env(&vars).unwrap_err();
         assert!(e.contains(needle), "{vars:?}: {e}");

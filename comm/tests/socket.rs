@@ -70,7 +70,11 @@ fn all_reduce_is_bitwise_the_threads_result_on_every_size() {
         for (r, got) in sockets.into_iter().enumerate() {
             let got = got.unwrap();
             assert_eq!(bits(&got), bits(&want), "size {size} rank {r}");
-            assert_eq!(bits(&got), bits(&threads[r]), "size {size} rank {r} vs threads");
+            assert_eq!(
+                bits(&got),
+                bits(&threads[r]),
+                "size {size} rank {r} vs threads"
+            );
         }
     }
 }
@@ -78,31 +82,58 @@ fn all_reduce_is_bitwise_the_threads_result_on_every_size() {
 #[test]
 fn gather_scatter_broadcast_all_to_all_and_p2p() {
     let size = 4;
-    let out = run_sockets(size, Duration::from_secs(20), |c| -> braid_comm::Result<_> {
-        let r = c.rank();
-        let g = c.all_gather(&t(data(r, 6), &[2, 3]))?;
-        let rs = c.reduce_scatter_sum(&t(data(r, 8 * 3), &[8, 3]))?;
-        let mut b = t(data(r, 5), &[5]);
-        c.broadcast(&mut b, 2)?;
-        // Ragged parts, including empty ones: rank r sends (r + j) % 3 rows to rank j.
-        let parts = (0..c.size()).map(|j| t(vec![(r * 10 + j) as f32; ((r + j) % 3) * 2], &[(r + j) % 3, 2])).collect();
-        let got = c.all_to_all_v(parts)?;
-        let a2a: Vec<(Vec<usize>, Vec<f32>)> = got.iter().map(|x| (x.dims().to_vec(), x.to_vec_f32().unwrap())).collect();
-        // A ring of sends, several in flight: order kept per pair.
-        let next = (r + 1) % c.size();
-        let prev = (r + c.size() - 1) % c.size();
-        for k in 0..3 {
-            c.send(&t(vec![(r * 100 + k) as f32; 2], &[2]), next)?;
-        }
-        let mut ring = Vec::new();
-        for _ in 0..3 {
-            ring.push(c.recv(&Shape::new([2]), prev)?.to_vec_f32()?[0]);
-        }
-        let shape_err = c.barrier().and_then(|()| {
-            if r == 0 { c.send(&t(vec![1.0; 3], &[3]), 1) } else if r == 1 { c.recv(&Shape::new([4]), 0).map(|_| ()) } else { Ok(()) }
-        });
-        Ok((g.to_vec_f32()?, rs.to_vec_f32()?, b.to_vec_f32()?, a2a, ring, shape_err.is_err()))
-    });
+    let out = run_sockets(
+        size,
+        Duration::from_secs(20),
+        |c| -> braid_comm::Result<_> {
+            let r = c.rank();
+            let g = c.all_gather(&t(data(r, 6), &[2, 3]))?;
+            let rs = c.reduce_scatter_sum(&t(data(r, 8 * 3), &[8, 3]))?;
+            let mut b = t(data(r, 5), &[5]);
+            c.broadcast(&mut b, 2)?;
+            // Ragged parts, including empty ones: rank r sends (r + j) % 3 rows to rank j.
+            let parts = (0..c.size())
+                .map(|j| {
+                    t(
+                        vec![(r * 10 + j) as f32; ((r + j) % 3) * 2],
+                        &[(r + j) % 3, 2],
+                    )
+                })
+                .collect();
+            let got = c.all_to_all_v(parts)?;
+            let a2a: Vec<(Vec<usize>, Vec<f32>)> = got
+                .iter()
+                .map(|x| (x.dims().to_vec(), x.to_vec_f32().unwrap()))
+                .collect();
+            // A ring of sends, several in flight: order kept per pair.
+            let next = (r + 1) % c.size();
+            let prev = (r + c.size() - 1) % c.size();
+            for k in 0..3 {
+                c.send(&t(vec![(r * 100 + k) as f32; 2], &[2]), next)?;
+            }
+            let mut ring = Vec::new();
+            for _ in 0..3 {
+                ring.push(c.recv(&Shape::new([2]), prev)?.to_vec_f32()?[0]);
+            }
+            let shape_err = c.barrier().and_then(|()| {
+                if r == 0 {
+                    c.send(&t(vec![1.0; 3], &[3]), 1)
+                } else if r == 1 {
+                    c.recv(&Shape::new([4]), 0).map(|_| ())
+                } else {
+                    Ok(())
+                }
+            });
+            Ok((
+                g.to_vec_f32()?,
+                rs.to_vec_f32()?,
+                b.to_vec_f32()?,
+                a2a,
+                ring,
+                shape_err.is_err(),
+            ))
+        },
+    );
     let gathered: Vec<f32> = (0..size).flat_map(|r| data(r, 6)).collect();
     let mut sum = [0f32; 24];
     for r in 0..size {
@@ -119,8 +150,15 @@ fn gather_scatter_broadcast_all_to_all_and_p2p() {
             assert!(v.iter().all(|&x| x == (j * 10 + r) as f32));
         }
         let prev = (r + size - 1) % size;
-        assert_eq!(ring, (0..3).map(|k| (prev * 100 + k) as f32).collect::<Vec<_>>());
-        assert_eq!(shape_err, r == 1, "rank {r}: a shape mismatch is an error on the receiver");
+        assert_eq!(
+            ring,
+            (0..3).map(|k| (prev * 100 + k) as f32).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            shape_err,
+            r == 1,
+            "rank {r}: a shape mismatch is an error on the receiver"
+        );
     }
 }
 
@@ -157,28 +195,44 @@ fn a_peer_that_goes_away_fails_every_wait_on_it_at_once() {
         c.all_reduce_sum(&mut x)
     });
     let took = t0.elapsed();
-    assert!(took < Duration::from_secs(10), "took {took:?}: the closed connection must end the wait");
+    assert!(
+        took < Duration::from_secs(10),
+        "took {took:?}: the closed connection must end the wait"
+    );
     for r in [0, 2] {
         let e = out[r].as_ref().unwrap_err();
         let msg = e.to_string();
-        assert!(matches!(e, CommError::Poisoned { by: 1, .. }), "rank {r}: {msg}");
-        assert!(msg.contains("rank 1 on 127.0.0.1") && msg.contains("closed"), "rank {r}: {msg}");
+        assert!(
+            matches!(e, CommError::Poisoned { by: 1, .. }),
+            "rank {r}: {msg}"
+        );
+        assert!(
+            msg.contains("rank 1 on 127.0.0.1") && msg.contains("closed"),
+            "rank {r}: {msg}"
+        );
     }
 }
 
 #[test]
 fn a_silent_peer_times_out_naming_it() {
     let t0 = Instant::now();
-    let out = run_sockets(2, Duration::from_millis(700), |c| -> braid_comm::Result<()> {
-        if c.rank() == 1 {
-            std::thread::sleep(Duration::from_secs(2)); // hung, connection still open
-            return Ok(());
-        }
-        let mut x = t(vec![1.0], &[1]);
-        c.all_reduce_sum(&mut x)
-    });
+    let out = run_sockets(
+        2,
+        Duration::from_millis(700),
+        |c| -> braid_comm::Result<()> {
+            if c.rank() == 1 {
+                std::thread::sleep(Duration::from_secs(2)); // hung, connection still open
+                return Ok(());
+            }
+            let mut x = t(vec![1.0], &[1]);
+            c.all_reduce_sum(&mut x)
+        },
+    );
     assert!(t0.elapsed() < Duration::from_secs(10));
     let e = out[0].as_ref().unwrap_err();
     assert!(matches!(e, CommError::Timeout { .. }), "{e}");
-    assert!(e.to_string().contains("rank 1 on 127.0.0.1 sent nothing"), "{e}");
+    assert!(
+        e.to_string().contains("rank 1 on 127.0.0.1 sent nothing"),
+        "{e}"
+    );
 }

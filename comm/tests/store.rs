@@ -31,7 +31,8 @@ fn set_get_wait_and_add_across_clients() {
     let addr2 = addr.clone();
     let h = std::thread::spawn(move || {
         let mut c = client(&addr2);
-        c.wait("late", Duration::from_secs(10), "the setter").unwrap()
+        c.wait("late", Duration::from_secs(10), "the setter")
+            .unwrap()
     });
     std::thread::sleep(Duration::from_millis(100));
     b.set("late", &[0, 1, 2, 255]).unwrap();
@@ -64,12 +65,24 @@ fn a_wait_times_out_naming_the_key_and_the_hint() {
     let (_s, addr) = server();
     let mut a = client(&addr);
     let t = Instant::now();
-    let e = a.wait("nccl/id/tp-0", Duration::from_millis(300), "rank 0 makes the id").unwrap_err();
+    let e = a
+        .wait(
+            "nccl/id/tp-0",
+            Duration::from_millis(300),
+            "rank 0 makes the id",
+        )
+        .unwrap_err();
     let took = t.elapsed();
-    assert!(took >= Duration::from_millis(300) && took < Duration::from_secs(5), "{took:?}");
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(5),
+        "{took:?}"
+    );
     let msg = e.to_string();
     assert!(matches!(e, StoreError::Timeout { .. }), "{msg}");
-    assert!(msg.contains("nccl/id/tp-0") && msg.contains("rank 0 makes the id"), "{msg}");
+    assert!(
+        msg.contains("nccl/id/tp-0") && msg.contains("rank 0 makes the id"),
+        "{msg}"
+    );
     // The connection still works after a timed-out wait.
     a.set("x", b"1").unwrap();
     assert!(a.get("x").unwrap().is_some());
@@ -78,16 +91,25 @@ fn a_wait_times_out_naming_the_key_and_the_hint() {
 #[test]
 fn connecting_to_nothing_fails_in_time_with_a_hint() {
     // A port nobody listens on: bind one, learn it, drop the listener.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let t = Instant::now();
-    let e = StoreClient::connect(&format!("127.0.0.1:{port}"), Duration::from_millis(500)).unwrap_err();
+    let e =
+        StoreClient::connect(&format!("127.0.0.1:{port}"), Duration::from_millis(500)).unwrap_err();
     assert!(t.elapsed() < Duration::from_secs(5));
     assert!(e.to_string().contains("MASTER_ADDR"), "{e}");
 }
 
 #[test]
 fn clients_started_before_the_server_connect_once_it_is_up() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let addr = format!("127.0.0.1:{port}");
     let a2 = addr.clone();
     let h = std::thread::spawn(move || {
@@ -107,7 +129,9 @@ fn barrier_waits_for_every_rank_and_names_the_missing_ones() {
     let hs: Vec<_> = (0..world)
         .map(|r| {
             let addr = addr.clone();
-            std::thread::spawn(move || client(&addr).barrier("start", r, world, Duration::from_secs(10)))
+            std::thread::spawn(move || {
+                client(&addr).barrier("start", r, world, Duration::from_secs(10))
+            })
         })
         .collect();
     for h in hs {
@@ -119,7 +143,9 @@ fn barrier_waits_for_every_rank_and_names_the_missing_ones() {
         .into_iter()
         .map(|r| {
             let addr = Arc::clone(&addr);
-            std::thread::spawn(move || client(&addr).barrier("step-1", r, world, Duration::from_millis(400)))
+            std::thread::spawn(move || {
+                client(&addr).barrier("step-1", r, world, Duration::from_millis(400))
+            })
         })
         .collect();
     for h in hs {
@@ -139,16 +165,30 @@ fn ranks_that_resolved_different_configs_are_named_with_the_key() {
         ]
     };
     let t = Duration::from_secs(5);
-    client(&addr).agree("config", 0, &entries("0.001", "ab12"), t).unwrap();
-    client(&addr).agree("config", 1, &entries("0.001", "ab12"), t).unwrap();
-    let e = client(&addr).agree("config", 2, &entries("0.001", "ff00"), t).unwrap_err();
+    client(&addr)
+        .agree("config", 0, &entries("0.001", "ab12"), t)
+        .unwrap();
+    client(&addr)
+        .agree("config", 1, &entries("0.001", "ab12"), t)
+        .unwrap();
+    let e = client(&addr)
+        .agree("config", 2, &entries("0.001", "ff00"), t)
+        .unwrap_err();
     let msg = e.to_string();
     assert!(
-        msg.contains("rank 2 and rank 0 disagree on `dataset.json sha256`: ff00 here, ab12 on rank 0"),
+        msg.contains(
+            "rank 2 and rank 0 disagree on `dataset.json sha256`: ff00 here, ab12 on rank 0"
+        ),
         "{msg}"
     );
-    let e = client(&addr).agree("config", 3, &entries("0.002", "ab12")[..1], t).unwrap_err();
-    assert!(e.to_string().contains("`optim.lr`: 0.002 here, 0.001 on rank 0"), "{e}");
+    let e = client(&addr)
+        .agree("config", 3, &entries("0.002", "ab12")[..1], t)
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("`optim.lr`: 0.002 here, 0.001 on rank 0"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -495,7 +495,12 @@ impl Trainer {
         self.summary_parts(trail, train_s, last_ckpt)
     }
 
-    fn summary_parts(&self, trail: LossTrail, train_s: f64, last_ckpt: Option<PathBuf>) -> RunSummary {
+    fn summary_parts(
+        &self,
+        trail: LossTrail,
+        train_s: f64,
+        last_ckpt: Option<PathBuf>,
+    ) -> RunSummary {
         let LossTrail {
             recent,
             first: first_loss,

@@ -6,19 +6,36 @@ use super::*;
 
 /// A port nobody listens on right now (the store of one test's world).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// `braid launch --nproc-per-node n -- train ...` of the fixture's run into `dir`.
 fn launch(n: usize, dir: &Path, extra: &[&str]) -> Command {
     let mut c = braid();
-    c.args(["launch", "--nproc-per-node", &n.to_string(), "--master-port"])
-        .arg(free_port().to_string())
-        .args(["--grace-s", "20", "--", "train", "--config", &config(), "--set"])
-        .arg(format!("run.dir={}", dir.display()))
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    c.args([
+        "launch",
+        "--nproc-per-node",
+        &n.to_string(),
+        "--master-port",
+    ])
+    .arg(free_port().to_string())
+    .args([
+        "--grace-s",
+        "20",
+        "--",
+        "train",
+        "--config",
+        &config(),
+        "--set",
+    ])
+    .arg(format!("run.dir={}", dir.display()))
+    .args(extra)
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
     c
 }
 
@@ -38,16 +55,34 @@ fn threads_and_processes_agree(name: &str, n: usize, layout: &[&str]) {
     let o = launch(n, &procs, &sets_ref[2..]).output().unwrap();
     let out = text(&o);
     assert!(o.status.success(), "{name} as processes: {out}");
-    assert!(out.contains("[rank 0]") && out.contains("processes over TCP"), "{out}");
-    assert_eq!(logged(&procs), logged(&threads), "{name}: processes vs threads");
-    assert!(procs.join("eval.json").exists() && procs.join("hf/llm").exists(), "{name}: rank 0 evaluates and exports");
+    assert!(
+        out.contains("[rank 0]") && out.contains("processes over TCP"),
+        "{out}"
+    );
+    assert_eq!(
+        logged(&procs),
+        logged(&threads),
+        "{name}: processes vs threads"
+    );
+    assert!(
+        procs.join("eval.json").exists() && procs.join("hf/llm").exists(),
+        "{name}: rank 0 evaluates and exports"
+    );
 }
 
 #[test]
 fn tensor_parallel_processes_match_threads_bit_for_bit() {
     // Vision on rank 0, audio on rank 1, the LLM in TP 2 on ranks 2-3 (the fixture's
     // LLM gets 2 KV heads and a vocabulary of 262 so that TP 2 divides both).
-    threads_and_processes_agree("tp2", 4, &["parallel.llm.tp=2", "model.llm.kv_heads=2", "model.llm.vocab=262"]);
+    threads_and_processes_agree(
+        "tp2",
+        4,
+        &[
+            "parallel.llm.tp=2",
+            "model.llm.kv_heads=2",
+            "model.llm.vocab=262",
+        ],
+    );
 }
 
 #[test]
@@ -62,7 +97,12 @@ fn torchrun_variables_set_by_hand_train_like_threads() {
     // The LLM in two pipeline stages (of one layer each) on ranks 2-3.
     let pp = ["--set", "parallel.llm.pp=2", "--set", "model.llm.layers=2"];
     let threads = fixture().join("runs/pp2-threads");
-    let o = train(&threads, &[&["--set", "parallel.world_size=4"][..], &pp[..]].concat()).output().unwrap();
+    let o = train(
+        &threads,
+        &[&["--set", "parallel.world_size=4"][..], &pp[..]].concat(),
+    )
+    .output()
+    .unwrap();
     assert!(o.status.success(), "{}", text(&o));
     let dir = fixture().join("runs/pp2-torchrun");
     let port = free_port().to_string();
@@ -91,10 +131,24 @@ fn a_world_size_that_disagrees_with_the_launcher_is_named() {
     reference();
     let dir = fixture().join("runs/procs-bad-world");
     let t = Instant::now();
-    let o = launch(2, &dir, &["--set", "parallel.world_size=4", "--set", "parallel.llm.dp=2"]).output().unwrap();
+    let o = launch(
+        2,
+        &dir,
+        &[
+            "--set",
+            "parallel.world_size=4",
+            "--set",
+            "parallel.llm.dp=2",
+        ],
+    )
+    .output()
+    .unwrap();
     assert!(!o.status.success());
     let out = text(&o);
-    assert!(out.contains("parallel.world_size") && out.contains("started 2 processes"), "{out}");
+    assert!(
+        out.contains("parallel.world_size") && out.contains("started 2 processes"),
+        "{out}"
+    );
     assert!(out.contains("braid launch: rank"), "{out}");
     assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
 }
@@ -108,7 +162,16 @@ fn a_rank_that_panics_ends_every_process_and_the_launcher_names_it() {
     let o = launch(
         5,
         &dir,
-        &["--set", "parallel.llm.dp=3", "--set", "fault.panic_at=3", "--set", "fault.panic_rank=3", "--set", "parallel.timeout_s=600"],
+        &[
+            "--set",
+            "parallel.llm.dp=3",
+            "--set",
+            "fault.panic_at=3",
+            "--set",
+            "fault.panic_rank=3",
+            "--set",
+            "parallel.timeout_s=600",
+        ],
     )
     .output()
     .unwrap();
@@ -116,7 +179,10 @@ fn a_rank_that_panics_ends_every_process_and_the_launcher_names_it() {
     let out = text(&o);
     assert!(!o.status.success(), "{out}");
     assert!(took < Duration::from_secs(60), "took {took:?}: {out}");
-    assert!(out.contains("rank 3 panicked") && out.contains("fault injection"), "{out}");
+    assert!(
+        out.contains("rank 3 panicked") && out.contains("fault injection"),
+        "{out}"
+    );
     // The others stopped because rank 3 went away, and said so.
     assert!(out.contains("rank 3 on 127.0.0.1"), "{out}");
     assert!(out.contains("braid launch: rank 3 failed first"), "{out}");
@@ -129,7 +195,9 @@ fn rank_pid(dir: &Path, rank: usize) -> Option<u32> {
     let want_dir = format!("run.dir={}", dir.display());
     let want_rank = format!("RANK={rank}");
     for entry in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
         let cmd = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
         let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
         if !cmd.contains(&want_dir) || !cmd.contains(" train ") || cmd.contains(" launch ") {
@@ -146,26 +214,53 @@ fn rank_pid(dir: &Path, rank: usize) -> Option<u32> {
 /// Launches 5 processes (vision, audio, 3 LLM replicas), waits until `steps` steps are in
 /// metrics.jsonl, then sends `signal` to rank 3; returns the launcher's output, how long
 /// it took from the signal to the launcher's exit, and its exit code.
-fn launch_and_signal(name: &str, signal: &str, steps: usize, timeout_s: u32) -> (String, Duration, Option<i32>) {
+fn launch_and_signal(
+    name: &str,
+    signal: &str,
+    steps: usize,
+    timeout_s: u32,
+) -> (String, Duration, Option<i32>) {
     reference();
     let dir = fixture().join(format!("runs/{name}"));
     let timeout = format!("parallel.timeout_s={timeout_s}");
-    let child = launch(5, &dir, &["--set", "parallel.llm.dp=3", "--set", &timeout, "--set", "train.steps=400"])
-        .spawn()
-        .unwrap();
+    let child = launch(
+        5,
+        &dir,
+        &[
+            "--set",
+            "parallel.llm.dp=3",
+            "--set",
+            &timeout,
+            "--set",
+            "train.steps=400",
+        ],
+    )
+    .spawn()
+    .unwrap();
     let t = Instant::now();
-    while !std::fs::read_to_string(dir.join("metrics.jsonl")).is_ok_and(|m| m.lines().count() >= steps) {
-        assert!(t.elapsed() < Duration::from_secs(120), "{name}: no progress");
+    while !std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .is_ok_and(|m| m.lines().count() >= steps)
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "{name}: no progress"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     let pid = rank_pid(&dir, 3).expect("rank 3's process");
-    let k = Command::new("kill").args([signal, &pid.to_string()]).status().unwrap();
+    let k = Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .unwrap();
     assert!(k.success());
     let t = Instant::now();
     let o = child.wait_with_output().unwrap();
     let took = t.elapsed();
     if signal == "-STOP" {
-        let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        let _ = Command::new("kill")
+            .args(["-9", &pid.to_string()])
+            .stderr(Stdio::null())
+            .status();
     }
     (text(&o), took, o.status.code())
 }
@@ -175,8 +270,14 @@ fn a_rank_killed_with_sigkill_ends_every_process_naming_it() {
     let (out, took, code) = launch_and_signal("procs-kill9", "-9", 3, 600);
     assert_ne!(code, Some(0), "{out}");
     assert!(took < Duration::from_secs(60), "took {took:?}: {out}");
-    assert!(out.contains("braid launch: rank 3 failed first (killed by signal 9)"), "{out}");
-    assert!(out.contains("rank 3 on 127.0.0.1"), "the other ranks name it: {out}");
+    assert!(
+        out.contains("braid launch: rank 3 failed first (killed by signal 9)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("rank 3 on 127.0.0.1"),
+        "the other ranks name it: {out}"
+    );
 }
 
 #[test]
@@ -188,4 +289,74 @@ fn a_stopped_rank_ends_every_process_after_the_timeout_naming_it() {
     assert!(took < Duration::from_secs(60), "took {took:?}: {out}");
     assert!(out.contains("rank 3 on 127.0.0.1 sent nothing"), "{out}");
     assert!(out.contains("failed first"), "{out}");
+}
+
+/// Starts `cmd`, sends SIGTERM to it (the launcher, which forwards it) once metrics.jsonl
+/// in `dir` has `after` steps, and returns its exit code and output.
+fn terminate_after(mut cmd: Command, dir: &Path, after: usize) -> (Option<i32>, String) {
+    let child = cmd.spawn().unwrap();
+    let t = Instant::now();
+    while !std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .is_ok_and(|m| m.lines().count() >= after)
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "no progress in {}",
+            dir.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let k = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(k.success());
+    let o = child.wait_with_output().unwrap();
+    (o.status.code(), text(&o))
+}
+
+#[test]
+fn a_checkpoint_of_4_processes_resumes_on_5_processes_and_on_threads() {
+    let want = reference();
+    let four = [
+        "--set",
+        "parallel.llm.dp=2",
+        "--set",
+        "checkpoint.interval=0",
+    ];
+    for (name, resume_on_threads) in [("procs-resume-5", false), ("procs-resume-threads", true)] {
+        let dir = fixture().join(format!("runs/{name}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (code, out) = terminate_after(launch(4, &dir, &four), &dir, 2);
+        // Every rank checkpoints the same step and exits 128 + SIGTERM; so does the launcher.
+        assert_eq!(code, Some(143), "{out}");
+        let ckpts: Vec<_> = std::fs::read_dir(dir.join("checkpoints"))
+            .unwrap()
+            .flatten()
+            .collect();
+        assert_eq!(ckpts.len(), 1, "one committed checkpoint: {out}");
+        let o = if resume_on_threads {
+            train(
+                &dir,
+                &[
+                    "--set",
+                    "parallel.world_size=4",
+                    "--set",
+                    "parallel.llm.dp=2",
+                    "--resume",
+                ],
+            )
+            .output()
+            .unwrap()
+        } else {
+            // Another world size: three LLM replicas instead of two.
+            launch(5, &dir, &["--set", "parallel.llm.dp=3", "--resume"])
+                .output()
+                .unwrap()
+        };
+        assert!(o.status.success(), "{name}: {}", text(&o));
+        let got = losses(&dir);
+        assert_eq!(got.len(), want.losses.len(), "{name}");
+        super::ranks::assert_close_runs(name, &got, &want.losses);
+    }
 }

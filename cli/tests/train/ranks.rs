@@ -4,7 +4,7 @@
 use super::*;
 
 /// Loss and grad norm of `a` and `b` agree to 1e-4 relative, step by step.
-fn assert_close_runs(what: &str, a: &[StepBits], b: &[StepBits]) {
+pub(super) fn assert_close_runs(what: &str, a: &[StepBits], b: &[StepBits]) {
     assert_eq!(a.len(), b.len(), "{what}");
     for (x, y) in a.iter().zip(b) {
         let (lx, ly) = (f64::from_bits(x.1), f64::from_bits(y.1));

@@ -219,9 +219,9 @@ pub fn cache_dir() -> Option<PathBuf> {
     std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/braid/kernels"))
 }
 
-/// The cubin of `src` for `arch`, from the disk cache or compiled (and then cached).
-/// A cache that cannot be read or written is skipped, never an error: it only saves time.
-pub(crate) fn cached_cubin(src: &KernelSource, arch: &str) -> Result<Vec<u8>, String> {
+/// The file name of `src`'s cubin for `arch` in the cache: keyed by the source's hash
+/// (header included), the architecture, NVRTC's version and the options.
+pub fn cache_file_name(src: &KernelSource, arch: &str) -> Result<String, String> {
     let (major, minor) = nvrtc_version()?;
     let options = nvrtc_options(arch, Output::Cubin).join(" ");
     let version = format!("{major}.{minor}");
@@ -232,12 +232,17 @@ pub(crate) fn cached_cubin(src: &KernelSource, arch: &str) -> Result<Vec<u8>, St
         version.as_bytes(),
         options.as_bytes(),
     ]);
-    let path = cache_dir().map(|d| {
-        d.join(format!(
-            "{}-{arch}-nvrtc{version}-{key:016x}.cubin",
-            src.name
-        ))
-    });
+    Ok(format!(
+        "{}-{arch}-nvrtc{version}-{key:016x}.cubin",
+        src.name
+    ))
+}
+
+/// The cubin of `src` for `arch`, from the disk cache or compiled (and then cached).
+/// A cache that cannot be read or written is skipped, never an error: it only saves time.
+pub(crate) fn cached_cubin(src: &KernelSource, arch: &str) -> Result<Vec<u8>, String> {
+    let name = cache_file_name(src, arch)?;
+    let path = cache_dir().map(|d| d.join(name));
     if let Some(p) = &path
         && let Ok(bytes) = std::fs::read(p)
         && !bytes.is_empty()

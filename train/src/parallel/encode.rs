@@ -283,7 +283,6 @@ fn hand_on<F, B, C>(
 /// projector (`unproject`) on the last stage, from the next stage otherwise (`n` rows of
 /// width `d`). `None` when nothing here runs backward.
 #[allow(clippy::too_many_arguments)]
-#[allow(clippy::too_many_arguments)]
 fn grad_in<B, C>(
     g: &ModuleGroups,
     world: &dyn Comm,

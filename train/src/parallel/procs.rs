@@ -20,10 +20,11 @@ use braid_comm::store::{StoreClient, StoreServer};
 use crate::config::RunConfig;
 use crate::error::{Result, TrainError};
 use crate::stop::StopFlag;
-use crate::trainer::{Observer, Quiet, RunSummary, Trainer};
+use crate::trainer::{Observer, RunSummary, Trainer};
 
 /// How the processes talk, for the log and the summary.
-pub const TRANSPORT: &str = "SocketComm: TCP between CPU processes, for development and CI; NCCL is the transport on GPUs";
+pub const TRANSPORT: &str =
+    "SocketComm: TCP between CPU processes, for development and CI; NCCL is the transport on GPUs";
 
 /// How long a rank waits for the store to come up, and for rank 0 to set the run up
 /// (packing a dataset can take a while; a rank 0 that dies ends the wait at once, since
@@ -57,7 +58,11 @@ impl Processes {
             None
         };
         let store = StoreClient::connect(&env.store_addr(), STORE_CONNECT).map_err(store_err)?;
-        Ok(Some(Processes { env, store, _server: server }))
+        Ok(Some(Processes {
+            env,
+            store,
+            _server: server,
+        }))
     }
 }
 
@@ -82,9 +87,8 @@ pub fn train(
     }
     cfg.parallel.world_size = env.world_size;
     let timeout = Duration::from_secs_f64(cfg.parallel.timeout_s);
-    // Only rank 0 talks to the user; the others' errors still reach their stderr.
-    let mut quiet = Quiet;
-    let obs: &mut dyn Observer = if env.rank == 0 { obs } else { &mut quiet };
+    // Every rank's observer sees the run (the CLI's prints only on rank 0, but every rank
+    // arms its signal handlers when training starts).
     const STATUS: &str = "setup/rank-0";
     const SEEN: &str = "setup/seen";
     let mut trainer = if env.rank == 0 {
@@ -112,7 +116,11 @@ pub fn train(
     } else {
         let v = p
             .store
-            .wait(STATUS, SETUP_WAIT, "rank 0 sets the run up (and packs the data if needed)")
+            .wait(
+                STATUS,
+                SETUP_WAIT,
+                "rank 0 sets the run up (and packs the data if needed)",
+            )
             .map_err(store_err)?;
         let _ = p.store.add(SEEN, 1);
         if v != b"ok" {
@@ -125,10 +133,18 @@ pub fn train(
     };
     trainer.stop = stop;
     let entries = [
-        ("the resolved config".to_string(), trainer.config_toml.clone()),
-        ("the dataset (dataset.json)".to_string(), trainer.data_json.clone()),
+        (
+            "the resolved config".to_string(),
+            trainer.config_toml.clone(),
+        ),
+        (
+            "the dataset (dataset.json)".to_string(),
+            trainer.data_json.clone(),
+        ),
     ];
-    p.store.agree("run", env.rank, &entries, timeout).map_err(store_err)?;
+    p.store
+        .agree("run", env.rank, &entries, timeout)
+        .map_err(store_err)?;
     let host = p.store.local_ip().map_err(store_err)?;
     let world = SocketWorld::connect(&mut p.store, env.rank, env.world_size, &host, timeout)?;
     let comm: Arc<dyn Comm> = Arc::new(SocketComm::world(world));

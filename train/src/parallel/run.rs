@@ -48,11 +48,19 @@ pub fn run(trainer: Trainer, obs: &mut dyn Observer) -> Result<RunSummary> {
 /// Trains as one rank of a world of processes, over `comm` (the whole world). Rank 0
 /// writes the metrics, evaluates and exports; the other ranks only train and save their
 /// shards.
-pub fn run_process(trainer: Trainer, comm: Arc<dyn Comm>, obs: &mut dyn Observer) -> Result<RunSummary> {
+pub fn run_process(
+    trainer: Trainer,
+    comm: Arc<dyn Comm>,
+    obs: &mut dyn Observer,
+) -> Result<RunSummary> {
     run_ranks(trainer, Some(comm), obs)
 }
 
-fn run_ranks(mut trainer: Trainer, process: Option<Arc<dyn Comm>>, obs: &mut dyn Observer) -> Result<RunSummary> {
+fn run_ranks(
+    mut trainer: Trainer,
+    process: Option<Arc<dyn Comm>>,
+    obs: &mut dyn Observer,
+) -> Result<RunSummary> {
     let writes = process.as_ref().is_none_or(|c| c.rank() == 0);
     obs.start(&trainer.info);
     for line in trainer.layouts.describe() {
