@@ -94,7 +94,8 @@ pub struct Trainer {
     pub(crate) loader: Loader,
     pub(crate) loader_cfg: LoaderConfig,
     pub state: TrainState,
-    pub(crate) metrics: MetricsWriter,
+    /// None on the ranks of a world of processes other than 0.
+    pub(crate) metrics: Option<MetricsWriter>,
     eval_dir: Option<PathBuf>,
     device: Device,
     pub info: RunInfo,
@@ -112,6 +113,18 @@ impl Trainer {
     /// Makes the datasets if needed, builds the model and optimizer, and (with `resume`)
     /// restores the newest complete checkpoint of `run.dir`.
     pub fn new(cfg: RunConfig, resume: bool, obs: &mut dyn Observer) -> Result<Self> {
+        Self::new_rank(cfg, resume, obs, true)
+    }
+
+    /// [`Trainer::new`] for one process of a world of processes: only the process that
+    /// `writes` (rank 0) touches the run folder's metrics.jsonl, config.toml and plan (the
+    /// others rewriting them at the same moment would lose rank 0's lines).
+    pub(crate) fn new_rank(
+        cfg: RunConfig,
+        resume: bool,
+        obs: &mut dyn Observer,
+        writes: bool,
+    ) -> Result<Self> {
         // `parallel.plan` first: it decides the world and every layout below.
         let mut cfg = cfg;
         let applied = crate::planning::apply(&mut cfg)?;
@@ -242,12 +255,19 @@ impl Trainer {
         .map_err(|e| TrainError::Data(format!("{}: {e}", d.path.display())))?;
         // Everything checked: only now is anything written into the run folder.
         std::fs::create_dir_all(&run_dir).map_err(io_err(&run_dir, "create"))?;
-        let metrics = MetricsWriter::open(&run_dir.join("metrics.jsonl"), state.step)?;
-        std::fs::write(run_dir.join("config.toml"), &config_toml)
-            .map_err(io_err(&run_dir.join("config.toml"), "write"))?;
-        if let Some(f) = &applied.searched {
-            f.write(&run_dir.join(crate::planning::AUTO_PLAN_FILE))?;
-        }
+        let metrics = if writes {
+            std::fs::write(run_dir.join("config.toml"), &config_toml)
+                .map_err(io_err(&run_dir.join("config.toml"), "write"))?;
+            if let Some(f) = &applied.searched {
+                f.write(&run_dir.join(crate::planning::AUTO_PLAN_FILE))?;
+            }
+            Some(MetricsWriter::open(
+                &run_dir.join("metrics.jsonl"),
+                state.step,
+            )?)
+        } else {
+            None
+        };
 
         let (params, trainable) = param_counts(&model);
         let info = RunInfo {
@@ -368,7 +388,9 @@ impl Trainer {
                 .peak_memory_bytes()?
                 .map(|b| b as f64 / (1u64 << 30) as f64),
         };
-        self.metrics.append(&m)?;
+        if let Some(w) = self.metrics.as_mut() {
+            w.append(&m)?;
+        }
         Ok(m)
     }
 

@@ -356,7 +356,13 @@ fn a_checkpoint_of_4_processes_resumes_on_5_processes_and_on_threads() {
         };
         assert!(o.status.success(), "{name}: {}", text(&o));
         let got = losses(&dir);
-        assert_eq!(got.len(), want.losses.len(), "{name}");
+        let steps: Vec<u64> = got.iter().map(|x| x.0).collect();
+        assert_eq!(
+            got.len(),
+            want.losses.len(),
+            "{name}: steps {steps:?}\n{out}\n{}",
+            text(&o)
+        );
         super::ranks::assert_close_runs(name, &got, &want.losses);
     }
 }

@@ -12,62 +12,9 @@ use super::matmul::{MatRef, sgemm};
 use super::{CpuBackend, PAR_MIN_ELEMS};
 use crate::backend::ConvKernels;
 use crate::error::{Error, Result};
-use crate::ops::conv::Conv1dSpec;
+use crate::ops::conv::{Conv1dDims, Conv1dSpec};
 use crate::shape::Shape;
 use crate::tensor::Tensor;
-
-/// The dims of a conv1d; the ops layer has validated them, this re-derives them from
-/// the buffers' shapes so the kernel never indexes past a slice.
-#[derive(Clone, Copy, Debug)]
-struct Conv1dDims {
-    b: usize,
-    ci: usize,
-    l: usize,
-    co: usize,
-    k: usize,
-    lo: usize,
-    stride: usize,
-    pad: usize,
-}
-
-impl Conv1dDims {
-    fn new(op: &'static str, x: &Tensor, w: &Tensor, spec: &Conv1dSpec) -> Result<Self> {
-        let [b, ci, l] = x.shape().dims_n::<3>(op, "x")?;
-        let [co, _, k] = w.shape().dims_n::<3>(op, "w")?;
-        let lo = spec.out_len(l, k).ok_or_else(|| {
-            Error::shape(op, format!("x {} too short for w {}", x.shape(), w.shape()))
-        })?;
-        Ok(Conv1dDims {
-            b,
-            ci,
-            l,
-            co,
-            k,
-            lo,
-            stride: spec.stride,
-            pad: spec.padding,
-        })
-    }
-
-    /// Rows of the column matrix: one per (input channel, kernel tap).
-    fn cik(&self) -> usize {
-        self.ci * self.k
-    }
-
-    /// The input position read by output position `o` at tap `kk`, if not padding.
-    #[inline]
-    fn src(&self, o: usize, kk: usize) -> Option<usize> {
-        (o * self.stride + kk)
-            .checked_sub(self.pad)
-            .filter(|&i| i < self.l)
-    }
-
-    /// Threads for each batch item's GEMM: all of them for one item, fewer as the
-    /// items themselves run in parallel.
-    fn gemm_threads(&self) -> usize {
-        (rayon::current_num_threads() / self.b.max(1)).max(1)
-    }
-}
 
 /// im2col of one batch item: `col[ci*K + kk, o] = x[ci, o*stride + kk - pad]` (0 in the
 /// padding). xb (CI, L) -> col (CI*K, LO).

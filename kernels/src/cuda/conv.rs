@@ -15,7 +15,7 @@ use super::{CudaBackend, grid_for, storage_err, to_u32};
 use crate::backend::{ConvKernels, MatmulKernels};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::ops::conv::Conv1dSpec;
+use crate::ops::conv::{Conv1dDims, Conv1dSpec};
 use crate::ops::matmul::GemmSpec;
 use crate::shape::Shape;
 use crate::tensor::Tensor;
@@ -24,42 +24,10 @@ use crate::tensor::Tensor;
 /// (256 MiB in f32). A chunk always holds at least one item.
 const COL_BUDGET: usize = 1 << 26;
 
-/// The dims of a conv1d, re-derived from the buffers' shapes (ops validated them).
-#[derive(Clone, Copy, Debug)]
-struct Dims {
-    b: usize,
-    ci: usize,
-    l: usize,
-    co: usize,
-    k: usize,
-    lo: usize,
-    stride: usize,
-    pad: usize,
-}
+/// The conv's dims (shared with the CPU backend).
+type Dims = Conv1dDims;
 
-impl Dims {
-    fn new(op: &'static str, x: &Tensor, w: &Tensor, spec: &Conv1dSpec) -> Result<Self> {
-        let [b, ci, l] = x.shape().dims_n::<3>(op, "x")?;
-        let [co, _, k] = w.shape().dims_n::<3>(op, "w")?;
-        let lo = spec.out_len(l, k).ok_or_else(|| {
-            Error::shape(op, format!("x {} too short for w {}", x.shape(), w.shape()))
-        })?;
-        Ok(Dims {
-            b,
-            ci,
-            l,
-            co,
-            k,
-            lo,
-            stride: spec.stride,
-            pad: spec.padding,
-        })
-    }
-
-    fn cik(&self) -> usize {
-        self.ci * self.k
-    }
-
+impl Conv1dDims {
     /// Batch items per chunk: as many as fit [`COL_BUDGET`] of col + dcol + ytmp/dyt.
     fn items_per_chunk(&self) -> usize {
         let per_item = (2 * self.cik() + self.co) * self.lo;

@@ -170,3 +170,56 @@ pub fn patchify_bwd(dpatches: &Tensor, image_shape: &Shape, patch: usize) -> Res
         .backend()?
         .unpatchify(dpatches, image_shape, patch)
 }
+
+/// The dims of a conv1d, for the backends: the ops layer has validated them, this
+/// re-derives them from the buffers' shapes so a kernel never indexes past a buffer.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Conv1dDims {
+    pub(crate) b: usize,
+    pub(crate) ci: usize,
+    pub(crate) l: usize,
+    pub(crate) co: usize,
+    pub(crate) k: usize,
+    pub(crate) lo: usize,
+    pub(crate) stride: usize,
+    pub(crate) pad: usize,
+}
+
+impl Conv1dDims {
+    pub(crate) fn new(op: &'static str, x: &Tensor, w: &Tensor, spec: &Conv1dSpec) -> Result<Self> {
+        let [b, ci, l] = x.shape().dims_n::<3>(op, "x")?;
+        let [co, _, k] = w.shape().dims_n::<3>(op, "w")?;
+        let lo = spec.out_len(l, k).ok_or_else(|| {
+            Error::shape(op, format!("x {} too short for w {}", x.shape(), w.shape()))
+        })?;
+        Ok(Conv1dDims {
+            b,
+            ci,
+            l,
+            co,
+            k,
+            lo,
+            stride: spec.stride,
+            pad: spec.padding,
+        })
+    }
+
+    /// Rows of the column matrix: one per (input channel, kernel tap).
+    pub(crate) fn cik(&self) -> usize {
+        self.ci * self.k
+    }
+
+    /// The input position read by output position `o` at tap `kk`, if not padding.
+    #[inline]
+    pub(crate) fn src(&self, o: usize, kk: usize) -> Option<usize> {
+        (o * self.stride + kk)
+            .checked_sub(self.pad)
+            .filter(|&i| i < self.l)
+    }
+
+    /// Threads for each batch item's GEMM: all of them for one item, fewer as the
+    /// items themselves run in parallel.
+    pub(crate) fn gemm_threads(&self) -> usize {
+        (rayon::current_num_threads() / self.b.max(1)).max(1)
+    }
+}

@@ -92,7 +92,7 @@ pub fn train(
     const STATUS: &str = "setup/rank-0";
     const SEEN: &str = "setup/seen";
     let mut trainer = if env.rank == 0 {
-        match Trainer::new(cfg, resume, obs) {
+        match Trainer::new_rank(cfg, resume, obs, true) {
             Ok(t) => {
                 p.store.set(STATUS, b"ok").map_err(store_err)?;
                 t
@@ -129,7 +129,7 @@ pub fn train(
                 String::from_utf8_lossy(&v)
             )));
         }
-        Trainer::new(cfg, resume, obs)?
+        Trainer::new_rank(cfg, resume, obs, false)?
     };
     trainer.stop = stop;
     let entries = [

@@ -170,7 +170,7 @@ fn run_ranks(
     if let Some(end) = finals.into_iter().next() {
         trainer.state = end.state;
         if let Some(signal) = end.stopped {
-            let checkpoint = last_ckpt.ok_or_else(|| {
+            let checkpoint = last_ckpt.clone().or(end.checkpoint).ok_or_else(|| {
                 TrainError::Other("stopped by a signal but no checkpoint was written".into())
             })?;
             return Err(TrainError::Interrupted {
@@ -221,6 +221,9 @@ struct Shared<'a> {
 struct RankEnd {
     state: TrainState,
     stopped: Option<i32>,
+    /// The last checkpoint this rank took part in (every rank knows it, not only rank 0,
+    /// whose events the caller sees).
+    checkpoint: Option<std::path::PathBuf>,
 }
 
 /// Whether any rank has seen a stop request: every rank calls this after every step and
@@ -279,6 +282,7 @@ fn rank_main(
     }
     let root = cfg.run.dir.join("checkpoints");
     let mut state = t.state.clone();
+    let mut last_checkpoint = None;
     while state.step < cfg.train.steps {
         let step = state.step + 1;
         if cfg.fault.panic_at == Some(step) && cfg.fault.panic_rank == rank {
@@ -360,15 +364,21 @@ fn rank_main(
                 cfg.checkpoint.keep,
                 cfg.fault.abort_during_checkpoint_at == Some(step),
             )?;
-            say(Event::Checkpoint(step, dir));
+            say(Event::Checkpoint(step, dir.clone()));
+            last_checkpoint = Some(dir);
         }
         if stopped.is_some() {
-            return Ok(RankEnd { state, stopped });
+            return Ok(RankEnd {
+                state,
+                stopped,
+                checkpoint: last_checkpoint,
+            });
         }
     }
     Ok(RankEnd {
         state,
         stopped: None,
+        checkpoint: last_checkpoint,
     })
 }
 
