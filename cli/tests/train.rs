@@ -500,29 +500,6 @@ fn bad_configs_fail_fast_naming_the_key() {
     assert!(text(&o).contains("/nonexistent/run.toml"), "{}", text(&o));
 }
 
-/// On a machine without an NVIDIA driver, `parallel.device=cuda` is a config error
-/// (exit 2) that names the key and the missing driver library, before any work.
-#[test]
-fn cuda_without_a_driver_exits_2_naming_it() {
-    if Path::new("/dev/nvidiactl").exists() {
-        eprintln!("a GPU machine: the CUDA run itself is checked by tools/gpu/check.sh");
-        return;
-    }
-    let dir = fixture().join("runs/cuda-here");
-    let t = Instant::now();
-    let o = train(&dir, &["--set", "parallel.device=cuda"])
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
-    let msg = text(&o);
-    assert!(
-        msg.contains("parallel.device") && msg.contains("libcuda.so"),
-        "{msg}"
-    );
-    assert!(t.elapsed() < Duration::from_secs(2));
-    assert!(!dir.exists(), "a failed start left {}", dir.display());
-}
-
 #[test]
 fn generate_reads_a_checkpoint_and_an_image_or_clip() {
     let _ = reference();
@@ -597,6 +574,8 @@ fn modules_start_from_a_hugging_face_export() {
 mod demo_resume;
 /// The multi-rank runs: in their own file, in this test binary (one fixture, one
 /// reference run).
+#[path = "train/devices.rs"]
+mod devices;
 #[path = "train/procs.rs"]
 mod procs;
 #[path = "train/ranks.rs"]

@@ -22,6 +22,7 @@ pub mod parallel;
 pub mod planning;
 pub mod resume;
 pub mod stop;
+pub mod summary;
 pub mod tokenizer;
 pub mod trainer;
 
