@@ -10,7 +10,7 @@
 //! Exit status: 0 when the run finished, 1 when it failed, 2 for a bad config or usage,
 //! 130 / 143 when SIGINT / SIGTERM stopped it.
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -48,6 +48,9 @@ struct Progress {
     /// A rank other than 0 of a world of processes: prints nothing (rank 0 reports the
     /// run), but still stops on a signal like every rank.
     quiet: bool,
+    /// Under a launcher, every rank's `<run.dir>/logs/rank-N.log`: every line it would print
+    /// (each step, quiet ranks included) and how it ended.
+    log_file: Option<std::fs::File>,
 }
 
 /// SIGINT and SIGTERM: the first asks the run to stop after the current step (with a
@@ -86,6 +89,15 @@ impl Progress {
             first_step: 0,
             stop: StopFlag::new(),
             quiet: false,
+            log_file: None,
+        }
+    }
+
+    /// Appends `line` to this rank's log file, if it has one (a failed write only loses
+    /// the log line: training goes on).
+    fn record(&mut self, line: &str) {
+        if let Some(f) = self.log_file.as_mut() {
+            let _ = writeln!(f, "{line}");
         }
     }
 
@@ -114,6 +126,7 @@ impl Progress {
 
 impl Observer for Progress {
     fn log(&mut self, line: &str) {
+        self.record(line);
         if self.quiet {
             return;
         }
@@ -129,11 +142,8 @@ impl Observer for Progress {
         if let Err(e) = install_stop_handlers(&self.stop) {
             eprintln!("braid train: warning: Ctrl-C will not checkpoint: {e}");
         }
-        if self.quiet {
-            return;
-        }
         let m = |n: usize| n as f64 / 1e6;
-        eprintln!(
+        let line = format!(
             "run {}: {:.2}M params ({:.2}M trainable), {} packs of <= {} tokens, {} rows/step in {} microbatch(es), {} steps/epoch",
             info.name,
             m(info.params),
@@ -144,6 +154,11 @@ impl Observer for Progress {
             info.microbatches,
             info.batches_per_epoch
         );
+        self.record(&line);
+        if self.quiet {
+            return;
+        }
+        eprintln!("{line}");
         self.started = Instant::now();
         self.first_step = info.start_step;
         if std::io::stderr().is_terminal() {
@@ -158,10 +173,11 @@ impl Observer for Progress {
     }
 
     fn step(&mut self, m: &StepMetrics, total: u64) {
+        let line = self.line(m, total);
+        self.record(&line);
         if self.quiet {
             return;
         }
-        let line = self.line(m, total);
         match &self.bar {
             Some(b) => {
                 b.set_position(m.step);
@@ -305,6 +321,30 @@ pub fn run(args: TrainArgs) -> ExitCode {
     let launched = braid_comm::launch::LaunchEnv::from_env().ok().flatten();
     let mut progress = Progress::new(cfg.log.interval);
     progress.quiet = launched.as_ref().is_some_and(|e| e.rank != 0);
+    if let Some(e) = &launched {
+        let logs = cfg.run.dir.join("logs");
+        let path = logs.join(format!("rank-{}.log", e.rank));
+        match std::fs::create_dir_all(&logs).and_then(|()| {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&path)
+        }) {
+            Ok(f) => progress.log_file = Some(f),
+            Err(err) => eprintln!(
+                "braid train: warning: no log file {}: {err}",
+                path.display()
+            ),
+        }
+        progress.record(&format!(
+            "rank {} of {} ({}, local rank {}), pid {}",
+            e.rank,
+            e.world_size,
+            e.launcher,
+            e.local_rank,
+            std::process::id()
+        ));
+    }
     let stop = progress.stop.clone();
     let result = braid_train::trainer::train_stoppable(cfg, args.resume, &mut progress, stop);
     if let Some(b) = progress.bar.take() {
@@ -313,21 +353,17 @@ pub fn run(args: TrainArgs) -> ExitCode {
     match result {
         Ok(s) if launched.as_ref().is_some_and(|e| e.rank != 0) => {
             let e = launched.as_ref().map_or((0, 0), |e| (e.rank, e.world_size));
-            eprintln!(
+            let line = format!(
                 "braid train: rank {} of {}: {} steps done (rank 0 reports the run)",
                 e.0, e.1, s.steps
             );
+            progress.record(&line);
+            eprintln!("{line}");
             ExitCode::SUCCESS
         }
         Ok(s) => {
-            if let Some(e) = &launched {
-                eprintln!(
-                    "world            {} processes ({}), store {}; {}",
-                    e.world_size,
-                    e.launcher,
-                    e.store_addr(),
-                    braid_train::parallel::procs::TRANSPORT
-                );
+            if let Some(w) = &s.world {
+                eprintln!("world            {w}");
             }
             let plot = match plot_loss(&dir) {
                 Ok(p) => Some(p),
@@ -340,18 +376,22 @@ pub fn run(args: TrainArgs) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e @ TrainError::Interrupted { signal, .. }) => {
+            progress.record(&format!("braid train: {e}"));
             eprintln!("braid train: {e}");
             ExitCode::from(u8::try_from(128 + signal).unwrap_or(1))
         }
         Err(e @ TrainError::Config(_)) => {
+            progress.record(&format!("braid train: error: {e}"));
             eprintln!("braid train: error: {e}");
             ExitCode::from(2)
         }
         Err(e) if launched.is_some() && stopped_by_a_peer(&e) => {
+            progress.record(&format!("braid train: error: {e}"));
             eprintln!("braid train: error: {e}");
             ExitCode::from(PEER_FAILED)
         }
         Err(e) => {
+            progress.record(&format!("braid train: error: {e}"));
             eprintln!("braid train: error: {e}");
             ExitCode::FAILURE
         }

@@ -28,6 +28,8 @@ pub struct RunSummary {
     pub predicted: Option<crate::planning::Predicted>,
     /// On a GPU: the largest per-step peak of device memory, GiB.
     pub peak_mem_gib: Option<f64>,
+    /// A world of processes: how many, started by what, on which hosts, over what.
+    pub world: Option<String>,
 }
 
 impl Trainer {
@@ -96,6 +98,7 @@ impl Trainer {
             median_step_s,
             peak_mem_gib,
             predicted: self.predicted.clone(),
+            world: None,
         }
     }
 }

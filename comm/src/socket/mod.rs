@@ -226,6 +226,11 @@ impl SocketWorld {
         }))
     }
 
+    /// Every rank's host, by world rank.
+    pub fn hosts(&self) -> &[String] {
+        &self.hosts
+    }
+
     /// Host of world rank `r`, for messages.
     pub fn host(&self, r: usize) -> &str {
         self.hosts.get(r).map_or("?", String::as_str)

@@ -147,6 +147,15 @@ pub fn train(
         .map_err(store_err)?;
     let host = p.store.local_ip().map_err(store_err)?;
     let world = SocketWorld::connect(&mut p.store, env.rank, env.world_size, &host, timeout)?;
+    let mut hosts: Vec<&str> = world.hosts().iter().map(String::as_str).collect();
+    hosts.sort_unstable();
+    hosts.dedup();
+    let described = format!(
+        "{} processes ({}) on {}; {TRANSPORT}",
+        env.world_size,
+        env.launcher,
+        hosts.join(", ")
+    );
     let comm: Arc<dyn Comm> = Arc::new(SocketComm::world(world));
     obs.log(&format!(
         "rank {} of {} ({}, store {}): {TRANSPORT}",
@@ -155,5 +164,7 @@ pub fn train(
         env.launcher,
         env.store_addr()
     ));
-    super::run::run_process(trainer, comm, obs)
+    let mut summary = super::run::run_process(trainer, comm, obs)?;
+    summary.world = Some(described);
+    Ok(summary)
 }

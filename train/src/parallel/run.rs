@@ -110,8 +110,9 @@ fn run_ranks(
             let tx = tx;
             match process {
                 // This process is one rank of a world of processes.
+                // Every process reports its own rank's events (only rank 0 writes metrics).
                 Some(comm) => {
-                    let events = (comm.rank() == 0).then_some(&tx);
+                    let events = Some(&tx);
                     let rank = comm.rank();
                     let end = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         rank_main(comm, shared, events)
