@@ -92,6 +92,22 @@ fn disjoint_encoders_and_uneven_dp_processes_match_threads_bit_for_bit() {
 }
 
 #[test]
+fn context_parallel_processes_match_threads_bit_for_bit() {
+    // The LLM's tokens split over two CP ranks (2-3).
+    threads_and_processes_agree("cp2", 4, &["parallel.llm.cp=2"]);
+}
+
+#[test]
+fn colocated_processes_match_threads_bit_for_bit() {
+    // Every module over all 4 ranks, each with its own layout.
+    threads_and_processes_agree(
+        "colocated4",
+        4,
+        &["parallel.placement=\"colocated\"", "parallel.llm.dp=4", "parallel.vision.dp=4", "parallel.audio.tp=2", "parallel.audio.dp=2"],
+    );
+}
+
+#[test]
 fn torchrun_variables_set_by_hand_train_like_threads() {
     reference();
     // The LLM in two pipeline stages (of one layer each) on ranks 2-3.
