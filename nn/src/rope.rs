@@ -1,6 +1,6 @@
 //! Rotary position embedding tables and packed-sequence metadata (`SeqInfo`).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use braid_kernels::{Device, Tensor};
 
@@ -45,7 +45,7 @@ impl RopeConfig {
 /// enters through [`Rope::from_inv_freq`]: its `inv_freq`, the factor YaRN multiplies
 /// cos and sin by, and for dynamic NTK the rule that recomputes `inv_freq` from the
 /// batch's length.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct Rope {
     pub rot_dim: usize,
     /// (R/2)
@@ -55,6 +55,31 @@ pub struct Rope {
     /// Dynamic NTK scaling: `inv_freq` is recomputed when a batch is longer than the
     /// pretraining length.
     pub dynamic_ntk: Option<DynamicNtk>,
+    /// The last tables made, shared by every clone of this rope (the blocks of an LLM
+    /// stage hold clones of one): each layer of a forward reads the same positions, so
+    /// the tables are computed and placed on the device once per microbatch, not once
+    /// per layer.
+    cache: Arc<Mutex<Option<Tables>>>,
+}
+
+/// (cos, sin) of one batch, and what they were made for.
+#[derive(Debug)]
+struct Tables {
+    positions: Vec<u32>,
+    seq_len: usize,
+    device: Device,
+    cos: Tensor, // (T, R/2)
+    sin: Tensor, // (T, R/2)
+}
+
+/// Equal ropes rotate alike; the cache is not part of what a rope is.
+impl PartialEq for Rope {
+    fn eq(&self, other: &Self) -> bool {
+        self.rot_dim == other.rot_dim
+            && self.inv_freq == other.inv_freq
+            && self.attention_factor == other.attention_factor
+            && self.dynamic_ntk == other.dynamic_ntk
+    }
 }
 
 /// Hugging Face's `dynamic` rope type (`_compute_dynamic_ntk_parameters`): for a batch
@@ -98,6 +123,7 @@ impl Rope {
             inv_freq,
             attention_factor: 1.0,
             dynamic_ntk: None,
+            cache: Arc::default(),
         })
     }
 
@@ -124,6 +150,7 @@ impl Rope {
             inv_freq,
             attention_factor,
             dynamic_ntk: None,
+            cache: Arc::default(),
         })
     }
 
@@ -131,6 +158,7 @@ impl Rope {
     pub fn with_dynamic_ntk(self, ntk: DynamicNtk) -> Self {
         Rope {
             dynamic_ntk: Some(ntk),
+            cache: Arc::default(), // tables made without the scaling must not be reused
             ..self
         }
     }
@@ -155,6 +183,34 @@ impl Rope {
     /// `seq_len` (a context-parallel shard: dynamic NTK scaling depends on the whole
     /// batch's length, which the shard's own positions may not reach).
     pub fn tables_for_len(
+        &self,
+        positions: &[u32],
+        seq_len: usize,
+        device: Device,
+    ) -> Result<(Tensor, Tensor)> {
+        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = cache.as_ref()
+            && c.seq_len == seq_len
+            && c.device == device
+            && c.positions == positions
+        {
+            let cos = c.cos.try_clone().ctx("rope", "cos table")?;
+            let sin = c.sin.try_clone().ctx("rope", "sin table")?;
+            return Ok((cos, sin));
+        }
+        let (cos, sin) = self.make_tables(positions, seq_len, device)?;
+        *cache = Some(Tables {
+            positions: positions.to_vec(),
+            seq_len,
+            device,
+            cos: cos.try_clone().ctx("rope", "cos table")?,
+            sin: sin.try_clone().ctx("rope", "sin table")?,
+        });
+        Ok((cos, sin))
+    }
+
+    /// The tables of [`Rope::tables_for_len`], computed on the host and copied to `device`.
+    fn make_tables(
         &self,
         positions: &[u32],
         seq_len: usize,

@@ -81,3 +81,51 @@ fn bad_precomputed_frequencies_are_config_errors() {
         Err(Error::Config { .. })
     ));
 }
+
+/// The tables are cached (one computation per batch for every layer sharing the rope):
+/// whatever the order of requests, each answer equals the tables made afresh.
+#[test]
+fn cached_tables_equal_fresh_ones_for_every_request() {
+    let make = || {
+        Rope::new(RopeConfig {
+            theta: 10_000.0,
+            rot_dim: 8,
+        })
+        .unwrap()
+    };
+    let shared = make();
+    let layer2 = shared.clone(); // as the blocks of a stage hold it
+    let fresh = |pos: &[u32], len: usize| {
+        let (c, s) = make().tables_for_len(pos, len, Device::Cpu).unwrap();
+        (c.to_vec_f32().unwrap(), s.to_vec_f32().unwrap())
+    };
+    let a = [0u32, 1, 2, 3, 0, 1];
+    let b = [5u32, 6, 7];
+    for (rope, pos, len) in [
+        (&shared, &a[..], 4),
+        (&layer2, &a[..], 4), // the cached tables
+        (&layer2, &b[..], 8),
+        (&shared, &a[..], 4),
+        (&shared, &a[..], 9), // same positions, another batch length
+        (&layer2, &a[..5], 4),
+    ] {
+        let (c, s) = rope.tables_for_len(pos, len, Device::Cpu).unwrap();
+        let want = fresh(pos, len);
+        assert_eq!(
+            (c.to_vec_f32().unwrap(), s.to_vec_f32().unwrap()),
+            want,
+            "{pos:?} {len}"
+        );
+        assert_eq!(c.dims(), [pos.len(), 4]);
+    }
+    // A rope with dynamic NTK does not reuse tables made without it.
+    let ntk = DynamicNtk {
+        factor: 4.0,
+        max_positions: 2,
+        theta: 10_000.0,
+    };
+    let (c0, _) = shared.tables_for_len(&b, 8, Device::Cpu).unwrap();
+    let scaled = shared.clone().with_dynamic_ntk(ntk);
+    let (c1, _) = scaled.tables_for_len(&b, 8, Device::Cpu).unwrap();
+    assert_ne!(c0.to_vec_f32().unwrap(), c1.to_vec_f32().unwrap());
+}

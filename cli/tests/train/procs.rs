@@ -103,7 +103,13 @@ fn colocated_processes_match_threads_bit_for_bit() {
     threads_and_processes_agree(
         "colocated4",
         4,
-        &["parallel.placement=\"colocated\"", "parallel.llm.dp=4", "parallel.vision.dp=4", "parallel.audio.tp=2", "parallel.audio.dp=2"],
+        &[
+            "parallel.placement=\"colocated\"",
+            "parallel.llm.dp=4",
+            "parallel.vision.dp=4",
+            "parallel.audio.tp=2",
+            "parallel.audio.dp=2",
+        ],
     );
 }
 

@@ -1,6 +1,7 @@
-//! `braid train` with `parallel.world_size > 1` on the CPU: the ranks run as threads of
-//! this process over a [`LocalWorld`], each with its own loader (the same global batches)
-//! and its share of the model. Set-up, resume, evaluation and export are the one-rank
+//! `braid train` with `parallel.world_size > 1`: the ranks run as threads of this process
+//! over a [`LocalWorld`] ([`run`]), or this process is one rank of a world of processes
+//! ([`run_process`], set up by [`super::procs`]); each rank has its own loader (the same
+//! global batches) and its share of the model. Set-up, resume, evaluation and export are the one-rank
 //! trainer's: the run is set up as a one-rank [`Trainer`] (which checks everything and
 //! restores a checkpoint of any layout into the full model), every rank cuts its share
 //! from that, and at the end the full model is read back from the last checkpoint.
