@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds what tools/gpu/check.sh runs on the GPU machine (which has no Rust toolchain):
 # the release `braid` binary and the test binaries whose bodies run on every device,
-# stripped, into gpu-bundle/ (ignored by git; carry it with the device tool: 64 MiB max).
+# stripped and xz-compressed into gpu-bundle/gpu-bundle.tar.xz (ignored by git; carry
+# gpu-bundle with the device tool: 64 MiB max).
 #
 #   tools/gpu/bundle.sh && du -sh gpu-bundle
 set -euo pipefail
@@ -10,20 +11,24 @@ out=gpu-bundle
 rm -rf "$out" && mkdir -p "$out/tests"
 cargo build --release -p braid
 cp target/release/braid "$out/"
-# Test binaries of the crates whose tests use test_on_devices (their `::cuda` arms).
+# The test binaries that have `::cuda` arms: the test files that use test_on_devices!.
+with_cuda=$(grep -l "test_on_devices!" kernels/tests/*.rs nn/tests/*.rs llm/tests/*.rs \
+    encoders/tests/*.rs train/tests/*.rs | sed 's|.*/||; s|\.rs$||' | sort -u | tr '\n' ' ')
 cargo test --release --no-run --message-format=json \
     -p braid-kernels -p braid-nn -p braid-llm -p braid-encoders -p braid-train 2>/dev/null |
     python3 -c '
 import json, sys, shutil, os
+keep = set(sys.argv[2].split())
 for line in sys.stdin:
     try: m = json.loads(line)
     except ValueError: continue
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
         exe = m["executable"]; name = m["target"]["name"]
+        if name not in keep or "lib" in m["target"]["kind"]:
+            continue
         crate = m["package_id"].split("#")[0].rsplit("/", 1)[-1]
-        dst = os.path.join(sys.argv[1], f"{crate}--{name}")
-        shutil.copy(exe, dst)
-' "$out/tests"
+        shutil.copy(exe, os.path.join(sys.argv[1], f"{crate}--{name}"))
+' "$out/tests" "$with_cuda"
 # The step benchmark (train/benches/step.rs), for the 1B LLM on the GPU.
 cargo bench --no-run --message-format=json -p braid-train --bench step 2>/dev/null |
     python3 -c '
@@ -41,4 +46,8 @@ eval "$(tools/cuda-tools.sh)"
 BRAID_PREBUILD_KERNELS="$PWD/$out/kernel-cache" \
     cargo test --release -p braid-kernels --test cuda_compile every_kernel_compiles_through_nvrtc
 cp tools/gpu/check.sh "$out/"
-du -sh "$out"
+# One compressed archive: the carry limit is 64 MiB for everything (the binaries are
+# ~110 MB unpacked). check.sh unpacks it.
+tar -C "$out" -cf - braid bench-step tests kernel-cache | xz -T2 -6 > gpu-bundle.tar.xz
+rm -rf "$out" && mkdir -p "$out" && mv gpu-bundle.tar.xz "$out/"
+du -sh "$out"/gpu-bundle.tar.xz
