@@ -202,14 +202,6 @@ impl Tensor {
         })
     }
 
-    /// Copies this tensor to `device` (a deep copy, also when it is already there).
-    pub fn to_device(&self, device: Device) -> Result<Self> {
-        if device == self.device() {
-            return self.try_clone();
-        }
-        Tensor::from_host(self.to_host()?, self.shape.clone(), device)
-    }
-
     /// This tensor on `device`: itself when it is already there (no copy), else a copy.
     pub fn into_device(self, device: Device) -> Result<Self> {
         if device == self.device() {

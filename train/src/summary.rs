@@ -54,18 +54,9 @@ impl Trainer {
         Ok(summary)
     }
 
-    /// The summary of a rank that neither evaluates nor exports (not rank 0 of a world of
-    /// processes).
-    pub(crate) fn summary_without_eval(
-        &self,
-        trail: LossTrail,
-        train_s: f64,
-        last_ckpt: Option<PathBuf>,
-    ) -> RunSummary {
-        self.summary_parts(trail, train_s, last_ckpt)
-    }
-
-    fn summary_parts(
+    /// The summary without evaluation or export: [`Trainer::finish`] adds those; a rank
+    /// other than 0 of a world of processes returns it as is.
+    pub(crate) fn summary_parts(
         &self,
         trail: LossTrail,
         train_s: f64,

@@ -88,14 +88,7 @@ impl ElementwiseKernels for CudaBackend {
     }
 
     fn sum_squares(&self, x: &Tensor) -> Result<f64> {
-        const OP: &str = "sum_squares";
-        let mut out = self.alloc_zeros::<f64>(OP, 1, || "the sum of squares".into())?;
-        self.sum_squares_into(x, &mut out, 0, false)?;
-        let host = self
-            .stream
-            .clone_dtoh(&out)
-            .map_err(|e| self.driver_err(OP, e))?;
-        Ok(host.first().copied().unwrap_or(0.0))
+        self.sum_squares_all(&[x])
     }
 
     fn sum_squares_all(&self, xs: &[&Tensor]) -> Result<f64> {

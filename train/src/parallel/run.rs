@@ -191,7 +191,7 @@ fn run_ranks(
     }
     if !writes {
         // Not rank 0 of a world of processes: rank 0 evaluates and exports.
-        return Ok(trainer.summary_without_eval(trail, train_s, last_ckpt));
+        return Ok(trainer.summary_parts(trail, train_s, last_ckpt));
     }
     // The full model from the last checkpoint, for evaluation and export.
     if let Some(dir) = &last_ckpt {
