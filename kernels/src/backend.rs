@@ -271,13 +271,17 @@ pub trait ConvKernels {
 
 /// Optimizer updates, in place.
 pub trait OptimKernels {
-    /// One AdamW step (decoupled weight decay, bias-corrected), as `torch.optim.AdamW`.
+    /// One AdamW step (decoupled weight decay, bias-corrected), as `torch.optim.AdamW`,
+    /// on f32 `param`, `grad`, `m`, `v`. When `compute` is given (a bf16 tensor of the
+    /// same shape: the weight's compute copy under mixed precision), the updated param
+    /// is also written there, rounded to nearest even, in the same pass.
     fn adamw_step(
         &self,
         param: &mut Tensor,
         grad: &Tensor,
         m: &mut Tensor,
         v: &mut Tensor,
+        compute: Option<&mut Tensor>,
         spec: &AdamWSpec,
     ) -> Result<()>;
 }

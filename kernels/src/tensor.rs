@@ -256,6 +256,24 @@ impl Tensor {
         }
     }
 
+    /// Mutable bf16 host slice of a CPU tensor.
+    pub(crate) fn cpu_bf16_mut(
+        &mut self,
+        op: &'static str,
+        arg: &'static str,
+    ) -> Result<&mut [half::bf16]> {
+        match &mut self.storage {
+            Storage::Cpu(CpuStorage::BF16(v)) => Ok(v),
+            Storage::Cpu(other) => Err(Error::DType {
+                op,
+                arg,
+                got: other.dtype(),
+                expected: DType::BF16,
+            }),
+            Storage::Cuda(s) => Err(not_on_cpu(op, arg, s)),
+        }
+    }
+
     /// The u32 host slice of a CPU tensor.
     pub(crate) fn cpu_u32(&self, op: &'static str, arg: &'static str) -> Result<&[u32]> {
         match &self.storage {

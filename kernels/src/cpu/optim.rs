@@ -1,5 +1,6 @@
 //! CPU AdamW.
 
+use half::bf16;
 use rayon::prelude::*;
 
 use super::{CpuBackend, PAR_MIN_ELEMS};
@@ -15,6 +16,7 @@ impl OptimKernels for CpuBackend {
         grad: &Tensor,
         m: &mut Tensor,
         v: &mut Tensor,
+        compute: Option<&mut Tensor>,
         spec: &AdamWSpec,
     ) -> Result<()> {
         const OP: &str = "adamw_step";
@@ -50,6 +52,20 @@ impl OptimKernels for CpuBackend {
                 // addcdiv(p, m, denom, value = -step_size) = p + (-step_size * m) / denom
                 *p += (-s.step_size * *m) / denom;
             });
+        if let Some(compute) = compute {
+            let n = p.len();
+            let c = compute.cpu_bf16_mut(OP, "compute")?; // (N)
+            if c.len() != n {
+                return Err(Error::shape(
+                    OP,
+                    format!("param holds {n} elements, its compute copy {}", c.len()),
+                ));
+            }
+            c.par_iter_mut()
+                .zip(p.par_iter())
+                .with_min_len(PAR_MIN_ELEMS)
+                .for_each(|(c, &p)| *c = bf16::from_f32(p));
+        }
         Ok(())
     }
 }

@@ -16,6 +16,7 @@ impl OptimKernels for CudaBackend {
         grad: &Tensor,
         m: &mut Tensor,
         v: &mut Tensor,
+        compute: Option<&mut Tensor>,
         spec: &AdamWSpec,
     ) -> Result<()> {
         const OP: &str = "adamw_step";
@@ -30,6 +31,12 @@ impl OptimKernels for CudaBackend {
                     m.elem_count(),
                     v.elem_count()
                 ),
+            ));
+        }
+        if compute.is_some() {
+            return Err(Error::invalid(
+                OP,
+                "the fused bf16 compute-copy write is not implemented on CUDA yet".to_string(),
             ));
         }
         if n == 0 {

@@ -27,7 +27,7 @@ pub use layout::{gather_rows, narrow_last, scatter_rows, transpose01};
 pub use loss::{cross_entropy_fwd_bwd, vocab_loss_finish, vocab_loss_partials};
 pub use matmul::{GemmSpec, add_bias, linear_bwd, linear_fwd, matmul, matmul_into};
 pub use norm::{layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd};
-pub use optim::{AdamWSpec, adamw_step};
+pub use optim::{AdamWSpec, adamw_step, adamw_step_with_copy};
 pub use rope::{rope_bwd, rope_fwd};
 
 use crate::device::Device;

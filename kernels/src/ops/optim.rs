@@ -108,5 +108,30 @@ pub fn adamw_step(
         same_shape(OP, ("param", param), (name, t))?;
     }
     spec.validate(OP)?;
-    dev.backend()?.adamw_step(param, grad, m, v, spec)
+    dev.backend()?.adamw_step(param, grad, m, v, None, spec)
+}
+
+/// [`adamw_step`] that also refreshes the weight's bf16 compute copy (mixed precision:
+/// the layers read `compute`, the optimizer updates the f32 master `param`): `compute`
+/// becomes the updated param rounded to nearest even, in the same pass.
+pub fn adamw_step_with_copy(
+    param: &mut Tensor,
+    grad: &Tensor,
+    m: &mut Tensor,
+    v: &mut Tensor,
+    compute: &mut Tensor,
+    spec: &AdamWSpec,
+) -> Result<()> {
+    const OP: &str = "adamw_step_with_copy";
+    let args = [("param", &*param), ("grad", grad), ("m", &*m), ("v", &*v)];
+    let dev = same_device(OP, &args)?;
+    same_device(OP, &[("param", &*param), ("compute", &*compute)])?;
+    expect_dtype(OP, DType::F32, &args)?;
+    expect_dtype(OP, DType::BF16, &[("compute", &*compute)])?;
+    for (name, t) in &args[1..] {
+        same_shape(OP, ("param", param), (name, t))?;
+    }
+    same_shape(OP, ("param", param), ("compute", compute))?;
+    spec.validate(OP)?;
+    dev.backend()?.adamw_step(param, grad, m, v, Some(compute), spec)
 }
