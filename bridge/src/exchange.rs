@@ -81,11 +81,15 @@ impl Routes {
                 ),
             ));
         }
-        if t.dtype() != DType::F32 {
+        if t.dtype() != self.dtype() {
             return Err(input(
                 op,
                 rank,
-                format!("{what} is {} but must be f32", t.dtype()),
+                format!(
+                    "{what} is {} but the routes exchange {}",
+                    t.dtype(),
+                    self.dtype()
+                ),
             ));
         }
         if t.device() != self.device() {
@@ -104,7 +108,7 @@ impl Routes {
 
     /// An empty `(0, C)` part.
     fn empty(&self, op: &'static str, rank: usize) -> Result<Tensor> {
-        Tensor::zeros([0, self.width()], DType::F32, self.device()).ctx(op, rank)
+        Tensor::zeros([0, self.width()], self.dtype(), self.device()).ctx(op, rank)
     }
 
     /// One all_to_all_v, checking every received part is `(expected[s], C)`.
@@ -219,7 +223,7 @@ impl Routes {
             [(_, t)] => t,
             _ => {
                 let mut buf =
-                    Tensor::zeros([s_rows, c], DType::F32, self.device()).ctx(op, rank)?; // (S, C)
+                    Tensor::zeros([s_rows, c], self.dtype(), self.device()).ctx(op, rank)?; // (S, C)
                 for &(i, t) in owned.iter().filter(|(i, _)| items[*i].rows > 0) {
                     let rows = span(offset[i], items[i].rows).collect();
                     let idx = index(rows, self.device(), op, rank)?;
@@ -264,7 +268,7 @@ impl Routes {
         if let Some(s) = counts.iter().position(|&n| n == m).filter(|_| m > 0) {
             return Ok(got.swap_remove(s));
         }
-        let mut out = Tensor::zeros([m, c], DType::F32, self.device()).ctx(op, rank)?; // (M_r, C)
+        let mut out = Tensor::zeros([m, c], self.dtype(), self.device()).ctx(op, rank)?; // (M_r, C)
         for (part, p) in got.iter().zip(pos) {
             if !p.is_empty() {
                 let idx = index(p, self.device(), op, rank)?;
@@ -297,6 +301,7 @@ impl Routes {
             offset[i] = g_rows;
             g_rows += items[i].rows;
         }
+        // Summed in f32 whatever the rows' dtype (one rounding at the end under bf16).
         let mut acc = Tensor::zeros([g_rows, c], DType::F32, self.device()).ctx(op, rank)?; // (G, C)
 
         if self.moves_grads() {
@@ -346,6 +351,7 @@ impl Routes {
             }
         }
 
+        let acc = ops::into_dtype(acc, self.dtype()).ctx(op, rank)?;
         if let [i] = mine.as_slice() {
             return Ok(vec![(*i, acc)]);
         }

@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 
-use braid_kernels::Device;
+use braid_kernels::{DType, Device};
 
 use crate::{BridgeError, Result};
 
@@ -58,6 +58,8 @@ pub struct Routes {
     width: usize,
     world: usize,
     device: Device,
+    /// The dtype of the exchanged rows (f32, or bf16 under mixed precision).
+    dtype: DType,
 }
 
 impl Routes {
@@ -91,6 +93,7 @@ impl Routes {
             width,
             world,
             device: Device::Cpu,
+            dtype: DType::F32,
         })
     }
 
@@ -98,6 +101,12 @@ impl Routes {
     /// received, live there).
     pub fn with_device(mut self, device: Device) -> Routes {
         self.device = device;
+        self
+    }
+
+    /// The same routes, exchanging rows of `dtype` (f32 unless said otherwise).
+    pub fn with_dtype(mut self, dtype: DType) -> Routes {
+        self.dtype = dtype;
         self
     }
 
@@ -116,6 +125,11 @@ impl Routes {
 
     pub fn device(&self) -> Device {
         self.device
+    }
+
+    /// The dtype of every exchanged row (and of the grads sent back).
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     /// `rank`'s dest of item `i`, if any.

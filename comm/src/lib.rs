@@ -21,6 +21,18 @@ use std::sync::Arc;
 
 use braid_kernels::{Shape, Tensor};
 
+/// A sum computed in f32 (in rank order) as a tensor of the inputs' `dtype`: bf16 sums
+/// are rounded once, after the last addition, so every rank holds the same bits.
+pub(crate) fn sum_tensor(
+    sum: Vec<f32>,
+    shape: impl Into<Shape>,
+    dtype: braid_kernels::DType,
+    device: braid_kernels::Device,
+) -> Result<Tensor> {
+    let t = Tensor::from_vec(sum, shape, device)?;
+    Ok(braid_kernels::ops::into_dtype(t, dtype)?)
+}
+
 /// A communication error, naming the collective, the rank and the group size.
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {

@@ -101,19 +101,13 @@ impl Conv1d {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        ops::conv1d_fwd(x, &self.weight.value, Some(&self.bias.value), &self.spec)
+        ops::conv1d_fwd(x, self.weight.compute(), Some(self.bias.compute()), &self.spec)
             .ctx(&self.weight.name, "forward")
     }
 
     fn backward(&mut self, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
-        ops::conv1d_bwd(
-            dy,
-            x,
-            &self.weight.value,
-            &self.spec,
-            self.weight.grad.as_mut(),
-            self.bias.grad.as_mut(),
-        )
+        let (w, dw) = self.weight.compute_and_grad();
+        ops::conv1d_bwd(dy, x, w, &self.spec, dw, self.bias.grad.as_mut())
         .ctx(&self.weight.name, "backward")
     }
 }
@@ -226,7 +220,7 @@ impl AudioStem {
         };
         let dev = first.device();
         let (d, m) = (cfg.d_model, cfg.num_mel_bins);
-        let mut h = zeros(&[seq.num_tokens(), d], dev)?; // (T, D)
+        let mut h = zeros(&[seq.num_tokens(), d], self.conv1.weight.compute_dtype(), dev)?; // (T, D)
         // Clips of equal length share one batched conv stem (the demo's and most batches'
         // clips are all 30 s or all one length): one kernel call per op instead of one per clip.
         let mut groups: Vec<(usize, Vec<usize>)> = Vec::new(); // (F, clip indices)
@@ -247,7 +241,7 @@ impl AudioStem {
                     .try_clone()
                     .and_then(|x| x.reshape([1, m, f]))
             } else {
-                let mut x = zeros(&[n, m * f], dev)?; // (N, M*F)
+                let mut x = zeros(&[n, m * f], first.dtype(), dev)?; // (N, M*F)
                 let mut res = Ok(());
                 for (c, &i) in members.iter().enumerate() {
                     res = res
@@ -260,6 +254,7 @@ impl AudioStem {
                 }
                 res.and_then(|()| x.reshape([n, m, f]))
             }
+            .and_then(|x| ops::into_dtype(x, self.conv1.weight.compute_dtype()))
             .ctx("audio", "clips")?; // (N, M, F)
             let c1 = self.conv1.forward(&x)?; // (N, D, F)
             let g1 = ops::activation_fwd(&c1, act).ctx("audio", "conv1 gelu")?;
@@ -287,7 +282,7 @@ impl AudioStem {
         }
         let pos_ids = ids(seq.positions.clone(), dev)?;
         let pos =
-            ops::gather_rows(&self.embed_positions.value, &pos_ids).ctx("audio", "positions")?; // (T, D)
+            ops::gather_rows(self.embed_positions.compute(), &pos_ids).ctx("audio", "positions")?; // (T, D)
         ops::add_assign(&mut h, &pos).ctx("audio", "add positions")?;
         Ok((
             h,

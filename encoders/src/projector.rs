@@ -13,7 +13,7 @@
 //!   (its last group holds the remaining frames then zeros), so no frame is dropped:
 //!   a clip of L frames gives ceil(L / stride) tokens.
 
-use braid_kernels::Tensor;
+use braid_kernels::{DType, Tensor};
 use braid_kernels::ops::{self, Activation};
 use braid_nn::error::Context;
 use braid_nn::norm::LayerNormCache;
@@ -217,8 +217,10 @@ impl MlpProjector {
             (Some(ln), Some(lnc), Some(perm)) => {
                 let t = perm.dims()[0];
                 let dm = dm.reshape([t, d]).ctx("projector", "merge backward")?;
-                let mut dxn = zeros(&[t, d], dm.device())?; // (T, D)
+                // Summed in f32 (embedding grads always are), then in dm's dtype.
+                let mut dxn = zeros(&[t, d], DType::F32, dm.device())?; // (T, D)
                 ops::embedding_bwd(&dm, &perm, &mut dxn).ctx("projector", "merge backward")?;
+                let dxn = ops::into_dtype(dxn, dm.dtype()).ctx("projector", "merge backward")?;
                 ln.backward(lnc, &dxn)
             }
             _ => Err(Error::input(
@@ -343,7 +345,7 @@ impl AudioProjector {
         }
         let g = idx.len() / s;
         let idx = ids(idx, dev)?;
-        let mut padded = zeros(&[t + 1, d], dev)?; // (T+1, D), row T stays zero
+        let mut padded = zeros(&[t + 1, d], x.dtype(), dev)?; // (T+1, D), row T stays zero
         let rows = ids((0..t as u32).collect(), dev)?;
         ops::scatter_rows(&mut padded, &rows, x).ctx("audio projector", "pad")?;
         let stacked = ops::gather_rows(&padded, &idx)
@@ -360,10 +362,12 @@ impl AudioProjector {
         let ds = self.mlp.backward(cache.mlp, dy)?; // (G, s D)
         let n = cache.idx.dims()[0];
         let ds = ds.reshape([n, d]).ctx("audio projector", "unstack")?;
-        let mut dpad = zeros(&[t + 1, d], ds.device())?; // (T+1, D)
+        let mut dpad = zeros(&[t + 1, d], DType::F32, ds.device())?; // (T+1, D)
         ops::embedding_bwd(&ds, &cache.idx, &mut dpad).ctx("audio projector", "unstack")?;
         let rows = ids((0..t as u32).collect(), ds.device())?;
-        ops::gather_rows(&dpad, &rows).ctx("audio projector", "unpad")
+        ops::gather_rows(&dpad, &rows)
+            .and_then(|dx| ops::into_dtype(dx, ds.dtype()))
+            .ctx("audio projector", "unpad")
     }
 }
 

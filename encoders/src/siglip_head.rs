@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use braid_comm::Comm;
-use braid_kernels::Tensor;
+use braid_kernels::{DType, Tensor};
 use braid_kernels::ops::{self, AttentionSpec};
 use braid_nn::error::Context;
 use braid_nn::norm::LayerNormCache;
@@ -123,7 +123,7 @@ impl AttentionPoolingHead {
         let name = self.name.as_str();
         let t = h.dims()[0];
         let (nh, hs) = (self.nh, self.hs);
-        let q1 = self.q_proj.apply(&self.probe.value)?; // (1, D)
+        let q1 = self.q_proj.apply(self.probe.compute())?; // (1, D)
         let zeros_t = ids(vec![0; t], h.device())?;
         let q = ops::gather_rows(&q1, &zeros_t)
             .and_then(|q| q.reshape([t, nh, hs]))
@@ -183,7 +183,7 @@ impl AttentionPoolingHead {
         let mut da = self.layernorm.backward(ln, &dan)?;
         ops::add_assign(&mut da, dp).ctx(&name, "residual backward")?;
         let dsel = self.o_proj.backward(o, &da)?; // (B, D)
-        let mut dout = zeros(&[t, d], h.device())?; // (T, D)
+        let mut dout = zeros(&[t, d], dsel.dtype(), h.device())?; // (T, D)
         ops::scatter_rows(&mut dout, &first_rows, &dsel).ctx(&name, "row pick backward")?;
         let dout = dout
             .reshape([t, self.nh, self.hs])
@@ -197,9 +197,10 @@ impl AttentionPoolingHead {
         ops::add_assign(&mut dh, &dhv).ctx(&name, "summing input grads")?;
         // The broadcast's adjoint: sum the query grads of all rows into the one probe.
         let dq = dq.reshape([t, d]).ctx(&name, "dq")?;
-        let mut dq1 = zeros(&[1, d], h.device())?; // (1, D)
+        let mut dq1 = zeros(&[1, d], DType::F32, h.device())?; // (1, D)
         ops::embedding_bwd(&dq, &zeros_t, &mut dq1).ctx(&name, "broadcast backward")?;
-        let dprobe = self.q_proj.backward_with_input(&self.probe.value, &dq1)?;
+        let dq1 = ops::into_dtype(dq1, dq.dtype()).ctx(&name, "broadcast backward")?;
+        let dprobe = self.q_proj.backward_with_input(self.probe.compute(), &dq1)?;
         if let Some(g) = self.probe.grad.as_mut() {
             ops::add_assign(g, &dprobe).ctx(&name, "probe grad")?;
         }

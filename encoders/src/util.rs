@@ -11,6 +11,6 @@ pub(crate) fn ids(v: Vec<u32>, dev: Device) -> Result<Tensor> {
 }
 
 /// An f32 zero tensor of `dims` on `dev`.
-pub(crate) fn zeros(dims: &[usize], dev: Device) -> Result<Tensor> {
-    Tensor::zeros(dims.to_vec(), DType::F32, dev).ctx("encoders", "zero buffer")
+pub(crate) fn zeros(dims: &[usize], dtype: DType, dev: Device) -> Result<Tensor> {
+    Tensor::zeros(dims.to_vec(), dtype, dev).ctx("encoders", "zero buffer")
 }

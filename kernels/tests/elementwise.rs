@@ -97,8 +97,12 @@ fn elementwise_errors(dev: Device) -> Result<()> {
         ops::add_assign(&mut acc, &b),
         Err(Error::Shape { .. })
     ));
+    // An f32 accumulator takes bf16 terms (mixed precision's grads); a bf16 one does
+    // not take f32 terms (they would be rounded silently).
+    ops::add_assign(&mut acc, &h)?;
+    let mut hacc = h.try_clone()?;
     assert!(matches!(
-        ops::add_assign(&mut acc, &h),
+        ops::add_assign(&mut hacc, &a),
         Err(Error::DType { .. })
     ));
     let mut uu = u.try_clone()?;

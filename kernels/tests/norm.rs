@@ -170,10 +170,8 @@ fn layer_norm_errors(dev: Device) -> Result<()> {
     assert_err!(layer_norm_fwd(&ids, &w, None, 1e-5), Error::DType { .. });
     let xb = ops::cast(&x, DType::BF16)?;
     let wb = ops::cast(&w, DType::BF16)?;
-    // the CPU backend computes in f32 only (bf16 is storage); CUDA takes bf16
-    if dev == Device::Cpu {
-        assert_err!(layer_norm_fwd(&xb, &wb, None, 1e-5), Error::DType { .. });
-    }
+    // bf16 computes on every device (the CPU widens it to f32 and rounds once).
+    assert!(layer_norm_fwd(&xb, &wb, None, 1e-5).is_ok());
     assert_err!(layer_norm_fwd(&xb, &w, None, 1e-5), Error::DType { .. });
 
     let (_, mean, rstd) = layer_norm_fwd(&x, &w, None, 1e-5)?;
@@ -202,8 +200,13 @@ fn layer_norm_errors(dev: Device) -> Result<()> {
         layer_norm_bwd(&x, &x, &w, &mean, &rstd, None, Some(&mut db_u32)),
         Error::DType { .. }
     );
+    // bf16 inputs: dx in bf16, parameter grads into f32 (mixed precision) or bf16.
+    let mut dw32 = Tensor::zeros([4], DType::F32, dev)?;
+    let dx = layer_norm_bwd(&xb, &xb, &wb, &mean, &rstd, Some(&mut dw32), None)?;
+    assert_eq!(dx.dtype(), DType::BF16);
+    let mut dw_u32 = Tensor::zeros([4], DType::U32, dev)?;
     assert_err!(
-        layer_norm_bwd(&xb, &xb, &wb, &mean, &rstd, None, None),
+        layer_norm_bwd(&xb, &xb, &wb, &mean, &rstd, Some(&mut dw_u32), None),
         Error::DType { .. }
     );
     Ok(())
@@ -277,10 +280,8 @@ fn rms_norm_errors(dev: Device) -> Result<()> {
     assert_err!(rms_norm_fwd(&x, &ids, 1e-6), Error::DType { .. });
     let xb = ops::cast(&x, DType::BF16)?;
     let wb = ops::cast(&w, DType::BF16)?;
-    // the CPU backend computes in f32 only (bf16 is storage); CUDA takes bf16
-    if dev == Device::Cpu {
-        assert_err!(rms_norm_fwd(&xb, &wb, 1e-6), Error::DType { .. });
-    }
+    // bf16 computes on every device (the CPU widens it to f32 and rounds once).
+    assert!(rms_norm_fwd(&xb, &wb, 1e-6).is_ok());
     let (_, rstd) = rms_norm_fwd(&x, &w, 1e-6)?;
     let dy_bad = Tensor::full(1.0, [4, 2], dev)?;
     assert_err!(
@@ -297,10 +298,12 @@ fn rms_norm_errors(dev: Device) -> Result<()> {
         rms_norm_bwd(&x, &x, &w, &rstd, Some(&mut dw_bad)),
         Error::Shape { .. }
     );
-    assert_err!(
-        rms_norm_bwd(&xb, &xb, &wb, &rstd, None),
-        Error::DType { .. }
-    );
+    // bf16 inputs: dx in bf16, dw into f32 (mixed precision); an f32 dy with bf16 x is
+    // a mistake.
+    let mut dw32 = Tensor::zeros([4], DType::F32, dev)?;
+    let dx = rms_norm_bwd(&xb, &xb, &wb, &rstd, Some(&mut dw32))?;
+    assert_eq!(dx.dtype(), DType::BF16);
+    assert_err!(rms_norm_bwd(&x, &xb, &wb, &rstd, None), Error::DType { .. });
     Ok(())
 }
 

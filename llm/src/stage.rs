@@ -275,7 +275,7 @@ impl LlmStage {
                 // Column-parallel head: xn is replicated, each rank multiplies by its
                 // rows of the head (copy_to_tp; its adjoint all-reduces dxn).
                 let x = copy_to_tp_fwd(self.group.as_ref(), &xn);
-                let logits = ops::linear_fwd(x, &w.value, None).ctx("lm_head", "forward")?; // (T, V/tp)
+                let logits = ops::linear_fwd(x, w.compute(), None).ctx("lm_head", "forward")?; // (T, V/tp)
                 let head = HeadCache {
                     norm: norm_cache,
                     xn,
@@ -437,9 +437,8 @@ impl LlmStage {
             (None, Some(e)) => &mut e.weight,
             (None, None) => return Err(missing("lm_head")),
         };
-        let Param { value, grad, .. } = p;
-        let dxn =
-            ops::linear_bwd(dlogits, xn, value, grad.as_mut(), None).ctx("lm_head", "backward")?;
+        let (w, grad) = p.compute_and_grad();
+        let dxn = ops::linear_bwd(dlogits, xn, w, grad, None).ctx("lm_head", "backward")?;
         copy_to_tp_bwd(self.group.as_ref(), dxn).ctx("lm_head", "backward")
     }
 }

@@ -41,7 +41,7 @@ impl Embedding {
 
     /// ids (N) u32 -> (N, C); the cache holds a copy of the ids.
     pub fn forward(&self, ids: &Tensor) -> Result<(Tensor, EmbeddingCache)> {
-        let y = ops::embedding_fwd(ids, &self.weight.value).ctx(&self.name, "forward")?;
+        let y = ops::embedding_fwd(ids, self.weight.compute()).ctx(&self.name, "forward")?;
         let ids = ids.try_clone().ctx(&self.name, "caching ids")?;
         Ok((y, EmbeddingCache { ids }))
     }

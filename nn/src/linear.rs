@@ -92,7 +92,7 @@ impl Linear {
 
     /// y = x @ Wᵀ + b with no cache (the caller keeps `x` for [`Linear::backward_with_input`]).
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
-        ops::linear_fwd(x, &self.weight.value, self.bias.as_ref().map(|b| &b.value))
+        ops::linear_fwd(x, self.weight.compute(), self.bias.as_ref().map(Param::compute))
             .ctx(&self.name, "forward")
     }
 
@@ -116,9 +116,9 @@ impl Linear {
     /// Backward given the forward's input `x` (layers that share one input between
     /// several projections keep a single copy of it).
     pub fn backward_with_input(&mut self, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
-        let dw = self.weight.grad.as_mut();
+        let (w, dw) = self.weight.compute_and_grad();
         let db = self.bias.as_mut().and_then(|b| b.grad.as_mut());
-        ops::linear_bwd(dy, x, &self.weight.value, dw, db).ctx(&self.name, "backward")
+        ops::linear_bwd(dy, x, w, dw, db).ctx(&self.name, "backward")
     }
 }
 

@@ -81,19 +81,19 @@ impl LayerNorm {
 
     /// Forward that moves `x` into the cache.
     pub fn forward_owned(&self, x: Tensor) -> Result<(Tensor, LayerNormCache)> {
-        let b = self.bias.as_ref().map(|b| &b.value);
-        let (y, mean, rstd) =
-            ops::layer_norm_fwd(&x, &self.weight.value, b, self.eps).ctx(&self.name, "forward")?;
+        let b = self.bias.as_ref().map(Param::compute);
+        let (y, mean, rstd) = ops::layer_norm_fwd(&x, self.weight.compute(), b, self.eps)
+            .ctx(&self.name, "forward")?;
         Ok((y, LayerNormCache { x, mean, rstd }))
     }
 
     pub fn backward(&mut self, cache: LayerNormCache, dy: &Tensor) -> Result<Tensor> {
-        let dw = self.weight.grad.as_mut();
+        let (w, dw) = self.weight.compute_and_grad();
         let db = self.bias.as_mut().and_then(|b| b.grad.as_mut());
         ops::layer_norm_bwd(
             dy,
             &cache.x,
-            &self.weight.value,
+            w,
             &cache.mean,
             &cache.rstd,
             dw,
@@ -158,13 +158,13 @@ impl RmsNorm {
     /// Forward that moves `x` into the cache.
     pub fn forward_owned(&self, x: Tensor) -> Result<(Tensor, RmsNormCache)> {
         let (y, rstd) =
-            ops::rms_norm_fwd(&x, &self.weight.value, self.eps).ctx(&self.name, "forward")?;
+            ops::rms_norm_fwd(&x, self.weight.compute(), self.eps).ctx(&self.name, "forward")?;
         Ok((y, RmsNormCache { x, rstd }))
     }
 
     pub fn backward(&mut self, cache: RmsNormCache, dy: &Tensor) -> Result<Tensor> {
-        let dw = self.weight.grad.as_mut();
-        ops::rms_norm_bwd(dy, &cache.x, &self.weight.value, &cache.rstd, dw)
+        let (w, dw) = self.weight.compute_and_grad();
+        ops::rms_norm_bwd(dy, &cache.x, w, &cache.rstd, dw)
             .ctx(&self.name, "backward")
     }
 }

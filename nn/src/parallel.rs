@@ -218,7 +218,7 @@ impl RowParallelLinear {
         let y = self.linear.apply(&x_local)?;
         let mut y = reduce_from_tp_fwd(self.group.as_ref(), y).ctx(self.name(), "forward")?;
         if let Some(b) = &self.bias {
-            y = add_row_bias(y, &b.value).ctx(self.name(), "forward bias")?;
+            y = add_row_bias(y, b.compute()).ctx(self.name(), "forward bias")?;
         }
         Ok((y, RowParallelCache { x_local }))
     }
@@ -236,11 +236,11 @@ impl RowParallelLinear {
     /// Backward to this rank's input slice given that slice (N, in/tp).
     pub fn backward_parallel(&mut self, x_local: &Tensor, dy: &Tensor) -> Result<Tensor> {
         let dy = reduce_from_tp_bwd(self.group.as_ref(), dy);
-        let dw = self.linear.weight.grad.as_mut();
+        let (w, dw) = self.linear.weight.compute_and_grad();
         // The bias grad is the row sum of the (replicated) output grad: every rank
         // computes the same full db.
         let db = self.bias.as_mut().and_then(|b| b.grad.as_mut());
-        ops::linear_bwd(dy, x_local, &self.linear.weight.value, dw, db).ctx(self.name(), "backward")
+        ops::linear_bwd(dy, x_local, w, dw, db).ctx(self.name(), "backward")
     }
 }
 

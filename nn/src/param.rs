@@ -2,7 +2,7 @@
 //! tensor-parallel-aware initialization.
 
 use braid_kernels::rng::Rng;
-use braid_kernels::{Device, Tensor};
+use braid_kernels::{DType, Device, Tensor, ops};
 
 use crate::error::{Context, Error, Result};
 
@@ -10,6 +10,10 @@ use crate::error::{Context, Error, Result};
 ///
 /// `grad == None` means frozen: backward passes `None` to the ops, so no weight grad
 /// is computed at all (not computed and dropped). Input grads are unaffected.
+///
+/// Under mixed precision `value` stays the f32 master (what the optimizer updates and
+/// checkpoints hold) and `compute` is its bf16 copy, which the layers read
+/// ([`Param::compute`]); the grad stays f32 and gathers the bf16 products unrounded.
 #[derive(Debug)]
 pub struct Param {
     /// Full dotted name, Hugging Face style: `blocks.3.self_attn.q_proj.weight`.
@@ -21,6 +25,8 @@ pub struct Param {
     /// Which part of the full tensor `value` is (tensor parallelism splits some
     /// parameters; checkpoints store shards under the full name and reassemble them).
     pub shard: Shard,
+    /// The compute copy (bf16) under mixed precision; `None` computes on `value`.
+    compute: Option<Tensor>,
 }
 
 impl Param {
@@ -34,7 +40,57 @@ impl Param {
             value,
             grad: Some(grad),
             shard: Shard::Full,
+            compute: None,
         })
+    }
+
+    /// The tensor the layers compute with: the bf16 copy under mixed precision,
+    /// otherwise `value` itself.
+    pub fn compute(&self) -> &Tensor {
+        self.compute.as_ref().unwrap_or(&self.value)
+    }
+
+    /// The dtype the layers compute this weight in.
+    pub fn compute_dtype(&self) -> DType {
+        self.compute().dtype()
+    }
+
+    /// Makes the layers compute in `dtype`: bf16 keeps a rounded copy of `value`
+    /// (refreshed by [`Param::refresh_compute`] and the optimizer), the master's own
+    /// dtype drops the copy.
+    pub fn set_compute_dtype(&mut self, dtype: DType) -> Result<()> {
+        self.compute = if dtype == self.value.dtype() {
+            None
+        } else {
+            Some(ops::cast(&self.value, dtype).ctx(&self.name, "making the compute copy")?)
+        };
+        Ok(())
+    }
+
+    /// Re-derives the compute copy from `value` after `value` changed outside the
+    /// optimizer (a checkpoint or Hugging Face load, a broadcast).
+    pub fn refresh_compute(&mut self) -> Result<()> {
+        match &self.compute {
+            Some(c) => {
+                let dtype = c.dtype();
+                self.set_compute_dtype(dtype)
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// The compute tensor and the grad, borrowed together for a backward.
+    pub fn compute_and_grad(&mut self) -> (&Tensor, Option<&mut Tensor>) {
+        (
+            self.compute.as_ref().unwrap_or(&self.value),
+            self.grad.as_mut(),
+        )
+    }
+
+    /// The master value, its grad and the compute copy to refresh, borrowed together
+    /// for the optimizer's fused step.
+    pub fn parts_mut(&mut self) -> (&mut Tensor, Option<&Tensor>, Option<&mut Tensor>) {
+        (&mut self.value, self.grad.as_ref(), self.compute.as_mut())
     }
 
     pub fn is_trainable(&self) -> bool {
@@ -109,6 +165,37 @@ pub trait Module {
         let mut out = Vec::new();
         self.visit_params(&mut |p| out.push((p.name.clone(), p.value.dims().to_vec())));
         out
+    }
+
+    /// Makes every parameter compute in `dtype` (see [`Param::set_compute_dtype`]).
+    fn set_compute_dtype(&mut self, dtype: DType) -> Result<()> {
+        let mut res = Ok(());
+        self.visit_params_mut(&mut |p| {
+            if res.is_ok() {
+                res = p.set_compute_dtype(dtype);
+            }
+        });
+        res
+    }
+
+    /// Re-derives every compute copy from its master value (after a load).
+    fn refresh_compute(&mut self) -> Result<()> {
+        let mut res = Ok(());
+        self.visit_params_mut(&mut |p| {
+            if res.is_ok() {
+                res = p.refresh_compute();
+            }
+        });
+        res
+    }
+
+    /// The dtype the layers compute in (that of the first parameter; f32 for none).
+    fn compute_dtype(&self) -> DType {
+        let mut dtype = None;
+        self.visit_params(&mut |p| {
+            dtype.get_or_insert(p.compute_dtype());
+        });
+        dtype.unwrap_or(DType::F32)
     }
 
     /// Number of parameter elements held by this rank.

@@ -122,7 +122,7 @@ impl VocabParallelEmbedding {
                 ));
             }
         };
-        let table = &self.weight.value; // (V/tp, C)
+        let table = self.weight.compute(); // (V/tp, C)
         if self.group.size() == 1 {
             let y = ops::embedding_fwd(ids, table).ctx(name, "forward")?; // (N, C)
             let ids = ids.try_clone().ctx(name, "caching ids")?;

@@ -268,10 +268,11 @@ fn load_each<M: Module + ?Sized>(
             return;
         }
         n += 1;
-        match get(&p.name, p.value.dims()) {
-            Ok(t) => p.value = t,
-            Err(e) => res = Err(e),
-        }
+        // A loaded master re-derives its compute copy (mixed precision).
+        res = get(&p.name, p.value.dims()).and_then(|t| {
+            p.value = t;
+            Ok(p.refresh_compute()?)
+        });
     });
     res?;
     if stored != n {

@@ -223,7 +223,9 @@ impl AdamW {
             if res.is_err() {
                 return;
             }
-            let Some(g) = &p.grad else { return };
+            if p.grad.is_none() {
+                return;
+            }
             if partial && moments.get(k).is_none_or(|m| m.name != p.name) {
                 return; // another rank's share
             }
@@ -252,8 +254,21 @@ impl AdamW {
                 weight_decay: if m.decay { base.weight_decay } else { 0.0 },
                 ..base
             };
-            res = ops::adamw_step(&mut p.value, g, &mut m.exp_avg, &mut m.exp_avg_sq, &spec)
-                .ctx(&p.name, "AdamW update");
+            let (value, grad, compute) = p.parts_mut();
+            let Some(g) = grad else { return };
+            // Under mixed precision the step also refreshes the bf16 compute copy.
+            res = match compute {
+                Some(c) => ops::adamw_step_with_copy(
+                    value,
+                    g,
+                    &mut m.exp_avg,
+                    &mut m.exp_avg_sq,
+                    c,
+                    &spec,
+                ),
+                None => ops::adamw_step(value, g, &mut m.exp_avg, &mut m.exp_avg_sq, &spec),
+            }
+            .ctx(&p.name, "AdamW update");
         });
         res?;
         if k != self.moments.len() {

@@ -225,6 +225,15 @@ impl Trainer {
                 (state, None)
             }
         };
+        // Mixed precision: the layers compute on bf16 copies of the f32 masters.
+        let precision = cfg.precision();
+        model.set_compute_dtype(precision.compute_dtype())?;
+        if precision == crate::config::Precision::Bf16 && device == Device::Cpu {
+            obs.log(
+                "train.precision = bf16 on the CPU: the reference emulation of mixed precision \
+                 (f32 math on bf16 data, slower than f32), for checking numerics",
+            );
+        }
         let loader = Loader::open(
             &d.path,
             &loader_cfg,

@@ -21,10 +21,10 @@ impl Comm for LocalComm {
 
     fn all_reduce_sum(&self, t: &mut Tensor) -> Result<()> {
         const OP: &str = "all_reduce_sum";
-        self.expect_f32(OP, t)?;
+        self.expect_float(OP, t)?;
         let posts = self.exchange(OP, vec![Payload::of(t)?])?;
         let sum = self.sum(OP, &posts, t.shape())?;
-        *t = Tensor::from_vec(sum, t.shape().clone(), t.device())?;
+        *t = crate::sum_tensor(sum, t.shape().clone(), t.dtype(), t.device())?;
         Ok(())
     }
 
@@ -64,7 +64,7 @@ impl Comm for LocalComm {
 
     fn reduce_scatter_sum(&self, t: &Tensor) -> Result<Tensor> {
         const OP: &str = "reduce_scatter_sum";
-        self.expect_f32(OP, t)?;
+        self.expect_float(OP, t)?;
         let n = self.size();
         let d0 = *t
             .dims()
@@ -85,7 +85,7 @@ impl Comm for LocalComm {
         let mine = sum[self.rank * chunk..(self.rank + 1) * chunk].to_vec();
         let mut dims = t.dims().to_vec();
         dims[0] = d0 / n;
-        Ok(Tensor::from_vec(mine, dims, t.device())?)
+        crate::sum_tensor(mine, dims, t.dtype(), t.device())
     }
 
     fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<()> {

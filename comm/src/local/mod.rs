@@ -364,7 +364,7 @@ impl LocalComm {
         Ok(posts)
     }
 
-    /// The element-wise sum of every rank's f32 payload, in rank order.
+    /// The element-wise sum of every rank's payload (bf16 widened), in f32, in rank order.
     fn sum(&self, op: &'static str, posts: &[Arc<Post>], shape: &Shape) -> Result<Vec<f32>> {
         let mut sum = vec![0f32; shape.elem_count()];
         for (r, p) in posts.iter().enumerate() {
@@ -383,19 +383,21 @@ impl LocalComm {
             }
             match &part.data {
                 CpuStorage::F32(v) => sum.iter_mut().zip(v).for_each(|(s, x)| *s += x),
+                CpuStorage::BF16(v) => sum.iter_mut().zip(v).for_each(|(s, x)| *s += x.to_f32()),
                 other => {
-                    return Err(
-                        self.err(op, format!("sums need f32 tensors, got {}", other.dtype()))
-                    );
+                    return Err(self.err(
+                        op,
+                        format!("sums need float tensors, got {}", other.dtype()),
+                    ));
                 }
             }
         }
         Ok(sum)
     }
 
-    fn expect_f32(&self, op: &'static str, t: &Tensor) -> Result<()> {
-        if t.dtype() != DType::F32 {
-            return Err(self.err(op, format!("sums need f32 tensors, got {}", t.dtype())));
+    fn expect_float(&self, op: &'static str, t: &Tensor) -> Result<()> {
+        if t.dtype() == DType::U32 {
+            return Err(self.err(op, format!("sums need float tensors, got {}", t.dtype())));
         }
         Ok(())
     }

@@ -50,7 +50,7 @@ impl Comm for SocketComm {
         let all = self.gather_all(OP, t)?;
         let parts: Vec<CpuStorage> = all.into_iter().map(|(_, d)| d).collect();
         let sum = sum_in_order(OP, &parts)?;
-        *t = Tensor::from_vec(sum, t.shape().clone(), t.device())?;
+        *t = crate::sum_tensor(sum, t.shape().clone(), t.dtype(), t.device())?;
         Ok(())
     }
 
@@ -88,7 +88,7 @@ impl Comm for SocketComm {
         let mine = sum[self.rank * chunk..(self.rank + 1) * chunk].to_vec();
         let mut out = dims;
         out[0] /= n;
-        Ok(Tensor::from_vec(mine, out, t.device())?)
+        crate::sum_tensor(mine, out, t.dtype(), t.device())
     }
 
     fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<()> {

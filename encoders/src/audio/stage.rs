@@ -312,7 +312,7 @@ impl WhisperEncoder {
         // true ones.
         let dfull = match &cp {
             Some(s) => {
-                let mut full = zeros(&[s.plan.total_tokens(), d], dh.device())?; // (T, D)
+                let mut full = zeros(&[s.plan.total_tokens(), d], dh.dtype(), dh.device())?; // (T, D)
                 let rows = s
                     .plan
                     .tokens(s.rank)?

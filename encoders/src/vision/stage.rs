@@ -347,10 +347,12 @@ impl VisionEncoder {
             Some(idx) => ops::gather_rows(&patches, idx).ctx("vision", "local patches")?, // (N_p, C*P*P)
             None => patches,
         };
+        let patches = ops::into_dtype(patches, patch_embedding.weight.compute_dtype())
+            .ctx("vision", "patches to the compute dtype")?;
         let (pe, patch) = patch_embedding.forward_owned(patches)?; // (N_p, D)
 
         let (mut x, patch_rows) = if clip {
-            let mut x = zeros(&[t, d], dev)?; // (N_local, D)
+            let mut x = zeros(&[t, d], pe.dtype(), dev)?; // (N_local, D)
             let rows = ids(rows, dev)?;
             ops::scatter_rows(&mut x, &rows, &pe).ctx("vision", "place patches")?;
             (x, Some(rows))
@@ -361,14 +363,14 @@ impl VisionEncoder {
             Some(cls) if !cls_rows.is_empty() => {
                 let m = cls_rows.len();
                 let (rows, zeros_m) = (ids(cls_rows, dev)?, ids(vec![0; m], dev)?);
-                let c = ops::gather_rows(&cls.value, &zeros_m).ctx("vision", "class token")?; // (M, D)
+                let c = ops::gather_rows(cls.compute(), &zeros_m).ctx("vision", "class token")?; // (M, D)
                 ops::scatter_rows(&mut x, &rows, &c).ctx("vision", "place class")?;
                 Some((rows, zeros_m))
             }
             _ => None,
         };
         let pos_ids = ids(lay.seq.positions.clone(), dev)?;
-        let pos_emb = ops::gather_rows(&position.value, &pos_ids).ctx("vision", "positions")?; // (N_local, D)
+        let pos_emb = ops::gather_rows(position.compute(), &pos_ids).ctx("vision", "positions")?; // (N_local, D)
         ops::add_assign(&mut x, &pos_emb).ctx("vision", "add positions")?;
 
         let (x, pre) = match &self.pre_layrnorm {
@@ -432,7 +434,7 @@ impl VisionEncoder {
         let dpatches = match &patch_src {
             Some(idx) => {
                 // The patches of other ranks' tokens get no grad here.
-                let mut full = zeros(&[lay.b * lay.n, cpp], dsel.device())?; // (B*N, C*P*P)
+                let mut full = zeros(&[lay.b * lay.n, cpp], dsel.dtype(), dsel.device())?; // (B*N, C*P*P)
                 ops::scatter_rows(&mut full, idx, &dsel).ctx("vision backward", "patches")?;
                 full
             }
@@ -575,8 +577,12 @@ impl VisionEncoder {
             FinalCache::Clip { first_rows, post } => {
                 if let Some(dp) = d_pooled {
                     let dcls = post_layernorm.backward(post, dp)?; // (B, D)
-                    // Scatter-add into the class-token rows.
-                    ops::embedding_bwd(&dcls, &first_rows, &mut dx)
+                    // Add into the class-token rows (one per image, distinct): gather,
+                    // add, scatter back, in dx's own dtype.
+                    let rows = ops::gather_rows(&dx, &first_rows)
+                        .and_then(|cur| ops::add(&cur, &dcls))
+                        .ctx("vision backward", "pool")?;
+                    ops::scatter_rows(&mut dx, &first_rows, &rows)
                         .ctx("vision backward", "pool")?;
                 }
             }

@@ -201,6 +201,9 @@ fn fill_pieces(n: usize, fill: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
 
 impl ActivationKernels for CpuBackend {
     fn activation_fwd(&self, x: &Tensor, act: Activation) -> Result<Tensor> {
+        if super::bf16::any(&[x]) {
+            return super::bf16::activation_fwd(self, x, act);
+        }
         let xv = x.cpu_f32("activation_fwd", "x")?; // (N)
         let simd = Simd::detect();
         let y = fill_pieces(xv.len(), |at, y| {
@@ -210,6 +213,9 @@ impl ActivationKernels for CpuBackend {
     }
 
     fn activation_bwd(&self, dy: &Tensor, x: &Tensor, act: Activation) -> Result<Tensor> {
+        if super::bf16::any(&[dy, x]) {
+            return super::bf16::activation_bwd(self, dy, x, act);
+        }
         let dyv = dy.cpu_f32("activation_bwd", "dy")?; // (N)
         let xv = x.cpu_f32("activation_bwd", "x")?; // (N)
         let simd = Simd::detect();
@@ -221,6 +227,9 @@ impl ActivationKernels for CpuBackend {
     }
 
     fn swiglu_fwd(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        if super::bf16::any(&[gate, up]) {
+            return super::bf16::swiglu_fwd(self, gate, up);
+        }
         let gv = gate.cpu_f32("swiglu_fwd", "gate")?; // (N)
         let uv = up.cpu_f32("swiglu_fwd", "up")?; // (N)
         let simd = Simd::detect();
@@ -232,6 +241,9 @@ impl ActivationKernels for CpuBackend {
     }
 
     fn swiglu_bwd(&self, dy: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)> {
+        if super::bf16::any(&[dy, gate, up]) {
+            return super::bf16::swiglu_bwd(self, dy, gate, up);
+        }
         let dyv = dy.cpu_f32("swiglu_bwd", "dy")?; // (N)
         let gv = gate.cpu_f32("swiglu_bwd", "gate")?; // (N)
         let uv = up.cpu_f32("swiglu_bwd", "up")?; // (N)
@@ -254,6 +266,9 @@ impl ActivationKernels for CpuBackend {
     }
 
     fn softmax_fwd(&self, x: &Tensor) -> Result<Tensor> {
+        if super::bf16::any(&[x]) {
+            return super::bf16::softmax_fwd(self, x);
+        }
         let xv = x.cpu_f32("softmax_fwd", "x")?; // (N, C)
         let c = x.dims().last().copied().unwrap_or(1).max(1);
         let mut y = vec![0.0f32; xv.len()]; // (N, C)
@@ -276,6 +291,9 @@ impl ActivationKernels for CpuBackend {
     }
 
     fn softmax_bwd(&self, dy: &Tensor, y: &Tensor) -> Result<Tensor> {
+        if super::bf16::any(&[dy, y]) {
+            return super::bf16::softmax_bwd(self, dy, y);
+        }
         let dyv = dy.cpu_f32("softmax_bwd", "dy")?; // (N, C)
         let yv = y.cpu_f32("softmax_bwd", "y")?; // (N, C)
         let c = y.dims().last().copied().unwrap_or(1).max(1);

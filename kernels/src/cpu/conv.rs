@@ -63,6 +63,9 @@ impl ConvKernels for CpuBackend {
         b: Option<&Tensor>,
         spec: &Conv1dSpec,
     ) -> Result<Tensor> {
+        if super::bf16::any(&[x, w]) || super::bf16::any_opt(&[b]) {
+            return super::bf16::conv1d_fwd(self, x, w, b, spec);
+        }
         const OP: &str = "conv1d_fwd";
         let d = Conv1dDims::new(OP, x, w, spec)?;
         let xv = x.cpu_f32(OP, "x")?; // (B, CI, L)
@@ -112,6 +115,9 @@ impl ConvKernels for CpuBackend {
         dw: Option<&mut Tensor>,
         db: Option<&mut Tensor>,
     ) -> Result<Tensor> {
+        if super::bf16::any(&[dy, x, w]) || super::bf16::any_opt(&[dw.as_deref(), db.as_deref()]) {
+            return super::bf16::conv1d_bwd(self, (dy, x, w), spec, dw, db);
+        }
         const OP: &str = "conv1d_bwd";
         let d = Conv1dDims::new(OP, x, w, spec)?;
         let dyv = dy.cpu_f32(OP, "dy")?; // (B, CO, LO)
@@ -199,6 +205,9 @@ impl ConvKernels for CpuBackend {
     }
 
     fn patchify(&self, images: &Tensor, patch: usize) -> Result<Tensor> {
+        if super::bf16::any(&[images]) {
+            return super::bf16::patchify(self, images, patch);
+        }
         const OP: &str = "patchify";
         let [b, c, h, w] = images.shape().dims_n::<4>(OP, "images")?;
         let p = patch_size(OP, h, w, patch)?;
@@ -225,6 +234,9 @@ impl ConvKernels for CpuBackend {
     }
 
     fn unpatchify(&self, dpatches: &Tensor, image_shape: &Shape, patch: usize) -> Result<Tensor> {
+        if super::bf16::any(&[dpatches]) {
+            return super::bf16::unpatchify(self, dpatches, image_shape, patch);
+        }
         const OP: &str = "unpatchify";
         let [b, c, h, w] = image_shape.dims_n::<4>(OP, "image_shape")?;
         let p = patch_size(OP, h, w, patch)?;

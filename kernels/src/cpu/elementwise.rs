@@ -15,6 +15,9 @@ const REDUCE_CHUNK: usize = 1 << 14;
 
 impl ElementwiseKernels for CpuBackend {
     fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        if super::bf16::any(&[a, b]) {
+            return super::bf16::add(self, a, b);
+        }
         let (av, bv) = (a.cpu_f32("add", "a")?, b.cpu_f32("add", "b")?);
         let out: Vec<f32> = if av.len() <= PAR_MIN_ELEMS {
             av.iter().zip(bv).map(|(x, y)| x + y).collect()
@@ -29,6 +32,9 @@ impl ElementwiseKernels for CpuBackend {
     }
 
     fn add_assign(&self, acc: &mut Tensor, x: &Tensor) -> Result<()> {
+        if super::bf16::any(&[acc, x]) {
+            return super::bf16::add_assign(self, acc, x);
+        }
         let xv = x.cpu_f32("add_assign", "x")?;
         let av = acc.cpu_f32_mut("add_assign", "acc")?;
         if av.len() <= PAR_MIN_ELEMS {
@@ -43,6 +49,9 @@ impl ElementwiseKernels for CpuBackend {
     }
 
     fn scale_assign(&self, x: &mut Tensor, s: f32) -> Result<()> {
+        if super::bf16::any(&[x]) {
+            return super::bf16::scale_assign(self, x, s);
+        }
         let xv = x.cpu_f32_mut("scale_assign", "x")?;
         if xv.len() <= PAR_MIN_ELEMS {
             xv.iter_mut().for_each(|v| *v *= s);
@@ -55,6 +64,9 @@ impl ElementwiseKernels for CpuBackend {
     }
 
     fn sum_squares(&self, x: &Tensor) -> Result<f64> {
+        if super::bf16::any(&[x]) {
+            return super::bf16::sum_squares(self, x);
+        }
         let xv = x.cpu_f32("sum_squares", "x")?;
         let square = |c: &[f32]| -> f64 { c.iter().map(|&v| f64::from(v) * f64::from(v)).sum() };
         if xv.len() <= REDUCE_CHUNK {

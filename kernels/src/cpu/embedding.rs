@@ -28,6 +28,9 @@ fn check_ids(op: &'static str, ids: &[u32], v: usize) -> Result<()> {
 
 impl EmbeddingKernels for CpuBackend {
     fn embedding_fwd(&self, ids: &Tensor, table: &Tensor) -> Result<Tensor> {
+        if super::bf16::any(&[table]) {
+            return super::bf16::embedding_fwd(self, ids, table);
+        }
         const OP: &str = "embedding_fwd";
         let idv = ids.cpu_u32(OP, "ids")?; // (N)
         let tv = table.cpu_f32(OP, "table")?; // (V, C)
@@ -48,6 +51,9 @@ impl EmbeddingKernels for CpuBackend {
     }
 
     fn embedding_bwd(&self, dy: &Tensor, ids: &Tensor, dtable: &mut Tensor) -> Result<()> {
+        if super::bf16::any(&[dy, dtable]) {
+            return super::bf16::embedding_bwd(self, dy, ids, dtable);
+        }
         const OP: &str = "embedding_bwd";
         let idv = ids.cpu_u32(OP, "ids")?; // (N)
         let dyv = dy.cpu_f32(OP, "dy")?; // (N, C)

@@ -28,6 +28,9 @@ impl LossKernels for CpuBackend {
         ignore_index: u32,
         grad_scale: f32,
     ) -> Result<(Tensor, Tensor)> {
+        if super::bf16::any(&[logits]) {
+            return super::bf16::cross_entropy(self, logits, targets, ignore_index, grad_scale);
+        }
         const OP: &str = "cross_entropy";
         let [n, v] = logits.shape().dims_n::<2>(OP, "logits")?;
         let x = logits.cpu_f32(OP, "logits")?; // (N, V)

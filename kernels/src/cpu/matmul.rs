@@ -134,6 +134,9 @@ pub(crate) fn sgemm(
 
 impl MatmulKernels for CpuBackend {
     fn gemm(&self, a: &Tensor, b: &Tensor, c: &mut Tensor, spec: &GemmSpec) -> Result<()> {
+        if super::bf16::any(&[a, b, c]) {
+            return super::bf16::gemm(self, a, b, c, spec);
+        }
         const OP: &str = "gemm";
         let GemmSpec {
             batch,
@@ -209,6 +212,9 @@ impl MatmulKernels for CpuBackend {
     }
 
     fn add_bias(&self, y: &mut Tensor, bias: &Tensor) -> Result<()> {
+        if super::bf16::any(&[y, bias]) {
+            return super::bf16::add_bias(self, y, bias);
+        }
         let bv = bias.cpu_f32("add_bias", "bias")?;
         let c = bv.len().max(1);
         y.cpu_f32_mut("add_bias", "y")?
@@ -218,6 +224,9 @@ impl MatmulKernels for CpuBackend {
     }
 
     fn bias_grad(&self, dy: &Tensor, dbias: &mut Tensor) -> Result<()> {
+        if super::bf16::any(&[dy, dbias]) {
+            return super::bf16::bias_grad(self, dy, dbias);
+        }
         let dyv = dy.cpu_f32("bias_grad", "dy")?;
         let db = dbias.cpu_f32_mut("bias_grad", "dbias")?;
         let c = db.len().max(1);

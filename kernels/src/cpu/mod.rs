@@ -2,12 +2,13 @@
 //!
 //! One file per kernel family, each holding `impl <Family>Kernels for CpuBackend`.
 //! Heavy loops run on rayon; matrix products go through the `gemm` crate
-//! ([`matmul::sgemm`]). bf16 tensors are storage only here: ops on them are a dtype
-//! error, cast to f32 first.
+//! ([`matmul::sgemm`]). bf16 tensors are widened to f32, computed by the same f32
+//! kernels and their outputs rounded once ([`bf16`]): the reference for mixed precision.
 
 #[macro_use]
 mod simd;
 mod activation;
+mod bf16;
 mod attention;
 mod conv;
 mod elementwise;

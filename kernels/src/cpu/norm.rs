@@ -76,6 +76,9 @@ impl NormKernels for CpuBackend {
         b: Option<&Tensor>,
         eps: f32,
     ) -> Result<(Tensor, Tensor, Tensor)> {
+        if super::bf16::any(&[x, w]) || super::bf16::any_opt(&[b]) {
+            return super::bf16::layer_norm_fwd(self, x, w, b, eps);
+        }
         const OP: &str = "layer_norm_fwd";
         let xv = x.cpu_f32(OP, "x")?; // (N, C)
         let wv = w.cpu_f32(OP, "w")?; // (C)
@@ -126,6 +129,9 @@ impl NormKernels for CpuBackend {
         dw: Option<&mut Tensor>,
         db: Option<&mut Tensor>,
     ) -> Result<Tensor> {
+        if super::bf16::any(&[dy, x, w]) || super::bf16::any_opt(&[dw.as_deref(), db.as_deref()]) {
+            return super::bf16::layer_norm_bwd(self, dy, x, w, mean, rstd, dw, db);
+        }
         const OP: &str = "layer_norm_bwd";
         let dyv = dy.cpu_f32(OP, "dy")?; // (N, C)
         let xv = x.cpu_f32(OP, "x")?; // (N, C)
@@ -186,6 +192,9 @@ impl NormKernels for CpuBackend {
     }
 
     fn rms_norm_fwd(&self, x: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
+        if super::bf16::any(&[x, w]) {
+            return super::bf16::rms_norm_fwd(self, x, w, eps);
+        }
         const OP: &str = "rms_norm_fwd";
         let xv = x.cpu_f32(OP, "x")?; // (N, C)
         let wv = w.cpu_f32(OP, "w")?; // (C)
@@ -227,6 +236,9 @@ impl NormKernels for CpuBackend {
         rstd: &Tensor,
         dw: Option<&mut Tensor>,
     ) -> Result<Tensor> {
+        if super::bf16::any(&[dy, x, w]) || super::bf16::any_opt(&[dw.as_deref()]) {
+            return super::bf16::rms_norm_bwd(self, dy, x, w, rstd, dw);
+        }
         const OP: &str = "rms_norm_bwd";
         let dyv = dy.cpu_f32(OP, "dy")?; // (N, C)
         let xv = x.cpu_f32(OP, "x")?; // (N, C)

@@ -11,6 +11,9 @@ use crate::tensor::Tensor;
 
 impl RopeKernels for CpuBackend {
     fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, inverse: bool) -> Result<Tensor> {
+        if super::bf16::any(&[x, cos, sin]) {
+            return super::bf16::rope(self, x, cos, sin, inverse);
+        }
         const OP: &str = "rope";
         let xv = x.cpu_f32(OP, "x")?; // (T, NH, HS)
         let cv = cos.cpu_f32(OP, "cos")?; // (T, R/2)

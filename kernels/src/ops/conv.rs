@@ -7,7 +7,7 @@
 //! embedding is then `patchify` followed by a linear layer with the conv weight
 //! reshaped to `(D, C*P*P)`.
 
-use super::{expect_shape, same_device, same_float_dtype};
+use super::{accumulator_dtype, expect_shape, same_device, same_float_dtype};
 use crate::error::{Error, Result};
 use crate::shape::Shape;
 use crate::tensor::Tensor;
@@ -102,14 +102,16 @@ pub fn conv1d_bwd(
 ) -> Result<Tensor> {
     const OP: &str = "conv1d_bwd";
     let mut args = vec![("dy", dy), ("x", x), ("w", w)];
+    let dtype = same_float_dtype(OP, &args)?;
     if let Some(dw) = dw.as_deref() {
         args.push(("dw", dw));
+        accumulator_dtype(OP, ("dw", dw), dtype)?;
     }
     if let Some(db) = db.as_deref() {
         args.push(("db", db));
+        accumulator_dtype(OP, ("db", db), dtype)?;
     }
     let dev = same_device(OP, &args)?;
-    same_float_dtype(OP, &args)?;
     let [bsz, _, _, co, _, lo] = conv1d_dims(OP, x, w, None, spec)?;
     expect_shape(OP, "dy", dy, &Shape::new([bsz, co, lo]))?;
     if let Some(dw) = dw.as_deref() {

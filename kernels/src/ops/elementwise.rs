@@ -1,6 +1,6 @@
 //! Elementwise arithmetic, reductions and casts.
 
-use super::{same_device, same_float_dtype, same_shape};
+use super::{accumulator_dtype, same_device, same_float_dtype, same_shape};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -18,7 +18,8 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 pub fn add_assign(acc: &mut Tensor, x: &Tensor) -> Result<()> {
     const OP: &str = "add_assign";
     let dev = same_device(OP, &[("acc", acc), ("x", x)])?;
-    same_float_dtype(OP, &[("acc", acc), ("x", x)])?;
+    let dtype = same_float_dtype(OP, &[("x", x)])?;
+    accumulator_dtype(OP, ("acc", acc), dtype)?;
     same_shape(OP, ("acc", acc), ("x", x))?;
     dev.backend()?.add_assign(acc, x)
 }
@@ -63,4 +64,13 @@ pub fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
         });
     }
     x.device().backend()?.cast(x, dtype)
+}
+
+/// `x` in `dtype`: moved through unchanged when it already is, cast otherwise (where
+/// f32 data such as pixels or mel frames enters a model that computes in bf16).
+pub fn into_dtype(x: Tensor, dtype: DType) -> Result<Tensor> {
+    if x.dtype() == dtype {
+        return Ok(x);
+    }
+    cast(&x, dtype)
 }

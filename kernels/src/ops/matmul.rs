@@ -1,7 +1,7 @@
 //! Matrix products: batched GEMM with transposes, and the linear layer's forward and
 //! backward built on it.
 
-use super::{expect_shape, same_device, same_float_dtype};
+use super::{accumulator_dtype, expect_shape, same_device, same_float_dtype};
 use crate::error::{Error, Result};
 use crate::shape::Shape;
 use crate::tensor::Tensor;
@@ -120,7 +120,8 @@ pub fn matmul_into(
 ) -> Result<()> {
     const OP: &str = "matmul_into";
     let dev = same_device(OP, &[("a", a), ("b", b), ("c", c)])?;
-    same_float_dtype(OP, &[("a", a), ("b", b), ("c", c)])?;
+    let dtype = same_float_dtype(OP, &[("a", a), ("b", b)])?;
+    accumulator_dtype(OP, ("c", c), dtype)?;
     let (mut spec, out_shape) = plan(OP, a, b, trans_a, trans_b)?;
     expect_shape(OP, "c", c, &out_shape)?;
     spec.alpha = alpha;
@@ -234,7 +235,7 @@ pub fn linear_bwd(
     backend.gemm(dy, w, &mut dx, &dx_spec)?;
     if let Some(dw) = dw {
         same_device(OP, &[("dy", dy), ("dw", dw)])?;
-        same_float_dtype(OP, &[("dy", dy), ("dw", dw)])?;
+        accumulator_dtype(OP, ("dw", dw), dtype)?;
         expect_shape(OP, "dw", dw, w.shape())?;
         // dw (N, K) += dyᵀ (N, rows) @ x (rows, K)
         let dw_spec = GemmSpec {
@@ -253,7 +254,7 @@ pub fn linear_bwd(
     }
     if let Some(db) = db {
         same_device(OP, &[("dy", dy), ("db", db)])?;
-        same_float_dtype(OP, &[("dy", dy), ("db", db)])?;
+        accumulator_dtype(OP, ("db", db), dtype)?;
         expect_shape(OP, "db", db, &Shape::new([n]))?;
         backend.bias_grad(dy, db)?;
     }

@@ -21,7 +21,9 @@ pub use activation::{
 };
 pub use attention::{AttentionSpec, attention_bwd, attention_fwd};
 pub use conv::{Conv1dSpec, conv1d_bwd, conv1d_fwd, patchify_bwd, patchify_fwd};
-pub use elementwise::{add, add_assign, cast, global_norm, scale_assign, sum_squares};
+pub use elementwise::{
+    add, add_assign, cast, global_norm, into_dtype, scale_assign, sum_squares,
+};
 pub use embedding::{embedding_bwd, embedding_fwd};
 pub use layout::{gather_rows, narrow_last, scatter_rows, transpose01};
 pub use loss::{cross_entropy_fwd_bwd, vocab_loss_finish, vocab_loss_partials};
@@ -91,6 +93,25 @@ pub(crate) fn same_float_dtype(
     }
     expect_dtype(op, dtype, args)?;
     Ok(dtype)
+}
+
+/// An accumulator (`dw`, `db`, `dtable`, a GEMM's `c`) for results computed from
+/// `input`-typed operands: the input's own dtype, or f32 — under mixed precision
+/// the f32 grads of the master weights gather products of bf16 activations.
+pub(crate) fn accumulator_dtype(
+    op: &'static str,
+    (name, acc): (&'static str, &Tensor),
+    input: DType,
+) -> Result<()> {
+    if acc.dtype() == input || acc.dtype() == DType::F32 {
+        return Ok(());
+    }
+    Err(Error::DType {
+        op,
+        arg: name,
+        got: acc.dtype(),
+        expected: input,
+    })
 }
 
 /// `t` must have exactly `shape`.

@@ -5,7 +5,7 @@
 //! the activation dtype, as in llm.c) and the backwards take them back, so the
 //! backward never recomputes a reduction over the row.
 
-use super::{expect_dtype, expect_shape, same_device, same_float_dtype, same_shape};
+use super::{accumulator_dtype, expect_dtype, expect_shape, same_device, same_float_dtype, same_shape};
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -62,7 +62,8 @@ fn check_param_grad(
             expected: dev,
         });
     }
-    same_float_dtype(op, &[("dy", dy), (name, g)])?;
+    let dtype = same_float_dtype(op, &[("dy", dy)])?;
+    accumulator_dtype(op, (name, g), dtype)?;
     expect_shape(op, name, g, want)
 }
 

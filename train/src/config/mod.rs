@@ -177,6 +177,37 @@ pub struct TrainSection {
     /// stops with an error.
     #[serde(default = "default_max_nonfinite")]
     pub max_nonfinite_in_a_row: u64,
+    /// `"f32"` or `"bf16"` (mixed precision: f32 master weights, grads and AdamW state;
+    /// bf16 compute copies of the weights and bf16 activations; loss and grad norm in
+    /// f32). Unset: bf16 on CUDA, f32 on CPU. bf16 on the CPU is the reference
+    /// emulation (f32 math on bf16 data): for checking numerics, slower than f32.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precision: Option<Precision>,
+}
+
+/// The numeric precision of training (`train.precision`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    F32,
+    Bf16,
+}
+
+impl Precision {
+    /// The dtype the layers compute in (weights' compute copies and activations).
+    pub fn compute_dtype(self) -> braid_kernels::DType {
+        match self {
+            Precision::F32 => braid_kernels::DType::F32,
+            Precision::Bf16 => braid_kernels::DType::BF16,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+        }
+    }
 }
 
 fn one() -> usize {
@@ -364,6 +395,14 @@ impl RunConfig {
         self.log.validate()?;
         self.parallel.validate()?;
         Ok(())
+    }
+
+    /// `train.precision`, or its default for the device: bf16 on CUDA, f32 on CPU.
+    pub fn precision(&self) -> Precision {
+        self.train.precision.unwrap_or(match self.parallel.device {
+            Device::Cuda => Precision::Bf16,
+            Device::Cpu => Precision::F32,
+        })
     }
 
     /// Global batch rows for a dataset packed to `max_seq_len`.

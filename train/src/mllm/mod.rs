@@ -27,7 +27,7 @@ use braid_encoders::projector::{AudioProjectorCache, ProjectorCache};
 use braid_encoders::{
     AudioCache, AudioProjector, MlpProjector, VisionCache, VisionEncoder, WhisperEncoder,
 };
-use braid_kernels::{DType, Device, Tensor, ops};
+use braid_kernels::{Device, Tensor, ops};
 use braid_llm::{Llm, ModalityEmbeds, StageCache, cross_entropy_loss};
 use braid_nn::error::Context;
 use braid_nn::{Error, Module, Param, Result};
@@ -227,7 +227,7 @@ impl Mllm {
             } else {
                 Some(ModalityEmbeds {
                     positions: placeholder_positions(batch)?,
-                    embeds: Tensor::zeros(vec![m, self.config.llm.hidden], DType::F32, dev)
+                    embeds: Tensor::zeros(vec![m, self.config.llm.hidden], self.compute_dtype(), dev)
                         .ctx("mllm", "zeros")?, // (M, C)
                 })
             };
@@ -271,7 +271,7 @@ impl Mllm {
             (None, None) => None,
             (Some(y), None) | (None, Some(y)) => Some(y),
             (Some(v), Some(a)) => {
-                let mut all = Tensor::zeros(vec![m, c], DType::F32, dev).ctx("mllm", "zeros")?; // (M, C)
+                let mut all = Tensor::zeros(vec![m, c], v.dtype(), dev).ctx("mllm", "zeros")?; // (M, C)
                 let iv = ids((0..g_v as u32).collect(), dev)?;
                 let ia = ids((g_v as u32..m as u32).collect(), dev)?;
                 ops::scatter_rows(&mut all, &iv, &v).ctx("mllm", "image rows")?;
@@ -514,7 +514,7 @@ pub(crate) fn vision_unproject<E>(
         Some(r) => {
             // Class tokens feed no image token: their rows stay zero.
             let mut dl =
-                Tensor::zeros(vec![b * s, d], DType::F32, dy.device()).ctx("mllm", "zeros")?; // (B*S, D)
+                Tensor::zeros(vec![b * s, d], dfeat.dtype(), dy.device()).ctx("mllm", "zeros")?; // (B*S, D)
             ops::scatter_rows(&mut dl, r, &dfeat).ctx("mllm", "patch token grads")?;
             dl
         }

@@ -374,7 +374,9 @@ fn stack_grads(
     dev: Device,
 ) -> Result<Tensor> {
     let total: usize = n_rows.iter().sum();
-    let mut dy = Tensor::zeros(vec![total, c], DType::F32, dev)?; // (N, C)
+    // The bridge returns grads in the dtype it carried the embeddings in.
+    let dtype = grads.first().map_or(DType::F32, |g| g.1.dtype());
+    let mut dy = Tensor::zeros(vec![total, c], dtype, dev)?; // (N, C)
     let mut off = 0;
     for (&i, &n) in items.iter().zip(n_rows) {
         let g = grads.iter().find(|(j, _)| *j == i).ok_or_else(|| {

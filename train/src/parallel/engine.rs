@@ -16,7 +16,7 @@ use std::sync::Arc;
 use braid_bridge::Routes;
 use braid_comm::Comm;
 use braid_dataloader::loader::Row;
-use braid_kernels::{DType, Device, Shape, Tensor, ops};
+use braid_kernels::{Device, Shape, Tensor, ops};
 use braid_llm::{ModalityEmbeds, StageCache, StageInput, vocab_parallel_loss};
 use braid_nn::{Module, SeqInfo};
 
@@ -76,6 +76,7 @@ impl Engine {
         let rank = world.rank();
         let mut model = RankModel::build(full, world.as_ref(), &layouts, rank)?;
         model.set_recompute(&cfg.parallel);
+        model.set_compute_dtype(cfg.precision().compute_dtype())?;
         let zero1 = cfg.parallel.zero1;
         let plan = ShardPlan::new(&model, zero1);
         let optim = AdamW::new_owned(cfg.optim.clone(), &model, &|p| plan.owns(&p.name), zero1)?;
@@ -121,7 +122,11 @@ impl Engine {
         let cp = self.layouts.llm.dims.cp;
         let plan = StepPlan::new(rows, &a, replicas.llm_dp, &|cu| TokenSplit::causal(cu, cp))?;
         let c = self.mconfig.llm.hidden;
-        let routes = plan.routes(&self.layouts, c, self.freeze)?;
+        // The bridge carries rows in the compute dtype, on this rank's device.
+        let routes = plan
+            .routes(&self.layouts, c, self.freeze)?
+            .with_device(super::model::device_of(&self.model))
+            .with_dtype(self.model.compute_dtype());
         self.model.zero_grads()?;
 
         // Encoders, then the bridge to the LLM's first stage.
@@ -147,7 +152,7 @@ impl Engine {
             .as_ref()
             .map_or(Device::Cpu, |l| super::model::device_of(&l.stage));
         let received = received.into_device(dev)?; // (M_r, C)
-        let mut dreceived = Tensor::zeros(received.shape().clone(), DType::F32, dev)?; // (M_r, C)
+        let mut dreceived = Tensor::zeros(received.shape().clone(), received.dtype(), dev)?; // (M_r, C)
         let norm = plan.targets.max(1);
         let loss_local = match &mut self.model.llm {
             Some(l) => run_pipeline(

@@ -240,7 +240,10 @@ pub fn broadcast_updates(model: &mut RankModel, plan: &ShardPlan) -> Result<()> 
             res = plan.owner_of(&p.name).and_then(|owner| {
                 g.replicas
                     .broadcast(&mut p.value, owner)
-                    .map_err(TrainError::from)
+                    .map_err(TrainError::from)?;
+                // The owner refreshed its compute copy in the fused step; the others
+                // derive theirs from the value they received.
+                p.refresh_compute().map_err(TrainError::from)
             });
         });
         res?;

@@ -440,6 +440,9 @@ impl AttentionKernels for CpuBackend {
         cu_seqlens: &[usize],
         spec: &AttentionSpec,
     ) -> Result<(Tensor, Tensor)> {
+        if super::bf16::any(&[q, k, v]) {
+            return super::bf16::attention_fwd(self, (q, k, v), cu_seqlens, spec);
+        }
         const OP: &str = "attention_fwd";
         // Cheap, and keeps every slice index below in bounds even if called directly.
         let dims = check_qkv(OP, q, k, v, cu_seqlens, spec)?;
@@ -457,6 +460,9 @@ impl AttentionKernels for CpuBackend {
         cu_seqlens: &[usize],
         spec: &AttentionSpec,
     ) -> Result<(Tensor, Tensor, Tensor)> {
+        if super::bf16::any(&[dout, q, k, v, out]) {
+            return super::bf16::attention_bwd(self, (dout, q, k, v, out, lse), super::bf16::Keys::Seqlens(cu_seqlens), spec);
+        }
         const OP: &str = "attention_bwd";
         let dims = check_qkv(OP, q, k, v, cu_seqlens, spec)?;
         let h = host(OP, (q, k, v), dims, spec)?;
@@ -471,6 +477,9 @@ impl AttentionKernels for CpuBackend {
         segs: &[QkSegment],
         spec: &AttentionSpec,
     ) -> Result<(Tensor, Tensor)> {
+        if super::bf16::any(&[q, k, v]) {
+            return super::bf16::attention_fwd_ranges(self, (q, k, v), segs, spec);
+        }
         const OP: &str = "attention_fwd_ranges";
         let dims = check_qk_ranges(OP, q, k, v, segs, spec)?;
         let segs: Vec<Seg> = segs.iter().map(Seg::new).collect();
@@ -488,6 +497,9 @@ impl AttentionKernels for CpuBackend {
         segs: &[QkSegment],
         spec: &AttentionSpec,
     ) -> Result<(Tensor, Tensor, Tensor)> {
+        if super::bf16::any(&[dout, q, k, v, out]) {
+            return super::bf16::attention_bwd(self, (dout, q, k, v, out, lse), super::bf16::Keys::Ranges(segs), spec);
+        }
         const OP: &str = "attention_bwd_ranges";
         let dims = check_qk_ranges(OP, q, k, v, segs, spec)?;
         let segs: Vec<Seg> = segs.iter().map(Seg::new).collect();
