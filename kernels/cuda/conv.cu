@@ -7,7 +7,8 @@
 // so one GEMM per chunk covers all its items:
 //   fwd  ytmp (CO, nb*LO) = w @ col,  y[b0 + b, co, o] = ytmp[co, b*LO + o] + bias[co]
 //   bwd  dyt (CO, nb*LO) = dy permuted, dcol (CI*K, nb*LO) = wᵀ @ dyt -> col2im -> dx,
-//        dw (CO, CI*K) += dyt @ colᵀ.
+//        dw (CO, CI*K) += dyt @ colᵀ (a bf16 x bf16 -> f32 GEMM when dw is the f32 grad
+//        of a bf16-computed weight: mixed precision).
 // T is float or bf16_t; indices are u64 (B*CI*L can pass 2^32).
 #include "common.cuh"
 
@@ -81,9 +82,10 @@ __device__ void col2im(T* dx, const T* dcol, u32 b0, u32 nb, u32 CI, u32 L, u32 
 }
 
 // db[co] += sum over (b, o) of dy[b, co, o]: one block per channel co, a fixed
-// per-thread stride and a fixed f64 tree, the total added once.
-template <typename T>
-__device__ void conv1d_bias_grad(T* db, const T* dy, u32 B, u32 CO, u32 LO) {
+// per-thread stride and a fixed f64 tree, the total added once. G is db's dtype: T, or
+// f32 with a bf16 dy (mixed precision: the f32 grad of the f32 master bias).
+template <typename G, typename T>
+__device__ void conv1d_bias_grad(G* db, const T* dy, u32 B, u32 CO, u32 LO) {
     __shared__ double scratch[32];
     const u32 co = blockIdx.x;
     const u64 n = (u64)B * LO;
@@ -171,3 +173,9 @@ __device__ void unpatchify(T* img, const T* patches, u32 B, u32 C, u32 H, u32 W,
 
 BRAID_CONV(f32, float)
 BRAID_CONV(bf16, bf16_t)
+
+// The mixed pair, suffix <db dtype>_<dy dtype>: bf16 dy into an f32 db.
+extern "C" __global__ void braid_conv1d_bias_grad_f32_bf16(float* db, const bf16_t* dy, u32 B, u32 CO,
+                                                           u32 LO) {
+    conv1d_bias_grad(db, dy, B, CO, LO);
+}

@@ -8,8 +8,10 @@ __device__ void add(T* out, const T* a, const T* b, u64 n) {
         store_f(out, i, load_f(a, i) + load_f(b, i));
 }
 
-template <typename T>
-__device__ void add_assign(T* acc, const T* x, u64 n) {
+// acc (A) += x (X): equal dtypes, or an f32 acc with bf16 x (mixed precision adds bf16
+// grads into f32 accumulators; the upcast is exact, the sum rounds once in f32).
+template <typename A, typename X>
+__device__ void add_assign(A* acc, const X* x, u64 n) {
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         store_f(acc, i, load_f(acc, i) + load_f(x, i));
 }
@@ -75,6 +77,11 @@ extern "C" __global__ void braid_sum_partials_f64(double* out, const double* par
 BRAID_ELEMENTWISE(f32, float)
 BRAID_ELEMENTWISE(bf16, bf16_t)
 
+// braid_add_assign_<acc dtype>_<x dtype>: the one mixed pair.
+extern "C" __global__ void braid_add_assign_f32_bf16(float* acc, const bf16_t* x, u64 n) {
+    add_assign(acc, x, n);
+}
+
 // ---- bias (the linear layer's; the matmul family's kernels) ----
 
 // y[n, c] += bias[c]. y (N, C), bias (C).
@@ -96,7 +103,9 @@ __device__ void bias_grad_partial(float* partial, const T* dy, u64 n_rows, u32 c
     partial[(u64)blockIdx.y * c + col] = acc;
 }
 
-// Stage 2: dbias[c] += sum_g partial[g, c], g in order. dbias is f32 or T.
+// Stage 2: dbias[c] += sum_g partial[g, c], g in order. G is dbias's dtype, picked by the
+// host independently of dy's (the partials are f32 either way): a bf16 dy's partials
+// finish into an f32 dbias (the master bias's grad) under mixed precision.
 template <typename G>
 __device__ void bias_grad_finish(G* dbias, const float* partial, u32 groups, u32 c) {
     u32 col = blockIdx.x * blockDim.x + threadIdx.x;

@@ -117,7 +117,9 @@ __device__ void norm_param_partial(double* partial, const T* dy, const T* x, con
 
 // Stage 2: out[j] = out[j] + (float)sum_g partial[offset + g * C + j], the G partials in
 // increasing g (f64), the total added once in f32 (like the CPU's `*o += a as f32`).
-// Grid-stride over j < C.
+// Grid-stride over j < C. T here is the grad's dtype, chosen by the host independently of
+// the inputs' (the partials are f64 either way): bf16 inputs under mixed precision use
+// the f32 kernel to add into the master weight's f32 grad.
 template <typename T>
 __device__ void norm_sum_partials(T* out, const double* partial, u64 offset, u32 G, u32 C) {
     for (u32 j = blockIdx.x * blockDim.x + threadIdx.x; j < C; j += gridDim.x * blockDim.x) {

@@ -6,6 +6,10 @@
 //! Whisper stem is a handful of large GEMMs, not one small one per item. The chunking
 //! depends only on the shapes, so dw — summed chunk after chunk with `beta = 1` — has
 //! the same bits on every run; db is one fixed-order reduction over the whole dy.
+//!
+//! Mixed precision: with dy, x, w bf16, dw and db may be f32 (the master weights'
+//! grads): dw's GEMM is then bf16 x bf16 -> f32 (cuBLASLt, f32 accumulate) and db has
+//! its own kernel, `braid_conv1d_bias_grad_f32_bf16`.
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
@@ -249,6 +253,10 @@ impl CudaBackend {
             ));
         }
         let [ci, l, k, lo, stride, pad, co, bsz] = d.u32s(OP)?;
+        let db_kernel = match db.as_deref() {
+            Some(db) => Some(Self::bias_grad_kernel::<T>(db, co)?),
+            None => None,
+        };
         let dys = slice::<T>(OP, "dy", dy)?; // (B, CO, LO)
         let xs = slice::<T>(OP, "x", x)?; // (B, CI, L)
         let dx_n = d.b * d.ci * d.l;
@@ -322,23 +330,69 @@ impl CudaBackend {
                 )?;
             }
         }
-        if let Some(db) = db {
-            let dbs = slice_mut::<T>(OP, "db", db)?;
-            let f = self.function(
-                &CONV,
-                T::pick("braid_conv1d_bias_grad_f32", "braid_conv1d_bias_grad_bf16"),
-            )?;
-            let cfg = LaunchConfig {
-                grid_dim: (co, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // braid_conv1d_bias_grad_T(T* db, const T* dy, u32 B, u32 CO, u32 LO)
-            // SAFETY: signature above; block co < CO updates db[co] (db holds CO, checked
-            // by ops); reads dy (B*CO*LO).
-            unsafe { launch!(self, OP, f, cfg; dbs, dys, &bsz, &co, &lo)? };
+        if let (Some(db), Some(kernel)) = (db, db_kernel) {
+            self.conv_bias_grad::<T>(kernel, dys, db, [bsz, co, lo])?;
         }
         Tensor::from_cuda(T::wrap(dx), [d.b, d.ci, d.l])
+    }
+
+    /// The bias-grad kernel for a dy of dtype T into `db`: db of dtype T, or f32 with a
+    /// bf16 dy (mixed precision: the f32 grad of the f32 master bias). Kernel names:
+    /// `braid_conv1d_bias_grad_<G>` when db and dy share dtype G, `<db>_<dy>` for the
+    /// mixed pair. Called before any launch, so a bad `db` leaves `dw` unchanged too.
+    fn bias_grad_kernel<T: DeviceFloat>(db: &Tensor, co: u32) -> Result<&'static str> {
+        const OP: &str = "conv1d_bwd";
+        if db.elem_count() < co as usize {
+            return Err(Error::shape(
+                OP,
+                format!("`db` {db:?} holds fewer than CO = {co} elements"),
+            ));
+        }
+        match (T::IS_BF16, db.dtype()) {
+            (false, DType::F32) => Ok("braid_conv1d_bias_grad_f32"),
+            (true, DType::F32) => Ok("braid_conv1d_bias_grad_f32_bf16"),
+            (true, DType::BF16) => Ok("braid_conv1d_bias_grad_bf16"),
+            _ => Err(Error::invalid(
+                OP,
+                format!(
+                    "`db` {db:?} cannot take the grad of an f32 `dy`: db must be f32 or dy's dtype"
+                ),
+            )),
+        }
+    }
+
+    /// `db (CO) += sum over (b, o) of dy[b, co, o]` with `kernel` from
+    /// [`Self::bias_grad_kernel`].
+    fn conv_bias_grad<T: DeviceFloat>(
+        &self,
+        kernel: &'static str,
+        dys: &CudaSlice<T>,
+        db: &mut Tensor,
+        [bsz, co, lo]: [u32; 3],
+    ) -> Result<()> {
+        const OP: &str = "conv1d_bwd";
+        let f = self.function(&CONV, kernel)?;
+        let cfg = LaunchConfig {
+            grid_dim: (co, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // braid_conv1d_bias_grad_<G>[_<T>](G* db, const T* dy, u32 B, u32 CO, u32 LO)
+        // SAFETY (both arms): signature above, `kernel` picked for exactly these dtypes
+        // of db and dy; block co < CO updates db[co] (db holds at least CO, checked by
+        // bias_grad_kernel); reads dy (B*CO*LO, checked by conv_bwd against the dims).
+        match db.dtype() {
+            DType::F32 => {
+                let dbs = slice_mut::<f32>(OP, "db", db)?;
+                // SAFETY: see above.
+                unsafe { launch!(self, OP, f, cfg; dbs, dys, &bsz, &co, &lo) }
+            }
+            _ => {
+                let dbs = slice_mut::<u16>(OP, "db", db)?;
+                // SAFETY: see above.
+                unsafe { launch!(self, OP, f, cfg; dbs, dys, &bsz, &co, &lo) }
+            }
+        }
     }
 
     fn patchify_t<T: DeviceFloat>(&self, images: &Tensor, patch: usize) -> Result<Tensor> {

@@ -1,5 +1,6 @@
 //! Elementwise arithmetic and the deterministic sum of squares on CUDA
-//! (`kernels/cuda/elementwise.cu`).
+//! (`kernels/cuda/elementwise.cu`). `add_assign` also takes a bf16 `x` into an f32
+//! `acc` (mixed precision's grad accumulation).
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
@@ -37,28 +38,40 @@ impl ElementwiseKernels for CudaBackend {
     fn add_assign(&self, acc: &mut Tensor, x: &Tensor) -> Result<()> {
         const OP: &str = "add_assign";
         let n = x.elem_count();
-        let xs = x.cuda_storage(OP, "x")?;
-        let kernel = match xs {
-            CudaStorage::F32(_) => "braid_add_assign_f32",
-            CudaStorage::BF16(_) => "braid_add_assign_bf16",
-            CudaStorage::U32(_) => return Err(storage_err(OP, "x", x)),
-        };
-        let f = self.function(&ELEMENTWISE, kernel)?;
+        if acc.elem_count() != n {
+            return Err(crate::Error::shape(
+                OP,
+                format!("`acc` {acc:?} and `x` {x:?} differ in element count"),
+            ));
+        }
         let acc_dbg = format!("{acc:?}");
         let n64 = n as u64;
-        match (acc.cuda_storage_mut(OP, "acc")?, xs) {
-            // braid_add_assign_T(T* acc, const T* x, u64 n)
-            // SAFETY: signature above; both hold n elements (same shapes, checked by ops).
-            (CudaStorage::F32(a), CudaStorage::F32(b)) => unsafe {
-                launch!(self, OP, f, grid_for(n); a, b, &n64)
-            },
-            // SAFETY: as above.
-            (CudaStorage::BF16(a), CudaStorage::BF16(b)) => unsafe {
-                launch!(self, OP, f, grid_for(n); a, b, &n64)
-            },
+        let cfg = grid_for(n);
+        // braid_add_assign_<A>_<X>(A* acc, const X* x, u64 n); equal dtypes are named by
+        // one suffix (braid_add_assign_f32). f32 += bf16 is mixed precision's grad
+        // accumulation; bf16 += f32 would round an f32 value into a bf16 accumulator and
+        // is refused.
+        match (acc.cuda_storage_mut(OP, "acc")?, x.cuda_storage(OP, "x")?) {
+            (CudaStorage::F32(a), CudaStorage::F32(b)) => {
+                let f = self.function(&ELEMENTWISE, "braid_add_assign_f32")?;
+                // SAFETY: signature above; both hold n elements (checked above).
+                unsafe { launch!(self, OP, f, cfg; a, b, &n64) }
+            }
+            (CudaStorage::BF16(a), CudaStorage::BF16(b)) => {
+                let f = self.function(&ELEMENTWISE, "braid_add_assign_bf16")?;
+                // SAFETY: as above.
+                unsafe { launch!(self, OP, f, cfg; a, b, &n64) }
+            }
+            (CudaStorage::F32(a), CudaStorage::BF16(b)) => {
+                let f = self.function(&ELEMENTWISE, "braid_add_assign_f32_bf16")?;
+                // SAFETY: as above (acc f32, x bf16 bits).
+                unsafe { launch!(self, OP, f, cfg; a, b, &n64) }
+            }
             _ => Err(crate::Error::invalid(
                 OP,
-                format!("`acc` {acc_dbg} and `x` {x:?} differ in dtype"),
+                format!(
+                    "`acc` {acc_dbg} += `x` {x:?}: takes equal float dtypes or an f32 `acc` with a bf16 `x`"
+                ),
             )),
         }
     }

@@ -4,6 +4,8 @@
 //! Types: f32 x f32 -> f32 computes in true f32 (`CUBLAS_COMPUTE_32F`, never TF32, so
 //! the f32 path matches the CPU within 1e-5); bf16 x bf16 -> bf16 or -> f32 (weight grads
 //! accumulated into f32) computes in f32 on the tensor cores. The scale type is f32.
+//! The bias grad takes a bf16 `dy` into an f32 `dbias` (mixed precision) as well as
+//! equal dtypes: its f32 partial sums do not depend on either.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -15,6 +17,7 @@ use super::compile::ELEMENTWISE;
 use super::context::lock;
 use super::{CudaBackend, CudaStorage, grid_for, storage_err};
 use crate::backend::MatmulKernels;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::ops::matmul::GemmSpec;
 use crate::tensor::Tensor;
@@ -363,6 +366,13 @@ impl MatmulKernels for CudaBackend {
         if c == 0 {
             return Ok(());
         }
+        if dy.dtype() == DType::U32 || dbias.dtype() == DType::U32 {
+            // Checked before any launch, so nothing runs on an integer tensor.
+            return Err(Error::invalid(
+                OP,
+                format!("`dy` {dy:?} and `dbias` {dbias:?} must both be float tensors"),
+            ));
+        }
         let rows = dy.elem_count() / c;
         // Groups of rows summed separately, then in order: a function of N only, so the
         // bits do not depend on the GPU.
@@ -386,47 +396,41 @@ impl MatmulKernels for CudaBackend {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let kernel = |t: &str| {
-            if t == "f32" {
-                ("braid_bias_grad_partial_f32", "braid_bias_grad_finish_f32")
-            } else {
-                (
-                    "braid_bias_grad_partial_bf16",
-                    "braid_bias_grad_finish_bf16",
-                )
-            }
-        };
+        // Stage 1 by dy's dtype into f32 partials, stage 2 by dbias's dtype: the two need
+        // not match (under mixed precision a bf16 dy adds into the f32 grad of an f32
+        // master bias).
         let db_dbg = format!("{dbias:?}");
-        match (
-            dy.cuda_storage(OP, "dy")?,
-            dbias.cuda_storage_mut(OP, "dbias")?,
-        ) {
-            (CudaStorage::F32(d), CudaStorage::F32(db)) => {
-                let (k1, k2) = kernel("f32");
-                let (f1, f2) = (
-                    self.function(&ELEMENTWISE, k1)?,
-                    self.function(&ELEMENTWISE, k2)?,
-                );
-                // SAFETY: braid_bias_grad_partial_T(float* p, const T* dy, u64 n, u32 c)
-                // writes p[g, col] for every g < G, col < c (grid covers both); dy holds n x c.
+        // braid_bias_grad_partial_T(float* p, const T* dy, u64 n, u32 c) writes p[g, col]
+        // for every g < G, col < c (the grid covers both); reads dy (n x c).
+        match dy.cuda_storage(OP, "dy")? {
+            CudaStorage::F32(d) => {
+                let f1 = self.function(&ELEMENTWISE, "braid_bias_grad_partial_f32")?;
+                // SAFETY: signature above; `partial` holds G x c, `d` rows x c elements.
                 unsafe { launch!(self, OP, f1, cfg1; &mut partial, d, &rows64, &c32)? };
-                // SAFETY: braid_bias_grad_finish_T(T* db, const float* p, u32 g, u32 c); db holds c.
-                unsafe { launch!(self, OP, f2, cfg2; db, &partial, &g32, &c32) }
             }
-            (CudaStorage::BF16(d), CudaStorage::BF16(db)) => {
-                let (k1, k2) = kernel("bf16");
-                let (f1, f2) = (
-                    self.function(&ELEMENTWISE, k1)?,
-                    self.function(&ELEMENTWISE, k2)?,
-                );
+            CudaStorage::BF16(d) => {
+                let f1 = self.function(&ELEMENTWISE, "braid_bias_grad_partial_bf16")?;
                 // SAFETY: as above.
                 unsafe { launch!(self, OP, f1, cfg1; &mut partial, d, &rows64, &c32)? };
+            }
+            CudaStorage::U32(_) => return Err(storage_err(OP, "dy", dy)),
+        }
+        // braid_bias_grad_finish_G(G* db, const float* p, u32 g, u32 c): db[col] +=
+        // sum_g p[g, col] for col < c; G is dbias's dtype.
+        match dbias.cuda_storage_mut(OP, "dbias")? {
+            CudaStorage::F32(db) => {
+                let f2 = self.function(&ELEMENTWISE, "braid_bias_grad_finish_f32")?;
+                // SAFETY: signature above; `db` holds c elements, `partial` G x c.
+                unsafe { launch!(self, OP, f2, cfg2; db, &partial, &g32, &c32) }
+            }
+            CudaStorage::BF16(db) => {
+                let f2 = self.function(&ELEMENTWISE, "braid_bias_grad_finish_bf16")?;
                 // SAFETY: as above.
                 unsafe { launch!(self, OP, f2, cfg2; db, &partial, &g32, &c32) }
             }
-            _ => Err(Error::invalid(
+            CudaStorage::U32(_) => Err(Error::invalid(
                 OP,
-                format!("`dy` {dy:?} and `dbias` {db_dbg} differ in dtype"),
+                format!("`dbias` {db_dbg} is not a CUDA tensor of the expected dtype"),
             )),
         }
     }

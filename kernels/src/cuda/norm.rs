@@ -1,6 +1,10 @@
 //! LayerNorm and RMSNorm on CUDA (`kernels/cuda/norm.cu`): one block per row for the
 //! forwards and the dx of the backwards; parameter grads (dw, db) as a two-stage column
 //! sum over a fixed number of row groups, with no atomics, so the bits never change.
+//!
+//! The parameter grads need not have the inputs' dtype: under mixed precision dy, x and
+//! w are bf16 while dw/db are the f32 grads of the f32 master weights. The partial sums
+//! are f64 whatever the inputs, so only the finishing kernel depends on the grad's dtype.
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
@@ -9,7 +13,7 @@ use super::storage::{DeviceFloat, slice, slice_mut};
 use super::{CudaBackend, CudaStorage, grid_for, storage_err, to_u32};
 use crate::backend::NormKernels;
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
 /// Row groups of the first stage of a parameter-grad sum. Fixed (not derived from the
@@ -51,6 +55,26 @@ fn dims(op: &'static str, x: &Tensor, w: &Tensor) -> Result<(u32, u32)> {
     let c = w.elem_count().max(1);
     let n = x.elem_count() / c;
     Ok((to_u32(op, "N (rows)", n)?, to_u32(op, "C", c)?))
+}
+
+/// A parameter grad (`dw`, `db`) the finishing kernel can add into: f32 or bf16,
+/// whatever the inputs' dtype, holding at least C elements. Checked before any launch,
+/// so a bad grad leaves every grad unchanged.
+fn check_grad(op: &'static str, arg: &'static str, t: Option<&Tensor>, c: u32) -> Result<()> {
+    let Some(t) = t else { return Ok(()) };
+    if t.dtype() == DType::U32 {
+        return Err(Error::invalid(
+            op,
+            format!("`{arg}` {t:?} is not a float tensor"),
+        ));
+    }
+    if t.elem_count() < c as usize {
+        return Err(Error::shape(
+            op,
+            format!("`{arg}` {t:?} holds fewer than C = {c} elements"),
+        ));
+    }
+    Ok(())
 }
 
 impl NormKernels for CudaBackend {
@@ -163,6 +187,8 @@ impl CudaBackend {
     ) -> Result<Tensor> {
         const OP: &str = "layer_norm_bwd";
         let (n, c) = dims(OP, x, w)?;
+        check_grad(OP, "dw", dw.as_deref(), c)?;
+        check_grad(OP, "db", db.as_deref(), c)?;
         let dys = slice::<T>(OP, "dy", dy)?; // (N, C)
         let xs = slice::<T>(OP, "x", x)?; // (N, C)
         let ws = slice::<T>(OP, "w", w)?; // (C)
@@ -211,10 +237,10 @@ impl CudaBackend {
                 launch!(self, OP, f, partial_launch(c); &mut partial, dys, xs, ms, rs, &n, &c, &want_dw, &want_db)?
             };
             if let Some(dw) = dw {
-                self.add_partials::<T>(OP, slice_mut::<T>(OP, "dw", dw)?, &partial, 0, c)?;
+                self.add_partials(OP, "dw", dw, &partial, 0, c)?;
             }
             if let Some(db) = db {
-                self.add_partials::<T>(OP, slice_mut::<T>(OP, "db", db)?, &partial, g_c as u64, c)?;
+                self.add_partials(OP, "db", db, &partial, g_c as u64, c)?;
             }
         }
         Tensor::from_cuda(T::wrap(dx), x.shape().clone())
@@ -260,6 +286,7 @@ impl CudaBackend {
     ) -> Result<Tensor> {
         const OP: &str = "rms_norm_bwd";
         let (n, c) = dims(OP, x, w)?;
+        check_grad(OP, "dw", dw.as_deref(), c)?;
         let dys = slice::<T>(OP, "dy", dy)?; // (N, C)
         let xs = slice::<T>(OP, "x", x)?; // (N, C)
         let ws = slice::<T>(OP, "w", w)?; // (C)
@@ -295,30 +322,54 @@ impl CudaBackend {
             // partial[g*C + j] (the kernel passes want_db = 0), inside the G*C; reads rows
             // n < N of dy, x (N*C) and rstd[n].
             unsafe { launch!(self, OP, f, partial_launch(c); &mut partial, dys, xs, rs, &n, &c)? };
-            self.add_partials::<T>(OP, slice_mut::<T>(OP, "dw", dw)?, &partial, 0, c)?;
+            self.add_partials(OP, "dw", dw, &partial, 0, c)?;
         }
         Tensor::from_cuda(T::wrap(dx), x.shape().clone())
     }
 
-    /// Stage 2: `out[j] += sum_g partial[offset + g*C + j]`, G = [`GROUPS`], for j < C.
-    /// A bf16 `out` is read, summed in f32 and rounded back to bf16.
-    fn add_partials<T: DeviceFloat>(
+    /// Stage 2: `out[j] += sum_g partial[offset + g*C + j]`, G = [`GROUPS`], for j < C,
+    /// in the dtype of `out` (argument `arg`), whatever the inputs' dtype: f32 (the
+    /// master weight's grad under mixed precision, or the f32 path) is added in f32; a
+    /// bf16 `out` is read, summed in f32 and rounded back to bf16.
+    fn add_partials(
         &self,
         op: &'static str,
-        out: &mut CudaSlice<T>,
+        arg: &'static str,
+        out: &mut Tensor,
+        partial: &CudaSlice<f64>,
+        offset: u64,
+        c: u32,
+    ) -> Result<()> {
+        // dtype and length: check_grad, before the first launch.
+        match out.dtype() {
+            DType::F32 => {
+                self.add_partials_typed(op, slice_mut::<f32>(op, arg, out)?, partial, offset, c)
+            }
+            DType::BF16 => {
+                self.add_partials_typed(op, slice_mut::<u16>(op, arg, out)?, partial, offset, c)
+            }
+            DType::U32 => Err(storage_err(op, arg, out)),
+        }
+    }
+
+    /// [`Self::add_partials`] for a grad buffer of dtype `G`, holding at least C elements.
+    fn add_partials_typed<G: DeviceFloat>(
+        &self,
+        op: &'static str,
+        out: &mut CudaSlice<G>,
         partial: &CudaSlice<f64>,
         offset: u64,
         c: u32,
     ) -> Result<()> {
         let f = self.function(
             &NORM,
-            T::pick(
+            G::pick(
                 "braid_norm_sum_partials_f32",
                 "braid_norm_sum_partials_bf16",
             ),
         )?;
-        // braid_norm_sum_partials_T(T* out, const double* partial, u64 offset, u32 G, u32 C)
-        // SAFETY: signature above; `out` holds C (ops checked dw/db against w), `partial`
+        // braid_norm_sum_partials_G(G* out, const double* partial, u64 offset, u32 G, u32 C)
+        // SAFETY: signature above; `out` holds at least C (check_grad), `partial`
         // holds at least offset + G*C (the callers allocate (2, G, C) or (1, G, C) and pass
         // offset 0 or G*C); grid-stride over j < C.
         unsafe { launch!(self, op, f, grid_for(c as usize); out, partial, &offset, &GROUPS, &c) }
