@@ -209,14 +209,23 @@ impl Observer for Progress {
 pub const PEER_FAILED: u8 = 3;
 
 /// Whether `e` is a collective that another rank broke (it went away, or never answered).
-fn stopped_by_a_peer(e: &(dyn std::error::Error + 'static)) -> bool {
+fn stopped_by_a_peer(e: &TrainError) -> bool {
+    let by_peer = |c: &braid_comm::CommError| {
+        matches!(
+            c,
+            braid_comm::CommError::Poisoned { .. } | braid_comm::CommError::Timeout { .. }
+        )
+    };
+    // `TrainError::Comm` is `#[error(transparent)]`: its `source()` is the CommError's
+    // own source, so the chain below never shows the CommError itself.
+    if let TrainError::Comm(c) = e {
+        return by_peer(c);
+    }
+    // Comm errors wrapped with context (a layer's, the bridge's) are in the chain.
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(err) = cur {
         if let Some(c) = err.downcast_ref::<braid_comm::CommError>() {
-            return matches!(
-                c,
-                braid_comm::CommError::Poisoned { .. } | braid_comm::CommError::Timeout { .. }
-            );
+            return by_peer(c);
         }
         cur = err.source();
     }
@@ -395,5 +404,41 @@ pub fn run(args: TrainArgs) -> ExitCode {
             eprintln!("braid train: error: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use braid_comm::CommError;
+
+    fn poisoned() -> CommError {
+        CommError::Poisoned {
+            op: "all_reduce_sum",
+            rank: 1,
+            by: 2,
+            why: "rank 2 on 127.0.0.1: its connection closed".into(),
+        }
+    }
+
+    #[test]
+    fn a_peer_failure_is_recognised_however_it_is_wrapped() {
+        // Straight from a collective of the step (the loss, the grad norm).
+        assert!(stopped_by_a_peer(&TrainError::Comm(poisoned())));
+        // Inside a layer's context.
+        let layer = braid_nn::Error::Comm {
+            context: "llm.layers.0.mlp: forward".into(),
+            source: poisoned(),
+        };
+        assert!(stopped_by_a_peer(&TrainError::Model(layer)));
+        // A rank's own failures are not a peer's.
+        let own = CommError::Invalid {
+            op: "all_gather",
+            rank: 0,
+            size: 2,
+            msg: "shapes differ".into(),
+        };
+        assert!(!stopped_by_a_peer(&TrainError::Comm(own)));
+        assert!(!stopped_by_a_peer(&TrainError::Data("a bad shard".into())));
     }
 }

@@ -1,6 +1,7 @@
 //! Whether a checkpoint may be resumed under the current config: everything that changes
 //! the math or the data order must be the same; logging, checkpointing, evaluation, loader
-//! threads, `train.steps` (to extend a run) and the parallel layout may differ.
+//! threads, `train.steps` (to extend a run), the parallel layout and the device and
+//! precision may differ.
 
 use toml::{Table, Value};
 
@@ -9,7 +10,7 @@ use crate::error::Result;
 
 /// Keys free to change between a checkpoint and its resumption (a run folder may be moved
 /// or renamed).
-const FREE: [&str; 12] = [
+const FREE: [&str; 13] = [
     "run.name",
     "run.dir",
     "log",
@@ -23,6 +24,9 @@ const FREE: [&str; 12] = [
     "train.steps",
     // Checkpoints hold full tensors: any layout loads them (the math is the same).
     "parallel",
+    // Checkpoints hold the f32 masters, so a bf16 run on a GPU resumes on the CPU in
+    // f32 and back (the device, in `parallel`, decides the default precision).
+    "train.precision",
 ];
 
 fn strip(doc: &mut Table) {
