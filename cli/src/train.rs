@@ -144,10 +144,11 @@ impl Observer for Progress {
         }
         let m = |n: usize| n as f64 / 1e6;
         let line = format!(
-            "run {}: {:.2}M params ({:.2}M trainable), {} packs of <= {} tokens, {} rows/step in {} microbatch(es), {} steps/epoch",
+            "run {}: {:.2}M params ({:.2}M trainable, {}), {} packs of <= {} tokens, {} rows/step in {} microbatch(es), {} steps/epoch",
             info.name,
             m(info.params),
             m(info.trainable),
+            info.precision,
             info.packs,
             info.max_seq_len,
             info.batch_rows,

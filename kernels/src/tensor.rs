@@ -296,6 +296,18 @@ impl Tensor {
         }
     }
 
+    /// The CPU storage, mutably, whatever its dtype.
+    pub(crate) fn cpu_storage_mut(
+        &mut self,
+        op: &'static str,
+        arg: &'static str,
+    ) -> Result<&mut CpuStorage> {
+        match &mut self.storage {
+            Storage::Cpu(s) => Ok(s),
+            Storage::Cuda(s) => Err(not_on_cpu(op, arg, s)),
+        }
+    }
+
     /// The device buffer of a CUDA tensor.
     pub(crate) fn cuda_storage(&self, op: &'static str, arg: &'static str) -> Result<&CudaStorage> {
         match &self.storage {

@@ -260,6 +260,16 @@ fn embedding_rope_activations_bf16(dev: Device) -> Result<()> {
     ops::embedding_bwd(&bf16_on(&dy, &[n, c], dev)?, &idd, &mut dt)?;
     f32_acc("embedding dtable", dev, &dt, &dt_ref)?;
 
+    // Row moves keep bf16 bits: scatter into a bf16 buffer and gather back.
+    let mut buf = Tensor::zeros([v, c], DType::BF16, dev)?;
+    let rows = Tensor::from_vec_u32(vec![3, 0, 36], [3], dev)?;
+    let src = ops::gather_rows(&bf16_on(&table, &[v, c], dev)?, &rows)?;
+    ops::scatter_rows(&mut buf, &rows, &src)?;
+    let back = ops::gather_rows(&buf, &rows)?;
+    assert_eq!(back.dtype(), DType::BF16);
+    assert_eq!(back.to_host()?, src.to_host()?, "scatter/gather move bf16 rows exactly");
+    assert!(ops::scatter_rows(&mut buf, &rows, &ops::cast(&src, DType::F32)?).is_err());
+
     // RoPE: bf16 x with f32 tables, as the LLM runs it.
     let (t, nh, hs) = (9, 4, 16);
     let x = values(&mut rng, t * nh * hs, 1.0);

@@ -469,6 +469,16 @@ fn main() {
     let config = braid_train::assemble::model_config(&cfg).unwrap();
     let init = Init::new(cfg.run.seed, bench_device()).with_std(cfg.model.init_std);
     let mut model = Mllm::new(config, &init).unwrap();
+    // `train.precision` as the trainer resolves it, for the bench's device: bf16 mixed
+    // precision on CUDA unless the config says otherwise.
+    let precision = cfg.train.precision.unwrap_or(match bench_device() {
+        Device::Cuda(_) => braid_train::config::Precision::Bf16,
+        Device::Cpu => braid_train::config::Precision::F32,
+    });
+    model
+        .set_compute_dtype(precision.compute_dtype())
+        .unwrap();
+    println!("precision {}", precision.name());
     let batches = make_batches(&model.config, &sh, cfg.run.seed);
     let targets: usize = batches
         .iter()

@@ -60,6 +60,8 @@ pub struct RunInfo {
     pub start_step: u64,
     pub steps: u64,
     pub resumed_from: Option<PathBuf>,
+    /// `train.precision` as resolved for the device ("f32" or "bf16").
+    pub precision: &'static str,
 }
 
 /// A run, set up and ready to step.
@@ -273,6 +275,7 @@ impl Trainer {
             start_step: state.step,
             steps: cfg.train.steps,
             resumed_from,
+            precision: precision.name(),
         };
         Ok(Trainer {
             cfg,

@@ -46,7 +46,9 @@ fn bf16_tracks_f32_and_learns() {
     let first = (b[0].0 - f[0].0).abs() / f[0].0;
     assert!(first <= 1e-2, "step 1: bf16 {} vs f32 {} ({first:.2e})", b[0].0, f[0].0);
     let worst = worst_rel("bf16 vs f32", b, f);
-    assert!(worst <= 3e-2, "bf16 drifts from f32 by {worst:.2e}: {b:?} vs {f:?}");
+    assert!(worst > 0.0, "the bf16 run is the f32 run: the precision was not applied");
+    // Measured 3.6e-4 on this model (2026-12-02); bf16's own resolution is 3.9e-3.
+    assert!(worst <= 5e-3, "bf16 drifts from f32 by {worst:.2e}: {b:?} vs {f:?}");
     assert!(
         b.last().unwrap().0 < b[0].0 - 0.1,
         "the bf16 run must learn: {b:?}"
@@ -64,11 +66,11 @@ fn bf16_layouts_track_bf16_one_rank() {
             &["parallel.world_size=6", "parallel.llm.cp=2", "parallel.llm.pp=2"][..],
         ),
         (
-            "bf16-uneven-dp-vision-tp2",
+            "bf16-uneven-dp-audio-tp2",
             &[
                 "parallel.world_size=7",
-                "parallel.vision.tp=2",
-                "parallel.audio.dp=2",
+                "parallel.vision.dp=3",
+                "parallel.audio.tp=2",
                 "parallel.llm.dp=2",
             ][..],
         ),
@@ -89,9 +91,9 @@ fn bf16_layouts_track_bf16_one_rank() {
         all.push(BF16);
         let got = losses(name, &all);
         // Sums split over ranks round at other points than on one rank: bf16's
-        // tolerance, not f32's 1e-4.
+        // tolerance, not f32's 1e-4 (measured 1.6e-4 to 3.2e-4).
         let worst = worst_rel(name, &got, want);
-        assert!(worst <= 3e-2, "{name}: {worst:.2e} from the bf16 one-rank run");
+        assert!(worst <= 5e-3, "{name}: {worst:.2e} from the bf16 one-rank run");
     }
 }
 
@@ -127,5 +129,5 @@ fn bf16_checkpoints_hold_f32_masters_and_resume() {
         .collect();
     assert_eq!(got[..10], want[..10]);
     let worst = worst_rel("bf16 then f32", &got[10..], &f32_reference()[10..]);
-    assert!(worst <= 3e-2, "{worst:.2e}");
+    assert!(worst <= 5e-3, "{worst:.2e}");
 }

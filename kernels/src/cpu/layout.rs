@@ -71,11 +71,26 @@ impl LayoutKernels for CpuBackend {
                 ));
             }
         }
-        let dv = dst.cpu_f32_mut(OP, "dst")?; // (N, C)
-        let sv = src.cpu_f32(OP, "src")?; // (M, C)
-        for (m, &i) in iv.iter().enumerate() {
-            let i = i as usize;
-            dv[i * c..(i + 1) * c].copy_from_slice(&sv[m * c..(m + 1) * c]);
+        fn copy<T: Copy>(dv: &mut [T], sv: &[T], iv: &[u32], c: usize) {
+            for (m, &i) in iv.iter().enumerate() {
+                let i = i as usize;
+                dv[i * c..(i + 1) * c].copy_from_slice(&sv[m * c..(m + 1) * c]);
+            }
+        }
+        let (src_dtype, dst_dtype) = (src.dtype(), dst.dtype());
+        let sv = src.cpu_storage(OP, "src")?; // (M, C)
+        match (dst.cpu_storage_mut(OP, "dst")?, sv) {
+            (CpuStorage::F32(d), CpuStorage::F32(s)) => copy(d, s, iv, c),
+            (CpuStorage::BF16(d), CpuStorage::BF16(s)) => copy(d, s, iv, c),
+            (CpuStorage::U32(d), CpuStorage::U32(s)) => copy(d, s, iv, c),
+            _ => {
+                return Err(Error::DType {
+                    op: OP,
+                    arg: "src",
+                    got: src_dtype,
+                    expected: dst_dtype,
+                });
+            }
         }
         Ok(())
     }
