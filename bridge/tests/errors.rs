@@ -164,7 +164,10 @@ fn forward_rejects_items_it_does_not_own_missing_repeated_or_misshapen() {
         "{e}"
     );
     let e = forward_error(|x0, _| vec![(0, ops::cast(x0, DType::BF16).unwrap())]);
-    assert!(e.contains("item 0 is bf16 but must be f32"), "{e}");
+    assert!(
+        e.contains("item 0 is bf16 but the routes exchange f32"),
+        "{e}"
+    );
 }
 
 #[test]

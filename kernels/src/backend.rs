@@ -76,6 +76,17 @@ pub trait LayoutKernels {
     /// dst (N, C), idx (M) u32 distinct, src (M, C): `dst[idx[m]] = src[m]`. An index
     /// >= N or a repeated index is an `Error::Invalid` naming it; `dst` is then unchanged.
     fn scatter_rows(&self, dst: &mut Tensor, idx: &Tensor, src: &Tensor) -> Result<()>;
+    /// `dst[dst_start .. dst_start + n] = src[src_start .. src_start + n]` over the
+    /// tensors' flat element order (same dtype; ranges checked by `ops`): packing many
+    /// tensors into one flat buffer and back, on the device (gradient buckets).
+    fn copy_range(
+        &self,
+        src: &Tensor,
+        src_start: usize,
+        dst: &mut Tensor,
+        dst_start: usize,
+        n: usize,
+    ) -> Result<()>;
 }
 
 /// Token embeddings.

@@ -164,3 +164,62 @@ fn gather_and_scatter_rows(dev: Device) -> Result<()> {
 }
 
 braid_kernels::test_on_devices!(gather_and_scatter_rows);
+
+/// Tensors of several shapes packed into one flat buffer and back (a gradient bucket),
+/// in every dtype, and every way a range can be wrong.
+fn copy_range_packs_and_unpacks(dev: Device) -> Result<()> {
+    let shapes: [&[usize]; 4] = [&[3, 4], &[7], &[2, 1, 5], &[1]];
+    let parts: Vec<Tensor> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let n: usize = s.iter().product();
+            Tensor::from_vec((0..n).map(|k| (100 * i + k) as f32).collect(), *s, dev)
+        })
+        .collect::<Result<_>>()?;
+    let total: usize = parts.iter().map(Tensor::elem_count).sum();
+    for dtype in [DType::F32, DType::BF16] {
+        let parts: Vec<Tensor> = parts
+            .iter()
+            .map(|p| ops::cast(p, dtype))
+            .collect::<Result<_>>()?;
+        let mut flat = Tensor::zeros([total], dtype, dev)?;
+        let mut off = 0;
+        for p in &parts {
+            ops::copy_range(p, 0, &mut flat, off, p.elem_count())?;
+            off += p.elem_count();
+        }
+        let want: Vec<f32> = parts
+            .iter()
+            .flat_map(|p| p.to_vec_f32().unwrap_or_default())
+            .collect();
+        assert_eq!(flat.to_vec_f32()?, want, "{dtype}: packed in order");
+        // Unpack into fresh tensors of the original shapes.
+        let mut off = 0;
+        for p in &parts {
+            let mut back = Tensor::zeros(p.shape().clone(), dtype, dev)?;
+            ops::copy_range(&flat, off, &mut back, 0, p.elem_count())?;
+            assert_eq!(back.to_host()?, p.to_host()?, "{dtype}: unpacked exactly");
+            off += p.elem_count();
+        }
+    }
+    let ids = Tensor::from_vec_u32(vec![5, 6, 7, 8], [4], dev)?;
+    let mut dst = Tensor::zeros([6], DType::U32, dev)?;
+    ops::copy_range(&ids, 1, &mut dst, 3, 3)?;
+    assert_eq!(dst.to_vec_u32()?, vec![0, 0, 0, 6, 7, 8]);
+    // Nothing to copy is fine, even at the very end.
+    ops::copy_range(&ids, 4, &mut dst, 6, 0)?;
+    // Out of range on either side, an overflowing range, a dtype mismatch.
+    assert_err!(ops::copy_range(&ids, 2, &mut dst, 0, 3), Error::Shape { .. });
+    assert_err!(ops::copy_range(&ids, 0, &mut dst, 4, 3), Error::Shape { .. });
+    assert_err!(
+        ops::copy_range(&ids, usize::MAX, &mut dst, 0, 2),
+        Error::Shape { .. }
+    );
+    let mut f = Tensor::zeros([6], DType::F32, dev)?;
+    assert_err!(ops::copy_range(&ids, 0, &mut f, 0, 1), Error::DType { .. });
+    assert_eq!(dst.to_vec_u32()?, vec![0, 0, 0, 6, 7, 8], "failed copies change nothing");
+    Ok(())
+}
+
+braid_kernels::test_on_devices!(copy_range_packs_and_unpacks);

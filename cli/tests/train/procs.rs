@@ -338,7 +338,7 @@ fn terminate_after(mut cmd: Command, dir: &Path, after: usize) -> (Option<i32>, 
 }
 
 #[test]
-fn a_checkpoint_of_4_processes_resumes_on_5_processes_and_on_threads() {
+fn a_checkpoint_of_4_processes_resumes_on_5_and_2_processes_and_on_threads() {
     let want = reference();
     let four = [
         "--set",
@@ -346,7 +346,11 @@ fn a_checkpoint_of_4_processes_resumes_on_5_processes_and_on_threads() {
         "--set",
         "checkpoint.interval=0",
     ];
-    for (name, resume_on_threads) in [("procs-resume-5", false), ("procs-resume-threads", true)] {
+    for (name, resume_on) in [
+        ("procs-resume-5", 5),
+        ("procs-resume-2", 2),
+        ("procs-resume-threads", 0),
+    ] {
         let dir = fixture().join(format!("runs/{name}"));
         let _ = std::fs::remove_dir_all(&dir);
         let (code, out) = terminate_after(launch(4, &dir, &four), &dir, 2);
@@ -357,8 +361,8 @@ fn a_checkpoint_of_4_processes_resumes_on_5_processes_and_on_threads() {
             .flatten()
             .collect();
         assert_eq!(ckpts.len(), 1, "one committed checkpoint: {out}");
-        let o = if resume_on_threads {
-            train(
+        let o = match resume_on {
+            0 => train(
                 &dir,
                 &[
                     "--set",
@@ -369,12 +373,29 @@ fn a_checkpoint_of_4_processes_resumes_on_5_processes_and_on_threads() {
                 ],
             )
             .output()
-            .unwrap()
-        } else {
+            .unwrap(),
             // Another world size: three LLM replicas instead of two.
-            launch(5, &dir, &["--set", "parallel.llm.dp=3", "--resume"])
+            5 => launch(5, &dir, &["--set", "parallel.llm.dp=3", "--resume"])
                 .output()
-                .unwrap()
+                .unwrap(),
+            // Fewer processes than modules: every module over both, each its own layout.
+            _ => launch(
+                2,
+                &dir,
+                &[
+                    "--set",
+                    "parallel.placement=\"colocated\"",
+                    "--set",
+                    "parallel.llm.dp=2",
+                    "--set",
+                    "parallel.vision.dp=2",
+                    "--set",
+                    "parallel.audio.dp=2",
+                    "--resume",
+                ],
+            )
+            .output()
+            .unwrap(),
         };
         assert!(o.status.success(), "{name}: {}", text(&o));
         let got = losses(&dir);

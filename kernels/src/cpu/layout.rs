@@ -57,6 +57,17 @@ impl LayoutKernels for CpuBackend {
         Tensor::from_storage(Storage::Cpu(out), Shape::new([iv.len(), c]))
     }
 
+    fn copy_range(
+        &self,
+        src: &Tensor,
+        src_start: usize,
+        dst: &mut Tensor,
+        dst_start: usize,
+        n: usize,
+    ) -> Result<()> {
+        Self::copy_range_impl(src, src_start, dst, dst_start, n)
+    }
+
     fn scatter_rows(&self, dst: &mut Tensor, idx: &Tensor, src: &Tensor) -> Result<()> {
         const OP: &str = "scatter_rows";
         let [n, c] = dst.shape().dims_n::<2>(OP, "dst")?;
@@ -89,6 +100,35 @@ impl LayoutKernels for CpuBackend {
                     arg: "src",
                     got: src_dtype,
                     expected: dst_dtype,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl CpuBackend {
+    /// [`LayoutKernels::copy_range`]; ranges checked by `ops::copy_range`.
+    fn copy_range_impl(
+        src: &Tensor,
+        src_start: usize,
+        dst: &mut Tensor,
+        dst_start: usize,
+        n: usize,
+    ) -> Result<()> {
+        const OP: &str = "copy_range";
+        let (s, d) = (src_start..src_start + n, dst_start..dst_start + n);
+        let (src_dtype, dst_dtype) = (src.dtype(), dst.dtype());
+        match (src.cpu_storage(OP, "src")?, dst.cpu_storage_mut(OP, "dst")?) {
+            (CpuStorage::F32(a), CpuStorage::F32(b)) => b[d].copy_from_slice(&a[s]),
+            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => b[d].copy_from_slice(&a[s]),
+            (CpuStorage::U32(a), CpuStorage::U32(b)) => b[d].copy_from_slice(&a[s]),
+            _ => {
+                return Err(Error::DType {
+                    op: OP,
+                    arg: "dst",
+                    got: dst_dtype,
+                    expected: src_dtype,
                 });
             }
         }

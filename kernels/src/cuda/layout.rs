@@ -17,6 +17,36 @@ use crate::error::{Error, Result};
 use crate::shape::Shape;
 use crate::tensor::Tensor;
 
+impl CudaBackend {
+    /// One device-to-device copy on the backend's stream (stream-ordered: no host wait),
+    /// `b[dst_start..][..n] = a[src_start..][..n]`; ranges out of bounds are an error,
+    /// never cudarc's panic.
+    fn copy_slices<T: cudarc::driver::DeviceRepr>(
+        &self,
+        a: &CudaSlice<T>,
+        src_start: usize,
+        b: &mut CudaSlice<T>,
+        dst_start: usize,
+        n: usize,
+    ) -> Result<()> {
+        const OP: &str = "copy_range";
+        let (a_len, b_len) = (a.len(), b.len());
+        let bad = || {
+            Error::shape(
+                OP,
+                format!(
+                    "{n} elements from {src_start} of {a_len} into {dst_start} of {b_len} do not fit"
+                ),
+            )
+        };
+        let from = a.try_slice(src_start..src_start + n).ok_or_else(bad)?;
+        let mut to = b.try_slice_mut(dst_start..dst_start + n).ok_or_else(bad)?;
+        self.stream
+            .memcpy_dtod(&from, &mut to)
+            .map_err(|e| self.driver_err(OP, e))
+    }
+}
+
 /// The kernel `$name` for the dtype of storage `$s`: `$name` + `_f32` / `_bf16` / `_u32`.
 macro_rules! by_dtype {
     ($s:expr, $name:literal) => {
@@ -133,6 +163,33 @@ impl LayoutKernels for CudaBackend {
             return Err(out_of_range(OP, *pos, *value, rows));
         }
         Tensor::from_cuda(out, Shape::new([m, c]))
+    }
+
+    fn copy_range(
+        &self,
+        src: &Tensor,
+        src_start: usize,
+        dst: &mut Tensor,
+        dst_start: usize,
+        n: usize,
+    ) -> Result<()> {
+        const OP: &str = "copy_range";
+        let dst_dbg = format!("{dst:?}");
+        match (src.cuda_storage(OP, "src")?, dst.cuda_storage_mut(OP, "dst")?) {
+            (CudaStorage::F32(a), CudaStorage::F32(b)) => {
+                self.copy_slices(a, src_start, b, dst_start, n)
+            }
+            (CudaStorage::BF16(a), CudaStorage::BF16(b)) => {
+                self.copy_slices(a, src_start, b, dst_start, n)
+            }
+            (CudaStorage::U32(a), CudaStorage::U32(b)) => {
+                self.copy_slices(a, src_start, b, dst_start, n)
+            }
+            _ => Err(Error::invalid(
+                OP,
+                format!("`src` {src:?} and `dst` {dst_dbg} differ in dtype"),
+            )),
+        }
     }
 
     fn scatter_rows(&self, dst: &mut Tensor, idx: &Tensor, src: &Tensor) -> Result<()> {

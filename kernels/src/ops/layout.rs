@@ -7,6 +7,44 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
+/// `dst[dst_start .. dst_start + n] = src[src_start .. src_start + n]` over the flat
+/// element order of two tensors of one dtype on one device: how gradient buckets are
+/// packed and unpacked without leaving the device. Any dtype.
+pub fn copy_range(
+    src: &Tensor,
+    src_start: usize,
+    dst: &mut Tensor,
+    dst_start: usize,
+    n: usize,
+) -> Result<()> {
+    const OP: &str = "copy_range";
+    let dev = same_device(OP, &[("src", src), ("dst", dst)])?;
+    if src.dtype() != dst.dtype() {
+        return Err(Error::DType {
+            op: OP,
+            arg: "dst",
+            got: dst.dtype(),
+            expected: src.dtype(),
+        });
+    }
+    for (name, t, start) in [("src", src, src_start), ("dst", &*dst, dst_start)] {
+        if start.checked_add(n).is_none_or(|end| end > t.elem_count()) {
+            return Err(Error::shape(
+                OP,
+                format!(
+                    "{name} {} holds {} elements: cannot take {n} from offset {start}",
+                    t.shape(),
+                    t.elem_count()
+                ),
+            ));
+        }
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    dev.backend()?.copy_range(src, src_start, dst, dst_start, n)
+}
+
 /// x (A, B, C) -> (B, A, C). Any dtype.
 pub fn transpose01(x: &Tensor) -> Result<Tensor> {
     const OP: &str = "transpose01";

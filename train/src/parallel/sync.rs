@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 
-use braid_kernels::Tensor;
+use braid_kernels::{Tensor, ops};
 use braid_nn::{Module, Param, Shard};
 
 use super::model::{ModuleGroups, RankModel};
@@ -139,30 +139,32 @@ fn part_names(model: &RankModel) -> Vec<(ModuleGroups, Vec<String>)> {
 }
 
 /// All-reduce of the grads of `names` (in that order) over `group`, packed into flat
-/// buckets so that one message carries many small tensors.
+/// buckets so that one message carries many small tensors. The buckets live where the
+/// grads do: each grad is copied into its bucket's range and back on the device
+/// (`ops::copy_range`), and the bucket is summed in place (on NCCL, without the host).
 fn all_reduce_bucketed(
     model: &mut RankModel,
     names: &[String],
     group: &dyn braid_comm::Comm,
     bucket_elems: usize,
 ) -> Result<()> {
-    let mut grads: HashMap<String, Vec<f32>> = HashMap::new();
-    let wanted: std::collections::HashSet<&str> = names.iter().map(String::as_str).collect();
-    let mut res = Ok(());
+    // Every wanted grad's size, and the device and dtype the buckets take from them.
+    let wanted: HashMap<&str, usize> = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (n.as_str(), i))
+        .collect();
+    let mut sizes = vec![0usize; names.len()];
+    let mut place: Option<(braid_kernels::Device, braid_kernels::DType)> = None;
     model.visit_params(&mut |p| {
-        if res.is_ok()
-            && wanted.contains(p.name.as_str())
-            && let Some(g) = &p.grad
-        {
-            match g.to_vec_f32() {
-                Ok(v) => {
-                    grads.insert(p.name.clone(), v);
-                }
-                Err(e) => res = Err(e),
-            }
+        if let (Some(&i), Some(g)) = (wanted.get(p.name.as_str()), &p.grad) {
+            sizes[i] = g.elem_count();
+            place.get_or_insert((g.device(), g.dtype()));
         }
     });
-    res?;
+    let Some((device, dtype)) = place else {
+        return Ok(());
+    };
     // Buckets: consecutive names whose sizes add up to at most bucket_elems (a larger
     // tensor is a bucket of its own).
     let mut start = 0;
@@ -170,43 +172,42 @@ fn all_reduce_bucketed(
         let mut end = start;
         let mut elems = 0;
         while end < names.len() {
-            let n = grads.get(&names[end]).map_or(0, Vec::len);
-            if end > start && elems + n > bucket_elems {
+            if end > start && elems + sizes[end] > bucket_elems {
                 break;
             }
-            elems += n;
+            elems += sizes[end];
             end += 1;
         }
-        let mut flat = Vec::with_capacity(elems);
-        for name in &names[start..end] {
-            flat.extend_from_slice(grads.get(name).map_or(&[][..], Vec::as_slice));
-        }
-        let mut t = Tensor::from_vec(flat, [elems], braid_kernels::Device::Cpu)?;
-        group.all_reduce_sum(&mut t)?;
-        let summed = t.to_vec_f32()?;
+        // Offsets of the bucket's grads in it, by name.
+        let mut offset: HashMap<&str, usize> = HashMap::new();
         let mut off = 0;
-        for name in &names[start..end] {
-            if let Some(g) = grads.get_mut(name) {
-                let n = g.len();
-                g.copy_from_slice(&summed[off..off + n]);
-                off += n;
-            }
+        for (name, &n) in names[start..end].iter().zip(&sizes[start..end]) {
+            offset.insert(name.as_str(), off);
+            off += n;
         }
+        let mut flat = Tensor::zeros([elems], dtype, device)?; // (E)
+        let mut res: Result<()> = Ok(());
+        model.visit_params(&mut |p| {
+            if let (true, Some(&o), Some(g)) = (res.is_ok(), offset.get(p.name.as_str()), &p.grad)
+            {
+                res = ops::copy_range(g, 0, &mut flat, o, g.elem_count()).map_err(Into::into);
+            }
+        });
+        res?;
+        group.all_reduce_sum(&mut flat)?;
+        let mut res: Result<()> = Ok(());
+        model.visit_params_mut(&mut |p| {
+            if let (true, Some(&o)) = (res.is_ok(), offset.get(p.name.as_str()))
+                && let Some(g) = &mut p.grad
+            {
+                let n = g.elem_count();
+                res = ops::copy_range(&flat, o, g, 0, n).map_err(Into::into);
+            }
+        });
+        res?;
         start = end;
     }
-    let mut res = Ok(());
-    model.visit_params_mut(&mut |p| {
-        if res.is_err() {
-            return;
-        }
-        if let (Some(v), Some(g)) = (grads.remove(&p.name), &mut p.grad) {
-            match Tensor::from_vec(v, g.shape().clone(), g.device()) {
-                Ok(t) => *g = t,
-                Err(e) => res = Err(e),
-            }
-        }
-    });
-    Ok(res?)
+    Ok(())
 }
 
 /// This rank's share of the squared grad norm: its primary copies only.
