@@ -66,7 +66,14 @@ impl Llm {
         modality: Option<&ModalityEmbeds>,
     ) -> Result<(Tensor, StageCache)> {
         self.stage
-            .forward(StageInput::Tokens { ids, modality }, seq)
+            .forward(
+                StageInput::Tokens {
+                    ids,
+                    host_ids: None,
+                    modality,
+                },
+                seq,
+            )
     }
 
     /// Input embeddings (T, C) -> logits (T, V); backward then returns their grad.

@@ -44,6 +44,9 @@ pub enum StageInput<'a> {
     /// First stage: token ids (T) u32, optionally with modality embeddings scattered in.
     Tokens {
         ids: &'a Tensor,
+        /// The same ids on the host, where the caller built them: saves the vocab-
+        /// parallel embedding a device-to-host copy (`None`: it reads `ids`).
+        host_ids: Option<&'a [u32]>,
         modality: Option<&'a ModalityEmbeds>,
     },
     /// Hidden states (T, C): the previous stage's output, or on the first stage the
@@ -248,7 +251,11 @@ impl LlmStage {
     pub fn forward(&self, input: StageInput<'_>, seq: &SeqInfo) -> Result<(Tensor, StageCache)> {
         let c = self.config.hidden;
         let (mut h, input_cache) = match input {
-            StageInput::Tokens { ids, modality } => self.embed(ids, modality, seq)?,
+            StageInput::Tokens {
+                ids,
+                host_ids,
+                modality,
+            } => self.embed((ids, host_ids), modality, seq)?,
             StageInput::Hidden(h) => {
                 if h.dims() != [seq.num_tokens(), c] {
                     return Err(Error::input(
@@ -298,7 +305,7 @@ impl LlmStage {
     /// Token embedding (T, C), with modality rows scattered over their placeholders.
     fn embed(
         &self,
-        ids: &Tensor,
+        (ids, host_ids): (&Tensor, Option<&[u32]>),
         modality: Option<&ModalityEmbeds>,
         seq: &SeqInfo,
     ) -> Result<(Tensor, InputCache)> {
@@ -327,7 +334,7 @@ impl LlmStage {
         }
         // (T, C), summed over the TP group: the same full rows on every rank, so the
         // modality rows are scattered after the reduction.
-        let (mut h, embed_cache) = embed.forward(ids)?;
+        let (mut h, embed_cache) = embed.forward_with_host_ids(ids, host_ids)?;
         let positions = match modality {
             Some(m) => {
                 ops::scatter_rows(&mut h, &m.positions, &m.embeds)

@@ -158,6 +158,7 @@ fn stages_chain_to_full_model(dev: Device) -> TestResult {
         let (h, c0) = s0.forward(
             StageInput::Tokens {
                 ids: &ids,
+                host_ids: None,
                 modality: None,
             },
             &seq,
@@ -218,6 +219,7 @@ fn bad_inputs(dev: Device) -> TestResult {
     let s1 = LlmStage::new(&cfg, 1..3, &init(dev), Arc::new(SingleRank))?;
     let input = StageInput::Tokens {
         ids: &ids,
+        host_ids: None,
         modality: None,
     };
     assert!(s1.forward(input, &seq).is_err());

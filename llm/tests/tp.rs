@@ -153,8 +153,10 @@ fn run_stages(cfg: &LlmConfig, group: Arc<dyn Comm>, b: &Batch) -> TestResult<Ru
     let ids = Tensor::from_vec_u32(b.ids.clone(), [b.ids.len()], Device::Cpu)?;
     let seq = SeqInfo::packed(&b.lens);
     let me = modality(b)?;
+    // The host copy of the ids, as the trainer passes it (no device read under TP).
     let input = StageInput::Tokens {
         ids: &ids,
+        host_ids: Some(&b.ids),
         modality: Some(&me),
     };
     let (h, c0) = s0.forward(input, &seq)?;
@@ -346,6 +348,24 @@ fn vocab_parallel_embedding_equals_embedding() -> TestResult {
     assert_eq!(grads, want_g, "gathered table grad");
     for r in &runs {
         assert_eq!(r.0, want_y, "rows on every rank");
+    }
+    // Host ids given beside the device ids (as the trainer does) pick the same rows;
+    // host ids that do not match the device ids' count are an error.
+    let hosted = run_local(4, TIMEOUT, |r| {
+        let e = VocabParallelEmbedding::new(&init(), "e", v, c, Arc::new(r))
+            .map_err(|e| e.to_string())?;
+        let idt = Tensor::from_vec_u32(ids.clone(), [ids.len()], Device::Cpu)
+            .map_err(|e| e.to_string())?;
+        let y = e
+            .forward_with_host_ids(&idt, Some(&ids))
+            .map_err(|e| e.to_string())?
+            .0;
+        let short = e.forward_with_host_ids(&idt, Some(&ids[1..]));
+        assert!(short.is_err_and(|e| e.to_string().contains("4 host ids for 5 device ids")));
+        y.to_vec_f32().map_err(|e| e.to_string())
+    })?;
+    for y in &hosted {
+        assert_eq!(y, &want_y, "rows from host ids");
     }
     // An id past the vocabulary is an error on every rank, not a silent zero row.
     let bad = run_on_ranks(2, |r| run(Arc::new(r), &[1, 16]));

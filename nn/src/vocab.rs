@@ -112,6 +112,17 @@ impl VocabParallelEmbedding {
 
     /// ids (N) u32 -> (N, C), the same on every rank of the group.
     pub fn forward(&self, ids: &Tensor) -> Result<(Tensor, VocabParallelCache)> {
+        self.forward_with_host_ids(ids, None)
+    }
+
+    /// [`Self::forward`] given the same ids on the host as well (where the batch was
+    /// built): under tensor parallelism each rank picks the ids of its vocabulary range
+    /// from them instead of copying `ids` back from the device (a host sync per step).
+    pub fn forward_with_host_ids(
+        &self,
+        ids: &Tensor,
+        host_ids: Option<&[u32]>,
+    ) -> Result<(Tensor, VocabParallelCache)> {
         let name = self.name.as_str();
         let n = match *ids.dims() {
             [n] if ids.dtype() == DType::U32 => n,
@@ -135,7 +146,20 @@ impl VocabParallelEmbedding {
             ));
         }
         let range = self.vocab_range();
-        let host = ids.to_vec_u32().ctx(name, "ids to host")?; // (N)
+        let read;
+        let host: &[u32] = match host_ids {
+            Some(h) if h.len() == n => h,
+            Some(h) => {
+                return Err(Error::input(
+                    name,
+                    format!("{} host ids for {n} device ids", h.len()),
+                ));
+            }
+            None => {
+                read = ids.to_vec_u32().ctx(name, "ids to host")?;
+                &read
+            }
+        }; // (N)
         let mut rows = Vec::new(); // (K)
         let mut local = Vec::new(); // (K)
         for (i, &id) in host.iter().enumerate() {

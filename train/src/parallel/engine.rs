@@ -253,7 +253,9 @@ pub fn balanced(m: &MllmConfig) -> Balanced {
 
 /// A microbatch as this CP rank sees it: token ids, sample layout, next-token targets.
 struct LocalBatch {
-    ids: Tensor,
+    ids: Tensor, // (T) u32 on the device
+    /// The same ids on the host (the vocab-parallel embedding picks its range here).
+    host_ids: Vec<u32>,
     seq: SeqInfo,
     targets: Vec<u32>,
 }
@@ -270,7 +272,8 @@ fn local_batch(
     let Some(plan) = &mb.split.plan else {
         let t = text.ids.len();
         return Ok(LocalBatch {
-            ids: Tensor::from_vec_u32(text.ids, [t], dev)?,
+            ids: Tensor::from_vec_u32(text.ids.clone(), [t], dev)?,
+            host_ids: text.ids,
             seq: text.seq,
             targets: text.targets,
         });
@@ -280,7 +283,8 @@ fn local_batch(
     let mine = plan.tokens(cp_rank)?;
     let local_ids: Vec<u32> = mine.iter().map(|&i| text.ids[i]).collect();
     Ok(LocalBatch {
-        ids: Tensor::from_vec_u32(local_ids, [mine.len()], dev)?,
+        ids: Tensor::from_vec_u32(local_ids.clone(), [mine.len()], dev)?,
+        host_ids: local_ids,
         seq: plan.seq_info(cp_rank, &text.seq)?,
         targets: mine.iter().map(|&i| text.targets[i]).collect(),
     })
@@ -367,6 +371,7 @@ fn run_pipeline(
                     };
                     let input = StageInput::Tokens {
                         ids: &b.ids,
+                        host_ids: Some(&b.host_ids),
                         modality: modality.as_ref(),
                     };
                     part.stage.forward(input, &b.seq)?
