@@ -4,8 +4,9 @@
 //!
 //! The host cuts every segment into tiles of 32 query rows (forward, dQ) and 32 key rows
 //! (dK/dV), each tile starting at a multiple of 32 from its segment's first row, so a
-//! packed batch computes every sample exactly as it would alone. Tables are uploaded once
-//! per call (4 u32 per segment, 2 per tile).
+//! packed batch computes every sample exactly as it would alone. Tables (4 u32 per
+//! segment, 2 per tile) are uploaded once and reused by every later call with the same
+//! table (every layer of a microbatch): see `CudaBackend::table`.
 //!
 //! Backward, all deterministic, no atomics: D = rowsum(dO * O) (one kernel), dQ over
 //! query tiles (one kernel), dK/dV over key tiles, each block looping over its group's
@@ -20,6 +21,7 @@
 //! head sizes run the SIMT kernels throughout. HS up to 128 (larger is an error).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
@@ -277,10 +279,10 @@ impl CudaBackend {
         })
     }
 
-    fn upload(&self, op: &'static str, v: &[u32]) -> Result<CudaSlice<u32>> {
-        self.stream
-            .clone_htod(v)
-            .map_err(|e| self.driver_err(op, e))
+    /// A plan's table on the device (kept across calls with the same table: see
+    /// [`CudaBackend::table`]).
+    fn upload(&self, op: &'static str, v: &[u32]) -> Result<Arc<CudaSlice<u32>>> {
+        self.table(op, v)
     }
 
     /// -> (out (Tq, NH, HS), lse (NH, Tq)).
@@ -329,7 +331,7 @@ impl CudaBackend {
             // kernel's shared memory is static; its 16-byte row loads need each buffer
             // 16-byte aligned, which device allocations are (256 bytes).
             unsafe {
-                launch!(self, op, f, cfg; &mut out, &mut lse, qs, ks, vs, &segs_d, &tiles_d,
+                launch!(self, op, f, cfg; &mut out, &mut lse, qs, ks, vs, &*segs_d, &*tiles_d,
                     &sc.nh, &sc.nkv, &sc.tq, &sc.scale, &sc.causal)?;
             }
         } else if ntiles > 0 {
@@ -345,7 +347,7 @@ impl CudaBackend {
             // only name rows inside them (validated segments); the tables hold 4 per segment
             // and 2 per tile of the grid; shared memory is the kernel's 3 tiles.
             unsafe {
-                launch!(self, op, f, cfg; &mut out, &mut lse, qs, ks, vs, &segs_d, &tiles_d,
+                launch!(self, op, f, cfg; &mut out, &mut lse, qs, ks, vs, &*segs_d, &*tiles_d,
                     &sc.nh, &sc.nkv, &sc.tq, &sc.hs, &sc.scale, &sc.causal)?;
             }
         }
@@ -413,7 +415,7 @@ impl CudaBackend {
             // SAFETY: signature above; dq is written in full (every query row is in one
             // tile); sizes as in the forward, lse and dsum hold NH*Tq.
             unsafe {
-                launch!(self, op, f, cfg; &mut dq, dos, qs, ks, vs, lses, &dsum, &segs_d, &qtiles_d,
+                launch!(self, op, f, cfg; &mut dq, dos, qs, ks, vs, lses, &dsum, &*segs_d, &*qtiles_d,
                     &sc.nh, &sc.nkv, &sc.tq, &sc.hs, &sc.scale, &sc.causal)?;
             }
 
@@ -429,7 +431,7 @@ impl CudaBackend {
                 // launch touches (disjoint key ranges per launch); tiles base..base+count
                 // exist in the table; other sizes as above.
                 unsafe {
-                    launch!(self, op, f, cfg; &mut dk, &mut dv, dos, qs, ks, vs, lses, &dsum, &segs_d, &ktiles_d,
+                    launch!(self, op, f, cfg; &mut dk, &mut dv, dos, qs, ks, vs, lses, &dsum, &*segs_d, &*ktiles_d,
                         &base, &sc.nh, &sc.nkv, &sc.tq, &sc.hs, &sc.scale, &sc.causal)?;
                 }
             }

@@ -2,7 +2,7 @@
 //! and the checks that make `Device::Cuda(n)` an error (never a panic) where there is no
 //! driver or no such GPU.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -30,7 +30,15 @@ pub struct CudaBackend {
     pub(crate) name: String,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<(&'static str, &'static str), CudaFunction>>,
+    /// Small u32 tables (attention's segment and tile lists) already on the device, most
+    /// recently used first, by content: every layer of a microbatch asks for the same
+    /// ones, so they cross to the device once per microbatch, not once per call.
+    tables: Mutex<VecDeque<(Vec<u32>, Arc<CudaSlice<u32>>)>>,
 }
+
+/// Tables kept on the device by [`CudaBackend::table`]: a forward and a backward plan
+/// (segments, query tiles, key tiles) of a few microbatches in flight.
+const TABLES_KEPT: usize = 24;
 
 impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -153,7 +161,30 @@ impl CudaBackend {
             name,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
+            tables: Mutex::new(VecDeque::new()),
         })
+    }
+
+    /// `v` on the device: the copy made for an earlier call with the same content if it
+    /// is still kept (no transfer), else a new upload on the stream. Kernels only read
+    /// tables, and a dropped table is freed stream-ordered (after the kernels before it).
+    pub(crate) fn table(&self, op: &'static str, v: &[u32]) -> Result<Arc<CudaSlice<u32>>> {
+        let mut kept = lock(&self.tables);
+        if let Some(i) = kept.iter().position(|(k, _)| k.as_slice() == v)
+            && let Some(hit) = kept.remove(i)
+        {
+            let slice = Arc::clone(&hit.1);
+            kept.push_front(hit);
+            return Ok(slice);
+        }
+        let slice = Arc::new(
+            self.stream
+                .clone_htod(v)
+                .map_err(|e| self.driver_err(op, e))?,
+        );
+        kept.push_front((v.to_vec(), Arc::clone(&slice)));
+        kept.truncate(TABLES_KEPT);
+        Ok(slice)
     }
 
     pub fn device(&self) -> Device {
