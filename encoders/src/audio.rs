@@ -101,14 +101,19 @@ impl Conv1d {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        ops::conv1d_fwd(x, self.weight.compute(), Some(self.bias.compute()), &self.spec)
-            .ctx(&self.weight.name, "forward")
+        ops::conv1d_fwd(
+            x,
+            self.weight.compute(),
+            Some(self.bias.compute()),
+            &self.spec,
+        )
+        .ctx(&self.weight.name, "forward")
     }
 
     fn backward(&mut self, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
         let (w, dw) = self.weight.compute_and_grad();
         ops::conv1d_bwd(dy, x, w, &self.spec, dw, self.bias.grad.as_mut())
-        .ctx(&self.weight.name, "backward")
+            .ctx(&self.weight.name, "backward")
     }
 }
 
@@ -220,7 +225,11 @@ impl AudioStem {
         };
         let dev = first.device();
         let (d, m) = (cfg.d_model, cfg.num_mel_bins);
-        let mut h = zeros(&[seq.num_tokens(), d], self.conv1.weight.compute_dtype(), dev)?; // (T, D)
+        let mut h = zeros(
+            &[seq.num_tokens(), d],
+            self.conv1.weight.compute_dtype(),
+            dev,
+        )?; // (T, D)
         // Clips of equal length share one batched conv stem (the demo's and most batches'
         // clips are all 30 s or all one length): one kernel call per op instead of one per clip.
         let mut groups: Vec<(usize, Vec<usize>)> = Vec::new(); // (F, clip indices)

@@ -13,8 +13,8 @@
 //!   (its last group holds the remaining frames then zeros), so no frame is dropped:
 //!   a clip of L frames gives ceil(L / stride) tokens.
 
-use braid_kernels::{DType, Tensor};
 use braid_kernels::ops::{self, Activation};
+use braid_kernels::{DType, Tensor};
 use braid_nn::error::Context;
 use braid_nn::norm::LayerNormCache;
 use braid_nn::{Error, Init, LayerNorm, Linear, Module, Param, Result};

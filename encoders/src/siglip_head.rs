@@ -10,8 +10,8 @@
 use std::sync::Arc;
 
 use braid_comm::Comm;
-use braid_kernels::{DType, Tensor};
 use braid_kernels::ops::{self, AttentionSpec};
+use braid_kernels::{DType, Tensor};
 use braid_nn::error::Context;
 use braid_nn::norm::LayerNormCache;
 use braid_nn::{
@@ -200,7 +200,9 @@ impl AttentionPoolingHead {
         let mut dq1 = zeros(&[1, d], DType::F32, h.device())?; // (1, D)
         ops::embedding_bwd(&dq, &zeros_t, &mut dq1).ctx(&name, "broadcast backward")?;
         let dq1 = ops::into_dtype(dq1, dq.dtype()).ctx(&name, "broadcast backward")?;
-        let dprobe = self.q_proj.backward_with_input(self.probe.compute(), &dq1)?;
+        let dprobe = self
+            .q_proj
+            .backward_with_input(self.probe.compute(), &dq1)?;
         if let Some(g) = self.probe.grad.as_mut() {
             ops::add_assign(g, &dprobe).ctx(&name, "probe grad")?;
         }

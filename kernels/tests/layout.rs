@@ -210,15 +210,25 @@ fn copy_range_packs_and_unpacks(dev: Device) -> Result<()> {
     // Nothing to copy is fine, even at the very end.
     ops::copy_range(&ids, 4, &mut dst, 6, 0)?;
     // Out of range on either side, an overflowing range, a dtype mismatch.
-    assert_err!(ops::copy_range(&ids, 2, &mut dst, 0, 3), Error::Shape { .. });
-    assert_err!(ops::copy_range(&ids, 0, &mut dst, 4, 3), Error::Shape { .. });
+    assert_err!(
+        ops::copy_range(&ids, 2, &mut dst, 0, 3),
+        Error::Shape { .. }
+    );
+    assert_err!(
+        ops::copy_range(&ids, 0, &mut dst, 4, 3),
+        Error::Shape { .. }
+    );
     assert_err!(
         ops::copy_range(&ids, usize::MAX, &mut dst, 0, 2),
         Error::Shape { .. }
     );
     let mut f = Tensor::zeros([6], DType::F32, dev)?;
     assert_err!(ops::copy_range(&ids, 0, &mut f, 0, 1), Error::DType { .. });
-    assert_eq!(dst.to_vec_u32()?, vec![0, 0, 0, 6, 7, 8], "failed copies change nothing");
+    assert_eq!(
+        dst.to_vec_u32()?,
+        vec![0, 0, 0, 6, 7, 8],
+        "failed copies change nothing"
+    );
     Ok(())
 }
 

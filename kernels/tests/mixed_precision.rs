@@ -80,7 +80,12 @@ fn bf16_out(what: &str, dev: Device, got: &Tensor, want: &Tensor) -> Result<()> 
 #[track_caller]
 fn f32_acc(what: &str, dev: Device, got: &Tensor, want: &Tensor) -> Result<()> {
     assert_eq!(got.dtype(), DType::F32, "{what}: dtype");
-    close(what, got, want, if dev == Device::Cpu { 1e-5 } else { 1e-4 })
+    close(
+        what,
+        got,
+        want,
+        if dev == Device::Cpu { 1e-5 } else { 1e-4 },
+    )
 }
 
 fn linear_bf16_with_f32_grads(dev: Device) -> Result<()> {
@@ -189,7 +194,10 @@ fn batched_gemm_bf16(dev: Device) -> Result<()> {
 fn norms_bf16_with_f32_grads(dev: Device) -> Result<()> {
     let mut rng = Rng::new(9);
     for (n, c) in [(1, 8), (7, 64), (130, 96)] {
-        let x: Vec<f32> = values(&mut rng, n * c, 1.5).iter().map(|v| v + 0.5).collect();
+        let x: Vec<f32> = values(&mut rng, n * c, 1.5)
+            .iter()
+            .map(|v| v + 0.5)
+            .collect();
         let x = rounded(&x);
         let (w, b, dy) = (
             values(&mut rng, c, 1.0),
@@ -213,7 +221,8 @@ fn norms_bf16_with_f32_grads(dev: Device) -> Result<()> {
         bf16_out("layer norm y", dev, &y, &y_ref)?;
         f32_acc("layer norm mean", dev, &mean, &mean_ref)?;
         f32_acc("layer norm rstd", dev, &rstd, &rstd_ref)?;
-        let (mut dw_ref, mut db_ref) = (f32_cpu(&vec![0.0; c], &[c])?, f32_cpu(&vec![0.0; c], &[c])?);
+        let (mut dw_ref, mut db_ref) =
+            (f32_cpu(&vec![0.0; c], &[c])?, f32_cpu(&vec![0.0; c], &[c])?);
         let dx_ref = ops::layer_norm_bwd(
             &dyc,
             &xc,
@@ -267,7 +276,11 @@ fn embedding_rope_activations_bf16(dev: Device) -> Result<()> {
     ops::scatter_rows(&mut buf, &rows, &src)?;
     let back = ops::gather_rows(&buf, &rows)?;
     assert_eq!(back.dtype(), DType::BF16);
-    assert_eq!(back.to_host()?, src.to_host()?, "scatter/gather move bf16 rows exactly");
+    assert_eq!(
+        back.to_host()?,
+        src.to_host()?,
+        "scatter/gather move bf16 rows exactly"
+    );
     assert!(ops::scatter_rows(&mut buf, &rows, &ops::cast(&src, DType::F32)?).is_err());
 
     // RoPE: bf16 x with f32 tables, as the LLM runs it.
@@ -291,8 +304,16 @@ fn embedding_rope_activations_bf16(dev: Device) -> Result<()> {
     let a = values(&mut rng, rows * cols, 2.0);
     let g = values(&mut rng, rows * cols, 1.0);
     let (ac, gc) = (f32_cpu(&a, &[rows, cols])?, f32_cpu(&g, &[rows, cols])?);
-    let (ab, gb) = (bf16_on(&a, &[rows, cols], dev)?, bf16_on(&g, &[rows, cols], dev)?);
-    for act in [Activation::GeluTanh, Activation::GeluErf, Activation::QuickGelu, Activation::Silu] {
+    let (ab, gb) = (
+        bf16_on(&a, &[rows, cols], dev)?,
+        bf16_on(&g, &[rows, cols], dev)?,
+    );
+    for act in [
+        Activation::GeluTanh,
+        Activation::GeluErf,
+        Activation::QuickGelu,
+        Activation::Silu,
+    ] {
         bf16_out(
             "activation fwd",
             dev,
@@ -306,7 +327,12 @@ fn embedding_rope_activations_bf16(dev: Device) -> Result<()> {
             &ops::activation_bwd(&gc, &ac, act)?,
         )?;
     }
-    bf16_out("swiglu", dev, &ops::swiglu_fwd(&ab, &gb)?, &ops::swiglu_fwd(&ac, &gc)?)?;
+    bf16_out(
+        "swiglu",
+        dev,
+        &ops::swiglu_fwd(&ab, &gb)?,
+        &ops::swiglu_fwd(&ac, &gc)?,
+    )?;
     let (dg, du) = ops::swiglu_bwd(&gb, &ab, &gb)?;
     let (dg_ref, du_ref) = ops::swiglu_bwd(&gc, &ac, &gc)?;
     bf16_out("swiglu dgate", dev, &dg, &dg_ref)?;
@@ -315,7 +341,10 @@ fn embedding_rope_activations_bf16(dev: Device) -> Result<()> {
     let s_ref = ops::softmax_fwd(&ac)?;
     bf16_out("softmax", dev, &s, &s_ref)?;
     // The backward of the bf16 run takes its own (rounded) y.
-    let ds_ref = ops::softmax_bwd(&gc, &ops::cast(&ops::cast(&s_ref, DType::BF16)?, DType::F32)?)?;
+    let ds_ref = ops::softmax_bwd(
+        &gc,
+        &ops::cast(&ops::cast(&s_ref, DType::BF16)?, DType::F32)?,
+    )?;
     close("softmax bwd", &ops::softmax_bwd(&gb, &s)?, &ds_ref, 2e-2)?;
     Ok(())
 }
@@ -361,8 +390,16 @@ fn attention_bf16(dev: Device) -> Result<()> {
             &spec,
         )?;
         let (_, lse) = ops::attention_fwd(&qb, &kb, &vb, &cu, &spec)?;
-        let (dq, dk, dv) =
-            ops::attention_bwd(&bf16_on(&dout, &[t, nh, hs], dev)?, &qb, &kb, &vb, &out, &lse, &cu, &spec)?;
+        let (dq, dk, dv) = ops::attention_bwd(
+            &bf16_on(&dout, &[t, nh, hs], dev)?,
+            &qb,
+            &kb,
+            &vb,
+            &out,
+            &lse,
+            &cu,
+            &spec,
+        )?;
         for (name, g, r) in [("dq", &dq, &dq_r), ("dk", &dk, &dk_r), ("dv", &dv, &dv_r)] {
             assert_eq!(g.dtype(), DType::BF16, "attention {name}");
             close(name, g, r, 2e-2)?;
@@ -379,7 +416,8 @@ fn losses_bf16(dev: Device) -> Result<()> {
     targets[3] = u32::MAX; // ignored
     let tc = Tensor::from_vec_u32(targets.clone(), [n], Device::Cpu)?;
     let td = Tensor::from_vec_u32(targets.clone(), [n], dev)?;
-    let (l_ref, d_ref) = ops::cross_entropy_fwd_bwd(&f32_cpu(&logits, &[n, v])?, &tc, u32::MAX, 0.1)?;
+    let (l_ref, d_ref) =
+        ops::cross_entropy_fwd_bwd(&f32_cpu(&logits, &[n, v])?, &tc, u32::MAX, 0.1)?;
     let (l, d) = ops::cross_entropy_fwd_bwd(&bf16_on(&logits, &[n, v], dev)?, &td, u32::MAX, 0.1)?;
     assert_eq!(l.dtype(), DType::F32, "losses stay f32");
     f32_acc("cross entropy losses", dev, &l, &l_ref)?;
@@ -399,7 +437,9 @@ fn losses_bf16(dev: Device) -> Result<()> {
         .collect::<Result<_>>()?;
     let p: Vec<Tensor> = [(&s0, 0), (&s1, half_v)]
         .iter()
-        .map(|(s, lo)| ops::vocab_loss_partials(&bf16_on(s, &[n, half_v], dev)?, &td, *lo, u32::MAX))
+        .map(|(s, lo)| {
+            ops::vocab_loss_partials(&bf16_on(s, &[n, half_v], dev)?, &td, *lo, u32::MAX)
+        })
         .collect::<Result<_>>()?;
     for (a, b) in p.iter().zip(&p_ref) {
         assert_eq!(a.dtype(), DType::F32);
@@ -443,15 +483,27 @@ fn conv_and_patchify_bf16(dev: Device) -> Result<()> {
     let w = values(&mut rng, co * ci * k, 0.3);
     let bias = values(&mut rng, co, 0.3);
     let dy = values(&mut rng, b * co * lo, 1.0);
-    let (xc, wc, bc) = (f32_cpu(&x, &[b, ci, l])?, f32_cpu(&w, &[co, ci, k])?, f32_cpu(&bias, &[co])?);
+    let (xc, wc, bc) = (
+        f32_cpu(&x, &[b, ci, l])?,
+        f32_cpu(&w, &[co, ci, k])?,
+        f32_cpu(&bias, &[co])?,
+    );
     let (xb, wb, bb) = (
         bf16_on(&x, &[b, ci, l], dev)?,
         bf16_on(&w, &[co, ci, k], dev)?,
         bf16_on(&bias, &[co], dev)?,
     );
     let y = ops::conv1d_fwd(&xb, &wb, Some(&bb), &spec)?;
-    bf16_out("conv1d y", dev, &y, &ops::conv1d_fwd(&xc, &wc, Some(&bc), &spec)?)?;
-    let (mut dw_ref, mut db_ref) = (f32_cpu(&vec![0.0; co * ci * k], &[co, ci, k])?, f32_cpu(&vec![0.0; co], &[co])?);
+    bf16_out(
+        "conv1d y",
+        dev,
+        &y,
+        &ops::conv1d_fwd(&xc, &wc, Some(&bc), &spec)?,
+    )?;
+    let (mut dw_ref, mut db_ref) = (
+        f32_cpu(&vec![0.0; co * ci * k], &[co, ci, k])?,
+        f32_cpu(&vec![0.0; co], &[co])?,
+    );
     let dx_ref = ops::conv1d_bwd(
         &f32_cpu(&dy, &[b, co, lo])?,
         &xc,
@@ -462,7 +514,14 @@ fn conv_and_patchify_bf16(dev: Device) -> Result<()> {
     )?;
     let mut dw = Tensor::zeros([co, ci, k], DType::F32, dev)?;
     let mut db = Tensor::zeros([co], DType::F32, dev)?;
-    let dx = ops::conv1d_bwd(&bf16_on(&dy, &[b, co, lo], dev)?, &xb, &wb, &spec, Some(&mut dw), Some(&mut db))?;
+    let dx = ops::conv1d_bwd(
+        &bf16_on(&dy, &[b, co, lo], dev)?,
+        &xb,
+        &wb,
+        &spec,
+        Some(&mut dw),
+        Some(&mut db),
+    )?;
     bf16_out("conv1d dx", dev, &dx, &dx_ref)?;
     f32_acc("conv1d dw", dev, &dw, &dw_ref)?;
     f32_acc("conv1d db", dev, &db, &db_ref)?;
@@ -480,7 +539,12 @@ fn elementwise_and_adamw_copy(dev: Device) -> Result<()> {
     let n = 70_001; // past the parallel threshold
     let (a, bvals) = (values(&mut rng, n, 1.0), values(&mut rng, n, 1.0));
     let (ab, bb) = (bf16_on(&a, &[n], dev)?, bf16_on(&bvals, &[n], dev)?);
-    bf16_out("add", dev, &ops::add(&ab, &bb)?, &ops::add(&f32_cpu(&a, &[n])?, &f32_cpu(&bvals, &[n])?)?)?;
+    bf16_out(
+        "add",
+        dev,
+        &ops::add(&ab, &bb)?,
+        &ops::add(&f32_cpu(&a, &[n])?, &f32_cpu(&bvals, &[n])?)?,
+    )?;
     // An f32 grad gathers bf16 terms unrounded.
     let g0 = rng.normal_vec(n, 1.0);
     let mut acc = Tensor::from_vec(g0.clone(), [n], dev)?;
@@ -510,7 +574,11 @@ fn elementwise_and_adamw_copy(dev: Device) -> Result<()> {
     ops::adamw_step_with_copy(&mut p, &mk(&g)?, &mut m, &mut v, &mut copy, &spec)?;
     let (mut p2, mut m2, mut v2) = (mk(&p0)?, mk(&vec![0.01; n])?, mk(&vec![0.02; n])?);
     ops::adamw_step(&mut p2, &mk(&g)?, &mut m2, &mut v2, &spec)?;
-    assert_eq!(p.to_vec_f32()?, p2.to_vec_f32()?, "the master update is unchanged");
+    assert_eq!(
+        p.to_vec_f32()?,
+        p2.to_vec_f32()?,
+        "the master update is unchanged"
+    );
     assert_eq!(m.to_vec_f32()?, m2.to_vec_f32()?);
     assert_eq!(
         copy.to_host()?,
@@ -519,9 +587,13 @@ fn elementwise_and_adamw_copy(dev: Device) -> Result<()> {
     );
     // The copy must be bf16 and of the param's shape.
     let mut wrong = Tensor::zeros([n], DType::F32, dev)?;
-    assert!(ops::adamw_step_with_copy(&mut p, &mk(&g)?, &mut m, &mut v, &mut wrong, &spec).is_err());
+    assert!(
+        ops::adamw_step_with_copy(&mut p, &mk(&g)?, &mut m, &mut v, &mut wrong, &spec).is_err()
+    );
     let mut short = Tensor::zeros([n - 1], DType::BF16, dev)?;
-    assert!(ops::adamw_step_with_copy(&mut p, &mk(&g)?, &mut m, &mut v, &mut short, &spec).is_err());
+    assert!(
+        ops::adamw_step_with_copy(&mut p, &mk(&g)?, &mut m, &mut v, &mut short, &spec).is_err()
+    );
     Ok(())
 }
 

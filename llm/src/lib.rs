@@ -65,15 +65,14 @@ impl Llm {
         seq: &SeqInfo,
         modality: Option<&ModalityEmbeds>,
     ) -> Result<(Tensor, StageCache)> {
-        self.stage
-            .forward(
-                StageInput::Tokens {
-                    ids,
-                    host_ids: None,
-                    modality,
-                },
-                seq,
-            )
+        self.stage.forward(
+            StageInput::Tokens {
+                ids,
+                host_ids: None,
+                modality,
+            },
+            seq,
+        )
     }
 
     /// Input embeddings (T, C) -> logits (T, V); backward then returns their grad.

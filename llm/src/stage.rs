@@ -55,6 +55,8 @@ pub enum StageInput<'a> {
 }
 
 /// How the stage's input entered, for the backward.
+// One per microbatch in flight: the bytes a box would save do not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 enum InputCache {
     Tokens {

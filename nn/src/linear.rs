@@ -92,8 +92,12 @@ impl Linear {
 
     /// y = x @ Wᵀ + b with no cache (the caller keeps `x` for [`Linear::backward_with_input`]).
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
-        ops::linear_fwd(x, self.weight.compute(), self.bias.as_ref().map(Param::compute))
-            .ctx(&self.name, "forward")
+        ops::linear_fwd(
+            x,
+            self.weight.compute(),
+            self.bias.as_ref().map(Param::compute),
+        )
+        .ctx(&self.name, "forward")
     }
 
     /// Forward; the cache holds a copy of `x`.

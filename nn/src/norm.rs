@@ -90,16 +90,8 @@ impl LayerNorm {
     pub fn backward(&mut self, cache: LayerNormCache, dy: &Tensor) -> Result<Tensor> {
         let (w, dw) = self.weight.compute_and_grad();
         let db = self.bias.as_mut().and_then(|b| b.grad.as_mut());
-        ops::layer_norm_bwd(
-            dy,
-            &cache.x,
-            w,
-            &cache.mean,
-            &cache.rstd,
-            dw,
-            db,
-        )
-        .ctx(&self.name, "backward")
+        ops::layer_norm_bwd(dy, &cache.x, w, &cache.mean, &cache.rstd, dw, db)
+            .ctx(&self.name, "backward")
     }
 }
 
@@ -164,8 +156,7 @@ impl RmsNorm {
 
     pub fn backward(&mut self, cache: RmsNormCache, dy: &Tensor) -> Result<Tensor> {
         let (w, dw) = self.weight.compute_and_grad();
-        ops::rms_norm_bwd(dy, &cache.x, w, &cache.rstd, dw)
-            .ctx(&self.name, "backward")
+        ops::rms_norm_bwd(dy, &cache.x, w, &cache.rstd, dw).ctx(&self.name, "backward")
     }
 }
 
@@ -179,6 +170,8 @@ impl Module for RmsNorm {
 }
 
 /// A LayerNorm or an RMSNorm, as the config says.
+// Two or three per block, built once: the bytes a box would save do not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Norm {
     LayerNorm(LayerNorm),

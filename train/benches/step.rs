@@ -475,9 +475,7 @@ fn main() {
         Device::Cuda(_) => braid_train::config::Precision::Bf16,
         Device::Cpu => braid_train::config::Precision::F32,
     });
-    model
-        .set_compute_dtype(precision.compute_dtype())
-        .unwrap();
+    model.set_compute_dtype(precision.compute_dtype()).unwrap();
     println!("precision {}", precision.name());
     let batches = make_batches(&model.config, &sh, cfg.run.seed);
     let targets: usize = batches

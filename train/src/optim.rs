@@ -258,14 +258,9 @@ impl AdamW {
             let Some(g) = grad else { return };
             // Under mixed precision the step also refreshes the bf16 compute copy.
             res = match compute {
-                Some(c) => ops::adamw_step_with_copy(
-                    value,
-                    g,
-                    &mut m.exp_avg,
-                    &mut m.exp_avg_sq,
-                    c,
-                    &spec,
-                ),
+                Some(c) => {
+                    ops::adamw_step_with_copy(value, g, &mut m.exp_avg, &mut m.exp_avg_sq, c, &spec)
+                }
                 None => ops::adamw_step(value, g, &mut m.exp_avg, &mut m.exp_avg_sq, &spec),
             }
             .ctx(&p.name, "AdamW update");

@@ -10,9 +10,9 @@ mod common;
 
 use std::sync::OnceLock;
 
+use braid_train::Quiet;
 use braid_train::metrics::read_metrics;
 use braid_train::trainer::train;
-use braid_train::Quiet;
 use common::{config, losses, run_dir};
 
 const BF16: &str = "train.precision=\"bf16\"";
@@ -35,7 +35,10 @@ fn worst_rel(what: &str, got: &[(f64, f64)], want: &[(f64, f64)]) -> f64 {
         .zip(want)
         .map(|(g, w)| (g.0 - w.0).abs() / w.0.abs())
         .fold(0.0f64, f64::max);
-    eprintln!("{what}: worst relative loss difference over {} steps {worst:.2e}", got.len());
+    eprintln!(
+        "{what}: worst relative loss difference over {} steps {worst:.2e}",
+        got.len()
+    );
     worst
 }
 
@@ -44,11 +47,22 @@ fn bf16_tracks_f32_and_learns() {
     let (f, b) = (f32_reference(), bf16_reference());
     // The first step's loss is the same forward in two precisions: bf16 rounding only.
     let first = (b[0].0 - f[0].0).abs() / f[0].0;
-    assert!(first <= 1e-2, "step 1: bf16 {} vs f32 {} ({first:.2e})", b[0].0, f[0].0);
+    assert!(
+        first <= 1e-2,
+        "step 1: bf16 {} vs f32 {} ({first:.2e})",
+        b[0].0,
+        f[0].0
+    );
     let worst = worst_rel("bf16 vs f32", b, f);
-    assert!(worst > 0.0, "the bf16 run is the f32 run: the precision was not applied");
+    assert!(
+        worst > 0.0,
+        "the bf16 run is the f32 run: the precision was not applied"
+    );
     // Measured 3.6e-4 on this model (2026-12-02); bf16's own resolution is 3.9e-3.
-    assert!(worst <= 5e-3, "bf16 drifts from f32 by {worst:.2e}: {b:?} vs {f:?}");
+    assert!(
+        worst <= 5e-3,
+        "bf16 drifts from f32 by {worst:.2e}: {b:?} vs {f:?}"
+    );
     assert!(
         b.last().unwrap().0 < b[0].0 - 0.1,
         "the bf16 run must learn: {b:?}"
@@ -60,10 +74,17 @@ fn bf16_tracks_f32_and_learns() {
 fn bf16_layouts_track_bf16_one_rank() {
     let want = bf16_reference();
     for (name, sets) in [
-        ("bf16-llm-tp2", &["parallel.world_size=4", "parallel.llm.tp=2"][..]),
+        (
+            "bf16-llm-tp2",
+            &["parallel.world_size=4", "parallel.llm.tp=2"][..],
+        ),
         (
             "bf16-llm-cp2-pp2",
-            &["parallel.world_size=6", "parallel.llm.cp=2", "parallel.llm.pp=2"][..],
+            &[
+                "parallel.world_size=6",
+                "parallel.llm.cp=2",
+                "parallel.llm.pp=2",
+            ][..],
         ),
         (
             "bf16-uneven-dp-audio-tp2",
@@ -93,7 +114,10 @@ fn bf16_layouts_track_bf16_one_rank() {
         // Sums split over ranks round at other points than on one rank: bf16's
         // tolerance, not f32's 1e-4 (measured 1.6e-4 to 3.2e-4).
         let worst = worst_rel(name, &got, want);
-        assert!(worst <= 5e-3, "{name}: {worst:.2e} from the bf16 one-rank run");
+        assert!(
+            worst <= 5e-3,
+            "{name}: {worst:.2e} from the bf16 one-rank run"
+        );
     }
 }
 
@@ -102,13 +126,22 @@ fn bf16_checkpoints_hold_f32_masters_and_resume() {
     let want = bf16_reference();
     let dir = run_dir("prec-resume");
     let _ = std::fs::remove_dir_all(&dir);
-    train(config(&dir, &[BF16, "checkpoint.interval=10"]), false, &mut Quiet).unwrap();
+    train(
+        config(&dir, &[BF16, "checkpoint.interval=10"]),
+        false,
+        &mut Quiet,
+    )
+    .unwrap();
     let ckpt = dir.join("checkpoints/step-00000010");
     let bytes = std::fs::read(ckpt.join("model.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     assert!(st.len() > 40);
     for (name, t) in st.tensors() {
-        assert_eq!(t.dtype(), safetensors::Dtype::F32, "{name}: masters are f32");
+        assert_eq!(
+            t.dtype(),
+            safetensors::Dtype::F32,
+            "{name}: masters are f32"
+        );
     }
     // Resuming from step 10 gives the uninterrupted bf16 run's metrics, bit for bit.
     std::fs::remove_dir_all(dir.join("checkpoints/step-00000020")).unwrap();

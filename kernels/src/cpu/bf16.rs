@@ -62,7 +62,10 @@ pub(super) fn wide(t: &Tensor) -> Result<Wide<'_>> {
     let f: Vec<f32> = if v.len() <= PAR_MIN_ELEMS {
         v.iter().map(|x| x.to_f32()).collect()
     } else {
-        v.par_iter().with_min_len(PAR_MIN_ELEMS).map(|x| x.to_f32()).collect()
+        v.par_iter()
+            .with_min_len(PAR_MIN_ELEMS)
+            .map(|x| x.to_f32())
+            .collect()
     };
     Ok(Wide::Owned(Tensor::cpu_from_f32(f, t.shape().clone())?))
 }
@@ -82,7 +85,10 @@ pub(super) fn round(t: Tensor, dtype: DType) -> Result<Tensor> {
     let b: Vec<bf16> = if v.len() <= PAR_MIN_ELEMS {
         v.iter().map(|&x| bf16::from_f32(x)).collect()
     } else {
-        v.par_iter().with_min_len(PAR_MIN_ELEMS).map(|&x| bf16::from_f32(x)).collect()
+        v.par_iter()
+            .with_min_len(PAR_MIN_ELEMS)
+            .map(|&x| bf16::from_f32(x))
+            .collect()
     };
     Tensor::from_storage(Storage::Cpu(CpuStorage::BF16(b)), t.shape().clone())
 }
@@ -250,7 +256,13 @@ pub(super) fn rms_norm_bwd(
     dw: Option<&mut Tensor>,
 ) -> Result<Tensor> {
     let mut dw = acc_opt(dw)?;
-    let dx = be.rms_norm_bwd(&*wide(dy)?, &*wide(x)?, &*wide(w)?, rstd, dw.as_mut().map(Acc::f32))?;
+    let dx = be.rms_norm_bwd(
+        &*wide(dy)?,
+        &*wide(x)?,
+        &*wide(w)?,
+        rstd,
+        dw.as_mut().map(Acc::f32),
+    )?;
     finish_opt(dw)?;
     round(dx, x.dtype())
 }
@@ -264,7 +276,10 @@ pub(super) fn rope(
     sin: &Tensor,
     inverse: bool,
 ) -> Result<Tensor> {
-    round(be.rope(&*wide(x)?, &*wide(cos)?, &*wide(sin)?, inverse)?, x.dtype())
+    round(
+        be.rope(&*wide(x)?, &*wide(cos)?, &*wide(sin)?, inverse)?,
+        x.dtype(),
+    )
 }
 
 pub(super) fn activation_fwd(be: &CpuBackend, x: &Tensor, act: Activation) -> Result<Tensor> {
@@ -402,7 +417,10 @@ pub(super) fn conv1d_fwd(
     spec: &Conv1dSpec,
 ) -> Result<Tensor> {
     let bw = wide_opt(b)?;
-    round(be.conv1d_fwd(&*wide(x)?, &*wide(w)?, bw.as_deref(), spec)?, x.dtype())
+    round(
+        be.conv1d_fwd(&*wide(x)?, &*wide(w)?, bw.as_deref(), spec)?,
+        x.dtype(),
+    )
 }
 
 pub(super) fn conv1d_bwd(
@@ -436,5 +454,8 @@ pub(super) fn unpatchify(
     image_shape: &Shape,
     patch: usize,
 ) -> Result<Tensor> {
-    round(be.unpatchify(&*wide(dpatches)?, image_shape, patch)?, dpatches.dtype())
+    round(
+        be.unpatchify(&*wide(dpatches)?, image_shape, patch)?,
+        dpatches.dtype(),
+    )
 }

@@ -8,8 +8,8 @@
 #[macro_use]
 mod simd;
 mod activation;
-mod bf16;
 mod attention;
+mod bf16;
 mod conv;
 mod elementwise;
 mod embedding;

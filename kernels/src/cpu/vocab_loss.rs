@@ -25,7 +25,13 @@ impl VocabLossKernels for CpuBackend {
         ignore_index: u32,
     ) -> Result<Tensor> {
         if super::bf16::any(&[logits]) {
-            return super::bf16::vocab_loss_partials(self, logits, targets, vocab_start, ignore_index);
+            return super::bf16::vocab_loss_partials(
+                self,
+                logits,
+                targets,
+                vocab_start,
+                ignore_index,
+            );
         }
         const OP: &str = "vocab_loss_partials";
         let [t, vl] = logits.shape().dims_n::<2>(OP, "logits")?;
@@ -63,7 +69,15 @@ impl VocabLossKernels for CpuBackend {
         grad_scale: f32,
     ) -> Result<(Tensor, Tensor)> {
         if super::bf16::any(&[logits, gathered]) {
-            return super::bf16::vocab_loss_finish(self, logits, targets, gathered, vocab_start, ignore_index, grad_scale);
+            return super::bf16::vocab_loss_finish(
+                self,
+                logits,
+                targets,
+                gathered,
+                vocab_start,
+                ignore_index,
+                grad_scale,
+            );
         }
         const OP: &str = "vocab_loss_finish";
         let [t, vl] = logits.shape().dims_n::<2>(OP, "logits")?;

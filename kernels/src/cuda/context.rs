@@ -33,8 +33,11 @@ pub struct CudaBackend {
     /// Small u32 tables (attention's segment and tile lists) already on the device, most
     /// recently used first, by content: every layer of a microbatch asks for the same
     /// ones, so they cross to the device once per microbatch, not once per call.
-    tables: Mutex<VecDeque<(Vec<u32>, Arc<CudaSlice<u32>>)>>,
+    tables: Mutex<VecDeque<KeptTable>>,
 }
+
+/// A table's content and its device copy.
+type KeptTable = (Vec<u32>, Arc<CudaSlice<u32>>);
 
 /// Tables kept on the device by [`CudaBackend::table`]: a forward and a backward plan
 /// (segments, query tiles, key tiles) of a few microbatches in flight.

@@ -175,7 +175,10 @@ impl LayoutKernels for CudaBackend {
     ) -> Result<()> {
         const OP: &str = "copy_range";
         let dst_dbg = format!("{dst:?}");
-        match (src.cuda_storage(OP, "src")?, dst.cuda_storage_mut(OP, "dst")?) {
+        match (
+            src.cuda_storage(OP, "src")?,
+            dst.cuda_storage_mut(OP, "dst")?,
+        ) {
             (CudaStorage::F32(a), CudaStorage::F32(b)) => {
                 self.copy_slices(a, src_start, b, dst_start, n)
             }

@@ -21,9 +21,7 @@ pub use activation::{
 };
 pub use attention::{AttentionSpec, attention_bwd, attention_fwd};
 pub use conv::{Conv1dSpec, conv1d_bwd, conv1d_fwd, patchify_bwd, patchify_fwd};
-pub use elementwise::{
-    add, add_assign, cast, global_norm, into_dtype, scale_assign, sum_squares,
-};
+pub use elementwise::{add, add_assign, cast, global_norm, into_dtype, scale_assign, sum_squares};
 pub use embedding::{embedding_bwd, embedding_fwd};
 pub use layout::{copy_range, gather_rows, narrow_last, scatter_rows, transpose01};
 pub use loss::{cross_entropy_fwd_bwd, vocab_loss_finish, vocab_loss_partials};

@@ -5,7 +5,9 @@
 //! the activation dtype, as in llm.c) and the backwards take them back, so the
 //! backward never recomputes a reduction over the row.
 
-use super::{accumulator_dtype, expect_dtype, expect_shape, same_device, same_float_dtype, same_shape};
+use super::{
+    accumulator_dtype, expect_dtype, expect_shape, same_device, same_float_dtype, same_shape,
+};
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};

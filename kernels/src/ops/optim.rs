@@ -133,5 +133,6 @@ pub fn adamw_step_with_copy(
     }
     same_shape(OP, ("param", param), ("compute", compute))?;
     spec.validate(OP)?;
-    dev.backend()?.adamw_step(param, grad, m, v, Some(compute), spec)
+    dev.backend()?
+        .adamw_step(param, grad, m, v, Some(compute), spec)
 }

@@ -227,8 +227,12 @@ impl Mllm {
             } else {
                 Some(ModalityEmbeds {
                     positions: placeholder_positions(batch)?,
-                    embeds: Tensor::zeros(vec![m, self.config.llm.hidden], self.compute_dtype(), dev)
-                        .ctx("mllm", "zeros")?, // (M, C)
+                    embeds: Tensor::zeros(
+                        vec![m, self.config.llm.hidden],
+                        self.compute_dtype(),
+                        dev,
+                    )
+                    .ctx("mllm", "zeros")?, // (M, C)
                 })
             };
             return Ok(Embedded {

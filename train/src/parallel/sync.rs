@@ -188,8 +188,7 @@ fn all_reduce_bucketed(
         let mut flat = Tensor::zeros([elems], dtype, device)?; // (E)
         let mut res: Result<()> = Ok(());
         model.visit_params(&mut |p| {
-            if let (true, Some(&o), Some(g)) = (res.is_ok(), offset.get(p.name.as_str()), &p.grad)
-            {
+            if let (true, Some(&o), Some(g)) = (res.is_ok(), offset.get(p.name.as_str()), &p.grad) {
                 res = ops::copy_range(g, 0, &mut flat, o, g.elem_count()).map_err(Into::into);
             }
         });

@@ -133,4 +133,3 @@ pub fn losses(name: &str, sets: &[&str]) -> Vec<(f64, f64)> {
         .map(|m| (m.loss, m.grad_norm))
         .collect()
 }
-

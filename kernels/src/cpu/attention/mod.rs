@@ -461,7 +461,12 @@ impl AttentionKernels for CpuBackend {
         spec: &AttentionSpec,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         if super::bf16::any(&[dout, q, k, v, out]) {
-            return super::bf16::attention_bwd(self, (dout, q, k, v, out, lse), super::bf16::Keys::Seqlens(cu_seqlens), spec);
+            return super::bf16::attention_bwd(
+                self,
+                (dout, q, k, v, out, lse),
+                super::bf16::Keys::Seqlens(cu_seqlens),
+                spec,
+            );
         }
         const OP: &str = "attention_bwd";
         let dims = check_qkv(OP, q, k, v, cu_seqlens, spec)?;
@@ -498,7 +503,12 @@ impl AttentionKernels for CpuBackend {
         spec: &AttentionSpec,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         if super::bf16::any(&[dout, q, k, v, out]) {
-            return super::bf16::attention_bwd(self, (dout, q, k, v, out, lse), super::bf16::Keys::Ranges(segs), spec);
+            return super::bf16::attention_bwd(
+                self,
+                (dout, q, k, v, out, lse),
+                super::bf16::Keys::Ranges(segs),
+                spec,
+            );
         }
         const OP: &str = "attention_bwd_ranges";
         let dims = check_qk_ranges(OP, q, k, v, segs, spec)?;
