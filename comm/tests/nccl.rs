@@ -14,8 +14,7 @@ use braid_kernels::{DType, Device, Shape, Tensor};
 
 fn store() -> (StoreServer, StoreClient) {
     let server = StoreServer::bind("127.0.0.1:0").unwrap();
-    let client =
-        StoreClient::connect(&server.addr().to_string(), Duration::from_secs(10)).unwrap();
+    let client = StoreClient::connect(&server.addr().to_string(), Duration::from_secs(10)).unwrap();
     (server, client)
 }
 
@@ -27,7 +26,10 @@ fn without_nccl_availability_is_an_error_not_a_panic() {
             assert!(e.contains("not found"), "{e}");
             // Either the driver or NCCL is missing; when NCCL is, the symlink hint is there.
             if e.contains("NCCL") {
-                assert!(e.contains("libnccl.so.2") && e.contains("LD_LIBRARY_PATH"), "{e}");
+                assert!(
+                    e.contains("libnccl.so.2") && e.contains("LD_LIBRARY_PATH"),
+                    "{e}"
+                );
             }
         }
     }
@@ -41,7 +43,16 @@ fn without_nccl_a_world_is_an_error_naming_the_library() {
     let (_server, client) = store();
     let e = NcclComm::world(client, 0, 2, Device::Cuda(0), Duration::from_secs(2)).unwrap_err();
     let msg = e.to_string();
-    assert!(matches!(e, CommError::Invalid { op: "nccl world", .. }), "{msg}");
+    assert!(
+        matches!(
+            e,
+            CommError::Invalid {
+                op: "nccl world",
+                ..
+            }
+        ),
+        "{msg}"
+    );
     assert!(msg.contains("not found"), "{msg}");
     assert!(msg.contains("rank 0 of 2"), "{msg}");
 }
@@ -76,7 +87,11 @@ fn world_of_one_matches_single_rank() {
     let one = SingleRank;
     assert_eq!((c.rank(), c.size()), (0, 1));
     for dtype in [DType::F32, DType::BF16] {
-        let x = gpu((0..12).map(|i| i as f32 * 0.5 - 2.0).collect(), &[4, 3], dtype);
+        let x = gpu(
+            (0..12).map(|i| i as f32 * 0.5 - 2.0).collect(),
+            &[4, 3],
+            dtype,
+        );
         let (mut a, mut b) = (x.try_clone().unwrap(), x.try_clone().unwrap());
         c.all_reduce_sum(&mut a).unwrap();
         one.all_reduce_sum(&mut b).unwrap();
@@ -121,5 +136,9 @@ fn a_rank_that_never_joins_times_out() {
     let start = Instant::now();
     let e = NcclComm::world(client, 0, 2, Device::Cuda(0), Duration::from_secs(3)).unwrap_err();
     assert!(matches!(e, CommError::Timeout { .. }), "{e}");
-    assert!(start.elapsed() < Duration::from_secs(30), "{:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        start.elapsed()
+    );
 }

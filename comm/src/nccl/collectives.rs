@@ -85,7 +85,8 @@ impl Comm for NcclComm {
         const OP: &str = "all_gather";
         let staged = self.on_gpu(OP, t)?;
         let src = staged.as_ref().unwrap_or(t);
-        let dims = plan::gathered_dims(t.dims(), self.members.len()).map_err(|m| self.err(OP, m))?;
+        let dims =
+            plan::gathered_dims(t.dims(), self.members.len()).map_err(|m| self.err(OP, m))?;
         let n: usize = dims.iter().product();
         let mut out = self.alloc(OP, t.dtype(), n)?;
         let stream = Arc::clone(&self.world.stream);
@@ -95,11 +96,22 @@ impl Comm for NcclComm {
             // SAFETY: `send` holds `send.count` elements, `recv` size times as many
             // (gathered dims); both stay alive until `run` has waited.
             raw::check(unsafe {
-                sys::ncclAllGather(send.send_ptr(), recv.recv_ptr(), send.count, send.ty, comm, cu)
+                sys::ncclAllGather(
+                    send.send_ptr(),
+                    recv.recv_ptr(),
+                    send.count,
+                    send.ty,
+                    comm,
+                    cu,
+                )
             })
         })?;
         let g = Tensor::from_cuda_buffer(out, dims)?;
-        Ok(if staged.is_some() { g.into_device(Device::Cpu)? } else { g })
+        Ok(if staged.is_some() {
+            g.into_device(Device::Cpu)?
+        } else {
+            g
+        })
     }
 
     fn reduce_scatter_sum(&self, t: &Tensor) -> Result<Tensor> {
@@ -133,7 +145,11 @@ impl Comm for NcclComm {
         let mut dims = t.dims().to_vec();
         dims[0] /= n;
         let r = Tensor::from_cuda_buffer(out, dims)?;
-        Ok(if staged.is_some() { r.into_device(Device::Cpu)? } else { r })
+        Ok(if staged.is_some() {
+            r.into_device(Device::Cpu)?
+        } else {
+            r
+        })
     }
 
     fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<()> {
@@ -168,7 +184,10 @@ impl Comm for NcclComm {
         const OP: &str = "send";
         self.check_poison(OP)?;
         let w = *self.members.get(dst).ok_or_else(|| {
-            self.err(OP, format!("rank {dst} is not in this group of {}", self.members.len()))
+            self.err(
+                OP,
+                format!("rank {dst} is not in this group of {}", self.members.len()),
+            )
         })?;
         if dst == self.rank {
             return Err(self.err(OP, "a rank cannot send to itself"));
@@ -185,7 +204,10 @@ impl Comm for NcclComm {
         const OP: &str = "recv";
         self.check_poison(OP)?;
         let w = *self.members.get(src).ok_or_else(|| {
-            self.err(OP, format!("rank {src} is not in this group of {}", self.members.len()))
+            self.err(
+                OP,
+                format!("rank {src} is not in this group of {}", self.members.len()),
+            )
         })?;
         if src == self.rank {
             return Err(self.err(OP, "a rank cannot receive from itself"));
@@ -239,8 +261,20 @@ impl Comm for NcclComm {
         let (sb, rb) = (raw::buf(&sent, &stream), raw::buf_mut(&mut got, &stream));
         self.run(OP, |comm, cu| {
             for &p in &peers {
-                p2p::p2p_call(true, sb.part(p * HEADER_WORDS, HEADER_WORDS, 4), p, comm, cu)?;
-                p2p::p2p_call(false, rb.part(p * HEADER_WORDS, HEADER_WORDS, 4), p, comm, cu)?;
+                p2p::p2p_call(
+                    true,
+                    sb.part(p * HEADER_WORDS, HEADER_WORDS, 4),
+                    p,
+                    comm,
+                    cu,
+                )?;
+                p2p::p2p_call(
+                    false,
+                    rb.part(p * HEADER_WORDS, HEADER_WORDS, 4),
+                    p,
+                    comm,
+                    cu,
+                )?;
             }
             Ok(())
         })?;
@@ -285,7 +319,11 @@ impl Comm for NcclComm {
                 let (dims, data) = slot.ok_or_else(|| self.err(OP, "a part is missing"))?;
                 Tensor::from_cuda_buffer(data, dims)?
             };
-            result.push(if back_to_cpu { t.into_device(Device::Cpu)? } else { t });
+            result.push(if back_to_cpu {
+                t.into_device(Device::Cpu)?
+            } else {
+                t
+            });
         }
         Ok(result)
     }
@@ -299,7 +337,15 @@ impl Comm for NcclComm {
             // SAFETY: one element, in place (its value does not matter: uninitialized
             // bits summed into uninitialized bits); alive until `run` has waited.
             raw::check(unsafe {
-                sys::ncclAllReduce(b.send_ptr(), b.recv_ptr(), 1, b.ty, sys::ncclRedOp_t::ncclSum, comm, cu)
+                sys::ncclAllReduce(
+                    b.send_ptr(),
+                    b.recv_ptr(),
+                    1,
+                    b.ty,
+                    sys::ncclRedOp_t::ncclSum,
+                    comm,
+                    cu,
+                )
             })
         })
     }

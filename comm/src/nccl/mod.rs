@@ -79,9 +79,7 @@ impl NcclWorld {
 
     /// Publishes `value` under `key`.
     fn publish(&self, key: &str, value: &[u8]) -> std::result::Result<(), String> {
-        lock(&self.store)
-            .set(key, value)
-            .map_err(|e| e.to_string())
+        lock(&self.store).set(key, value).map_err(|e| e.to_string())
     }
 
     /// Waits for `key`, polling (the store lock is released between polls, so this
@@ -111,7 +109,12 @@ impl NcclWorld {
 
     /// Creates or joins the communicator of `members` (world ranks; this rank is
     /// `members[me]`), its id under `key`.
-    fn join(&self, key: &str, members: &[usize], me: usize) -> std::result::Result<RawComm, Failure> {
+    fn join(
+        &self,
+        key: &str,
+        members: &[usize],
+        me: usize,
+    ) -> std::result::Result<RawComm, Failure> {
         let id = if me == 0 {
             let id = raw::new_unique_id()?;
             self.publish(key, &id).map_err(Failure::Error)?;
@@ -119,7 +122,10 @@ impl NcclWorld {
         } else {
             self.fetch(
                 key,
-                &format!("rank {} publishes the NCCL id of group {members:?}", members[0]),
+                &format!(
+                    "rank {} publishes the NCCL id of group {members:?}",
+                    members[0]
+                ),
             )?
         };
         RawComm::init(&self.ctx, &id, me, members.len(), self.timeout, &|| {
@@ -210,7 +216,9 @@ impl NcclComm {
         };
         Self::is_available().map_err(invalid)?;
         let Device::Cuda(ordinal) = device else {
-            return Err(invalid(format!("NCCL moves GPU tensors: {device} is not a GPU")));
+            return Err(invalid(format!(
+                "NCCL moves GPU tensors: {device} is not a GPU"
+            )));
         };
         let be: &CudaBackend = braid_kernels::cuda::backend(ordinal)?;
         let world = Arc::new(NcclWorld {
@@ -230,7 +238,12 @@ impl NcclComm {
     }
 
     /// Joins (or creates, on member 0) the communicator of `members` (world ranks).
-    fn make(world: Arc<NcclWorld>, members: Vec<usize>, me: usize, op: &'static str) -> Result<Self> {
+    fn make(
+        world: Arc<NcclWorld>,
+        members: Vec<usize>,
+        me: usize,
+        op: &'static str,
+    ) -> Result<Self> {
         let generation = {
             let mut g = lock(&world.generations);
             let n = g.entry(members.clone()).or_insert(0);
@@ -277,7 +290,10 @@ impl NcclComm {
     fn run(
         &self,
         op: &'static str,
-        issue: impl FnOnce(cudarc::nccl::sys::ncclComm_t, cudarc::nccl::sys::cudaStream_t) -> std::result::Result<(), cudarc::nccl::sys::ncclResult_t>,
+        issue: impl FnOnce(
+            cudarc::nccl::sys::ncclComm_t,
+            cudarc::nccl::sys::cudaStream_t,
+        ) -> std::result::Result<(), cudarc::nccl::sys::ncclResult_t>,
     ) -> Result<()> {
         use cudarc::nccl::sys;
         self.check_poison(op)?;
@@ -289,8 +305,9 @@ impl NcclComm {
             let stream = self.world.stream.cu_stream() as sys::cudaStream_t;
             // SAFETY: group start/end only mark the calls between them as one launch
             // (thread-local NCCL state); the end is always reached below.
-            raw::check(unsafe { sys::ncclGroupStart() })
-                .map_err(|e| Failure::Error(format!("ncclGroupStart: {}", raw::nccl_text(e, Some(h)))))?;
+            raw::check(unsafe { sys::ncclGroupStart() }).map_err(|e| {
+                Failure::Error(format!("ncclGroupStart: {}", raw::nccl_text(e, Some(h))))
+            })?;
             let r = issue(h, stream);
             // SAFETY: see above.
             let end = raw::check(unsafe { sys::ncclGroupEnd() });
@@ -321,7 +338,10 @@ impl NcclComm {
             Device::Cpu => Ok(Some(t.try_clone()?.into_device(self.world.device)?)),
             other => Err(self.err(
                 op,
-                format!("a tensor on {other}, but this rank's GPU is {}", self.world.device),
+                format!(
+                    "a tensor on {other}, but this rank's GPU is {}",
+                    self.world.device
+                ),
             )),
         }
     }

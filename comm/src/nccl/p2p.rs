@@ -15,6 +15,7 @@
 //! under [`super::plan::channel_key`], the receiver's first `recv` joins it.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -52,16 +53,23 @@ pub(crate) fn alloc(
     let err = |e: cudarc::driver::DriverError| {
         Failure::Error(format!("allocating {n} {dtype} elements on the GPU: {e}"))
     };
-    Ok(match dtype {
-        DType::F32 if n == 0 => CudaStorage::F32(stream.null().map_err(err)?),
-        DType::BF16 if n == 0 => CudaStorage::BF16(stream.null().map_err(err)?),
-        DType::U32 if n == 0 => CudaStorage::U32(stream.null().map_err(err)?),
-        // SAFETY (all three): the memory is written in full by the NCCL operation the
-        // caller posts next, before anything reads it (stream order).
-        DType::F32 => CudaStorage::F32(unsafe { stream.alloc::<f32>(n) }.map_err(err)?),
-        DType::BF16 => CudaStorage::BF16(unsafe { stream.alloc::<u16>(n) }.map_err(err)?),
-        DType::U32 => CudaStorage::U32(unsafe { stream.alloc::<u32>(n) }.map_err(err)?),
-    })
+    if n == 0 {
+        return Ok(match dtype {
+            DType::F32 => CudaStorage::F32(stream.null().map_err(err)?),
+            DType::BF16 => CudaStorage::BF16(stream.null().map_err(err)?),
+            DType::U32 => CudaStorage::U32(stream.null().map_err(err)?),
+        });
+    }
+    // SAFETY: for all three allocations, the memory is written in full by the NCCL
+    // operation the caller posts next, before anything reads it (stream order).
+    let s = unsafe {
+        match dtype {
+            DType::F32 => CudaStorage::F32(stream.alloc::<f32>(n).map_err(err)?),
+            DType::BF16 => CudaStorage::BF16(stream.alloc::<u16>(n).map_err(err)?),
+            DType::U32 => CudaStorage::U32(stream.alloc::<u32>(n).map_err(err)?),
+        }
+    };
+    Ok(s)
 }
 
 /// One point-to-point call (`ncclSend` if `send`, else `ncclRecv`) of `b` with `peer`.
@@ -106,21 +114,25 @@ impl Channels {
             .record_event(None)
             .map_err(|e| Failure::Error(format!("recording an event: {e}")))?;
         let mut out = lock(&self.out);
-        if !out.contains_key(&dst) {
-            let (tx, rx) = channel();
-            let w = Arc::clone(world);
-            let key = plan::channel_key(&self.group, world.rank, dst);
-            std::thread::Builder::new()
-                .name(format!("braid-nccl-send-{dst}"))
-                .spawn(move || channel_thread(w, key, dst, rx))
-                .map_err(|e| Failure::Error(format!("starting a send thread: {e}")))?;
-            out.insert(dst, tx);
-        }
-        let tx = out.get(&dst).ok_or_else(|| Failure::Error("no channel".into()))?;
+        let tx = match out.entry(dst) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(v) => {
+                let (tx, rx) = channel();
+                let w = Arc::clone(world);
+                let key = plan::channel_key(&self.group, world.rank, dst);
+                std::thread::Builder::new()
+                    .name(format!("braid-nccl-send-{dst}"))
+                    .spawn(move || channel_thread(w, key, dst, rx))
+                    .map_err(|e| Failure::Error(format!("starting a send thread: {e}")))?;
+                v.insert(tx)
+            }
+        };
         tx.send(Job { data, ready }).map_err(|_| {
-            Failure::Poisoned(world.poisoned().unwrap_or_else(|| {
-                format!("the send channel to rank {dst} has stopped")
-            }))
+            Failure::Poisoned(
+                world
+                    .poisoned()
+                    .unwrap_or_else(|| format!("the send channel to rank {dst} has stopped")),
+            )
         })
     }
 
@@ -165,9 +177,8 @@ impl Channels {
         let n: usize = dims.iter().product();
         let mut data = alloc(stream, dtype, n)?;
         if n > 0 {
-            p2p_call(false, raw::buf_mut(&mut data, stream), 0, h, cu).map_err(|e| {
-                Failure::Error(format!("ncclRecv: {}", raw::nccl_text(e, Some(h))))
-            })?;
+            p2p_call(false, raw::buf_mut(&mut data, stream), 0, h, cu)
+                .map_err(|e| Failure::Error(format!("ncclRecv: {}", raw::nccl_text(e, Some(h)))))?;
             comm.settle(start, &what, &poisoned)?;
             comm.complete(stream, start, &what, &poisoned)?;
         }

@@ -301,7 +301,10 @@ impl RawComm {
             // SAFETY: live communicator, `state` a valid out-pointer.
             let r = unsafe { sys::ncclCommGetAsyncError(comm, &mut state) };
             if let Err(e) = check(r) {
-                let f = Failure::Error(format!("ncclCommGetAsyncError: {}", nccl_text(e, Some(comm))));
+                let f = Failure::Error(format!(
+                    "ncclCommGetAsyncError: {}",
+                    nccl_text(e, Some(comm))
+                ));
                 return Err(self.fail(f));
             }
             match state {
