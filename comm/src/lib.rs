@@ -3,8 +3,10 @@
 //! A `Comm` is one process group: layers receive the group they communicate over as an
 //! argument (there is no global group). [`SingleRank`] is the group of one, with which
 //! every parallel layer is exactly its plain counterpart; [`local::LocalComm`] runs the
-//! ranks of a world as threads (deterministic, with timeouts and poisoning); `NcclComm`
-//! implements the same trait for GPUs. [`grid::Grid`] lays a module's ranks out as named
+//! ranks of a world as threads (deterministic, with timeouts and poisoning);
+//! [`socket::SocketComm`] runs them as CPU processes over TCP; [`nccl::NcclComm`] runs
+//! them as processes with one GPU each over NCCL (loaded at run time, with a watchdog
+//! that aborts a collective past the timeout; compile-checked, not yet run on a GPU). [`grid::Grid`] lays a module's ranks out as named
 //! axes (TP fastest, then CP, DP, PP) with a rank offset. For a world of processes,
 //! [`launch::LaunchEnv`] reads which rank this process is from the launcher (torchrun,
 //! SLURM, `braid launch`) and [`store`] is the TCP key-value store they meet on.
@@ -12,6 +14,7 @@
 pub mod grid;
 pub mod launch;
 pub mod local;
+pub mod nccl;
 pub mod socket;
 pub mod store;
 pub mod testing;

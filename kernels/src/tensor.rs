@@ -343,6 +343,32 @@ impl Tensor {
         Self::from_storage(Storage::Cuda(storage), shape.into())
     }
 
+    // ---- public device-buffer access, for transports (braid-comm's NcclComm) ----
+
+    /// The device buffer of a CUDA tensor, `None` on the CPU. For code that hands device
+    /// pointers to a library (NCCL); layers use [`crate::ops`] only.
+    pub fn cuda_buffer(&self) -> Option<&CudaStorage> {
+        match &self.storage {
+            Storage::Cuda(s) => Some(s),
+            Storage::Cpu(_) => None,
+        }
+    }
+
+    /// The device buffer of a CUDA tensor, mutably (an in-place all-reduce writes into
+    /// it), `None` on the CPU.
+    pub fn cuda_buffer_mut(&mut self) -> Option<&mut CudaStorage> {
+        match &mut self.storage {
+            Storage::Cuda(s) => Some(s),
+            Storage::Cpu(_) => None,
+        }
+    }
+
+    /// A CUDA tensor around a device buffer filled elsewhere (a receive); the length
+    /// must match the shape.
+    pub fn from_cuda_buffer(storage: CudaStorage, shape: impl Into<Shape>) -> Result<Self> {
+        Self::from_cuda(storage, shape)
+    }
+
     /// A new CPU tensor from an f32 buffer (length checked).
     pub(crate) fn cpu_from_f32(data: Vec<f32>, shape: impl Into<Shape>) -> Result<Self> {
         Self::from_storage(Storage::Cpu(CpuStorage::F32(data)), shape.into())

@@ -194,6 +194,18 @@ impl CudaBackend {
         Device::Cuda(self.ordinal)
     }
 
+    /// The stream every kernel of this backend runs on. A library that enqueues work
+    /// for this GPU (NCCL in braid-comm) uses it too, so its work is ordered with the
+    /// kernels' as issued. Buffers have no per-buffer events (tracking is disabled).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The CUDA context of this GPU (bind it to a thread before raw driver calls).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
     /// The GPU's name and architecture, for run summaries ("NVIDIA H200, sm_90a").
     pub fn describe(&self) -> String {
         format!("{}, {}", self.name, self.arch)

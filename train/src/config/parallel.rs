@@ -138,12 +138,30 @@ impl Default for ParallelConfig {
 }
 
 impl ParallelConfig {
-    /// The kernels' device of this process's rank: GPU 0 for `"cuda"` (one rank per
-    /// process and GPU).
+    /// The kernels' device of this process's rank. For `"cuda"`: the GPU of the
+    /// launcher's local rank (`LOCAL_RANK`, `SLURM_LOCALID`; one rank per process and
+    /// GPU), or GPU 0 without a launcher (threads) or when the process sees only the
+    /// GPUs it was given (`CUDA_VISIBLE_DEVICES` set per task, so its GPU is `cuda:0`).
     pub fn kernel_device(&self) -> braid_kernels::Device {
         match self.device {
             Device::Cpu => braid_kernels::Device::Cpu,
-            Device::Cuda => braid_kernels::Device::Cuda(0),
+            Device::Cuda => {
+                let local = braid_comm::launch::LaunchEnv::from_env()
+                    .ok()
+                    .flatten()
+                    .map_or(0, |e| e.local_rank);
+                let mine = braid_kernels::Device::Cuda(local);
+                if local > 0
+                    && mine.unavailable_reason().is_some()
+                    && braid_kernels::Device::Cuda(0)
+                        .unavailable_reason()
+                        .is_none()
+                {
+                    braid_kernels::Device::Cuda(0)
+                } else {
+                    mine
+                }
+            }
         }
     }
 

@@ -5,8 +5,8 @@
 //! ([`braid_comm::store`]). Rank 0 sets the run up first (it makes the datasets if
 //! needed), the others after it; every rank then checks through the store that all
 //! resolved the same config and see the same dataset, the ranks connect to each other
-//! ([`SocketComm`]: TCP between CPU processes; NCCL on GPUs is the next piece), and each
-//! trains its share ([`super::run::run_process`]). `parallel.world_size` comes from the
+//! ([`SocketComm`]: TCP between CPU processes; [`NcclComm`] between GPU processes, each
+//! on its local rank's GPU), and each trains its share ([`super::run::run_process`]). `parallel.world_size` comes from the
 //! environment: a config that sets another value is an error naming both.
 
 use std::sync::Arc;
@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use braid_comm::Comm;
 use braid_comm::launch::LaunchEnv;
+use braid_comm::nccl::NcclComm;
 use braid_comm::socket::{SocketComm, SocketWorld};
 use braid_comm::store::{StoreClient, StoreServer};
 
@@ -22,9 +23,18 @@ use crate::error::{Result, TrainError};
 use crate::stop::StopFlag;
 use crate::trainer::{Observer, RunSummary, Trainer};
 
-/// How the processes talk, for the log and the summary.
-pub const TRANSPORT: &str =
-    "SocketComm: TCP between CPU processes, for development and CI; NCCL is the transport on GPUs";
+/// How the processes talk, for the log and the summary (both transports).
+pub const TRANSPORT: &str = "SocketComm (TCP) between CPU processes, for development and CI; \
+     NcclComm (NCCL) between GPU processes";
+
+/// The transport of a world on `parallel.device`, for the log and the summary.
+pub fn transport(on_gpu: bool) -> &'static str {
+    if on_gpu {
+        "NcclComm: NCCL between GPU processes, one GPU each (LOCAL_RANK's)"
+    } else {
+        "SocketComm: TCP between CPU processes, for development and CI"
+    }
+}
 
 /// How long a rank waits for the store to come up, and for rank 0 to set the run up
 /// (packing a dataset can take a while; a rank 0 that dies ends the wait at once, since
@@ -87,6 +97,8 @@ pub fn train(
     }
     cfg.parallel.world_size = env.world_size;
     let timeout = Duration::from_secs_f64(cfg.parallel.timeout_s);
+    let on_gpu = cfg.parallel.device == crate::config::Device::Cuda;
+    let device = cfg.parallel.kernel_device();
     // Every rank's observer sees the run (the CLI's prints only on rank 0, but every rank
     // arms its signal handlers when training starts).
     const STATUS: &str = "setup/rank-0";
@@ -145,20 +157,30 @@ pub fn train(
     p.store
         .agree("run", env.rank, &entries, timeout)
         .map_err(store_err)?;
-    let host = p.store.local_ip().map_err(store_err)?;
-    let world = SocketWorld::connect(&mut p.store, env.rank, env.world_size, &host, timeout)?;
-    let mut hosts: Vec<&str> = world.hosts().iter().map(String::as_str).collect();
+    let transport = transport(on_gpu);
+    let (comm, hosts): (Arc<dyn Comm>, Vec<String>) = if on_gpu {
+        // NCCL keeps a store connection of its own (ids of subgroups and channels).
+        let store = StoreClient::connect(&env.store_addr(), STORE_CONNECT).map_err(store_err)?;
+        let host = p.store.local_ip().map_err(store_err)?;
+        let world = NcclComm::world(store, env.rank, env.world_size, device, timeout)?;
+        (Arc::new(world), vec![host])
+    } else {
+        let host = p.store.local_ip().map_err(store_err)?;
+        let world = SocketWorld::connect(&mut p.store, env.rank, env.world_size, &host, timeout)?;
+        let hosts = world.hosts().to_vec();
+        (Arc::new(SocketComm::world(world)), hosts)
+    };
+    let mut hosts: Vec<&str> = hosts.iter().map(String::as_str).collect();
     hosts.sort_unstable();
     hosts.dedup();
     let described = format!(
-        "{} processes ({}) on {}; {TRANSPORT}",
+        "{} processes ({}) on {}; {transport}",
         env.world_size,
         env.launcher,
         hosts.join(", ")
     );
-    let comm: Arc<dyn Comm> = Arc::new(SocketComm::world(world));
     obs.log(&format!(
-        "rank {} of {} ({}, store {}): {TRANSPORT}",
+        "rank {} of {} ({}, store {}, {device}): {transport}",
         env.rank,
         env.world_size,
         env.launcher,
