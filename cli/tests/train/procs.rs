@@ -56,7 +56,8 @@ fn threads_and_processes_agree(name: &str, n: usize, layout: &[&str]) {
     let out = text(&o);
     assert!(o.status.success(), "{name} as processes: {out}");
     assert!(
-        out.contains("[rank 0]") && out.contains("processes over TCP"),
+        out.contains("[rank 0]")
+            && out.contains("processes (SocketComm: TCP between CPU processes"),
         "{out}"
     );
     assert_eq!(

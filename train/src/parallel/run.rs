@@ -103,7 +103,10 @@ fn run_ranks(
         tokenizer_files: &trainer.tokenizer_files,
         transport: match &process {
             None => "threads".into(),
-            Some(_) => format!("processes over TCP ({})", crate::parallel::procs::TRANSPORT),
+            Some(_) => {
+                let on_gpu = trainer.cfg.parallel.device == crate::config::Device::Cuda;
+                format!("processes ({})", crate::parallel::procs::transport(on_gpu))
+            }
         },
     };
     let outcome = std::thread::scope(|s| {
@@ -215,7 +218,7 @@ struct Shared<'a> {
     resumed: bool,
     stop: &'a StopFlag,
     tokenizer_files: &'a crate::tokenizer::TokenizerFiles,
-    /// How the ranks talk, for the log ("threads", "processes over TCP ...").
+    /// How the ranks talk, for the log ("threads", "processes (SocketComm: TCP ...)").
     transport: String,
 }
 
