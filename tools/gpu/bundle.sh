@@ -39,7 +39,19 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "step":
         shutil.copy(m["executable"], sys.argv[1])
 ' "$out/bench-step"
-strip "$out/braid" "$out/bench-step" "$out"/tests/* 2>/dev/null || true
+# NcclComm's GPU tests (comm/tests/nccl.rs, #[ignore]d: a world of one against SingleRank,
+# a peer that never joins timing out); check.sh runs them apart from the ::cuda arms.
+mkdir -p "$out/tests-nccl"
+cargo test --release --no-run --message-format=json -p braid-comm --test nccl 2>/dev/null |
+    python3 -c '
+import json, sys, shutil
+for line in sys.stdin:
+    try: m = json.loads(line)
+    except ValueError: continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "nccl":
+        shutil.copy(m["executable"], sys.argv[1])
+' "$out/tests-nccl/comm--nccl"
+strip "$out/braid" "$out/bench-step" "$out"/tests/* "$out"/tests-nccl/* 2>/dev/null || true
 # The kernels compiled for sm_90a here, as the GPU machine's kernel cache (NVRTC takes
 # minutes for attention.cu; the device's time is better spent running it).
 eval "$(tools/cuda-tools.sh)"
@@ -48,6 +60,6 @@ BRAID_PREBUILD_KERNELS="$PWD/$out/kernel-cache" \
 cp tools/gpu/check.sh "$out/"
 # One compressed archive: the carry limit is 64 MiB for everything (the binaries are
 # ~110 MB unpacked). check.sh unpacks it.
-tar -C "$out" -cf - braid bench-step tests kernel-cache | xz -T2 -6 > gpu-bundle.tar.xz
+tar -C "$out" -cf - braid bench-step tests tests-nccl kernel-cache | xz -T2 -6 > gpu-bundle.tar.xz
 rm -rf "$out" && mkdir -p "$out" && mv gpu-bundle.tar.xz "$out/"
 du -sh "$out"/gpu-bundle.tar.xz

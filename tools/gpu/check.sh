@@ -73,6 +73,17 @@ json.dump({"passed": n_ok, "failed": len(results) - n_ok, "tests": results}, ope
 print(f"cuda tests: {n_ok} passed, {len(results) - n_ok} failed")
 PY
 
+# 1b. NcclComm on this one GPU (a world of one; multi-rank NCCL needs several GPUs). The
+#     nvidia-nccl wheel ships only libnccl.so.2, and cudarc loads libnccl.so: a symlink.
+NCCL_DIR=/tmp/braid-nccl-lib; mkdir -p "$NCCL_DIR"
+nccl2=$(IFS=:; for d in $LD_LIBRARY_PATH; do ls "$d"/libnccl.so.2 2>/dev/null; done | head -n1)
+[ -n "$nccl2" ] && ln -sf "$nccl2" "$NCCL_DIR/libnccl.so"
+if [ -x "$B/tests-nccl/comm--nccl" ]; then
+    LD_LIBRARY_PATH="$NCCL_DIR:$LD_LIBRARY_PATH" timeout "$(cap 60)" \
+        "$B/tests-nccl/comm--nccl" --ignored --test-threads=1 > "$OUT/nccl.log" 2>&1
+    echo "nccl tests: exit $? (libnccl.so.2: ${nccl2:-not found}); see nccl.log" | tee -a "$OUT/gpu.txt"
+fi
+
 # 2. The demo on the GPU against the same run on the CPU (data generated and packed by
 #    the CPU run; both runs read it). Final loss and held-out accuracy go to demo.json.
 BRAID=$B/braid
