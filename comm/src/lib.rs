@@ -36,6 +36,30 @@ pub(crate) fn sum_tensor(
     Ok(braid_kernels::ops::into_dtype(t, dtype)?)
 }
 
+/// A subgroup of a group whose rank `i` is world rank `group[i]`: `members` (ranks of
+/// the group) as world ranks, and this rank's place among them. The message says which
+/// member is wrong; transports wrap it in their own error.
+pub(crate) fn subgroup_members(
+    group: &[usize],
+    members: &[usize],
+    world_rank: usize,
+) -> std::result::Result<(Vec<usize>, usize), String> {
+    let world: Vec<usize> = members
+        .iter()
+        .map(|&m| {
+            group
+                .get(m)
+                .copied()
+                .ok_or_else(|| format!("rank {m} is not in this group"))
+        })
+        .collect::<std::result::Result<_, _>>()?;
+    let me = world
+        .iter()
+        .position(|&w| w == world_rank)
+        .ok_or_else(|| format!("this rank is not a member of {members:?}"))?;
+    Ok((world, me))
+}
+
 /// A communication error, naming the collective, the rank and the group size.
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {

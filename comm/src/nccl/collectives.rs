@@ -353,19 +353,8 @@ impl Comm for NcclComm {
     fn subgroup(&self, members: &[usize]) -> Result<Arc<dyn Comm>> {
         const OP: &str = "subgroup";
         self.check_poison(OP)?;
-        let world: Vec<usize> = members
-            .iter()
-            .map(|&m| {
-                self.members
-                    .get(m)
-                    .copied()
-                    .ok_or_else(|| self.err(OP, format!("rank {m} is not in this group")))
-            })
-            .collect::<Result<_>>()?;
-        let me = world
-            .iter()
-            .position(|&w| w == self.world.rank)
-            .ok_or_else(|| self.err(OP, format!("this rank is not a member of {members:?}")))?;
+        let (world, me) = crate::subgroup_members(&self.members, members, self.world.rank)
+            .map_err(|msg| self.err(OP, msg))?;
         let comm = NcclComm::make(Arc::clone(&self.world), world, me, OP)?;
         Ok(Arc::new(comm))
     }

@@ -177,19 +177,8 @@ impl Comm for SocketComm {
 
     fn subgroup(&self, members: &[usize]) -> Result<Arc<dyn Comm>> {
         const OP: &str = "subgroup";
-        let world: Vec<usize> = members
-            .iter()
-            .map(|&m| {
-                self.members
-                    .get(m)
-                    .copied()
-                    .ok_or_else(|| self.err(OP, format!("rank {m} is not in this group")))
-            })
-            .collect::<Result<_>>()?;
-        let rank = world
-            .iter()
-            .position(|&w| w == self.world.rank)
-            .ok_or_else(|| self.err(OP, format!("this rank is not a member of {members:?}")))?;
+        let (world, rank) = crate::subgroup_members(&self.members, members, self.world.rank)
+            .map_err(|msg| self.err(OP, msg))?;
         Ok(Arc::new(SocketComm {
             key: group_key(&world),
             world: Arc::clone(&self.world),

@@ -65,7 +65,24 @@ impl LayoutKernels for CpuBackend {
         dst_start: usize,
         n: usize,
     ) -> Result<()> {
-        Self::copy_range_impl(src, src_start, dst, dst_start, n)
+        // Ranges checked by `ops::copy_range`.
+        const OP: &str = "copy_range";
+        let (s, d) = (src_start..src_start + n, dst_start..dst_start + n);
+        let (src_dtype, dst_dtype) = (src.dtype(), dst.dtype());
+        match (src.cpu_storage(OP, "src")?, dst.cpu_storage_mut(OP, "dst")?) {
+            (CpuStorage::F32(a), CpuStorage::F32(b)) => b[d].copy_from_slice(&a[s]),
+            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => b[d].copy_from_slice(&a[s]),
+            (CpuStorage::U32(a), CpuStorage::U32(b)) => b[d].copy_from_slice(&a[s]),
+            _ => {
+                return Err(Error::DType {
+                    op: OP,
+                    arg: "dst",
+                    got: dst_dtype,
+                    expected: src_dtype,
+                });
+            }
+        }
+        Ok(())
     }
 
     fn scatter_rows(&self, dst: &mut Tensor, idx: &Tensor, src: &Tensor) -> Result<()> {
@@ -100,35 +117,6 @@ impl LayoutKernels for CpuBackend {
                     arg: "src",
                     got: src_dtype,
                     expected: dst_dtype,
-                });
-            }
-        }
-        Ok(())
-    }
-}
-
-impl CpuBackend {
-    /// [`LayoutKernels::copy_range`]; ranges checked by `ops::copy_range`.
-    fn copy_range_impl(
-        src: &Tensor,
-        src_start: usize,
-        dst: &mut Tensor,
-        dst_start: usize,
-        n: usize,
-    ) -> Result<()> {
-        const OP: &str = "copy_range";
-        let (s, d) = (src_start..src_start + n, dst_start..dst_start + n);
-        let (src_dtype, dst_dtype) = (src.dtype(), dst.dtype());
-        match (src.cpu_storage(OP, "src")?, dst.cpu_storage_mut(OP, "dst")?) {
-            (CpuStorage::F32(a), CpuStorage::F32(b)) => b[d].copy_from_slice(&a[s]),
-            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => b[d].copy_from_slice(&a[s]),
-            (CpuStorage::U32(a), CpuStorage::U32(b)) => b[d].copy_from_slice(&a[s]),
-            _ => {
-                return Err(Error::DType {
-                    op: OP,
-                    arg: "dst",
-                    got: dst_dtype,
-                    expected: src_dtype,
                 });
             }
         }

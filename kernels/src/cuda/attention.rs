@@ -21,7 +21,6 @@
 //! head sizes run the SIMT kernels throughout. HS up to 128 (larger is an error).
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
@@ -279,12 +278,6 @@ impl CudaBackend {
         })
     }
 
-    /// A plan's table on the device (kept across calls with the same table: see
-    /// [`CudaBackend::table`]).
-    fn upload(&self, op: &'static str, v: &[u32]) -> Result<Arc<CudaSlice<u32>>> {
-        self.table(op, v)
-    }
-
     /// -> (out (Tq, NH, HS), lse (NH, Tq)).
     fn forward<T: Elem>(
         &self,
@@ -316,8 +309,8 @@ impl CudaBackend {
         let mut lse = self.alloc::<f32>(op, nh * t, || format!("the attention lse of {q:?}"))?;
         let ntiles = plan.qtiles.len() / 2;
         if let (true, Some(name)) = (ntiles > 0, tc) {
-            let segs_d = self.upload(op, &plan.segs)?;
-            let tiles_d = self.upload(op, &plan.qtiles)?;
+            let segs_d = self.table(op, &plan.segs)?;
+            let tiles_d = self.table(op, &plan.qtiles)?;
             let f = self.function(&ATTENTION, name)?;
             let cfg = LaunchConfig {
                 grid_dim: (ntiles as u32, nh as u32, 1),
@@ -335,8 +328,8 @@ impl CudaBackend {
                     &sc.nh, &sc.nkv, &sc.tq, &sc.scale, &sc.causal)?;
             }
         } else if ntiles > 0 {
-            let segs_d = self.upload(op, &plan.segs)?;
-            let tiles_d = self.upload(op, &plan.qtiles)?;
+            let segs_d = self.table(op, &plan.segs)?;
+            let tiles_d = self.table(op, &plan.qtiles)?;
             let f = self.function(&ATTENTION, FWD[T::DT][vi])?;
             let cfg = self.tile_config(op, &f, ntiles as u32, nh, smem_bytes(3, 0, hsmax))?;
             // braid_attention_fwd_<v>_<dt>(T* out, float* lse, const T* q, const T* k, const T* v,
@@ -388,9 +381,9 @@ impl CudaBackend {
             self.alloc_zeros::<f32>(op, tk * nkv * hs, || format!("the f32 dv of {v:?}"))?;
         let nq = plan.qtiles.len() / 2;
         if nq > 0 {
-            let segs_d = self.upload(op, &plan.segs)?;
-            let qtiles_d = self.upload(op, &plan.qtiles)?;
-            let ktiles_d = self.upload(op, &plan.ktiles)?;
+            let segs_d = self.table(op, &plan.segs)?;
+            let qtiles_d = self.table(op, &plan.qtiles)?;
+            let ktiles_d = self.table(op, &plan.ktiles)?;
             // D (NH, Tq); every row written (one warp per (t, h), 8 warps a block).
             let rows = t * nh;
             let mut dsum = self.alloc::<f32>(op, rows, || "D = rowsum(dout * out)".into())?;

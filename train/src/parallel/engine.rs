@@ -63,6 +63,10 @@ pub struct Engine {
     pub freeze: Freeze,
     bucket_elems: usize,
     zero1: bool,
+    /// Where this rank's shards live and the dtype they compute in: what the bridge
+    /// carries (fixed at construction, not looked up every step).
+    device: Device,
+    compute_dtype: braid_kernels::DType,
 }
 
 impl Engine {
@@ -76,7 +80,9 @@ impl Engine {
         let rank = world.rank();
         let mut model = RankModel::build(full, world.as_ref(), &layouts, rank)?;
         model.set_recompute(&cfg.parallel);
-        model.set_compute_dtype(cfg.precision().compute_dtype())?;
+        let compute_dtype = cfg.precision().compute_dtype();
+        model.set_compute_dtype(compute_dtype)?;
+        let device = super::model::device_of(&model);
         let zero1 = cfg.parallel.zero1;
         let plan = ShardPlan::new(&model, zero1);
         let optim = AdamW::new_owned(cfg.optim.clone(), &model, &|p| plan.owns(&p.name), zero1)?;
@@ -97,6 +103,8 @@ impl Engine {
             freeze: Freeze::from_names(&cfg.train.freeze)?,
             bucket_elems: ((cfg.parallel.bucket_mb * 1024.0 * 1024.0) / 4.0).max(1.0) as usize,
             zero1,
+            device,
+            compute_dtype,
         })
     }
 
@@ -125,8 +133,8 @@ impl Engine {
         // The bridge carries rows in the compute dtype, on this rank's device.
         let routes = plan
             .routes(&self.layouts, c, self.freeze)?
-            .with_device(super::model::device_of(&self.model))
-            .with_dtype(self.model.compute_dtype());
+            .with_device(self.device)
+            .with_dtype(self.compute_dtype);
         self.model.zero_grads()?;
 
         // Encoders, then the bridge to the LLM's first stage.
@@ -146,11 +154,7 @@ impl Engine {
         drop(produced);
 
         // The LLM pipeline; the modality grads come back in `received`'s row order.
-        let dev = self
-            .model
-            .llm
-            .as_ref()
-            .map_or(Device::Cpu, |l| super::model::device_of(&l.stage));
+        let dev = self.device;
         let received = received.into_device(dev)?; // (M_r, C)
         let mut dreceived = Tensor::zeros(received.shape().clone(), received.dtype(), dev)?; // (M_r, C)
         let norm = plan.targets.max(1);
