@@ -256,6 +256,12 @@ fn plot_loss(run_dir: &Path) -> Result<PathBuf, String> {
     Ok(out)
 }
 
+/// This process's peak resident memory, MiB (what `--nproc-per-node` processes each
+/// hold, against one process holding the whole model).
+fn peak_host_mib() -> Option<f64> {
+    braid_train::metrics::peak_rss_bytes().map(|b| b as f64 / (1u64 << 20) as f64)
+}
+
 fn summary(s: &RunSummary, dir: &Path, plot: Option<&Path>) {
     eprintln!("\n== run finished: {} ==", dir.display());
     eprintln!("steps            {} ({} skipped)", s.steps, s.skipped_steps);
@@ -285,6 +291,9 @@ fn summary(s: &RunSummary, dir: &Path, plot: Option<&Path>) {
     }
     if let Some(p) = s.peak_mem_gib {
         eprintln!("device memory    peak {p:.2} GiB in a step");
+    }
+    if let Some(m) = peak_host_mib() {
+        eprintln!("host memory      peak {m:.0} MiB resident (this process)");
     }
     if let Some(e) = &s.eval {
         eprintln!(
@@ -363,8 +372,11 @@ pub fn run(args: TrainArgs) -> ExitCode {
     match result {
         Ok(s) if launched.as_ref().is_some_and(|e| e.rank != 0) => {
             let e = launched.as_ref().map_or((0, 0), |e| (e.rank, e.world_size));
+            let memory = peak_host_mib()
+                .map(|m| format!(", peak host memory {m:.0} MiB resident"))
+                .unwrap_or_default();
             let line = format!(
-                "braid train: rank {} of {}: {} steps done (rank 0 reports the run)",
+                "braid train: rank {} of {}: {} steps done{memory} (rank 0 reports the run)",
                 e.0, e.1, s.steps
             );
             progress.record(&line);

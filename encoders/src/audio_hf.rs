@@ -90,6 +90,28 @@ impl WhisperEncoder {
         })
     }
 
+    /// Overwrites this encoder (the whole encoder, a pipeline stage of it or a
+    /// tensor-parallel shard) from an HF Whisper directory of the same config, one tensor
+    /// at a time. Returns the tensors of the files it did not use.
+    pub fn load_hf_dir(&mut self, dir: &Path, device: Device) -> Result<Vec<String>> {
+        let cfg: Value = read_json(&dir.join("config.json"))?;
+        let (config, _) = WhisperEncoderConfig::from_hf_config(&cfg)?;
+        if config != self.config {
+            return Err(braid_nn::Error::config(
+                "audio encoder",
+                format!(
+                    "{}: the checkpoint's config differs from this encoder's",
+                    dir.display()
+                ),
+            ));
+        }
+        let files = WeightFiles::open_dir(dir)?;
+        let prefix = find_prefix(&files, dir, "conv1.weight", &["encoder.", "model.encoder."])?;
+        let map = whisper_name_map(&self.config);
+        let shards = self.tp_shards();
+        load_params_sharded(self, &map, &files, &prefix, device, &shards)
+    }
+
     /// The WhisperModel `config.json` written on export.
     pub fn hf_config(&self) -> Value {
         let c = &self.config;

@@ -137,6 +137,33 @@ impl VisionEncoder {
         })
     }
 
+    /// Overwrites this encoder (the whole tower, a pipeline stage of it or a
+    /// tensor-parallel shard) from an HF directory of the same config: each split
+    /// parameter is cut from the checkpoint's tensor on the host, one tensor at a time.
+    /// Returns the tensors of the files it did not use (other stages' layers among them).
+    pub fn load_hf_dir(&mut self, dir: &Path, device: Device) -> Result<Vec<String>> {
+        let cfg: Value = read_json(&dir.join("config.json"))?;
+        let hf = VisionConfig::from_hf_config(&cfg)?;
+        if hf.config != self.config {
+            return Err(Error::config(
+                "vision encoder",
+                format!(
+                    "{}: the checkpoint's config differs from this encoder's",
+                    dir.display()
+                ),
+            ));
+        }
+        let files = WeightFiles::open_dir(dir)?;
+        let candidates: &[&str] = match hf.architecture.as_str() {
+            "CLIPModel" | "SiglipModel" => &["vision_model."],
+            _ => &["", "vision_model."],
+        };
+        let prefix = find_prefix(&files, dir, "embeddings.patch_embedding.weight", candidates)?;
+        let map = vision_name_map(&self.config);
+        let shards = self.tp_shards();
+        load_params_sharded(self, &map, &files, &prefix, device, &shards)
+    }
+
     /// The HF `config.json` of this tower as a single-tower model.
     pub fn hf_config(&self) -> Value {
         let c = &self.config;

@@ -37,7 +37,7 @@ pub struct HfLoadReport {
 
 impl LlmStage {
     /// Replaces every parameter of this stage with the checkpoint's tensor of the same
-    /// (mapped) name, one tensor at a time. A missing tensor or a shape mismatch is an
+    /// (mapped) name, one tensor at a time; a tensor-parallel shard reads only its slice. A missing tensor or a shape mismatch is an
     /// error naming the file, the tensor and both shapes. Returns the names loaded.
     pub fn load_hf(&mut self, files: &WeightFiles) -> Result<Vec<String>> {
         let mut loaded = Vec::new();
@@ -48,8 +48,14 @@ impl LlmStage {
             }
             let name = hf_name(&p.name);
             let device = p.value.device();
-            let dims = p.value.dims().to_vec();
-            match files.load(&name, &dims, device) {
+            // A tensor-parallel shard reads only its slice of the stored full tensor.
+            let mut full = p.value.dims().to_vec();
+            if let braid_nn::Shard::Split { dim, size, .. } = p.shard
+                && let Some(d) = full.get_mut(dim)
+            {
+                *d *= size;
+            }
+            match files.load_shard(&name, &full, p.shard, device) {
                 Ok(t) => {
                     p.value = t;
                     loaded.push(name);

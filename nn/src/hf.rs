@@ -7,6 +7,8 @@
 //! loading a model is therefore its f32 parameters plus one tensor, not twice the
 //! checkpoint.
 
+use std::borrow::Cow;
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -14,9 +16,10 @@ use std::path::{Path, PathBuf};
 use braid_kernels::{Device, Tensor};
 use half::{bf16, f16};
 use memmap2::Mmap;
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype, SafeTensors, View};
 
 use crate::error::{Context, Error, Result};
+use crate::param::Shard;
 
 /// Where one tensor's bytes are: shard, dtype, shape, absolute byte range.
 #[derive(Debug, Clone)]
@@ -121,6 +124,28 @@ impl WeightFiles {
         self.index.get(name).map(|e| e.shape.as_slice())
     }
 
+    /// Drops a read tensor's file pages from this process's resident set (they stay in
+    /// the page cache): loading a model then holds its parameters, not also every byte
+    /// of the files it read. Best effort: a failed advice only leaves the pages mapped.
+    fn release(&self, entry: &Entry) {
+        #[cfg(unix)]
+        if let Some((_, mmap)) = self.shards.get(entry.shard) {
+            // SAFETY: the map is a read-only shared file mapping (`Mmap::map`), so
+            // MADV_DONTNEED only drops pages that the kernel re-reads from the unchanged
+            // file on the next access: no borrowed byte can change. The bytes of this
+            // tensor were already converted, and no slice of them outlives this call.
+            let _ = unsafe {
+                mmap.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    entry.start,
+                    entry.end - entry.start,
+                )
+            };
+        }
+        #[cfg(not(unix))]
+        let _ = entry;
+    }
+
     fn entry(&self, name: &str) -> Result<(&Entry, &Path, &[u8])> {
         let entry = self.index.get(name).ok_or_else(|| {
             let where_ = self
@@ -153,7 +178,89 @@ impl WeightFiles {
                 format!("dtype {:?} is not a float type Braid reads", entry.dtype),
             )
         })?;
+        self.release(entry);
         Tensor::from_vec(data, expected.to_vec(), device).ctx(name, "copy to device")
+    }
+
+    /// Loads `shard` of the float tensor `name` as f32 on `device`, checking the stored
+    /// tensor has the full shape `full`. Only the slice's bytes are read from the
+    /// memory-mapped file (a tensor-parallel rank touches 1/size of the tensor), so a
+    /// process loading its shard never holds the full tensor.
+    pub fn load_shard(
+        &self,
+        name: &str,
+        full: &[usize],
+        shard: Shard,
+        device: Device,
+    ) -> Result<Tensor> {
+        let (dim, rank, size) = match shard {
+            Shard::Full => return self.load(name, full, device),
+            Shard::Split { dim, rank, size } => (dim, rank, size),
+        };
+        let (entry, path, bytes) = self.entry(name)?;
+        if entry.shape != full {
+            return Err(Error::weights(
+                path,
+                name,
+                format!(
+                    "shape {:?} in the file, the model expects {:?} (before slicing)",
+                    entry.shape, full
+                ),
+            ));
+        }
+        let d = full.get(dim).copied().unwrap_or(0);
+        if size == 0 || rank >= size || d % size != 0 {
+            return Err(Error::weights(
+                path,
+                name,
+                format!("cannot take slice {rank} of {size} of dimension {dim} of {full:?}"),
+            ));
+        }
+        let width = match entry.dtype {
+            Dtype::F32 => 4,
+            Dtype::BF16 | Dtype::F16 => 2,
+            Dtype::F64 => 8,
+            other => {
+                return Err(Error::weights(
+                    path,
+                    name,
+                    format!("dtype {other:?} is not a float type Braid reads"),
+                ));
+            }
+        };
+        // View the tensor as (outer, d, inner): the slice is `part` rows of the middle axis
+        // in each of the `outer` blocks.
+        let outer: usize = full[..dim].iter().product();
+        let inner: usize = full[dim + 1..].iter().product();
+        let part = d / size;
+        let (block, run) = (d * inner * width, part * inner * width);
+        let mut data = Vec::with_capacity(outer * part * inner);
+        for o in 0..outer {
+            let start = o * block + rank * run;
+            let chunk = bytes.get(start..start + run).ok_or_else(|| {
+                Error::weights(path, name, "the stored bytes are shorter than the shape")
+            })?;
+            data.extend(to_f32(entry.dtype, chunk).unwrap_or_default());
+        }
+        self.release(entry);
+        let mut dims = full.to_vec();
+        dims[dim] = part;
+        Tensor::from_vec(data, dims, device).ctx(name, "copy to device")
+    }
+
+    /// A float tensor as f32 host data with its stored shape (no device tensor made: for
+    /// joining slices on the host).
+    pub fn read_f32(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
+        let (entry, path, bytes) = self.entry(name)?;
+        let data = to_f32(entry.dtype, bytes).ok_or_else(|| {
+            Error::weights(
+                path,
+                name,
+                format!("dtype {:?} is not a float type Braid reads", entry.dtype),
+            )
+        })?;
+        self.release(entry);
+        Ok((data, entry.shape.clone()))
     }
 
     /// Loads a float tensor as f32 on `device`, whatever its shape (returned with it).
@@ -209,6 +316,7 @@ impl WeightFiles {
                 })
             })
             .collect::<Result<_>>()?;
+        self.release(entry);
         Tensor::from_vec_u32(ids, entry.shape.clone(), device).ctx(name, "copy to device")
     }
 }
@@ -269,23 +377,66 @@ pub fn write_json<T: serde::Serialize>(path: &Path, value: &T) -> Result<()> {
 /// Writes named f32 tensors to a safetensors file, atomically. Tensors are copied to
 /// the host one at a time.
 pub fn save_safetensors(path: &Path, tensors: &[(String, &Tensor)]) -> Result<()> {
-    let mut host: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(tensors.len());
-    for (name, t) in tensors {
-        let v = t.to_vec_f32().ctx(name, "copy to host")?;
-        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-        host.push((name.clone(), t.dims().to_vec(), bytes));
-    }
-    let views = host
+    let failed = RefCell::new(None);
+    let views: Vec<(&str, LazyF32<'_>)> = tensors
         .iter()
-        .map(|(name, shape, bytes)| {
-            TensorView::new(Dtype::F32, shape.clone(), bytes)
-                .map(|v| (name.clone(), v))
-                .map_err(|e| Error::weights(path, name, format!("cannot build tensor view: {e}")))
+        .map(|(name, tensor)| {
+            let view = LazyF32 {
+                name,
+                tensor,
+                failed: &failed,
+            };
+            (name.as_str(), view)
         })
-        .collect::<Result<Vec<_>>>()?;
+        .collect();
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     write_atomic(path, |tmp| {
-        safetensors::serialize_to_file(views, Some(metadata), tmp)
-            .map_err(|e| Error::weights(tmp, "", format!("cannot write safetensors: {e}")))
+        let written = safetensors::serialize_to_file(views, Some(metadata), tmp)
+            .map_err(|e| Error::weights(tmp, "", format!("cannot write safetensors: {e}")));
+        // A tensor that could not be copied to the host was written as zeros: the file
+        // is dropped, never renamed into place.
+        let failed = failed.borrow_mut().take();
+        match failed.map_or(written, Err) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let _ = std::fs::remove_file(tmp);
+                Err(e)
+            }
+        }
     })
+}
+
+/// One tensor as little-endian f32 bytes, converted only when the writer reaches it:
+/// saving holds one tensor's host copy at a time, not the whole file's (a rank's
+/// checkpoint or a model's export would otherwise double its host memory).
+struct LazyF32<'a> {
+    name: &'a str,
+    tensor: &'a Tensor,
+    /// The first tensor that could not be copied to the host (the writer's `data()`
+    /// cannot fail, so the error is kept here and returned after the write).
+    failed: &'a RefCell<Option<Error>>,
+}
+
+impl View for LazyF32<'_> {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+
+    fn shape(&self) -> &[usize] {
+        self.tensor.dims()
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        match self.tensor.to_vec_f32().ctx(self.name, "copy to host") {
+            Ok(v) => Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            Err(e) => {
+                self.failed.borrow_mut().get_or_insert(e);
+                Cow::Owned(vec![0; self.data_len()])
+            }
+        }
+    }
+
+    fn data_len(&self) -> usize {
+        self.tensor.elem_count() * 4
+    }
 }

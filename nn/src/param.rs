@@ -44,6 +44,17 @@ impl Param {
         })
     }
 
+    /// A frozen parameter: no gradient buffer is allocated.
+    pub fn frozen(name: impl Into<String>, value: Tensor) -> Self {
+        Param {
+            name: name.into(),
+            value,
+            grad: None,
+            shard: Shard::Full,
+            compute: None,
+        }
+    }
+
     /// The tensor the layers compute with: the bf16 copy under mixed precision,
     /// otherwise `value` itself.
     pub fn compute(&self) -> &Tensor {
@@ -239,6 +250,9 @@ pub struct Init {
     pub device: Device,
     /// Standard deviation of linear and embedding weights (GPT-2 / Llama: 0.02).
     pub std: f32,
+    /// Whether the parameters get gradient buffers ([`Init::frozen`]: weights only, for
+    /// a model that is read, evaluated or exported but not trained).
+    pub trainable: bool,
 }
 
 impl Init {
@@ -248,6 +262,7 @@ impl Init {
             seed,
             device,
             std: 0.02,
+            trainable: true,
         }
     }
 
@@ -259,6 +274,16 @@ impl Init {
             seed: 0,
             device,
             std: 0.0,
+            trainable: true,
+        }
+    }
+
+    /// The same init without gradient buffers: every parameter is created frozen, so a
+    /// model only read (evaluated, exported) never allocates its grads.
+    pub fn frozen(self) -> Self {
+        Init {
+            trainable: false,
+            ..self
         }
     }
 
@@ -278,7 +303,11 @@ impl Init {
         };
         let (data, dims) = cut_shard(name, data, full, shard)?;
         let value = Tensor::from_vec(data, dims, self.device).ctx(name, "creating parameter")?;
-        let mut p = Param::new(name, value)?;
+        let mut p = if self.trainable {
+            Param::new(name, value)?
+        } else {
+            Param::frozen(name, value)
+        };
         p.shard = shard;
         Ok(p)
     }

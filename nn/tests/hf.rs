@@ -166,3 +166,77 @@ fn errors_name_file_tensor_and_shapes() -> TestResult {
     assert!(e.contains("bad safetensors header"), "{e}");
     Ok(())
 }
+
+/// `load_shard` reads exactly the slice `cut_shard` cuts from the full tensor, for every
+/// dimension and group size of several shapes, in f32 and bf16 on disk; bad requests name
+/// the tensor.
+#[test]
+fn load_shard_reads_the_slice_cut_shard_cuts() -> TestResult {
+    use braid_nn::Shard;
+    use braid_nn::param::cut_shard;
+    let dir = tmpdir("load-shard");
+    let shapes: [&[usize]; 4] = [&[12], &[8, 6], &[4, 6, 10], &[2, 4, 3, 4]];
+    for (i, full) in shapes.iter().enumerate() {
+        let n: usize = full.iter().product();
+        // bf16-exact values, so both dtypes compare exactly.
+        let data: Vec<f32> = (0..n).map(|x| (x as f32) * 0.5 - 7.0).collect();
+        let f32_bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let bf_bytes: Vec<u8> = data
+            .iter()
+            .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+            .collect();
+        let path = dir.join(format!("s{i}.safetensors"));
+        write_raw(
+            &path,
+            &[
+                ("f", Dtype::F32, full.to_vec(), f32_bytes),
+                ("b", Dtype::BF16, full.to_vec(), bf_bytes),
+            ],
+        );
+        let w = WeightFiles::open_files(&[path])?;
+        for dim in 0..full.len() {
+            for size in [1, 2, 3, 4, 6] {
+                if full[dim] % size != 0 {
+                    continue;
+                }
+                for rank in 0..size {
+                    let shard = Shard::Split { dim, rank, size };
+                    let (want, dims) = cut_shard("w", data.clone(), full, shard)?;
+                    for name in ["f", "b"] {
+                        let got = w.load_shard(name, full, shard, Device::Cpu)?;
+                        assert_eq!(got.dims(), &dims[..], "{name} {full:?} {shard:?}");
+                        assert_eq!(got.to_vec_f32()?, want, "{name} {full:?} {shard:?}");
+                    }
+                }
+            }
+        }
+        let whole = w.load_shard("f", full, Shard::Full, Device::Cpu)?;
+        assert_eq!(whole.to_vec_f32()?, data);
+    }
+    let w = WeightFiles::open_files(&[dir.join("s1.safetensors")])?;
+    let uneven = Shard::Split {
+        dim: 1,
+        rank: 0,
+        size: 4,
+    };
+    let e = w
+        .load_shard("f", &[8, 6], uneven, Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`f`") || e.contains("f:") || e.contains(" f "),
+        "{e}"
+    );
+    assert!(e.contains("slice 0 of 4"), "{e}");
+    let even = Shard::Split {
+        dim: 0,
+        rank: 0,
+        size: 2,
+    };
+    let e = w
+        .load_shard("f", &[6, 8], even, Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("[8, 6]") && e.contains("[6, 8]"), "{e}");
+    Ok(())
+}

@@ -213,6 +213,78 @@ pub fn build_model(cfg: &RunConfig, config: MllmConfig, seed: u64, device: Devic
     Ok(model)
 }
 
+/// `(parameters, trainable)` of the model `config` describes under `freeze`, without
+/// building it: each module is laid out one layer at a time (weights only, zero, on the
+/// host), its distinct parameter names counted and the layer dropped, so counting holds
+/// at most one layer (or the embedding table), never the model.
+pub fn param_counts_of(config: &MllmConfig, freeze: Freeze) -> Result<(usize, usize)> {
+    use std::collections::HashMap;
+    use std::sync::Arc;
+
+    use braid_comm::SingleRank;
+    use braid_encoders::{AudioProjector, MlpProjector};
+    use braid_llm::LlmStage;
+
+    let init = Init::for_loading(Device::Cpu).frozen();
+    // name -> elements, per module (a tied embedding's copy on a last stage shares the
+    // first stage's name and is counted once).
+    fn add<M: Module>(m: &M, seen: &mut HashMap<String, usize>) {
+        m.visit_params(&mut |p| {
+            seen.insert(p.name.clone(), p.value.elem_count());
+        });
+    }
+    let one = || Arc::new(SingleRank) as Arc<dyn braid_comm::Comm>;
+    let mut modules: Vec<(usize, bool)> = Vec::new();
+    let mut llm = HashMap::new();
+    for i in 0..config.llm.layers {
+        add(
+            &LlmStage::new(&config.llm, i..i + 1, &init, one())?,
+            &mut llm,
+        );
+    }
+    modules.push((llm.values().sum(), freeze.llm));
+    if let Some(v) = &config.vision {
+        let mut seen = HashMap::new();
+        for i in 0..v.num_layers {
+            add(
+                &VisionEncoder::stage(&init, v.clone(), i..i + 1, one())?,
+                &mut seen,
+            );
+        }
+        modules.push((seen.values().sum(), freeze.vision));
+    }
+    if let Some(p) = &config.vision_projector {
+        let proj = MlpProjector::new(&init, "vision_projector", p.projector())?;
+        modules.push((proj.num_params(), freeze.vision_projector));
+    }
+    if let Some(a) = &config.audio {
+        let mut seen = HashMap::new();
+        for i in 0..a.encoder_layers {
+            add(
+                &WhisperEncoder::stage(&init, a.clone(), i..i + 1, one())?,
+                &mut seen,
+            );
+        }
+        modules.push((seen.values().sum(), freeze.audio));
+    }
+    if let Some(p) = &config.audio_projector {
+        let proj = AudioProjector::new(
+            &init,
+            "audio_projector",
+            p.in_dim,
+            p.out_dim,
+            p.stride,
+            p.activation(),
+        )?;
+        modules.push((proj.num_params(), freeze.audio_projector));
+    }
+    // The layers are gone: their pages should not add to the next phase's peak.
+    crate::metrics::return_freed_memory();
+    let total = modules.iter().map(|m| m.0).sum();
+    let trainable = modules.iter().filter(|m| !m.1).map(|m| m.0).sum();
+    Ok((total, trainable))
+}
+
 /// Parameters in total and trainable.
 pub fn param_counts(model: &Mllm) -> (usize, usize) {
     let mut total = 0;
@@ -224,4 +296,36 @@ pub fn param_counts(model: &Mllm) -> (usize, usize) {
         }
     });
     (total, trainable)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// Counting layer by layer gives exactly what the built model holds, for a tied and
+    /// an untied LLM, CLIP and SigLIP towers, and frozen modules.
+    #[test]
+    fn counts_without_building_match_the_built_model() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/tiny.toml");
+        let variants: [&[&str]; 4] = [
+            &[],
+            &["model.llm.tie_embeddings=false", "model.llm.layers=3"],
+            &[
+                r#"model.vision.family="clip""#,
+                r#"train.freeze=["vision", "audio_projector"]"#,
+            ],
+            &["model.vision.use_head=true", r#"train.freeze=["llm"]"#],
+        ];
+        for sets in variants {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            let cfg = RunConfig::from_file(&path, &sets).unwrap();
+            let config = model_config(&cfg).unwrap();
+            let freeze = Freeze::from_names(&cfg.train.freeze).unwrap();
+            let model = build_model(&cfg, config.clone(), 1, Device::Cpu).unwrap();
+            let want = param_counts(&model);
+            assert!(want.0 > 0 && want.1 > 0, "{sets:?}");
+            assert_eq!(param_counts_of(&config, freeze).unwrap(), want, "{sets:?}");
+        }
+    }
 }

@@ -12,14 +12,14 @@ use std::path::{Path, PathBuf};
 
 use braid_dataloader::loader::LoaderState;
 use braid_kernels::Device;
-use braid_nn::Module;
-use braid_nn::hf::{WeightFiles, save_safetensors};
+use braid_nn::hf::save_safetensors;
+use braid_nn::{Module, Shard};
 use serde::{Deserialize, Serialize};
 
 use crate::config::{ConfigError, invalid};
 use crate::error::{Result, TrainError, io_err};
 use crate::optim::AdamW;
-use crate::parallel::ckpt::FullTensors;
+use crate::parallel::ckpt::SliceReader;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -236,20 +236,13 @@ pub fn read_state(dir: &Path) -> Result<TrainState> {
     serde_json::from_str(&text).map_err(|e| ckpt_err(&p, format!("invalid state.json: {e}")))
 }
 
-/// Overwrites every weight of `model` from `dir/model.safetensors`; every parameter must
-/// be there with its shape, and nothing else may be.
+/// Overwrites every weight of `model` from checkpoint `dir` (one rank's
+/// `model.safetensors` or every rank's slices); every parameter must be there with its
+/// shape, and nothing else may be.
 pub fn load_weights<M: Module + ?Sized>(dir: &Path, model: &mut M, device: Device) -> Result<()> {
-    let path = dir.join(MODEL_FILE);
-    if !path.exists() {
-        // Written by several ranks: join their slices.
-        let full = crate::parallel::ckpt::read_full(dir, "model")?;
-        return load_each(model, full.len(), dir, |name, dims| {
-            full_tensor(&full, name, dims, dir, device)
-        });
-    }
-    let files = WeightFiles::open_files(std::slice::from_ref(&path))?;
-    load_each(model, files.names().count(), &path, |name, dims| {
-        Ok(files.load(name, dims, device)?)
+    let stored = SliceReader::open(dir, "model")?;
+    load_each(model, stored.len(), dir, |name, dims| {
+        stored.tensor(name, Shard::Full, dims, device)
     })
 }
 
@@ -293,77 +286,26 @@ pub fn load_optim(
     optimizer_step: u64,
     device: Device,
 ) -> Result<()> {
-    let path = dir.join(OPTIM_FILE);
-    if !path.exists() {
-        // Written by several ranks: join their slices.
-        let full = crate::parallel::ckpt::read_full(dir, "optim")?;
-        for m in &mut optim.moments {
-            for (suffix, t) in [
-                ("exp_avg", &mut m.exp_avg),
-                ("exp_avg_sq", &mut m.exp_avg_sq),
-            ] {
-                *t = full_tensor(
-                    &full,
-                    &format!("{}.{suffix}", m.name),
-                    t.dims(),
-                    dir,
-                    device,
-                )?;
-            }
-        }
-        if full.len() != 2 * optim.moments.len() {
-            return Err(ckpt_err(
-                dir,
-                format!(
-                    "{} moment tensors stored for {} trainable parameters (2 each): were other modules frozen?",
-                    full.len(),
-                    optim.moments.len()
-                ),
-            ));
-        }
-        optim.step = optimizer_step;
-        return Ok(());
-    }
-    let files = WeightFiles::open_files(std::slice::from_ref(&path))?;
+    let stored = SliceReader::open(dir, "optim")?;
     for m in &mut optim.moments {
-        let dims = m.exp_avg.dims().to_vec();
-        m.exp_avg = files.load(&format!("{}.exp_avg", m.name), &dims, device)?;
-        m.exp_avg_sq = files.load(&format!("{}.exp_avg_sq", m.name), &dims, device)?;
+        for (suffix, t) in [
+            ("exp_avg", &mut m.exp_avg),
+            ("exp_avg_sq", &mut m.exp_avg_sq),
+        ] {
+            let name = format!("{}.{suffix}", m.name);
+            *t = stored.tensor(&name, Shard::Full, t.dims(), device)?;
+        }
     }
-    let stored = files.names().count();
-    if stored != 2 * optim.moments.len() {
+    if stored.len() != 2 * optim.moments.len() {
         return Err(ckpt_err(
-            &path,
+            dir,
             format!(
-                "{stored} tensors stored for {} trainable parameters (2 each): were other modules frozen?",
+                "{} tensors stored for {} trainable parameters (2 each): were other modules frozen?",
+                stored.len(),
                 optim.moments.len()
             ),
         ));
     }
     optim.step = optimizer_step;
     Ok(())
-}
-
-/// `name` from a checkpoint's joined tensors, which must have shape `dims`.
-fn full_tensor(
-    full: &FullTensors,
-    name: &str,
-    dims: &[usize],
-    dir: &Path,
-    device: Device,
-) -> Result<braid_kernels::Tensor> {
-    let (data, stored) = full
-        .get(name)
-        .ok_or_else(|| ckpt_err(dir, format!("no tensor `{name}`")))?;
-    if stored != dims {
-        return Err(ckpt_err(
-            dir,
-            format!("`{name}` is {stored:?} but the model's is {dims:?}"),
-        ));
-    }
-    Ok(braid_kernels::Tensor::from_vec(
-        data.clone(),
-        dims.to_vec(),
-        device,
-    )?)
 }

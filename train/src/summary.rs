@@ -45,9 +45,14 @@ impl Trainer {
             braid_nn::hf::write_json(&self.cfg.run.dir.join("eval.json"), r)?;
         }
         let export = self.cfg.run.dir.join("hf");
-        let max_len = self.model.config.llm.max_position_embeddings;
         let mut summary = self.summary_parts(trail, train_s, last_ckpt);
-        crate::export::export_hf(self.model, &export)?;
+        let model = self.model.ok_or_else(|| {
+            crate::error::TrainError::Other(
+                "the export needs the whole model, but this process holds only its share".into(),
+            )
+        })?;
+        let max_len = model.config.llm.max_position_embeddings;
+        crate::export::export_hf(model, &export)?;
         crate::tokenizer::write_export(&self.tokenizer_files, &export.join("llm"), max_len)?;
         summary.eval = eval;
         summary.export = Some(export);

@@ -9,14 +9,14 @@ use braid_dataloader::loader::{Loader, LoaderConfig};
 use braid_kernels::Device;
 use braid_nn::Module;
 
-use crate::assemble::{build_model, check_against_dataset, model_config, param_counts};
+use crate::assemble::{build_model, check_against_dataset, model_config, param_counts_of};
 use crate::checkpoint::{self, TrainState};
 use crate::config::{RunConfig, invalid};
 use crate::data::{ensure_dataset, rows_to_batch, split_even};
 use crate::error::{Result, TrainError, io_err};
 use crate::eval::{EvalReport, evaluate};
 use crate::metrics::{MetricsWriter, StepMetrics};
-use crate::mllm::{Mllm, MllmBatch};
+use crate::mllm::{Freeze, Mllm, MllmBatch};
 use crate::optim::{AdamW, clip_factor, grad_norm, scale_grads};
 use crate::parallel::layout::Layouts;
 use crate::resume::check_resumable;
@@ -71,8 +71,11 @@ pub struct Trainer {
     pub(crate) config_toml: String,
     /// The training set's data config as JSON (saved with every checkpoint).
     pub(crate) data_json: String,
-    pub model: Mllm,
-    pub(crate) optim: AdamW,
+    /// The whole model and its optimizer; `None` on a rank of a world of processes, which
+    /// holds only its share (made by its engine) until rank 0 reads the whole model back
+    /// from the last checkpoint for evaluation and export.
+    pub model: Option<Mllm>,
+    pub(crate) optim: Option<AdamW>,
     pub(crate) loader: Loader,
     pub(crate) loader_cfg: LoaderConfig,
     pub state: TrainState,
@@ -95,17 +98,19 @@ impl Trainer {
     /// Makes the datasets if needed, builds the model and optimizer, and (with `resume`)
     /// restores the newest complete checkpoint of `run.dir`.
     pub fn new(cfg: RunConfig, resume: bool, obs: &mut dyn Observer) -> Result<Self> {
-        Self::new_rank(cfg, resume, obs, true)
+        Self::new_rank(cfg, resume, obs, true, true)
     }
 
     /// [`Trainer::new`] for one process of a world of processes: only the process that
     /// `writes` (rank 0) touches the run folder's metrics.jsonl, config.toml and plan (the
-    /// others rewriting them at the same moment would lose rank 0's lines).
+    /// others rewriting them at the same moment would lose rank 0's lines), and without
+    /// the `full` model a process's engine makes only its share.
     pub(crate) fn new_rank(
         cfg: RunConfig,
         resume: bool,
         obs: &mut dyn Observer,
         writes: bool,
+        full: bool,
     ) -> Result<Self> {
         // `parallel.plan` first: it decides the world and every layout below.
         let mut cfg = cfg;
@@ -181,8 +186,15 @@ impl Trainer {
             .into());
         }
 
-        let mut model = build_model(&cfg, mconfig, cfg.run.seed, device)?;
-        let mut optim = AdamW::new(cfg.optim.clone(), &model)?;
+        // Counted before the model is built (a process of a world never builds it).
+        let counts = param_counts_of(&mconfig, Freeze::from_names(&cfg.train.freeze)?)?;
+        let (mut model, mut optim) = if full {
+            let model = build_model(&cfg, mconfig, cfg.run.seed, device)?;
+            let optim = AdamW::new(cfg.optim.clone(), &model)?;
+            (Some(model), Some(optim))
+        } else {
+            (None, None)
+        };
         let config_toml = cfg.to_toml()?;
         let data_json = serde_json::to_string_pretty(&data.settings)
             .map_err(|e| TrainError::Other(e.to_string()))?;
@@ -199,8 +211,11 @@ impl Trainer {
                     .map_err(io_err(&dir.join(checkpoint::CONFIG_FILE), "read"))?;
                 check_resumable(&saved, &cfg)?;
                 let state = checkpoint::read_state(dir)?;
-                checkpoint::load_weights(dir, &mut model, device)?;
-                checkpoint::load_optim(dir, &mut optim, state.optimizer_step, device)?;
+                // Without the full model, each engine reads its own slices.
+                if let (Some(model), Some(optim)) = (model.as_mut(), optim.as_mut()) {
+                    checkpoint::load_weights(dir, model, device)?;
+                    checkpoint::load_optim(dir, optim, state.optimizer_step, device)?;
+                }
                 obs.log(&format!(
                     "resuming from {} (step {})",
                     dir.display(),
@@ -229,7 +244,9 @@ impl Trainer {
         };
         // Mixed precision: the layers compute on bf16 copies of the f32 masters.
         let precision = cfg.precision();
-        model.set_compute_dtype(precision.compute_dtype())?;
+        if let Some(model) = model.as_mut() {
+            model.set_compute_dtype(precision.compute_dtype())?;
+        }
         if precision == crate::config::Precision::Bf16 && device == Device::Cpu {
             obs.log(
                 "train.precision = bf16 on the CPU: the reference emulation of mixed precision \
@@ -260,13 +277,14 @@ impl Trainer {
             None
         };
 
-        let (params, trainable) = param_counts(&model);
+        let (params, trainable) = counts;
         let info = RunInfo {
             name: cfg.run.name.clone(),
             dir: run_dir,
             params,
             trainable,
-            optimizer_state: optim.num_state(),
+            // Two AdamW moments per trainable weight.
+            optimizer_state: 2 * trainable,
             packs: data.packs,
             max_seq_len: data.max_seq_len,
             batch_rows,
@@ -321,20 +339,23 @@ impl Trainer {
         let images: usize = micro.iter().map(|b| b.num_images()).sum();
         let clips: usize = micro.iter().map(|b| b.clips.len()).sum();
 
-        self.model.zero_grads()?;
+        let (Some(model), Some(optim)) = (self.model.as_mut(), self.optim.as_mut()) else {
+            return Err(no_full_model("a one-rank step"));
+        };
+        model.zero_grads()?;
         let mut loss_sum = 0.0f64;
         for mb in &micro {
-            let (loss, cache) = self.model.forward_normalized(mb, Some(targets.max(1)))?;
+            let (loss, cache) = model.forward_normalized(mb, Some(targets.max(1)))?;
             loss_sum += loss.loss_sum;
-            self.model.backward(cache)?;
+            model.backward(cache)?;
         }
         drop(micro);
         let loss = loss_sum / targets.max(1) as f64;
         if self.cfg.fault.nan_grad_at.contains(&step) {
-            scale_grads(&mut self.model, f32::NAN)?;
+            scale_grads(model, f32::NAN)?;
         }
 
-        let norm = grad_norm(&self.model)?;
+        let norm = grad_norm(model)?;
         let lr = self.cfg.optim.lr_at(step, self.cfg.train.steps);
         let skipped = !(loss.is_finite() && norm.is_finite());
         if skipped {
@@ -350,13 +371,13 @@ impl Trainer {
             }
         } else {
             if let Some(f) = clip_factor(norm, self.cfg.optim.clip_grad) {
-                scale_grads(&mut self.model, f)?;
+                scale_grads(model, f)?;
             }
-            self.optim.update(&mut self.model, lr)?;
+            optim.update(model, lr)?;
             self.state.nonfinite_in_a_row = 0;
         }
         self.state.step = step;
-        self.state.optimizer_step = self.optim.step;
+        self.state.optimizer_step = optim.step;
         self.state.loader = self.loader.state();
         self.state.tokens_seen += tokens as u64;
         let step_time_s = started.elapsed().as_secs_f64();
@@ -388,10 +409,13 @@ impl Trainer {
 
     /// Writes a checkpoint of the current step.
     pub fn save_checkpoint(&self) -> Result<PathBuf> {
+        let (Some(model), Some(optim)) = (&self.model, &self.optim) else {
+            return Err(no_full_model("a one-rank checkpoint"));
+        };
         checkpoint::save(
             &self.cfg.run.dir.join("checkpoints"),
-            &self.model,
-            &self.optim,
+            model,
+            optim,
             &self.state,
             &checkpoint_files(&self.config_toml, &self.data_json, &self.tokenizer_files),
             self.cfg.checkpoint.keep,
@@ -401,10 +425,11 @@ impl Trainer {
 
     /// The held-out evaluation, when `[eval] path` is set.
     pub fn evaluate(&self) -> Result<Option<EvalReport>> {
-        match &self.eval_dir {
-            None => Ok(None),
-            Some(dir) => Ok(Some(evaluate(
-                &self.model,
+        match (&self.eval_dir, &self.model) {
+            (None, _) => Ok(None),
+            (Some(_), None) => Err(no_full_model("the held-out evaluation")),
+            (Some(dir), Some(model)) => Ok(Some(evaluate(
+                model,
                 self.device,
                 dir,
                 self.cfg.eval.batch_rows,
@@ -476,6 +501,13 @@ impl Trainer {
         }
         self.finish(trail, train_s, last_ckpt)
     }
+}
+
+/// The error of a one-rank operation on a trainer made without the full model.
+fn no_full_model(what: &str) -> TrainError {
+    TrainError::Other(format!(
+        "{what} needs the whole model, but this process of a world holds only its share"
+    ))
 }
 
 /// Sets up the run and trains it: on one rank, or on `parallel.world_size` ranks.

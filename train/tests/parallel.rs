@@ -18,6 +18,7 @@ use std::path::Path;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use braid_comm::Comm;
 use braid_comm::local::{LocalComm, run_local};
 use braid_dataloader::loader::{Loader, LoaderConfig, Row};
 use braid_kernels::Device;
@@ -27,6 +28,7 @@ use braid_train::metrics::read_metrics;
 use braid_train::parallel::ckpt::join_slices;
 use braid_train::parallel::engine::Engine;
 use braid_train::parallel::layout::Layouts;
+use braid_train::parallel::model::{RankModel, ShardSource};
 use braid_train::trainer::train;
 use braid_train::{Quiet, Trainer};
 
@@ -208,6 +210,82 @@ fn twenty_steps_of_every_layout_match_one_rank() {
     }
 }
 
+/// (name, shard, trainable, value bits) of every parameter a rank holds.
+type Held = Vec<(String, Shard, bool, Vec<u32>)>;
+
+fn held(m: &RankModel) -> Held {
+    let mut out = Vec::new();
+    m.visit_params(&mut |p| {
+        let v = p.value.to_vec_f32().unwrap();
+        let bits = v.iter().map(|x| x.to_bits()).collect();
+        out.push((p.name.clone(), p.shard, p.is_trainable(), bits));
+    });
+    out
+}
+
+/// On every rank of every layout, the shards made alone equal the shards cut from the
+/// full model of `extra` sets, bit for bit (names, slices, frozen state, values).
+fn alone_equals_cut(what: &str, extra: &[&str]) {
+    let dir = run_dir(&format!("alone-{what}"));
+    for (name, sets, _) in LAYOUTS {
+        let _ = std::fs::remove_dir_all(&dir);
+        let all: Vec<&str> = sets.iter().chain(extra).copied().collect();
+        let cfg = config(&dir, &all);
+        let t = Trainer::new(cfg.clone(), false, &mut Quiet).unwrap();
+        let full = t.model.as_ref().unwrap();
+        let mconfig = braid_train::assemble::model_config(&cfg).unwrap();
+        let alone = ShardSource::Direct {
+            config: &mconfig,
+            cfg: &cfg,
+        };
+        let per_rank = run_local(
+            t.layouts.world,
+            Duration::from_secs(60),
+            |comm: LocalComm| {
+                let rank = comm.rank();
+                let cut = RankModel::build(ShardSource::Cut(full), &comm, &t.layouts, rank)?;
+                let made = RankModel::build(alone, &comm, &t.layouts, rank)?;
+                Ok::<_, braid_train::TrainError>((held(&cut), held(&made)))
+            },
+        )
+        .unwrap_or_else(|f| panic!("{what} {name}: {f}"));
+        for (rank, (want, got)) in per_rank.into_iter().enumerate() {
+            assert!(!want.is_empty(), "{what} {name}: rank {rank} holds nothing");
+            assert_eq!(want.len(), got.len(), "{what} {name}: rank {rank}: count");
+            for (w, g) in want.iter().zip(&got) {
+                assert_eq!(
+                    (&w.0, w.1, w.2),
+                    (&g.0, g.1, g.2),
+                    "{what} {name}: rank {rank}"
+                );
+                assert!(w.3 == g.3, "{what} {name}: rank {rank}: `{}` differs", w.0);
+            }
+        }
+    }
+}
+
+/// What a process of a world makes alone (every weight drawn by name, frozen modules
+/// frozen) is what the threads cut from the full model.
+#[test]
+fn shards_made_alone_equal_shards_cut_from_the_full_model() {
+    alone_equals_cut("random", &[]);
+}
+
+/// Modules started from Hugging Face folders: each process reads only its slices of the
+/// memory-mapped files, and gets exactly the slices of the one-rank import.
+#[test]
+fn shards_read_alone_from_hugging_face_equal_the_cut_import() {
+    // Hugging Face folders of every module: the export of a randomly initialized model.
+    let dir = run_dir("hf-source");
+    let _ = std::fs::remove_dir_all(&dir);
+    let t = Trainer::new(config(&dir, &[]), false, &mut Quiet).unwrap();
+    let hf = dir.join("hf");
+    braid_train::export::export_hf(t.model.unwrap(), &hf).unwrap();
+    let init = |m: &str| format!("model.{m}={{ init = \"hf:{}\" }}", hf.join(m).display());
+    let (llm, vision, audio) = (init("llm"), init("vision"), init("audio"));
+    alone_equals_cut("hf", &[&llm, &vision, &audio]);
+}
+
 /// The one-rank gradient of the first batch, by parameter name.
 fn one_rank_grads(t: &mut Trainer, rows: &[Row], microbatches: usize) -> HashMap<String, Vec<f32>> {
     let refs: Vec<&Row> = rows.iter().collect();
@@ -216,13 +294,14 @@ fn one_rank_grads(t: &mut Trainer, rows: &[Row], microbatches: usize) -> HashMap
         .map(|r| rows_to_batch(&refs[r], Device::Cpu).unwrap())
         .collect();
     let targets: usize = micro.iter().map(|b| b.num_targets()).sum();
-    t.model.zero_grads().unwrap();
+    let model = t.model.as_mut().unwrap();
+    model.zero_grads().unwrap();
     for mb in &micro {
-        let (_, cache) = t.model.forward_normalized(mb, Some(targets)).unwrap();
-        t.model.backward(cache).unwrap();
+        let (_, cache) = model.forward_normalized(mb, Some(targets)).unwrap();
+        model.backward(cache).unwrap();
     }
     let mut out = HashMap::new();
-    t.model.visit_params(&mut |p| {
+    model.visit_params(&mut |p| {
         if let Some(g) = &p.grad {
             out.insert(p.name.clone(), g.to_vec_f32().unwrap());
         }
@@ -253,12 +332,17 @@ fn first_step_gradients_of_every_layout_match_one_rank() {
             continue;
         }
         let cfg = config(&dir, sets);
-        let layouts = Layouts::new(&cfg.parallel, &t.model.config).unwrap();
+        let model = t.model.as_ref().unwrap();
+        let layouts = Layouts::new(&cfg.parallel, &model.config).unwrap();
         let world = layouts.world;
-        let model = &t.model;
         // Every rank's primary slices: (name, shard, data, dims).
         let per_rank = run_local(world, Duration::from_secs(60), |comm: LocalComm| {
-            let mut e = Engine::new(model, Arc::new(comm), layouts.clone(), &cfg)?;
+            let mut e = Engine::new(
+                ShardSource::Cut(model),
+                Arc::new(comm),
+                layouts.clone(),
+                &cfg,
+            )?;
             e.forward_backward(&rows)?;
             let mut out = Vec::new();
             e.model.visit_params(&mut |p| {

@@ -31,7 +31,7 @@ pub struct MllmParts {
 
 /// A seed for one module, so that the parts' equal local names (`layers.0...` in the
 /// audio encoder and in the LLM) do not draw equal weights.
-fn module_init(init: &Init, module: &str) -> Init {
+pub(crate) fn module_init(init: &Init, module: &str) -> Init {
     let w = Rng::for_name(init.seed, module).index_vec(2, u32::MAX);
     Init {
         seed: (u64::from(w[0]) << 32) | u64::from(w[1]),
@@ -64,7 +64,11 @@ impl Mllm {
     /// does; the other modules draw exactly what `Mllm::new` draws.
     pub fn new_except(config: MllmConfig, init: &Init, loaded: Loaded) -> Result<Self> {
         config.validate()?;
-        let zeroed = Init::for_loading(init.device);
+        // Zero weights, with or without grads as `init` says.
+        let zeroed = Init {
+            trainable: init.trainable,
+            ..Init::for_loading(init.device)
+        };
         let pick = |skip: bool, name: &str| {
             if skip {
                 zeroed

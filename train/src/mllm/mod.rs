@@ -20,6 +20,7 @@ mod build;
 mod config;
 
 pub use batch::MllmBatch;
+pub(crate) use build::module_init;
 pub use build::{Loaded, MllmParts};
 pub use config::{AudioProjectorConfig, Freeze, MllmConfig, VisionProjectorConfig};
 

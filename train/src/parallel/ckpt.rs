@@ -8,7 +8,8 @@
 //! Atomicity is the single-rank protocol: rank 0 creates `.tmp-step-N`, every rank
 //! writes its files (each synced), and after a barrier rank 0 writes `state.json`, the
 //! config and data files, and renames the folder into place. Loading goes through
-//! [`read_full`] (`checkpoint::load_weights` / `load_optim` on the full model).
+//! [`SliceReader`]: the full model (`checkpoint::load_weights` / `load_optim`) and a
+//! rank's shard (`super::load::load_rank_checkpoint`) alike read one tensor at a time.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -16,6 +17,7 @@ use std::path::{Path, PathBuf};
 use braid_comm::Comm;
 use braid_kernels::{Device, Tensor};
 use braid_nn::hf::{WeightFiles, save_safetensors};
+use braid_nn::param::cut_shard;
 use braid_nn::{Module, Shard};
 
 use super::engine::Engine;
@@ -53,60 +55,122 @@ fn parse_stored(stored: &str) -> Result<(String, Shard)> {
     ))
 }
 
-/// Full tensors by name: (host f32 data, shape).
-pub type FullTensors = BTreeMap<String, (Vec<f32>, Vec<usize>)>;
+/// The tensors of one kind ("model" or "optim") of checkpoint `dir`, whatever layout
+/// wrote them, read one tensor (or one slice) at a time from the memory-mapped files:
+/// loading a model holds its parameters plus at most one full tensor.
+#[derive(Debug)]
+pub struct SliceReader {
+    dir: PathBuf,
+    files: WeightFiles,
+    /// Full name -> its stored pieces: (which slice, stored name).
+    pieces: BTreeMap<String, Vec<(Shard, String)>>,
+}
 
-/// Every tensor of `kind` ("model" or "optim") in checkpoint `dir` as full tensors,
-/// whatever layout wrote it.
-pub fn read_full(dir: &Path, kind: &str) -> Result<FullTensors> {
-    let single = dir.join(if kind == "model" {
-        MODEL_FILE
-    } else {
-        OPTIM_FILE
-    });
-    let paths: Vec<PathBuf> = if single.exists() {
-        vec![single]
-    } else {
-        let prefix = format!("{kind}-rank-");
-        let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-            .map_err(crate::error::io_err(dir, "list"))?
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| {
-                p.file_name()
-                    .is_some_and(|n| n.to_string_lossy().starts_with(&prefix))
-            })
-            .collect();
-        v.sort();
-        v
-    };
-    if paths.is_empty() {
-        return Err(TrainError::Checkpoint {
-            path: dir.to_path_buf(),
-            reason: format!("no {kind} tensors (neither {kind}.safetensors nor {kind}-rank-*)"),
+impl SliceReader {
+    pub fn open(dir: &Path, kind: &str) -> Result<Self> {
+        let single = dir.join(if kind == "model" {
+            MODEL_FILE
+        } else {
+            OPTIM_FILE
         });
+        let paths: Vec<PathBuf> = if single.exists() {
+            vec![single]
+        } else {
+            let prefix = format!("{kind}-rank-");
+            let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+                .map_err(crate::error::io_err(dir, "list"))?
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| {
+                    p.file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with(&prefix))
+                })
+                .collect();
+            v.sort();
+            v
+        };
+        if paths.is_empty() {
+            return Err(ckpt_err(
+                dir,
+                format!("no {kind} tensors (neither {kind}.safetensors nor {kind}-rank-*)"),
+            ));
+        }
+        let files = WeightFiles::open_files(&paths)?;
+        let mut pieces: BTreeMap<String, Vec<(Shard, String)>> = BTreeMap::new();
+        for stored in files.names() {
+            let (name, shard) = parse_stored(stored)?;
+            pieces
+                .entry(name)
+                .or_default()
+                .push((shard, stored.to_string()));
+        }
+        Ok(SliceReader {
+            dir: dir.to_path_buf(),
+            files,
+            pieces,
+        })
     }
-    let files = WeightFiles::open_files(&paths)?;
-    // name -> slices (shard, data, dims)
-    type Slices = Vec<(Shard, Vec<f32>, Vec<usize>)>;
-    let mut parts: HashMap<String, Slices> = HashMap::new();
-    for stored in files.names() {
-        let (name, shard) = parse_stored(stored)?;
-        let t = files.load_any(stored, Device::Cpu)?;
-        parts
-            .entry(name)
-            .or_default()
-            .push((shard, t.to_vec_f32()?, t.dims().to_vec()));
+
+    /// How many full tensors the checkpoint holds.
+    pub fn len(&self) -> usize {
+        self.pieces.len()
     }
-    let mut out = BTreeMap::new();
-    for (name, mut slices) in parts {
-        let full = join_slices(&name, &mut slices).map_err(|reason| TrainError::Checkpoint {
-            path: dir.to_path_buf(),
-            reason,
-        })?;
-        out.insert(name, full);
+
+    pub fn is_empty(&self) -> bool {
+        self.pieces.is_empty()
     }
-    Ok(out)
+
+    /// Slice `want` (local shape `dims`) of the full tensor `name` on `device`: read as is
+    /// when stored as that slice, cut from the stored bytes when stored whole, otherwise
+    /// joined from the stored slices on the host and cut.
+    pub fn tensor(
+        &self,
+        name: &str,
+        want: Shard,
+        dims: &[usize],
+        device: Device,
+    ) -> Result<Tensor> {
+        let pieces = self
+            .pieces
+            .get(name)
+            .ok_or_else(|| ckpt_err(&self.dir, format!("no tensor `{name}`")))?;
+        if let Some((_, stored)) = pieces.iter().find(|(s, _)| *s == want) {
+            return Ok(self.files.load(stored, dims, device)?);
+        }
+        let mut full = dims.to_vec();
+        if let Shard::Split { dim, size, .. } = want
+            && let Some(d) = full.get_mut(dim)
+        {
+            *d *= size;
+        }
+        if let [(Shard::Full, stored)] = pieces.as_slice() {
+            return Ok(self.files.load_shard(stored, &full, want, device)?);
+        }
+        let mut slices = pieces
+            .iter()
+            .map(|(shard, stored)| {
+                let (data, dims) = self.files.read_f32(stored)?;
+                Ok((*shard, data, dims))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (data, stored_dims) =
+            join_slices(name, &mut slices).map_err(|reason| ckpt_err(&self.dir, reason))?;
+        if stored_dims != full {
+            return Err(ckpt_err(
+                &self.dir,
+                format!("`{name}` is {stored_dims:?} but the model's is {full:?}"),
+            ));
+        }
+        let (data, local) = cut_shard(name, data, &full, want)?;
+        Ok(Tensor::from_vec(data, local, device)?)
+    }
+}
+
+fn ckpt_err(dir: &Path, reason: impl Into<String>) -> TrainError {
+    TrainError::Checkpoint {
+        path: dir.to_path_buf(),
+        reason: reason.into(),
+    }
 }
 
 /// The full tensor from its slices (or its one full copy): (data, dims).
@@ -214,7 +278,6 @@ pub fn save(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use braid_nn::param::cut_shard;
 
     #[test]
     fn slices_join_back_to_the_full_tensor() {

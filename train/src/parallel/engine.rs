@@ -22,14 +22,14 @@ use braid_nn::{Module, SeqInfo};
 
 use super::encode::{backward_clips, backward_images, encode_clips, encode_images};
 use super::layout::Layouts;
-use super::model::{LlmPart, RankModel};
+use super::model::{LlmPart, RankModel, ShardSource};
 use super::plan::{StepPlan, TokenSplit, batch_shape};
 use super::schedule::{Op, one_f_one_b};
 use super::sync::{ShardPlan, all_reduce_grads, broadcast_updates, local_sq_norm};
 use crate::config::{AssignPolicy, RunConfig};
 use crate::data::rows_to_text;
 use crate::error::{Result, TrainError};
-use crate::mllm::{Freeze, Mllm, MllmConfig};
+use crate::mllm::{Freeze, MllmConfig};
 use crate::optim::AdamW;
 use braid_balancer::{Assigner, Balanced, Imbalance, Replicas, RoundRobin, TokenCost};
 
@@ -70,15 +70,17 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// This rank's share of `full` (weights, frozen state) for `cfg`'s layouts.
+    /// This rank's share of the model from `source` (weights, frozen state) for `cfg`'s
+    /// layouts.
     pub fn new(
-        full: &Mllm,
+        source: ShardSource<'_>,
         world: Arc<dyn Comm>,
         layouts: Layouts,
         cfg: &RunConfig,
     ) -> Result<Self> {
         let rank = world.rank();
-        let mut model = RankModel::build(full, world.as_ref(), &layouts, rank)?;
+        let mconfig = source.config().clone();
+        let mut model = RankModel::build(source, world.as_ref(), &layouts, rank)?;
         model.set_recompute(&cfg.parallel);
         let compute_dtype = cfg.precision().compute_dtype();
         model.set_compute_dtype(compute_dtype)?;
@@ -90,15 +92,15 @@ impl Engine {
             rank,
             world,
             layouts,
-            mconfig: full.config.clone(),
+            costs: balanced(&mconfig),
+            assigner: match cfg.parallel.assign {
+                AssignPolicy::Balanced => Box::new(balanced(&mconfig)),
+                AssignPolicy::RoundRobin => Box::new(RoundRobin),
+            },
+            mconfig,
             model,
             plan,
             optim,
-            costs: balanced(&full.config),
-            assigner: match cfg.parallel.assign {
-                AssignPolicy::Balanced => Box::new(balanced(&full.config)),
-                AssignPolicy::RoundRobin => Box::new(RoundRobin),
-            },
             microbatches: cfg.train.microbatches,
             freeze: Freeze::from_names(&cfg.train.freeze)?,
             bucket_elems: ((cfg.parallel.bucket_mb * 1024.0 * 1024.0) / 4.0).max(1.0) as usize,

@@ -11,12 +11,14 @@
 //! - [`engine`]: one rank's step (`encode`: its encoder stages);
 //! - [`sync`]: gradient all-reduce, the global norm, ZeRO-1;
 //! - [`ckpt`]: checkpoints that any layout can load;
+//! - [`load`]: a rank's shard made without the full model (one process per rank);
 //! - [`run`]: `braid train` with several ranks as threads.
 
 pub mod ckpt;
 mod encode;
 pub mod engine;
 pub mod layout;
+mod load;
 pub mod model;
 pub mod plan;
 pub mod procs;

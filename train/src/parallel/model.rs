@@ -6,9 +6,10 @@
 //! (`vision.layers.0...`, `llm.layers.3...`) and record which slice they are
 //! (`Param::shard`), so checkpoints and gradient checks line up with one rank.
 //!
-//! Weights are cut from a full single-rank [`Mllm`] built the usual way (same seeds, same
-//! Hugging Face import, same freezing), so every layout starts from exactly the weights of
-//! the one-rank run.
+//! Every layout starts from exactly the weights of the one-rank run ([`ShardSource`]):
+//! cut from a full single-rank [`Mllm`] built the usual way (threads), or made shard by
+//! shard with the same per-name draws and Hugging Face files (one process per rank, which
+//! never holds the full model).
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -23,9 +24,9 @@ use braid_nn::param::cut_shard;
 use braid_nn::{Init, Module, Param};
 
 use super::layout::{Layouts, ModuleKind};
-use crate::config::ParallelConfig;
+use crate::config::{ParallelConfig, RunConfig};
 use crate::error::{Result, TrainError};
-use crate::mllm::{AUDIO, AUDIO_PROJECTOR, LLM, Mllm, VISION, VISION_PROJECTOR};
+use crate::mllm::{AUDIO, AUDIO_PROJECTOR, LLM, Mllm, MllmConfig, VISION, VISION_PROJECTOR};
 
 /// A module's groups as seen from one of its ranks.
 #[derive(Debug, Clone)]
@@ -141,12 +142,85 @@ fn prefix<M: Module + ?Sized>(m: &mut M, p: &str) {
     m.visit_params_mut(&mut |q| q.name.insert_str(0, p));
 }
 
+/// Where a rank's shard gets its starting weights.
+#[derive(Clone, Copy, Debug)]
+pub enum ShardSource<'a> {
+    /// Cut from a full single-rank model built the usual way (threads: the process holds
+    /// the full model anyway, for evaluation and export).
+    Cut(&'a Mllm),
+    /// Made shard by shard, without the full model ([`super::load`]): every random weight
+    /// is drawn by name as the full model draws it and cut, a module started from Hugging
+    /// Face reads only its slices of the files, and `train.freeze` is applied by module.
+    Direct {
+        config: &'a MllmConfig,
+        cfg: &'a RunConfig,
+    },
+}
+
+impl ShardSource<'_> {
+    pub fn config(&self) -> &MllmConfig {
+        match self {
+            ShardSource::Cut(full) => &full.config,
+            ShardSource::Direct { config, .. } => config,
+        }
+    }
+}
+
+/// The init each module's shard is created with.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ModuleInits {
+    pub vision: Init,
+    pub vision_projector: Init,
+    pub audio: Init,
+    pub audio_projector: Init,
+    pub llm: Init,
+}
+
+impl ModuleInits {
+    /// Every weight zero, about to be overwritten.
+    pub fn zeros(device: Device) -> Self {
+        let z = Init::for_loading(device);
+        ModuleInits {
+            vision: z,
+            vision_projector: z,
+            audio: z,
+            audio_projector: z,
+            llm: z,
+        }
+    }
+}
+
 impl RankModel {
-    /// The share of world rank `rank`, cut from `full`.
-    pub fn build(full: &Mllm, world: &dyn Comm, layouts: &Layouts, rank: usize) -> Result<Self> {
-        let cfg = &full.config;
-        // The shards live where the full model does (the configured device).
-        let zeros = Init::for_loading(device_of(full));
+    /// The share of world rank `rank`, from `source`.
+    pub fn build(
+        source: ShardSource<'_>,
+        world: &dyn Comm,
+        layouts: &Layouts,
+        rank: usize,
+    ) -> Result<Self> {
+        match source {
+            ShardSource::Cut(full) => {
+                // The shards live where the full model does (the configured device).
+                let inits = ModuleInits::zeros(device_of(full));
+                let mut model = Self::shells(&full.config, &inits, world, layouts, rank)?;
+                model.add_prefixes();
+                model.copy_from(full)?;
+                Ok(model)
+            }
+            ShardSource::Direct { config, cfg } => {
+                super::load::build_direct(config, cfg, world, layouts, rank)
+            }
+        }
+    }
+
+    /// The shards of `rank`'s modules, each created with its module's init.
+    pub(crate) fn shells(
+        cfg: &MllmConfig,
+        inits: &ModuleInits,
+        world: &dyn Comm,
+        layouts: &Layouts,
+        rank: usize,
+    ) -> Result<Self> {
         let mut model = RankModel::default();
         if let (Some(vc), Some(pc)) = (&cfg.vision, &cfg.vision_projector)
             && let Some(groups) =
@@ -154,14 +228,14 @@ impl RankModel {
         {
             let layers = stage_layers(vc.num_layers, groups.grid.dims.pp, groups.coord.pp);
             let mut encoder =
-                VisionEncoder::stage(&zeros, vc.clone(), layers, Arc::clone(&groups.tp))?;
+                VisionEncoder::stage(&inits.vision, vc.clone(), layers, Arc::clone(&groups.tp))?;
             if groups.grid.dims.cp > 1 {
                 encoder = encoder.with_cp(Arc::clone(&groups.cp));
             }
-            prefix(&mut encoder, VISION);
             // The projector sits on the encoder's last stage.
             let projector = if groups.is_last_stage() {
-                let p = MlpProjector::new(&zeros, "vision_projector", pc.projector())?;
+                let p =
+                    MlpProjector::new(&inits.vision_projector, "vision_projector", pc.projector())?;
                 debug_assert!(p.param_shapes()[0].0.starts_with(VISION_PROJECTOR));
                 Some(p)
             } else {
@@ -178,14 +252,13 @@ impl RankModel {
         {
             let layers = stage_layers(ac.encoder_layers, groups.grid.dims.pp, groups.coord.pp);
             let mut encoder =
-                WhisperEncoder::stage(&zeros, ac.clone(), layers, Arc::clone(&groups.tp))?;
+                WhisperEncoder::stage(&inits.audio, ac.clone(), layers, Arc::clone(&groups.tp))?;
             if groups.grid.dims.cp > 1 {
                 encoder = encoder.with_cp(Arc::clone(&groups.cp));
             }
-            prefix(&mut encoder, AUDIO);
             let projector = if groups.is_last_stage() {
                 let p = AudioProjector::new(
-                    &zeros,
+                    &inits.audio_projector,
                     "audio_projector",
                     pc.in_dim,
                     pc.out_dim,
@@ -206,17 +279,29 @@ impl RankModel {
         let tied = cfg.llm.tie_embeddings;
         if let Some(groups) = ModuleGroups::new(world, layouts, ModuleKind::Llm, rank, tied)? {
             let layers = stage_layers(cfg.llm.layers, groups.grid.dims.pp, groups.coord.pp);
-            let mut stage = LlmStage::new(&cfg.llm, layers, &zeros, Arc::clone(&groups.tp))?;
+            let mut stage = LlmStage::new(&cfg.llm, layers, &inits.llm, Arc::clone(&groups.tp))?;
             if groups.grid.dims.cp > 1 {
                 for b in &mut stage.blocks {
                     b.self_attn.cp = Some(Arc::clone(&groups.cp));
                 }
             }
-            prefix(&mut stage, LLM);
             model.llm = Some(LlmPart { stage, groups });
         }
-        model.copy_from(full)?;
         Ok(model)
+    }
+
+    /// Gives every parameter its module's prefix (`vision.`, `llm.`; the projectors
+    /// are named after their module at construction): the full model's names.
+    pub(crate) fn add_prefixes(&mut self) {
+        if let Some(v) = &mut self.vision {
+            prefix(&mut v.encoder, VISION);
+        }
+        if let Some(a) = &mut self.audio {
+            prefix(&mut a.encoder, AUDIO);
+        }
+        if let Some(l) = &mut self.llm {
+            prefix(&mut l.stage, LLM);
+        }
     }
 
     /// Activation recomputation per module (`parallel.<module>.recompute`).

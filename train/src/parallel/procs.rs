@@ -104,7 +104,7 @@ pub fn train(
     const STATUS: &str = "setup/rank-0";
     const SEEN: &str = "setup/seen";
     let mut trainer = if env.rank == 0 {
-        match Trainer::new_rank(cfg, resume, obs, true) {
+        match Trainer::new_rank(cfg, resume, obs, true, false) {
             Ok(t) => {
                 p.store.set(STATUS, b"ok").map_err(store_err)?;
                 t
@@ -141,7 +141,7 @@ pub fn train(
                 String::from_utf8_lossy(&v)
             )));
         }
-        Trainer::new_rank(cfg, resume, obs, false)?
+        Trainer::new_rank(cfg, resume, obs, false, false)?
     };
     trainer.stop = stop;
     let entries = [

@@ -1,10 +1,12 @@
 //! `braid train` with `parallel.world_size > 1`: the ranks run as threads of this process
 //! over a [`LocalWorld`] ([`run`]), or this process is one rank of a world of processes
 //! ([`run_process`], set up by [`super::procs`]); each rank has its own loader (the same
-//! global batches) and its share of the model. Set-up, resume, evaluation and export are the one-rank
-//! trainer's: the run is set up as a one-rank [`Trainer`] (which checks everything and
-//! restores a checkpoint of any layout into the full model), every rank cuts its share
-//! from that, and at the end the full model is read back from the last checkpoint.
+//! global batches) and its share of the model. Set-up, evaluation and export are the
+//! one-rank trainer's: the run is set up as a one-rank [`Trainer`], which checks
+//! everything. On threads it also builds the full model (and restores a checkpoint of any
+//! layout into it), and every rank cuts its share from that; a process of a world never
+//! builds it: its rank makes its own shards and reads its own slices of a checkpoint
+//! ([`super::load`]). At the end rank 0 reads the full model back from the last checkpoint.
 //!
 //! Rank 0 reports progress (through a channel to the caller's [`Observer`]); any rank's
 //! error or panic poisons the world, every rank stops, and the run fails naming the
@@ -18,16 +20,17 @@ use braid_comm::Comm;
 use braid_comm::local::{LocalComm, run_local};
 use braid_dataloader::loader::{Loader, LoaderConfig};
 use braid_nn::param::cut_shard;
-use braid_nn::{Module, Shard};
+use braid_nn::{Init, Module, Shard};
 
 use super::ckpt;
 use super::engine::Engine;
 use super::layout::Layouts;
+use super::model::ShardSource;
 use crate::checkpoint::{self, TrainState};
 use crate::config::RunConfig;
 use crate::error::{Result, TrainError};
 use crate::metrics::{BalanceMetrics, MetricsWriter, StepMetrics};
-use crate::mllm::Mllm;
+use crate::mllm::{Loaded, Mllm};
 use crate::optim::AdamW;
 use crate::optim::clip_factor;
 use crate::stop::StopFlag;
@@ -89,16 +92,25 @@ fn run_ranks(
         None
     };
     let (tx, rx) = mpsc::channel::<Event>();
+    let mconfig = crate::assemble::model_config(&trainer.cfg)?;
+    let source = match &trainer.model {
+        Some(full) => ShardSource::Cut(full),
+        None => ShardSource::Direct {
+            config: &mconfig,
+            cfg: &trainer.cfg,
+        },
+    };
     let shared = &Shared {
         cfg: &trainer.cfg,
-        model: &trainer.model,
-        optim: &trainer.optim,
+        source,
+        optim: trainer.optim.as_ref(),
+        whole: (trainer.info.params, trainer.info.optimizer_state),
         layouts: &trainer.layouts,
         state: &trainer.state,
         loader_cfg: &trainer.loader_cfg,
         config_toml: &trainer.config_toml,
         data_json: &trainer.data_json,
-        resumed: trainer.info.resumed_from.is_some(),
+        resumed_from: trainer.info.resumed_from.as_deref(),
         stop: &trainer.stop,
         tokenizer_files: &trainer.tokenizer_files,
         transport: match &process {
@@ -196,26 +208,67 @@ fn run_ranks(
         // Not rank 0 of a world of processes: rank 0 evaluates and exports.
         return Ok(trainer.summary_parts(trail, train_s, last_ckpt));
     }
-    // The full model from the last checkpoint, for evaluation and export.
-    if let Some(dir) = &last_ckpt {
-        let device = crate::parallel::model::device_of(&trainer.model);
-        checkpoint::load_weights(dir, &mut trainer.model, device)?;
+    // The full model from the last checkpoint, for evaluation and export; the ranks'
+    // shards are gone, and so is the memory they held.
+    crate::metrics::return_freed_memory();
+    let device = trainer.cfg.parallel.kernel_device();
+    match (&mut trainer.model, &last_ckpt) {
+        (Some(full), Some(dir)) => checkpoint::load_weights(dir, full, device)?,
+        // Rank 0 of a world of processes held only its share: the whole model exists
+        // again only now, weights only (no grads), after the engine's share is gone.
+        (None, Some(dir)) => {
+            let weights_only = Init::for_loading(device).frozen();
+            let mut full = Mllm::new_except(mconfig, &weights_only, ALL_LOADED)?;
+            // It only evaluates: its forwards keep no more than each block's input (the
+            // cache a backward would need is never used).
+            full.llm.stage.recompute = true;
+            if let Some(v) = &mut full.vision {
+                v.recompute = true;
+            }
+            if let Some(a) = &mut full.audio {
+                a.recompute = true;
+            }
+            full.set_compute_dtype(trainer.cfg.precision().compute_dtype())?;
+            checkpoint::load_weights(dir, &mut full, device)?;
+            // The slices joined while loading are gone too.
+            crate::metrics::return_freed_memory();
+            trainer.model = Some(full);
+        }
+        (None, None) => {
+            let cfg = &trainer.cfg;
+            let full = crate::assemble::build_model(cfg, mconfig, cfg.run.seed, device)?;
+            trainer.model = Some(full);
+        }
+        (Some(_), None) => {}
     }
     trainer.finish(trail, train_s, last_ckpt)
 }
+
+/// Every module read from a checkpoint: the full model starts at zero, drawing nothing.
+const ALL_LOADED: Loaded = Loaded {
+    llm: true,
+    vision: true,
+    audio: true,
+};
 
 /// What every rank reads from the set-up (the loader itself is not shared: each rank
 /// opens its own).
 struct Shared<'a> {
     cfg: &'a RunConfig,
-    model: &'a Mllm,
-    optim: &'a AdamW,
+    /// Where each rank's engine gets its weights: cut from the set-up's full model
+    /// (threads), or made by the rank alone (a process of a world).
+    source: ShardSource<'a>,
+    /// The full model's optimizer state to cut the moments from (with `ShardSource::Cut`).
+    optim: Option<&'a AdamW>,
+    /// The whole model's parameter elements and optimizer state, for the log.
+    whole: (usize, usize),
     layouts: &'a Layouts,
     state: &'a TrainState,
     loader_cfg: &'a LoaderConfig,
     config_toml: &'a str,
     data_json: &'a str,
-    resumed: bool,
+    /// The checkpoint the run resumes from.
+    resumed_from: Option<&'a std::path::Path>,
     stop: &'a StopFlag,
     tokenizer_files: &'a crate::tokenizer::TokenizerFiles,
     /// How the ranks talk, for the log ("threads", "processes (SocketComm: TCP ...)").
@@ -263,9 +316,17 @@ fn rank_main(
             let _ = tx.send(e);
         }
     };
-    let mut engine = Engine::new(t.model, Arc::clone(&world), t.layouts.clone(), cfg)?;
-    copy_moments(&mut engine, t)?;
-    let resumed = t.resumed;
+    let mut engine = Engine::new(t.source, Arc::clone(&world), t.layouts.clone(), cfg)?;
+    match (t.optim, t.resumed_from) {
+        (Some(full), _) => copy_moments(&mut engine, full)?,
+        (None, Some(dir)) => {
+            let device = cfg.parallel.kernel_device();
+            super::load::load_rank_checkpoint(dir, &mut engine, t.state.optimizer_step, device)?
+        }
+        // A fresh start made by the rank itself: zero moments, step 0.
+        (None, None) => {}
+    }
+    let resumed = t.resumed_from.is_some();
     let mut loader = Loader::open(
         &cfg.data.path,
         t.loader_cfg,
@@ -281,8 +342,8 @@ fn rank_main(
             t.transport,
             engine.model.num_params(),
             engine.optim.num_state(),
-            t.model.num_params(),
-            t.optim.num_state()
+            t.whole.0,
+            t.whole.1
         )));
     }
     let root = cfg.run.dir.join("checkpoints");
@@ -389,14 +450,13 @@ fn rank_main(
 
 /// The AdamW moments this rank holds, cut from the full optimizer of the set-up (zeros
 /// on a fresh start, the checkpoint's on resume).
-fn copy_moments(engine: &mut Engine, t: &Shared<'_>) -> Result<()> {
+fn copy_moments(engine: &mut Engine, full: &AdamW) -> Result<()> {
     let mut shards = std::collections::HashMap::new();
     engine.model.visit_params(&mut |p| {
         shards.insert(p.name.clone(), p.shard);
     });
     for m in &mut engine.optim.moments {
-        let full = t
-            .optim
+        let full = full
             .moments
             .iter()
             .find(|f| f.name == m.name)
@@ -410,6 +470,6 @@ fn copy_moments(engine: &mut Engine, t: &Shared<'_>) -> Result<()> {
             *dst = braid_kernels::Tensor::from_vec(data, dims, dst.device())?;
         }
     }
-    engine.optim.step = t.optim.step;
+    engine.optim.step = full.step;
     Ok(())
 }
