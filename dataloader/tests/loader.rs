@@ -270,3 +270,85 @@ fn original_media_mode_gives_the_same_pixels_and_near_mels() {
         }
     }
 }
+
+/// A media filter decodes exactly the items it wants; every other item keeps its shape
+/// (patches, frames, placeholder span) with empty pixels / mel, and the token layout is
+/// the unfiltered loader's. The filter sees the shapes, not the media.
+#[test]
+fn a_media_filter_decodes_only_the_items_it_wants() {
+    use braid_dataloader::loader::{MediaFilter, Row, WantedMedia};
+    let (_tmp, out) = packed(24);
+    // Every other image and every third clip, by their place in the batch.
+    let filter: MediaFilter = Arc::new(|rows: &[Row]| {
+        let mut w = WantedMedia::default();
+        let (mut image, mut clip) = (0, 0);
+        for (r, row) in rows.iter().enumerate() {
+            for (i, im) in row.images.iter().enumerate() {
+                assert!(
+                    im.pixels.is_empty() && im.patches > 0,
+                    "the filter sees shapes"
+                );
+                if image % 2 == 0 {
+                    w.images.insert((r, i));
+                }
+                image += 1;
+            }
+            for (i, a) in row.audio.iter().enumerate() {
+                assert!(a.mel.is_empty() && a.frames > 0, "the filter sees shapes");
+                if clip % 3 == 0 {
+                    w.clips.insert((r, i));
+                }
+                clip += 1;
+            }
+        }
+        Ok(w)
+    });
+    let mut all = Loader::open(&out, &cfg(4), 0, 1, None).unwrap();
+    let mut some = Loader::open_filtered(&out, &cfg(4), 0, 1, None, Some(filter)).unwrap();
+    let (mut decoded, mut skipped) = (0, 0);
+    for _ in 0..all.batches_per_epoch() {
+        let (a, s) = (all.next_batch().unwrap(), some.next_batch().unwrap());
+        let (mut image, mut clip) = (0, 0);
+        for (ra, rs) in a.rows.iter().zip(&s.rows) {
+            assert_eq!(
+                (&ra.ids, &ra.positions, &ra.loss_mask, &ra.sample_offsets),
+                (&rs.ids, &rs.positions, &rs.loss_mask, &rs.sample_offsets)
+            );
+            assert_eq!(ra.images.len(), rs.images.len());
+            for (ia, is) in ra.images.iter().zip(&rs.images) {
+                assert_eq!(
+                    (ia.patches, ia.start, ia.len, ia.height),
+                    (is.patches, is.start, is.len, is.height)
+                );
+                if image % 2 == 0 {
+                    assert_eq!(ia.pixels, is.pixels);
+                    decoded += 1;
+                } else {
+                    assert!(is.pixels.is_empty());
+                    skipped += 1;
+                }
+                image += 1;
+            }
+            for (ca, cs) in ra.audio.iter().zip(&rs.audio) {
+                assert_eq!((ca.frames, ca.start, ca.len), (cs.frames, cs.start, cs.len));
+                if clip % 3 == 0 {
+                    assert_eq!(ca.mel, cs.mel);
+                    decoded += 1;
+                } else {
+                    assert!(cs.mel.is_empty());
+                    skipped += 1;
+                }
+                clip += 1;
+            }
+        }
+    }
+    assert!(
+        decoded > 0 && skipped > 0,
+        "{decoded} decoded, {skipped} skipped"
+    );
+    // A filter's error fails the batch, naming it.
+    let failing: MediaFilter = Arc::new(|_: &[Row]| Err("no assignment".to_string()));
+    let mut l = Loader::open_filtered(&out, &cfg(4), 0, 1, None, Some(failing)).unwrap();
+    let e = l.next_batch().unwrap_err().to_string();
+    assert!(e.contains("no assignment"), "{e}");
+}

@@ -128,22 +128,24 @@ impl WeightFiles {
     /// the page cache): loading a model then holds its parameters, not also every byte
     /// of the files it read. Best effort: a failed advice only leaves the pages mapped.
     fn release(&self, entry: &Entry) {
+        self.release_bytes(entry.shard, entry.start, entry.end);
+    }
+
+    fn release_bytes(&self, shard: usize, start: usize, end: usize) {
         #[cfg(unix)]
-        if let Some((_, mmap)) = self.shards.get(entry.shard) {
+        if let Some((_, mmap)) = self.shards.get(shard)
+            && start < end
+        {
             // SAFETY: the map is a read-only shared file mapping (`Mmap::map`), so
             // MADV_DONTNEED only drops pages that the kernel re-reads from the unchanged
-            // file on the next access: no borrowed byte can change. The bytes of this
-            // tensor were already converted, and no slice of them outlives this call.
+            // file on the next access: no borrowed byte can change. The bytes in this
+            // range were already converted, and no slice of them outlives this call.
             let _ = unsafe {
-                mmap.unchecked_advise_range(
-                    memmap2::UncheckedAdvice::DontNeed,
-                    entry.start,
-                    entry.end - entry.start,
-                )
+                mmap.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
             };
         }
         #[cfg(not(unix))]
-        let _ = entry;
+        let _ = (shard, start, end);
     }
 
     fn entry(&self, name: &str) -> Result<(&Entry, &Path, &[u8])> {
@@ -261,6 +263,37 @@ impl WeightFiles {
         })?;
         self.release(entry);
         Ok((data, entry.shape.clone()))
+    }
+
+    /// Appends elements `elems` (row-major) of the float tensor `name`, as f32, to `out`:
+    /// slices are joined straight from the file into one buffer.
+    pub fn read_f32_into(
+        &self,
+        name: &str,
+        elems: std::ops::Range<usize>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let (entry, path, bytes) = self.entry(name)?;
+        let n: usize = entry.shape.iter().product();
+        let width = bytes.len() / n.max(1);
+        if elems.start > elems.end || elems.end > n {
+            return Err(Error::weights(
+                path,
+                name,
+                format!("elements {elems:?} of a tensor of {n}"),
+            ));
+        }
+        let (a, b) = (elems.start * width, elems.end * width);
+        let data = to_f32(entry.dtype, &bytes[a..b]).ok_or_else(|| {
+            Error::weights(
+                path,
+                name,
+                format!("dtype {:?} is not a float type Braid reads", entry.dtype),
+            )
+        })?;
+        out.extend_from_slice(&data);
+        self.release_bytes(entry.shard, entry.start + a, entry.start + b);
+        Ok(())
     }
 
     /// Loads a float tensor as f32 on `device`, whatever its shape (returned with it).

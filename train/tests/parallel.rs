@@ -286,6 +286,98 @@ fn shards_read_alone_from_hugging_face_equal_the_cut_import() {
     alone_equals_cut("hf", &[&llm, &vision, &audio]);
 }
 
+/// Each rank's loader decodes only the media its encoders take: on every layout, each
+/// image (clip) is wanted by exactly the first-stage ranks of one vision (audio) replica,
+/// all of its TP x CP ranks, and by no other rank.
+#[test]
+fn each_rank_decodes_only_the_media_of_its_encoder_replica() {
+    let dir = run_dir("media");
+    let base = config(&dir, &[]);
+    let loader_cfg = LoaderConfig {
+        seed: 3,
+        batch_rows: 6,
+        workers: 1,
+        prefetch: 1,
+        shuffle: true,
+    };
+    let mut loader = Loader::open(&base.data.path, &loader_cfg, 0, 1, None).unwrap();
+    let rows = loader.next_batch().unwrap().rows;
+    let images: usize = rows.iter().map(|r| r.images.len()).sum();
+    let clips: usize = rows.iter().map(|r| r.audio.len()).sum();
+    assert!(images > 1 && clips > 1, "{images} images, {clips} clips");
+    for (name, sets, _) in LAYOUTS {
+        let _ = std::fs::remove_dir_all(&dir);
+        let cfg = config(&dir, sets);
+        let t = Trainer::new(cfg.clone(), false, &mut Quiet).unwrap();
+        let full = t.model.as_ref().unwrap();
+        let per_rank = run_local(
+            t.layouts.world,
+            Duration::from_secs(60),
+            |comm: LocalComm| {
+                let e = Engine::new(
+                    ShardSource::Cut(full),
+                    Arc::new(comm),
+                    t.layouts.clone(),
+                    &cfg,
+                )?;
+                let wanted = (e.media_filter())(&rows).unwrap();
+                let role = |g: Option<&braid_train::parallel::model::ModuleGroups>| {
+                    g.map(|g| (g.coord.pp == 0, g.coord.dp))
+                };
+                let vision = role(e.model.vision.as_ref().map(|v| &v.groups));
+                let audio = role(e.model.audio.as_ref().map(|a| &a.groups));
+                Ok::<_, braid_train::TrainError>((wanted, vision, audio))
+            },
+        )
+        .unwrap_or_else(|f| panic!("{name}: {f}"));
+        let dims = |g: Option<braid_comm::grid::Grid>| g.map_or(0, |g| g.dims.tp * g.dims.cp);
+        for (kind, total, per_item) in [
+            ("image", images, dims(t.layouts.vision)),
+            ("clip", clips, dims(t.layouts.audio)),
+        ] {
+            let mut seen = 0;
+            for (r, row) in rows.iter().enumerate() {
+                let n = if kind == "image" {
+                    row.images.len()
+                } else {
+                    row.audio.len()
+                };
+                for i in 0..n {
+                    let wanting: Vec<usize> = (0..per_rank.len())
+                        .filter(|&k| {
+                            let w = &per_rank[k].0;
+                            let set = if kind == "image" { &w.images } else { &w.clips };
+                            set.contains(&(r, i))
+                        })
+                        .collect();
+                    let roles: Vec<_> = wanting
+                        .iter()
+                        .map(|&k| {
+                            if kind == "image" {
+                                per_rank[k].1
+                            } else {
+                                per_rank[k].2
+                            }
+                        })
+                        .collect();
+                    assert_eq!(
+                        wanting.len(),
+                        per_item,
+                        "{name}: {kind} {i} of row {r}: {wanting:?}"
+                    );
+                    assert!(
+                        roles.windows(2).all(|w| w[0] == w[1])
+                            && roles.iter().all(|x| x.is_some_and(|(first, _)| first)),
+                        "{name}: {kind} {i} of row {r} wanted by {roles:?}"
+                    );
+                    seen += 1;
+                }
+            }
+            assert_eq!(seen, total, "{name}");
+        }
+    }
+}
+
 /// The one-rank gradient of the first batch, by parameter name.
 fn one_rank_grads(t: &mut Trainer, rows: &[Row], microbatches: usize) -> HashMap<String, Vec<f32>> {
     let refs: Vec<&Row> = rows.iter().collect();

@@ -149,6 +149,74 @@ fn torchrun_variables_set_by_hand_train_like_threads() {
     assert_eq!(logged(&dir), logged(&threads));
 }
 
+/// Through the real torchrun (PyTorch's launcher: its c10d rendezvous, its agent's store
+/// on MASTER_PORT, its environment), elastic and static rendezvous alike: the same numbers
+/// bit for bit as threads. PyTorch is too heavy for CI, so this runs where torchrun is:
+/// `BRAID_TORCHRUN=$(which torchrun) cargo test -p braid --test train real_torchrun -- --ignored`.
+#[test]
+#[ignore = "needs PyTorch's torchrun: set BRAID_TORCHRUN to its path"]
+fn real_torchrun_trains_like_threads_bit_for_bit() {
+    let torchrun = std::env::var("BRAID_TORCHRUN").expect("BRAID_TORCHRUN=path/to/torchrun");
+    reference();
+    let layout = ["--set", "parallel.llm.dp=2"];
+    let threads = fixture().join("runs/torchrun-threads");
+    let o = train(
+        &threads,
+        &[&["--set", "parallel.world_size=4"][..], &layout[..]].concat(),
+    )
+    .output()
+    .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let port = free_port().to_string();
+    let endpoint = format!("127.0.0.1:{}", free_port());
+    let rendezvous: [(&str, Vec<&str>); 2] = [
+        (
+            "elastic",
+            vec!["--rdzv-backend", "c10d", "--rdzv-endpoint", &endpoint],
+        ),
+        (
+            "static",
+            vec![
+                "--nnodes",
+                "1",
+                "--node-rank",
+                "0",
+                "--master-addr",
+                "127.0.0.1",
+            ],
+        ),
+    ];
+    for (name, args) in rendezvous {
+        let dir = fixture().join(format!("runs/torchrun-{name}"));
+        let mut c = Command::new(&torchrun);
+        c.args(["--nproc-per-node", "4"]).args(&args);
+        if name == "static" {
+            c.args(["--master-port", &port]);
+        }
+        let o = c
+            .args([
+                "--no-python",
+                env!("CARGO_BIN_EXE_braid"),
+                "train",
+                "--config",
+                &config(),
+            ])
+            .arg("--set")
+            .arg(format!("run.dir={}", dir.display()))
+            .args(layout)
+            .output()
+            .unwrap();
+        let out = text(&o);
+        assert!(o.status.success(), "torchrun ({name}): {out}");
+        assert!(out.contains("4 processes (torchrun)"), "{name}: {out}");
+        assert_eq!(
+            logged(&dir),
+            logged(&threads),
+            "torchrun ({name}) vs threads"
+        );
+    }
+}
+
 #[test]
 fn a_world_size_that_disagrees_with_the_launcher_is_named() {
     reference();

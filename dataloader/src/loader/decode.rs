@@ -1,6 +1,8 @@
 //! Turning stored packs into batch rows: token layout (positions, sample offsets, placeholder
 //! positions) and media (normalized pixels, log-mel features), one worker per item.
 
+use std::sync::Arc;
+
 use rayon::prelude::*;
 
 use crate::config::DataConfig;
@@ -73,10 +75,23 @@ impl Row {
     }
 }
 
-/// A media item to decode, with where its output goes.
+/// Which media of a batch's rows this rank decodes: `(row, index)` of each image and
+/// each clip, indices into `rows[row].images` / `rows[row].audio`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WantedMedia {
+    pub images: std::collections::HashSet<(usize, usize)>,
+    pub clips: std::collections::HashSet<(usize, usize)>,
+}
+
+/// Decides, from a batch's rows before any media is decoded (token layout and every
+/// item's shape filled in, `pixels` and `mel` empty), which media this rank decodes: a
+/// rank of a multi-rank run decodes only the images and clips its encoder stage takes.
+pub type MediaFilter = Arc<dyn Fn(&[Row]) -> Result<WantedMedia, String> + Send + Sync>;
+
+/// A media item to decode, with where its output goes: (row, index, stored bytes).
 enum Job<'a> {
-    Image(&'a StoredMedia),
-    Audio(&'a StoredMedia),
+    Image(usize, usize, &'a StoredMedia),
+    Audio(usize, usize, &'a StoredMedia),
 }
 
 enum Decoded {
@@ -84,28 +99,98 @@ enum Decoded {
     Audio(Vec<f32>, usize),
 }
 
-/// Reads and decodes the packs `packs` (in order) with the current rayon pool.
+/// Reads the packs `packs` (in order) and decodes their media with the current rayon
+/// pool: every item, or those `filter` wants (the others keep their shape, with empty
+/// `pixels` / `mel`).
 pub(crate) fn decode_rows(
     ds: &Dataset,
     cfg: &DataConfig,
     packs: &[usize],
+    filter: Option<&MediaFilter>,
 ) -> Result<Vec<Row>, String> {
     let stored: Vec<Vec<StoredSample>> = packs
         .par_iter()
         .map(|&p| ds.read_pack(p).map_err(|e| e.to_string()))
         .collect::<Result<_, _>>()?;
-    let jobs: Vec<Job> = stored
-        .iter()
-        .flatten()
-        .flat_map(|s| {
-            s.images
-                .iter()
-                .map(Job::Image)
-                .chain(s.audio.iter().map(Job::Audio))
-        })
-        .collect();
     let image_cfg = cfg.image.image_config();
     let n_mels = cfg.audio.decode.n_mels;
+    let size = image_cfg.size;
+    // The token layout and every item's shape first: what the filter decides from.
+    let mut rows = Vec::with_capacity(packs.len());
+    for (&pack, samples) in packs.iter().zip(&stored) {
+        let mut row = Row {
+            pack,
+            ids: Vec::new(),
+            positions: Vec::new(),
+            loss_mask: Vec::new(),
+            sample_offsets: vec![0],
+            sample_ids: Vec::with_capacity(samples.len()),
+            costs: Vec::with_capacity(samples.len()),
+            images: Vec::new(),
+            audio: Vec::new(),
+        };
+        for s in samples {
+            let base = row.ids.len();
+            if s.meta.images.len() != s.images.len() || s.meta.audio.len() != s.audio.len() {
+                return Err(format!(
+                    "sample {:?}: {} images and {} clips stored for {} and {} described",
+                    s.id,
+                    s.images.len(),
+                    s.audio.len(),
+                    s.meta.images.len(),
+                    s.meta.audio.len()
+                ));
+            }
+            for m in &s.meta.images {
+                row.images.push(ImageItem {
+                    pixels: Vec::new(),
+                    height: size,
+                    width: size,
+                    patches: m.patches as usize,
+                    start: base + m.llm_offset as usize,
+                    len: m.llm_tokens as usize,
+                });
+            }
+            for m in &s.meta.audio {
+                row.audio.push(AudioItem {
+                    mel: Vec::new(),
+                    n_mels,
+                    frames: m.mel_frames as usize,
+                    start: base + m.llm_offset as usize,
+                    len: m.llm_tokens as usize,
+                });
+            }
+            row.positions.extend(0..s.ids.len() as u32);
+            row.ids.extend_from_slice(&s.ids);
+            row.loss_mask.extend_from_slice(&s.loss_mask);
+            row.sample_offsets.push(row.ids.len() as u32);
+            row.sample_ids.push(s.id.clone());
+            row.costs.push(s.cost);
+        }
+        rows.push(row);
+    }
+    let wanted = filter.map(|f| f(&rows)).transpose()?;
+    let mut jobs: Vec<Job> = Vec::new();
+    for (r, samples) in stored.iter().enumerate() {
+        let (mut image, mut clip) = (0, 0);
+        for s in samples {
+            for m in &s.images {
+                if wanted
+                    .as_ref()
+                    .is_none_or(|w| w.images.contains(&(r, image)))
+                {
+                    jobs.push(Job::Image(r, image, m));
+                }
+                image += 1;
+            }
+            for m in &s.audio {
+                if wanted.as_ref().is_none_or(|w| w.clips.contains(&(r, clip))) {
+                    jobs.push(Job::Audio(r, clip, m));
+                }
+                clip += 1;
+            }
+        }
+    }
     let decoded: Vec<Decoded> = jobs
         .par_iter()
         .map_init(
@@ -117,7 +202,7 @@ pub(crate) fn decode_rows(
             },
             |(mel, dec), job| -> Result<Decoded, String> {
                 match job {
-                    Job::Image(m) => {
+                    Job::Image(_, _, m) => {
                         let px = match m.encoding {
                             MediaEncoding::Rgb8 => normalize_rgb8(&m.data, &m.name, &image_cfg),
                             _ => decode_image(&m.data, &m.name, &image_cfg),
@@ -125,7 +210,7 @@ pub(crate) fn decode_rows(
                         .map_err(|e| e.to_string())?;
                         Ok(Decoded::Image(px.data))
                     }
-                    Job::Audio(m) => {
+                    Job::Audio(_, _, m) => {
                         let pcm = match m.encoding {
                             MediaEncoding::PcmS16le => from_pcm_s16(&m.data),
                             _ => dec
@@ -143,62 +228,21 @@ pub(crate) fn decode_rows(
             },
         )
         .collect::<Result<_, _>>()?;
-    let mut decoded = decoded.into_iter();
-    let size = image_cfg.size;
-    let mut rows = Vec::with_capacity(packs.len());
-    for (&pack, samples) in packs.iter().zip(stored) {
-        let mut row = Row {
-            pack,
-            ids: Vec::new(),
-            positions: Vec::new(),
-            loss_mask: Vec::new(),
-            sample_offsets: vec![0],
-            sample_ids: Vec::with_capacity(samples.len()),
-            costs: Vec::with_capacity(samples.len()),
-            images: Vec::new(),
-            audio: Vec::new(),
-        };
-        for s in samples {
-            let base = row.ids.len();
-            for m in &s.meta.images {
-                let Some(Decoded::Image(pixels)) = decoded.next() else {
-                    return Err(format!("sample {:?}: image/decode order mismatch", s.id));
-                };
-                row.images.push(ImageItem {
-                    pixels,
-                    height: size,
-                    width: size,
-                    patches: m.patches as usize,
-                    start: base + m.llm_offset as usize,
-                    len: m.llm_tokens as usize,
-                });
-            }
-            for m in &s.meta.audio {
-                let Some(Decoded::Audio(mel, frames)) = decoded.next() else {
-                    return Err(format!("sample {:?}: audio/decode order mismatch", s.id));
-                };
-                if frames != m.mel_frames as usize {
+    for (job, out) in jobs.iter().zip(decoded) {
+        match (job, out) {
+            (Job::Image(r, i, _), Decoded::Image(pixels)) => rows[*r].images[*i].pixels = pixels,
+            (Job::Audio(r, i, m), Decoded::Audio(mel, frames)) => {
+                let item = &mut rows[*r].audio[*i];
+                if frames != item.frames {
                     return Err(format!(
-                        "sample {:?}: clip has {frames} mel frames, the shard says {}",
-                        s.id, m.mel_frames
+                        "{}: clip has {frames} mel frames, the shard says {}",
+                        m.name, item.frames
                     ));
                 }
-                row.audio.push(AudioItem {
-                    mel,
-                    n_mels,
-                    frames,
-                    start: base + m.llm_offset as usize,
-                    len: m.llm_tokens as usize,
-                });
+                item.mel = mel;
             }
-            row.positions.extend(0..s.ids.len() as u32);
-            row.ids.extend_from_slice(&s.ids);
-            row.loss_mask.extend_from_slice(&s.loss_mask);
-            row.sample_offsets.push(row.ids.len() as u32);
-            row.sample_ids.push(s.id);
-            row.costs.push(s.cost);
+            _ => return Err("media decode order mismatch".into()),
         }
-        rows.push(row);
     }
     Ok(rows)
 }

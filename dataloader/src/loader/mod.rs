@@ -24,7 +24,7 @@ use std::thread::JoinHandle;
 
 use serde::{Deserialize, Serialize};
 
-pub use decode::{AudioItem, ImageItem, Row};
+pub use decode::{AudioItem, ImageItem, MediaFilter, Row, WantedMedia};
 
 use crate::cost::SampleCost;
 use crate::dataset::{DatasetError, DatasetInfo};
@@ -165,8 +165,22 @@ impl Loader {
         dp_size: usize,
         resume: Option<LoaderState>,
     ) -> Result<Loader, LoaderError> {
+        Self::open_filtered(dir, cfg, dp_rank, dp_size, resume, None)
+    }
+
+    /// [`Loader::open`] that decodes only the media `filter` wants of each batch (see
+    /// [`MediaFilter`]); the other items keep their shape with empty `pixels` / `mel`.
+    pub fn open_filtered(
+        dir: &std::path::Path,
+        cfg: &LoaderConfig,
+        dp_rank: usize,
+        dp_size: usize,
+        resume: Option<LoaderState>,
+        filter: Option<MediaFilter>,
+    ) -> Result<Loader, LoaderError> {
         let (info, ds) = DatasetInfo::open(dir)?;
-        Loader::new(Arc::new(info), Arc::new(ds), cfg, dp_rank, dp_size, resume)
+        let (info, ds) = (Arc::new(info), Arc::new(ds));
+        Loader::new_filtered(info, ds, cfg, dp_rank, dp_size, resume, filter)
     }
 
     /// A loader over an opened dataset.
@@ -177,6 +191,19 @@ impl Loader {
         dp_rank: usize,
         dp_size: usize,
         resume: Option<LoaderState>,
+    ) -> Result<Loader, LoaderError> {
+        Self::new_filtered(info, ds, cfg, dp_rank, dp_size, resume, None)
+    }
+
+    /// [`Loader::new`] with a [`MediaFilter`].
+    pub fn new_filtered(
+        info: Arc<DatasetInfo>,
+        ds: Arc<Dataset>,
+        cfg: &LoaderConfig,
+        dp_rank: usize,
+        dp_size: usize,
+        resume: Option<LoaderState>,
+        filter: Option<MediaFilter>,
     ) -> Result<Loader, LoaderError> {
         let bad = |s: String| Err(LoaderError::Config(s));
         let packs = ds.packs().len();
@@ -235,6 +262,7 @@ impl Loader {
             dp_rank,
             dp_size,
             start: state,
+            filter,
         };
         let handle = std::thread::Builder::new()
             .name(format!("braid-loader-{dp_rank}"))
@@ -291,6 +319,7 @@ struct Producer {
     dp_rank: usize,
     dp_size: usize,
     start: LoaderState,
+    filter: Option<MediaFilter>,
 }
 
 impl Producer {
@@ -351,7 +380,9 @@ impl Producer {
         let rows_range = dp_rows(packs.len(), self.dp_size, self.dp_rank);
         let mine = &packs[rows_range.clone()];
         let rows = pool
-            .install(|| decode::decode_rows(&self.ds, &self.info.settings, mine))
+            .install(|| {
+                decode::decode_rows(&self.ds, &self.info.settings, mine, self.filter.as_ref())
+            })
             .map_err(|reason| LoaderError::Decode {
                 epoch,
                 batch,

@@ -55,6 +55,15 @@ fn my_items(plan: &StepPlan, kind: ItemKind, dp: usize) -> Vec<usize> {
         .collect()
 }
 
+/// An item this rank encodes that its loader did not decode (its media filter and the
+/// step's assignment disagree: a bug, never silent garbage).
+fn not_decoded(world: &dyn Comm, what: &str, row: usize, index: usize) -> TrainError {
+    TrainError::Other(format!(
+        "rank {}: {what} {index} of row {row} is assigned to this rank but its loader did not decode it",
+        world.rank()
+    ))
+}
+
 fn neighbor(g: &ModuleGroups, world: &dyn Comm, delta: isize) -> Result<usize> {
     g.grid.pp_neighbor(world.rank(), delta).ok_or_else(|| {
         TrainError::Other(format!("{} stage has no neighbour {delta}", g.kind.key()))
@@ -83,7 +92,11 @@ pub(crate) fn encode_images(
         let mut pixels = Vec::with_capacity(b * 3 * h * w); // (B, 3, H, W)
         for &i in &items {
             let it = &plan.items[i];
-            pixels.extend_from_slice(&rows[it.row].images[it.index].pixels);
+            let im = &rows[it.row].images[it.index];
+            if im.pixels.len() != 3 * h * w {
+                return Err(not_decoded(world, "image", it.row, it.index));
+            }
+            pixels.extend_from_slice(&im.pixels);
         }
         let px = Tensor::from_vec(pixels, [b, 3, h, w], device_of(&part.encoder))?;
         part.encoder
@@ -169,6 +182,17 @@ pub(crate) fn encode_clips(
     let n_rows: Vec<usize> = items.iter().map(|&i| plan.items[i].rows).collect();
     let d = part.encoder.config.d_model;
     let (out, cache) = if g.coord.pp == 0 {
+        for &i in &items {
+            let a = clip(i);
+            if a.mel.len() != a.n_mels * a.frames {
+                return Err(not_decoded(
+                    world,
+                    "clip",
+                    plan.items[i].row,
+                    plan.items[i].index,
+                ));
+            }
+        }
         let clips = items
             .iter()
             .map(|&i| {

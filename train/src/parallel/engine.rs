@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use braid_bridge::Routes;
 use braid_comm::Comm;
-use braid_dataloader::loader::Row;
+use braid_dataloader::loader::{MediaFilter, Row, WantedMedia};
 use braid_kernels::{Device, Shape, Tensor, ops};
 use braid_llm::{ModalityEmbeds, StageCache, StageInput, vocab_parallel_loss};
 use braid_nn::{Module, SeqInfo};
@@ -57,6 +57,7 @@ pub struct Engine {
     pub plan: ShardPlan,
     pub optim: AdamW,
     pub assigner: Box<dyn Assigner>,
+    assign_policy: AssignPolicy,
     /// The cost model the step's imbalance is measured with.
     pub costs: Balanced,
     pub microbatches: usize,
@@ -93,10 +94,8 @@ impl Engine {
             world,
             layouts,
             costs: balanced(&mconfig),
-            assigner: match cfg.parallel.assign {
-                AssignPolicy::Balanced => Box::new(balanced(&mconfig)),
-                AssignPolicy::RoundRobin => Box::new(RoundRobin),
-            },
+            assigner: assigner(cfg.parallel.assign, &mconfig),
+            assign_policy: cfg.parallel.assign,
             mconfig,
             model,
             plan,
@@ -107,6 +106,54 @@ impl Engine {
             zero1,
             device,
             compute_dtype,
+        })
+    }
+
+    /// What this rank's loader decodes of each batch: the images and clips the step's
+    /// assignment gives to this rank's encoder replicas, on their first stage (the only
+    /// ranks that read pixels or mel frames); nothing on a rank without one. The filter
+    /// runs the step's own assignment on the batch's shapes, so it agrees with
+    /// [`Engine::forward_backward`] by construction.
+    pub fn media_filter(&self) -> MediaFilter {
+        let assigner = assigner(self.assign_policy, &self.mconfig);
+        let replicas = self.replicas();
+        let first_stage_dp =
+            |g: &super::model::ModuleGroups| (g.coord.pp == 0).then_some(g.coord.dp);
+        let vision = self
+            .model
+            .vision
+            .as_ref()
+            .and_then(|v| first_stage_dp(&v.groups));
+        let audio = self
+            .model
+            .audio
+            .as_ref()
+            .and_then(|a| first_stage_dp(&a.groups));
+        Arc::new(move |rows: &[Row]| {
+            let mut wanted = WantedMedia::default();
+            if vision.is_none() && audio.is_none() {
+                return Ok(wanted);
+            }
+            let shape = batch_shape(rows);
+            let a = assigner.assign(&shape, &replicas);
+            a.validate(&shape, &replicas).map_err(|e| e.to_string())?;
+            // Images and clips are numbered in row order, as `StepPlan::new` numbers them.
+            let (mut image, mut clip) = (0, 0);
+            for (r, row) in rows.iter().enumerate() {
+                for i in 0..row.images.len() {
+                    if vision == a.images.get(image).copied() {
+                        wanted.images.insert((r, i));
+                    }
+                    image += 1;
+                }
+                for i in 0..row.audio.len() {
+                    if audio == a.clips.get(clip).copied() {
+                        wanted.clips.insert((r, i));
+                    }
+                    clip += 1;
+                }
+            }
+            Ok(wanted)
         })
     }
 
@@ -226,6 +273,14 @@ impl Engine {
 
 /// The cost model of the data-aware assignment for `m`: forward FLOPs per token and per
 /// attended pair of each module (SwiGLU LLM with its head; GELU encoders).
+/// The assigner of `parallel.assign`.
+fn assigner(policy: AssignPolicy, m: &MllmConfig) -> Box<dyn Assigner> {
+    match policy {
+        AssignPolicy::Balanced => Box::new(balanced(m)),
+        AssignPolicy::RoundRobin => Box::new(RoundRobin),
+    }
+}
+
 pub fn balanced(m: &MllmConfig) -> Balanced {
     let l = &m.llm;
     let none = TokenCost {

@@ -317,6 +317,9 @@ fn rank_main(
         }
     };
     let mut engine = Engine::new(t.source, Arc::clone(&world), t.layouts.clone(), cfg)?;
+    // Making the shards drew (or read) full tensors one at a time: hand those back before
+    // the steps allocate their activations.
+    crate::metrics::return_freed_memory();
     match (t.optim, t.resumed_from) {
         (Some(full), _) => copy_moments(&mut engine, full)?,
         (None, Some(dir)) => {
@@ -327,12 +330,15 @@ fn rank_main(
         (None, None) => {}
     }
     let resumed = t.resumed_from.is_some();
-    let mut loader = Loader::open(
+    // Every rank reads the whole global batch's token layout, but decodes only the media
+    // its encoders take.
+    let mut loader = Loader::open_filtered(
         &cfg.data.path,
         t.loader_cfg,
         0,
         1,
         resumed.then_some(t.state.loader),
+        Some(engine.media_filter()),
     )
     .map_err(|e| TrainError::Data(format!("{}: {e}", cfg.data.path.display())))?;
     if rank == 0 {
