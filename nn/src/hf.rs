@@ -173,13 +173,7 @@ impl WeightFiles {
                 ),
             ));
         }
-        let data = to_f32(entry.dtype, bytes).ok_or_else(|| {
-            Error::weights(
-                path,
-                name,
-                format!("dtype {:?} is not a float type Braid reads", entry.dtype),
-            )
-        })?;
+        let data = float_data(entry, path, name, bytes)?;
         self.release(entry);
         Tensor::from_vec(data, expected.to_vec(), device).ctx(name, "copy to device")
     }
@@ -250,21 +244,6 @@ impl WeightFiles {
         Tensor::from_vec(data, dims, device).ctx(name, "copy to device")
     }
 
-    /// A float tensor as f32 host data with its stored shape (no device tensor made: for
-    /// joining slices on the host).
-    pub fn read_f32(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
-        let (entry, path, bytes) = self.entry(name)?;
-        let data = to_f32(entry.dtype, bytes).ok_or_else(|| {
-            Error::weights(
-                path,
-                name,
-                format!("dtype {:?} is not a float type Braid reads", entry.dtype),
-            )
-        })?;
-        self.release(entry);
-        Ok((data, entry.shape.clone()))
-    }
-
     /// Appends elements `elems` (row-major) of the float tensor `name`, as f32, to `out`:
     /// slices are joined straight from the file into one buffer.
     pub fn read_f32_into(
@@ -284,13 +263,7 @@ impl WeightFiles {
             ));
         }
         let (a, b) = (elems.start * width, elems.end * width);
-        let data = to_f32(entry.dtype, &bytes[a..b]).ok_or_else(|| {
-            Error::weights(
-                path,
-                name,
-                format!("dtype {:?} is not a float type Braid reads", entry.dtype),
-            )
-        })?;
+        let data = float_data(entry, path, name, &bytes[a..b])?;
         out.extend_from_slice(&data);
         self.release_bytes(entry.shard, entry.start + a, entry.start + b);
         Ok(())
@@ -352,6 +325,18 @@ impl WeightFiles {
         self.release(entry);
         Tensor::from_vec_u32(ids, entry.shape.clone(), device).ctx(name, "copy to device")
     }
+}
+
+/// `bytes` (all or part of tensor `name`) as f32, or an error naming a dtype Braid does
+/// not read as floats.
+fn float_data(entry: &Entry, path: &Path, name: &str, bytes: &[u8]) -> Result<Vec<f32>> {
+    to_f32(entry.dtype, bytes).ok_or_else(|| {
+        Error::weights(
+            path,
+            name,
+            format!("dtype {:?} is not a float type Braid reads", entry.dtype),
+        )
+    })
 }
 
 /// Decodes little-endian float bytes to f32.

@@ -286,13 +286,8 @@ fn shards_read_alone_from_hugging_face_equal_the_cut_import() {
     alone_equals_cut("hf", &[&llm, &vision, &audio]);
 }
 
-/// Each rank's loader decodes only the media its encoders take: on every layout, each
-/// image (clip) is wanted by exactly the first-stage ranks of one vision (audio) replica,
-/// all of its TP x CP ranks, and by no other rank.
-#[test]
-fn each_rank_decodes_only_the_media_of_its_encoder_replica() {
-    let dir = run_dir("media");
-    let base = config(&dir, &[]);
+/// A global batch of 6 rows of `cfg`'s data, every item decoded.
+fn first_batch(cfg: &braid_train::RunConfig) -> Vec<Row> {
     let loader_cfg = LoaderConfig {
         seed: 3,
         batch_rows: 6,
@@ -300,8 +295,17 @@ fn each_rank_decodes_only_the_media_of_its_encoder_replica() {
         prefetch: 1,
         shuffle: true,
     };
-    let mut loader = Loader::open(&base.data.path, &loader_cfg, 0, 1, None).unwrap();
-    let rows = loader.next_batch().unwrap().rows;
+    let mut loader = Loader::open(&cfg.data.path, &loader_cfg, 0, 1, None).unwrap();
+    loader.next_batch().unwrap().rows
+}
+
+/// Each rank's loader decodes only the media its encoders take: on every layout, each
+/// image (clip) is wanted by exactly the first-stage ranks of one vision (audio) replica,
+/// all of its TP x CP ranks, and by no other rank.
+#[test]
+fn each_rank_decodes_only_the_media_of_its_encoder_replica() {
+    let dir = run_dir("media");
+    let rows = first_batch(&config(&dir, &[]));
     let images: usize = rows.iter().map(|r| r.images.len()).sum();
     let clips: usize = rows.iter().map(|r| r.audio.len()).sum();
     assert!(images > 1 && clips > 1, "{images} images, {clips} clips");
@@ -407,15 +411,7 @@ fn first_step_gradients_of_every_layout_match_one_rank() {
     let _ = std::fs::remove_dir_all(&dir);
     let base = config(&dir, &[]);
     let mut t = Trainer::new(base.clone(), false, &mut Quiet).unwrap();
-    let loader_cfg = LoaderConfig {
-        seed: 3,
-        batch_rows: 6,
-        workers: 1,
-        prefetch: 1,
-        shuffle: true,
-    };
-    let mut loader = Loader::open(&base.data.path, &loader_cfg, 0, 1, None).unwrap();
-    let rows = loader.next_batch().unwrap().rows;
+    let rows = first_batch(&base);
     let want = one_rank_grads(&mut t, &rows, base.train.microbatches);
     assert!(want.len() > 40, "{} trainable tensors", want.len());
 
