@@ -10,6 +10,7 @@ mod pack;
 mod plan;
 mod plot;
 mod profile;
+mod trace;
 mod train;
 
 use std::path::PathBuf;
@@ -77,6 +78,9 @@ enum Command {
     /// mode): `braid launch --nproc-per-node 4 -- train --config RUN.toml`. Each process gets
     /// RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; output is prefixed by rank.
     Launch(launch::LaunchArgs),
+    /// A run's timeline (written with `--set log.trace=true`): each rank's time per kind of
+    /// work, and with `--png FILE` a picture with a band per rank, coloured by module.
+    Trace(trace::TraceArgs),
 }
 
 fn main() -> ExitCode {
@@ -101,5 +105,6 @@ fn main() -> ExitCode {
         Command::Plan(args) => ExitCode::from(plan::run(args)),
         Command::Profile(args) => ExitCode::from(profile::run(args)),
         Command::Launch(args) => launch::run(args),
+        Command::Trace(args) => trace::run(args),
     }
 }

@@ -6,6 +6,7 @@
 //! - [`trainer`]: set-up, the step, checkpoints, evaluation, export.
 //! - [`optim`], [`checkpoint`], [`metrics`], [`eval`], [`data`]: the parts it uses.
 //! - [`stop`]: a signal's request to stop after the current step, with a checkpoint.
+//! - [`trace`]: a timeline of every rank as Chrome trace JSON (`log.trace`).
 
 pub mod assemble;
 pub mod checkpoint;
@@ -24,6 +25,7 @@ pub mod resume;
 pub mod stop;
 pub mod summary;
 pub mod tokenizer;
+pub mod trace;
 pub mod trainer;
 
 pub use config::RunConfig;

@@ -50,11 +50,16 @@ pub fn return_freed_memory() {
 pub struct LogConfig {
     /// Steps between log lines (the progress bar, on a terminal, shows every step).
     pub interval: u64,
+    /// Write every rank's timeline to `<run.dir>/trace/` ([`crate::trace`]).
+    pub trace: bool,
 }
 
 impl Default for LogConfig {
     fn default() -> Self {
-        LogConfig { interval: 10 }
+        LogConfig {
+            interval: 10,
+            trace: false,
+        }
     }
 }
 

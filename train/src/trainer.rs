@@ -444,6 +444,12 @@ impl Trainer {
     /// the trained modules to Hugging Face format (`<run.dir>/hf/`).
     pub fn run(mut self, obs: &mut dyn Observer) -> Result<RunSummary> {
         obs.start(&self.info);
+        if self.cfg.log.trace {
+            obs.log(
+                "warning: log.trace: the timeline is written by runs on several ranks \
+                 (parallel.world_size > 1); this one-rank run writes none",
+            );
+        }
         let total = self.cfg.train.steps;
         let started = Instant::now();
         let mut trail = LossTrail::default();

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use image::{ImageFormat, Rgb, RgbImage};
 
 mod font;
+pub mod timeline;
 use font::{draw_text, text_width, widest};
 
 /// Default chart size in pixels.

@@ -228,3 +228,32 @@ fn writes_atomically_and_names_the_path_on_failure() {
     let err = bars(&[1.0]).write_png(Path::new("/")).unwrap_err();
     assert!(matches!(err, PlotError::BadPath { .. }), "{err}");
 }
+
+#[test]
+fn a_timeline_draws_each_span_in_its_row_and_colour() {
+    let dir = tmp();
+    let path = dir.path().join("t.png");
+    let chart = timeline::Timeline {
+        title: "timeline".into(),
+        rows: vec![
+            ("rank 0".into(), vec![(10.0, 10.5, 1)]),
+            ("rank 1".into(), vec![(10.5, 11.0, 2)]),
+        ],
+        kinds: vec!["a".into(), "b".into(), "c".into()],
+    };
+    let (img, f) = chart.render(&path, 800, 300).unwrap();
+    let band = (f.bottom - f.top) / 2;
+    let mid = |row: i32| (f.top + band * row + band / 2) as u32;
+    let quarter = (f.left + (f.right - f.left) / 4) as u32;
+    let three_quarters = (f.left + 3 * (f.right - f.left) / 4) as u32;
+    // Rank 0 works in the first half (kind 1), rank 1 in the second (kind 2).
+    assert_eq!(*img.get_pixel(quarter, mid(0)), PALETTE[1]);
+    assert_eq!(*img.get_pixel(three_quarters, mid(1)), PALETTE[2]);
+    assert_ne!(*img.get_pixel(three_quarters, mid(0)), PALETTE[1]);
+    assert_ne!(*img.get_pixel(quarter, mid(1)), PALETTE[2]);
+    let empty = timeline::Timeline::default();
+    assert!(matches!(
+        empty.render(&path, 800, 300),
+        Err(PlotError::NoData { .. })
+    ));
+}

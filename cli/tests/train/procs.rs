@@ -69,6 +69,17 @@ fn threads_and_processes_agree(name: &str, n: usize, layout: &[&str]) {
         procs.join("eval.json").exists() && procs.join("hf/llm").exists(),
         "{name}: rank 0 evaluates and exports"
     );
+    if layout.contains(&"log.trace=true") {
+        // Every process wrote its timeline, and rank 0 merged them after all were there.
+        let merged = braid_train::trace::read(&procs.join("trace/trace.json")).unwrap();
+        let pids: std::collections::BTreeSet<usize> = merged
+            .trace_events
+            .iter()
+            .filter(|e| e.ph == "X")
+            .map(|e| e.pid)
+            .collect();
+        assert_eq!(pids, (0..n).collect(), "{name}: a row per process");
+    }
 }
 
 #[test]
@@ -110,6 +121,7 @@ fn colocated_processes_match_threads_bit_for_bit() {
             "parallel.vision.dp=4",
             "parallel.audio.tp=2",
             "parallel.audio.dp=2",
+            "log.trace=true",
         ],
     );
 }
@@ -563,4 +575,65 @@ fn four_tp_processes_each_hold_under_40_percent_of_one_process() {
             x.0
         );
     }
+}
+
+/// `braid launch` over two "machines" (two launchers on this one, like torchrun's static
+/// mode: `--nnodes 2 --node-rank K --master-addr A --master-port P`), and SLURM's
+/// variables set by hand (what `srun` gives each task): the same numbers bit for bit as
+/// the same layout on threads.
+#[test]
+fn two_node_launch_and_slurm_variables_train_like_threads() {
+    reference();
+    let layout = ["--set", "parallel.llm.dp=2"];
+    let threads = fixture().join("runs/nodes-threads");
+    let o = train(
+        &threads,
+        &[&["--set", "parallel.world_size=4"][..], &layout[..]].concat(),
+    )
+    .output()
+    .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+
+    let dir = fixture().join("runs/two-nodes");
+    let port = free_port().to_string();
+    let nodes: Vec<_> = (0..2)
+        .map(|node| {
+            let mut c = braid();
+            c.args(["launch", "--nproc-per-node", "2", "--nnodes", "2"])
+                .args(["--node-rank", &node.to_string()])
+                .args(["--master-addr", "127.0.0.1", "--master-port", &port])
+                .args(["--", "train", "--config", &config(), "--set"])
+                .arg(format!("run.dir={}", dir.display()))
+                .args(layout)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            c.spawn().unwrap()
+        })
+        .collect();
+    for (node, c) in nodes.into_iter().enumerate() {
+        let o = c.wait_with_output().unwrap();
+        assert!(o.status.success(), "node {node}: {}", text(&o));
+    }
+    assert_eq!(logged(&dir), logged(&threads), "two nodes vs threads");
+
+    let dir = fixture().join("runs/slurm");
+    let port = free_port().to_string();
+    let tasks: Vec<_> = (0..4)
+        .map(|r| {
+            train(&dir, &layout)
+                .env("SLURM_PROCID", r.to_string())
+                .env("SLURM_NTASKS", "4")
+                .env("SLURM_LOCALID", r.to_string())
+                .env("SLURM_NTASKS_PER_NODE", "4")
+                .env("SLURM_JOB_NODELIST", "localhost")
+                .env("MASTER_PORT", &port)
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (r, c) in tasks.into_iter().enumerate() {
+        let o = c.wait_with_output().unwrap();
+        assert!(o.status.success(), "task {r}: {}", text(&o));
+    }
+    assert_eq!(logged(&dir), logged(&threads), "SLURM tasks vs threads");
 }

@@ -94,3 +94,63 @@ fn a_rank_that_panics_stops_every_rank_naming_it() {
     // Steps before the failure were recorded; the failed one was not.
     assert_eq!(losses(&dir).len(), 2, "{out}");
 }
+
+/// `log.trace = true` on 4 ranks, then `braid trace`: every rank's share of time per kind
+/// of work, and the picture (a band per rank: its size follows the rank count, and the
+/// encoder ranks' bands hold their modules' colours).
+#[test]
+fn a_traced_run_is_summed_up_and_drawn_by_braid_trace() {
+    reference();
+    let dir = fixture().join("runs/traced");
+    let o = train(
+        &dir,
+        &[
+            "--set",
+            "parallel.world_size=4",
+            "--set",
+            "parallel.llm.pp=2",
+            "--set",
+            "model.llm.layers=2",
+            "--set",
+            "log.trace=true",
+            "--set",
+            "train.steps=3",
+        ],
+    )
+    .output()
+    .unwrap();
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    assert!(out.contains("timeline of every rank"), "{out}");
+    let png = dir.join("timeline.png");
+    let o = run(&[
+        "trace",
+        dir.to_str().unwrap(),
+        "--png",
+        png.to_str().unwrap(),
+        "--step",
+        "2",
+    ]);
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    for rank in 0..4 {
+        assert!(out.contains(&format!("rank {rank}: ")), "{out}");
+    }
+    assert!(
+        out.contains("vision ") && out.contains("audio ") && out.contains("llm "),
+        "{out}"
+    );
+    let img = image::open(&png).unwrap().to_rgb8();
+    assert_eq!((img.width(), img.height()), (1600, 100 + 36 * 4));
+    // tab10's first three colours: data (blue), vision (orange), audio (green).
+    let count = |c: [u8; 3]| img.pixels().filter(|p| p.0 == c).count();
+    assert!(
+        count([255, 127, 14]) > 50 && count([44, 160, 44]) > 50,
+        "vision and audio boxes"
+    );
+    // A step that is not in the file is an error, not an empty picture.
+    let o = run(&["trace", dir.to_str().unwrap(), "--step", "99"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let o = run(&["trace", fixture().join("runs/ref").to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "an untraced run: {}", text(&o));
+}

@@ -31,6 +31,7 @@ use crate::data::rows_to_text;
 use crate::error::{Result, TrainError};
 use crate::mllm::{Freeze, MllmConfig};
 use crate::optim::AdamW;
+use crate::trace::Tracer;
 use braid_balancer::{Assigner, Balanced, Imbalance, Replicas, RoundRobin, TokenCost};
 
 /// What one forward/backward over the global batch measured (the same on every rank).
@@ -68,6 +69,8 @@ pub struct Engine {
     /// carries (fixed at construction, not looked up every step).
     device: Device,
     compute_dtype: braid_kernels::DType,
+    /// This rank's timeline (`log.trace`; records nothing when off).
+    pub trace: Tracer,
 }
 
 impl Engine {
@@ -106,6 +109,7 @@ impl Engine {
             zero1,
             device,
             compute_dtype,
+            trace: Tracer::new(rank, device, cfg.log.trace),
         })
     }
 
@@ -189,16 +193,27 @@ impl Engine {
         // Encoders, then the bridge to the LLM's first stage.
         let mut produced: Vec<(usize, Tensor)> = Vec::new();
         let world = self.world.as_ref();
+        let trace = &mut self.trace;
+        let t0 = trace.start();
         let vision = match &self.model.vision {
             Some(v) => encode_images(v, world, rows, &plan, &mut produced)?,
             None => None,
         };
+        if vision.is_some() {
+            trace.end(t0, "vision fwd", "vision")?;
+        }
+        let t0 = trace.start();
         let audio = match &self.model.audio {
             Some(a) => encode_clips(a, world, rows, &plan, &mut produced)?,
             None => None,
         };
+        if audio.is_some() {
+            trace.end(t0, "audio fwd", "audio")?;
+        }
         let sent: Vec<(usize, &Tensor)> = produced.iter().map(|(i, t)| (*i, t)).collect();
+        let t0 = trace.start();
         let received = routes.forward(self.world.as_ref(), &sent)?; // (M_r, C)
+        trace.end(t0, "bridge fwd", "bridge")?;
         drop(sent);
         drop(produced);
 
@@ -217,22 +232,31 @@ impl Engine {
                 &received,
                 &mut dreceived,
                 norm,
+                trace,
             )?,
             None => 0.0,
         };
         drop(received);
 
         // The bridge back and the encoders' backward.
+        let t0 = trace.start();
         let grads = routes.backward(self.world.as_ref(), &dreceived)?;
+        trace.end(t0, "bridge bwd", "bridge")?;
         // Vision then audio on every rank: a fixed order, so stage-to-stage messages of
         // the two encoders never wait on each other in a cycle.
         if let (Some(work), Some(v)) = (vision, &mut self.model.vision) {
+            let t0 = trace.start();
             backward_images(v, self.world.as_ref(), work, &grads, c)?;
+            trace.end(t0, "vision bwd", "vision")?;
         }
         if let (Some(work), Some(a)) = (audio, &mut self.model.audio) {
+            let t0 = trace.start();
             backward_clips(a, self.world.as_ref(), work, &grads, c)?;
+            trace.end(t0, "audio bwd", "audio")?;
         }
+        let t0 = trace.start();
         all_reduce_grads(&mut self.model, self.bucket_elems)?;
+        trace.end(t0, "grad all-reduce", "comm")?;
 
         let mut loss = Tensor::from_vec(vec![loss_local as f32], [1], Device::Cpu)?;
         self.world.all_reduce_sum(&mut loss)?;
@@ -248,10 +272,12 @@ impl Engine {
     }
 
     /// The global L2 norm of the gradient (every element counted once in the world).
-    pub fn grad_norm(&self) -> Result<f64> {
+    pub fn grad_norm(&mut self) -> Result<f64> {
+        let t0 = self.trace.start();
         let sq = local_sq_norm(&self.model, &self.plan)?;
         let mut t = Tensor::from_vec(vec![sq as f32], [1], Device::Cpu)?;
         self.world.all_reduce_sum(&mut t)?;
+        self.trace.end(t0, "grad norm", "comm")?;
         Ok(f64::from(t.to_vec_f32()?[0]).sqrt())
     }
 
@@ -263,16 +289,18 @@ impl Engine {
     /// AdamW on this rank's share, then the updated values to the rest of each replica
     /// group.
     pub fn update(&mut self, lr: f32) -> Result<()> {
+        let t0 = self.trace.start();
         self.optim.update(&mut self.model, lr)?;
+        self.trace.end(t0, "adamw", "optim")?;
         if self.zero1 {
+            let t0 = self.trace.start();
             broadcast_updates(&mut self.model, &self.plan)?;
+            self.trace.end(t0, "zero-1 broadcast", "comm")?;
         }
         Ok(())
     }
 }
 
-/// The cost model of the data-aware assignment for `m`: forward FLOPs per token and per
-/// attended pair of each module (SwiGLU LLM with its head; GELU encoders).
 /// The assigner of `parallel.assign`.
 fn assigner(policy: AssignPolicy, m: &MllmConfig) -> Box<dyn Assigner> {
     match policy {
@@ -281,6 +309,8 @@ fn assigner(policy: AssignPolicy, m: &MllmConfig) -> Box<dyn Assigner> {
     }
 }
 
+/// The cost model of the data-aware assignment for `m`: forward FLOPs per token and per
+/// attended pair of each module (SwiGLU LLM with its head; GELU encoders).
 pub fn balanced(m: &MllmConfig) -> Balanced {
     let l = &m.llm;
     let none = TokenCost {
@@ -376,6 +406,7 @@ fn run_pipeline(
     received: &Tensor,
     dreceived: &mut Tensor,
     norm: usize,
+    trace: &mut Tracer,
 ) -> Result<f64> {
     let g = part.groups.clone();
     let dev = super::model::device_of(&part.stage);
@@ -435,14 +466,24 @@ fn run_pipeline(
                         host_ids: Some(&b.host_ids),
                         modality: modality.as_ref(),
                     };
-                    part.stage.forward(input, &b.seq)?
+                    let t0 = trace.start();
+                    let out = part.stage.forward(input, &b.seq)?;
+                    trace.end(t0, format!("llm fwd s{stage} mb{j}"), "llm")?;
+                    out
                 } else {
                     let from = prev.ok_or_else(|| TrainError::Other("no previous stage".into()))?;
+                    let t0 = trace.start();
                     let h = world.recv(&Shape::new([t, c]), from)?.into_device(dev)?; // (T, C)
-                    part.stage.forward(StageInput::Hidden(h), &b.seq)?
+                    trace.end(t0, format!("recv act mb{j}"), "comm")?;
+                    let t0 = trace.start();
+                    let out = part.stage.forward(StageInput::Hidden(h), &b.seq)?;
+                    trace.end(t0, format!("llm fwd s{stage} mb{j}"), "llm")?;
+                    out
                 };
                 if last {
+                    let t0 = trace.start();
                     let (sum, dout) = stage_loss(part, &out, &b.targets, norm)?;
+                    trace.end(t0, format!("llm loss mb{j}"), "llm")?;
                     if g.coord.tp == 0 {
                         loss += sum;
                     }
@@ -463,10 +504,15 @@ fn run_pipeline(
                     Some(d) => d,
                     None => {
                         let from = next.ok_or_else(|| TrainError::Other("no next stage".into()))?;
-                        world.recv(&Shape::new([t, c]), from)?.into_device(dev)? // (T, C)
+                        let t0 = trace.start();
+                        let d = world.recv(&Shape::new([t, c]), from)?.into_device(dev)?; // (T, C)
+                        trace.end(t0, format!("recv grad mb{j}"), "comm")?;
+                        d
                     }
                 };
+                let t0 = trace.start();
                 let dx = part.stage.backward(cache, &dout)?;
+                trace.end(t0, format!("llm bwd s{stage} mb{j}"), "llm")?;
                 if !first {
                     let to = prev.ok_or_else(|| TrainError::Other("no previous stage".into()))?;
                     let dh =

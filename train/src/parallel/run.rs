@@ -361,9 +361,12 @@ fn rank_main(
             panic!("fault injection: rank {rank} panics at step {step} (fault.panic_at)");
         }
         let started = Instant::now();
+        engine.trace.set_step(step);
+        let t0 = engine.trace.start();
         let batch = loader
             .next_batch()
             .map_err(|e| TrainError::Data(e.to_string()))?;
+        engine.trace.end(t0, "data", "data")?;
         let data_time_s = started.elapsed().as_secs_f64();
         let pass = engine.forward_backward(&batch.rows)?;
         let loss = pass.loss_sum / pass.targets.max(1) as f64;
@@ -427,6 +430,7 @@ fn rank_main(
         }
         if stopped.is_some() || step == cfg.train.steps || (every > 0 && step.is_multiple_of(every))
         {
+            let t0 = engine.trace.start();
             let dir = ckpt::save(
                 &engine,
                 world.as_ref(),
@@ -436,10 +440,12 @@ fn rank_main(
                 cfg.checkpoint.keep,
                 cfg.fault.abort_during_checkpoint_at == Some(step),
             )?;
+            engine.trace.end(t0, "checkpoint", "checkpoint")?;
             say(Event::Checkpoint(step, dir.clone()));
             last_checkpoint = Some(dir);
         }
         if stopped.is_some() {
+            write_trace(&engine, world.as_ref(), cfg, &say)?;
             return Ok(RankEnd {
                 state,
                 stopped,
@@ -447,11 +453,36 @@ fn rank_main(
             });
         }
     }
+    write_trace(&engine, world.as_ref(), cfg, &say)?;
     Ok(RankEnd {
         state,
         stopped: None,
         checkpoint: last_checkpoint,
     })
+}
+
+/// With `log.trace`: every rank writes its timeline, then rank 0 merges them (after a
+/// barrier, so every file is there).
+fn write_trace(
+    engine: &Engine,
+    world: &dyn Comm,
+    cfg: &RunConfig,
+    say: &dyn Fn(Event),
+) -> Result<()> {
+    if !engine.trace.is_enabled() {
+        return Ok(());
+    }
+    let dir = cfg.run.dir.join("trace");
+    engine.trace.write(&dir)?;
+    world.barrier()?;
+    if world.rank() == 0 {
+        let merged = crate::trace::merge(&dir, world.size())?;
+        say(Event::Log(format!(
+            "timeline of every rank: {} (open it in ui.perfetto.dev)",
+            merged.display()
+        )));
+    }
+    Ok(())
 }
 
 /// The AdamW moments this rank holds, cut from the full optimizer of the set-up (zeros

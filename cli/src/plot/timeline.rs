@@ -1,0 +1,113 @@
+//! A timeline as a picture (`braid trace --png`): a band per rank, a box per span of
+//! work coloured by its kind (vision, audio, LLM, bridge, ...), time along x.
+
+use image::RgbImage;
+
+use super::{
+    AXIS, Axis, Chart, Frame, GRID, PALETTE, PlotError, TEXT, WHITE, check_size, draw_text,
+    fill_rect, text_width, widest,
+};
+
+/// A span of one row: start and end in seconds (any origin), and its kind's index into
+/// [`Timeline::kinds`].
+pub type Span = (f64, f64, usize);
+
+/// Rows of spans, e.g. every rank of a run.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Timeline {
+    pub title: String,
+    /// `(label, spans)`, top to bottom.
+    pub rows: Vec<(String, Vec<Span>)>,
+    /// The kinds' names, in colour order (the legend shows those that occur).
+    pub kinds: Vec<String>,
+}
+
+impl Chart for Timeline {
+    fn render(
+        &self,
+        path: &std::path::Path,
+        width: u32,
+        height: u32,
+    ) -> Result<(RgbImage, Frame), PlotError> {
+        check_size(path, width, height)?;
+        let spans = self.rows.iter().flat_map(|r| r.1.iter());
+        let finite: Vec<&Span> = spans
+            .filter(|s| s.0.is_finite() && s.1.is_finite())
+            .collect();
+        let (Some(t0), Some(t1)) = (
+            finite.iter().map(|s| s.0).reduce(f64::min),
+            finite.iter().map(|s| s.1).reduce(f64::max),
+        ) else {
+            return Err(PlotError::no_data(path, "no spans".into()));
+        };
+        let length_ms = ((t1 - t0) * 1e3).max(1e-3);
+        let axis = Axis::linear(0.0, length_ms, 8);
+        let mut img = RgbImage::from_pixel(width, height, WHITE);
+        let (w, h) = (width as i32, height as i32);
+        let left = widest(self.rows.iter().map(|r| r.0.as_str())) + 14;
+        let f = Frame {
+            left,
+            right: w - 20,
+            top: 48,
+            bottom: h - 52,
+        };
+        draw_text(
+            &mut img,
+            (w - text_width(&self.title, 2)) / 2,
+            10,
+            &self.title,
+            2,
+            TEXT,
+        );
+        let label = "time (ms)";
+        let x = (f.left + f.right - text_width(label, 1)) / 2;
+        draw_text(&mut img, x, f.bottom + 24, label, 1, TEXT);
+        for (t, label) in axis.ticks.iter().zip(&axis.labels) {
+            let px = f.px(axis.frac(*t));
+            fill_rect(&mut img, px, f.top, 1, f.bottom - f.top, GRID);
+            fill_rect(&mut img, px, f.bottom, 1, 4, AXIS);
+            draw_text(
+                &mut img,
+                px - text_width(label, 1) / 2,
+                f.bottom + 7,
+                label,
+                1,
+                TEXT,
+            );
+        }
+        let n = self.rows.len().max(1) as i32;
+        let band = ((f.bottom - f.top) / n).max(1);
+        let mut used = vec![false; self.kinds.len()];
+        for (r, (name, spans)) in self.rows.iter().enumerate() {
+            let y = f.top + band * r as i32;
+            draw_text(&mut img, 6, y + band / 2 - 3, name, 1, TEXT);
+            for &(a, b, kind) in spans.iter().filter(|s| s.0.is_finite() && s.1.is_finite()) {
+                let x0 = f.px(axis.frac((a - t0) * 1e3));
+                let x1 = f.px(axis.frac((b - t0) * 1e3));
+                let colour = PALETTE[kind % PALETTE.len()];
+                fill_rect(
+                    &mut img,
+                    x0,
+                    y + 2,
+                    (x1 - x0).max(1),
+                    (band - 4).max(1),
+                    colour,
+                );
+                if let Some(u) = used.get_mut(kind) {
+                    *u = true;
+                }
+            }
+            fill_rect(&mut img, f.left, y + band - 1, f.right - f.left, 1, GRID);
+        }
+        fill_rect(&mut img, f.left, f.top, 1, f.bottom - f.top + 1, AXIS);
+        fill_rect(&mut img, f.left, f.bottom, f.right - f.left + 1, 1, AXIS);
+        // The legend: the kinds that occur, in a line under the title.
+        let mut x = f.left;
+        for (k, name) in self.kinds.iter().enumerate().filter(|(k, _)| used[*k]) {
+            fill_rect(&mut img, x, 32, 10, 8, PALETTE[k % PALETTE.len()]);
+            draw_text(&mut img, x + 14, 33, name, 1, TEXT);
+            x += 14 + text_width(name, 1) + 12;
+        }
+        Ok((img, f))
+    }
+}

@@ -1,0 +1,137 @@
+//! `braid trace PATH`: a run's timeline (written with `log.trace = true`) summed up per
+//! rank (time per kind of work), and with `--png` drawn as a picture: a band per rank, a
+//! box per span, coloured by kind.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use braid_train::trace::{LANES, TraceFile, read};
+
+use crate::plot::Chart;
+use crate::plot::timeline::{Span, Timeline};
+
+/// A labelled row of spans (a rank's).
+type Row = (String, Vec<Span>);
+
+#[derive(Debug, clap::Args)]
+pub struct TraceArgs {
+    /// A run folder (its `trace/trace.json`), a trace folder, or a Chrome trace file.
+    pub path: PathBuf,
+    /// Draw the timeline to this PNG.
+    #[arg(long)]
+    pub png: Option<PathBuf>,
+    /// Only this step's spans (default: every step in the file).
+    #[arg(long)]
+    pub step: Option<u64>,
+    /// Picture width in pixels.
+    #[arg(long, default_value_t = 1600)]
+    pub width: u32,
+}
+
+/// The trace file `path` names: itself, `path/trace.json` or `path/trace/trace.json`.
+fn trace_file(path: &Path) -> PathBuf {
+    for candidate in [
+        path.join("trace").join("trace.json"),
+        path.join("trace.json"),
+    ] {
+        if candidate.is_file() {
+            return candidate;
+        }
+    }
+    path.to_path_buf()
+}
+
+/// Per rank: `(label, spans in seconds with their lane)`, ranks in order.
+fn rows(file: &TraceFile, step: Option<u64>) -> Vec<Row> {
+    let mut by_rank: BTreeMap<usize, Vec<Span>> = BTreeMap::new();
+    for e in &file.trace_events {
+        let Some(dur) = e.dur.filter(|_| e.ph == "X") else {
+            continue;
+        };
+        let in_step = e.args.get("step").and_then(serde_json::Value::as_u64);
+        if step.is_some() && in_step != step {
+            continue;
+        }
+        let start = e.ts * 1e-6;
+        by_rank
+            .entry(e.pid)
+            .or_default()
+            .push((start, start + dur * 1e-6, e.tid));
+    }
+    by_rank
+        .into_iter()
+        .map(|(rank, spans)| (format!("rank {rank}"), spans))
+        .collect()
+}
+
+/// One line per rank: its span of time and each kind's share of it.
+fn summary(rows: &[Row]) -> Vec<String> {
+    rows.iter()
+        .map(|(label, spans)| {
+            let t0 = spans.iter().map(|s| s.0).fold(f64::INFINITY, f64::min);
+            let t1 = spans.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
+            let wall = (t1 - t0).max(1e-9);
+            let mut by_lane = vec![0.0f64; LANES.len()];
+            for s in spans {
+                if let Some(b) = by_lane.get_mut(s.2) {
+                    *b += s.1 - s.0;
+                }
+            }
+            let parts: Vec<String> = LANES
+                .iter()
+                .zip(&by_lane)
+                .filter(|(_, t)| **t > 0.0)
+                .map(|(lane, t)| format!("{lane} {:.0} %", 100.0 * t / wall))
+                .collect();
+            format!(
+                "{label}: {:.1} ms from first to last span; {}",
+                wall * 1e3,
+                parts.join(", ")
+            )
+        })
+        .collect()
+}
+
+pub fn run(args: TraceArgs) -> ExitCode {
+    let path = trace_file(&args.path);
+    let file = match read(&path) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("braid trace: error: {e} (write one with `--set log.trace=true`)");
+            return ExitCode::from(2);
+        }
+    };
+    let rows = rows(&file, args.step);
+    if rows.is_empty() {
+        eprintln!(
+            "braid trace: error: {} holds no spans{}",
+            path.display(),
+            args.step
+                .map(|s| format!(" of step {s}"))
+                .unwrap_or_default()
+        );
+        return ExitCode::from(2);
+    }
+    println!("{}: {} ranks", path.display(), rows.len());
+    for line in summary(&rows) {
+        println!("  {line}");
+    }
+    if let Some(png) = &args.png {
+        let chart = Timeline {
+            title: match args.step {
+                Some(s) => format!("timeline of step {s}"),
+                None => "timeline".into(),
+            },
+            kinds: LANES.iter().map(|l| l.to_string()).collect(),
+            rows,
+        };
+        let height = (100 + 36 * chart.rows.len() as u32).clamp(160, 8192);
+        if let Err(e) = chart.write_png_sized(png, args.width, height) {
+            eprintln!("braid trace: error: {e}");
+            return ExitCode::FAILURE;
+        }
+        println!("timeline picture: {}", png.display());
+    }
+    ExitCode::SUCCESS
+}
