@@ -39,6 +39,19 @@ fn launch(n: usize, dir: &Path, extra: &[&str]) -> Command {
     c
 }
 
+/// `sets` on 4 threads in `runs/NAME`: the run the process runs are compared with.
+fn threads_run(name: &str, sets: &[&str]) -> PathBuf {
+    let dir = fixture().join(format!("runs/{name}"));
+    let o = train(
+        &dir,
+        &[&["--set", "parallel.world_size=4"][..], sets].concat(),
+    )
+    .output()
+    .unwrap();
+    assert!(o.status.success(), "{name}: {}", text(&o));
+    dir
+}
+
 /// The layouts run on threads (world size `n`) and as `n` processes; both metrics.jsonl
 /// must agree bit for bit (losses, grad norms, lr: every logged number but the timings).
 fn threads_and_processes_agree(name: &str, n: usize, layout: &[&str]) {
@@ -131,14 +144,7 @@ fn torchrun_variables_set_by_hand_train_like_threads() {
     reference();
     // The LLM in two pipeline stages (of one layer each) on ranks 2-3.
     let pp = ["--set", "parallel.llm.pp=2", "--set", "model.llm.layers=2"];
-    let threads = fixture().join("runs/pp2-threads");
-    let o = train(
-        &threads,
-        &[&["--set", "parallel.world_size=4"][..], &pp[..]].concat(),
-    )
-    .output()
-    .unwrap();
-    assert!(o.status.success(), "{}", text(&o));
+    let threads = threads_run("pp2-threads", &pp);
     let dir = fixture().join("runs/pp2-torchrun");
     let port = free_port().to_string();
     let children: Vec<_> = (0..4)
@@ -171,14 +177,7 @@ fn real_torchrun_trains_like_threads_bit_for_bit() {
     let torchrun = std::env::var("BRAID_TORCHRUN").expect("BRAID_TORCHRUN=path/to/torchrun");
     reference();
     let layout = ["--set", "parallel.llm.dp=2"];
-    let threads = fixture().join("runs/torchrun-threads");
-    let o = train(
-        &threads,
-        &[&["--set", "parallel.world_size=4"][..], &layout[..]].concat(),
-    )
-    .output()
-    .unwrap();
-    assert!(o.status.success(), "{}", text(&o));
+    let threads = threads_run("torchrun-threads", &layout);
     let port = free_port().to_string();
     let endpoint = format!("127.0.0.1:{}", free_port());
     let rendezvous: [(&str, Vec<&str>); 2] = [
@@ -585,14 +584,7 @@ fn four_tp_processes_each_hold_under_40_percent_of_one_process() {
 fn two_node_launch_and_slurm_variables_train_like_threads() {
     reference();
     let layout = ["--set", "parallel.llm.dp=2"];
-    let threads = fixture().join("runs/nodes-threads");
-    let o = train(
-        &threads,
-        &[&["--set", "parallel.world_size=4"][..], &layout[..]].concat(),
-    )
-    .output()
-    .unwrap();
-    assert!(o.status.success(), "{}", text(&o));
+    let threads = threads_run("nodes-threads", &layout);
 
     let dir = fixture().join("runs/two-nodes");
     let port = free_port().to_string();
