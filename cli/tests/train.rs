@@ -576,6 +576,8 @@ mod demo_resume;
 /// reference run).
 #[path = "train/devices.rs"]
 mod devices;
+#[path = "train/memory.rs"]
+mod memory;
 #[path = "train/procs.rs"]
 mod procs;
 #[path = "train/ranks.rs"]

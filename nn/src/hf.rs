@@ -136,16 +136,26 @@ impl WeightFiles {
         if let Some((_, mmap)) = self.shards.get(shard)
             && start < end
         {
-            // SAFETY: the map is a read-only shared file mapping (`Mmap::map`), so
-            // MADV_DONTNEED only drops pages that the kernel re-reads from the unchanged
-            // file on the next access: no borrowed byte can change. The bytes in this
-            // range were already converted, and no slice of them outlives this call.
+            // SAFETY: the map is a read-only shared file mapping (`Mmap::map`: PROT_READ,
+            // MAP_SHARED) that nothing writes through, and checkpoints are never rewritten
+            // in place (`save_safetensors` renames a new file over an old one). Dropping
+            // its pages therefore never changes a byte anyone can read: a later access,
+            // also to a neighbouring tensor's bytes on a page the advice rounds over,
+            // faults the same contents back in from the file.
             let _ = unsafe {
                 mmap.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
             };
         }
         #[cfg(not(unix))]
         let _ = (shard, start, end);
+    }
+
+    /// Drops tensor `name`'s file pages from this process's resident set (after reading it
+    /// in parts with [`WeightFiles::read_f32_into`]).
+    pub fn release_tensor(&self, name: &str) {
+        if let Some(entry) = self.index.get(name) {
+            self.release(entry);
+        }
     }
 
     fn entry(&self, name: &str) -> Result<(&Entry, &Path, &[u8])> {
@@ -204,7 +214,13 @@ impl WeightFiles {
                 ),
             ));
         }
-        let d = full.get(dim).copied().unwrap_or(0);
+        let Some(&d) = full.get(dim) else {
+            return Err(Error::weights(
+                path,
+                name,
+                format!("{full:?} has no dimension {dim} to slice"),
+            ));
+        };
         if size == 0 || rank >= size || d % size != 0 {
             return Err(Error::weights(
                 path,
@@ -245,7 +261,8 @@ impl WeightFiles {
     }
 
     /// Appends elements `elems` (row-major) of the float tensor `name`, as f32, to `out`:
-    /// slices are joined straight from the file into one buffer.
+    /// slices are joined straight from the file into one buffer. The pages stay mapped
+    /// ([`WeightFiles::release_tensor`] drops them once the tensor is read).
     pub fn read_f32_into(
         &self,
         name: &str,
@@ -265,7 +282,6 @@ impl WeightFiles {
         let (a, b) = (elems.start * width, elems.end * width);
         let data = float_data(entry, path, name, &bytes[a..b])?;
         out.extend_from_slice(&data);
-        self.release_bytes(entry.shard, entry.start + a, entry.start + b);
         Ok(())
     }
 

@@ -213,11 +213,28 @@ pub fn build_model(cfg: &RunConfig, config: MllmConfig, seed: u64, device: Devic
     Ok(model)
 }
 
+/// What the model a config describes holds: parameter elements and tensors, in all and
+/// trainable.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ModelCounts {
+    pub params: usize,
+    pub trainable: usize,
+    pub tensors: usize,
+    pub trainable_tensors: usize,
+}
+
 /// `(parameters, trainable)` of the model `config` describes under `freeze`, without
-/// building it: each module is laid out one layer at a time (weights only, zero, on the
-/// host), its distinct parameter names counted and the layer dropped, so counting holds
-/// at most one layer (or the embedding table), never the model.
+/// building it (see [`model_counts`]).
 pub fn param_counts_of(config: &MllmConfig, freeze: Freeze) -> Result<(usize, usize)> {
+    let c = model_counts(config, freeze)?;
+    Ok((c.params, c.trainable))
+}
+
+/// What the model `config` describes holds under `freeze`, without building it: each
+/// module is laid out one layer at a time (weights only, zero, on the host), its distinct
+/// parameter names counted and the layer dropped, so counting holds at most one layer (or
+/// the embedding table), never the model.
+pub fn model_counts(config: &MllmConfig, freeze: Freeze) -> Result<ModelCounts> {
     use std::collections::HashMap;
     use std::sync::Arc;
 
@@ -234,7 +251,11 @@ pub fn param_counts_of(config: &MllmConfig, freeze: Freeze) -> Result<(usize, us
         });
     }
     let one = || Arc::new(SingleRank) as Arc<dyn braid_comm::Comm>;
-    let mut modules: Vec<(usize, bool)> = Vec::new();
+    // (elements, tensors, frozen) per module.
+    let mut modules: Vec<(usize, usize, bool)> = Vec::new();
+    let mut push = |seen: HashMap<String, usize>, frozen: bool| {
+        modules.push((seen.values().sum(), seen.len(), frozen));
+    };
     let mut llm = HashMap::new();
     for i in 0..config.llm.layers {
         add(
@@ -242,7 +263,7 @@ pub fn param_counts_of(config: &MllmConfig, freeze: Freeze) -> Result<(usize, us
             &mut llm,
         );
     }
-    modules.push((llm.values().sum(), freeze.llm));
+    push(llm, freeze.llm);
     if let Some(v) = &config.vision {
         let mut seen = HashMap::new();
         for i in 0..v.num_layers {
@@ -251,11 +272,15 @@ pub fn param_counts_of(config: &MllmConfig, freeze: Freeze) -> Result<(usize, us
                 &mut seen,
             );
         }
-        modules.push((seen.values().sum(), freeze.vision));
+        push(seen, freeze.vision);
     }
     if let Some(p) = &config.vision_projector {
-        let proj = MlpProjector::new(&init, "vision_projector", p.projector())?;
-        modules.push((proj.num_params(), freeze.vision_projector));
+        let mut seen = HashMap::new();
+        add(
+            &MlpProjector::new(&init, "vision_projector", p.projector())?,
+            &mut seen,
+        );
+        push(seen, freeze.vision_projector);
     }
     if let Some(a) = &config.audio {
         let mut seen = HashMap::new();
@@ -265,9 +290,10 @@ pub fn param_counts_of(config: &MllmConfig, freeze: Freeze) -> Result<(usize, us
                 &mut seen,
             );
         }
-        modules.push((seen.values().sum(), freeze.audio));
+        push(seen, freeze.audio);
     }
     if let Some(p) = &config.audio_projector {
+        let mut seen = HashMap::new();
         let proj = AudioProjector::new(
             &init,
             "audio_projector",
@@ -276,13 +302,18 @@ pub fn param_counts_of(config: &MllmConfig, freeze: Freeze) -> Result<(usize, us
             p.stride,
             p.activation(),
         )?;
-        modules.push((proj.num_params(), freeze.audio_projector));
+        add(&proj, &mut seen);
+        push(seen, freeze.audio_projector);
     }
     // The layers are gone: their pages should not add to the next phase's peak.
     crate::metrics::return_freed_memory();
-    let total = modules.iter().map(|m| m.0).sum();
-    let trainable = modules.iter().filter(|m| !m.1).map(|m| m.0).sum();
-    Ok((total, trainable))
+    let trainable = modules.iter().filter(|m| !m.2);
+    Ok(ModelCounts {
+        params: modules.iter().map(|m| m.0).sum(),
+        tensors: modules.iter().map(|m| m.1).sum(),
+        trainable: trainable.clone().map(|m| m.0).sum(),
+        trainable_tensors: trainable.map(|m| m.1).sum(),
+    })
 }
 
 /// Parameters in total and trainable.
@@ -325,7 +356,18 @@ mod tests {
             let model = build_model(&cfg, config.clone(), 1, Device::Cpu).unwrap();
             let want = param_counts(&model);
             assert!(want.0 > 0 && want.1 > 0, "{sets:?}");
-            assert_eq!(param_counts_of(&config, freeze).unwrap(), want, "{sets:?}");
+            let got = model_counts(&config, freeze).unwrap();
+            assert_eq!((got.params, got.trainable), want, "{sets:?}");
+            let (mut tensors, mut trainable) = (0, 0);
+            model.visit_params(&mut |p| {
+                tensors += 1;
+                trainable += usize::from(p.is_trainable());
+            });
+            assert_eq!(
+                (got.tensors, got.trainable_tensors),
+                (tensors, trainable),
+                "{sets:?}"
+            );
         }
     }
 }

@@ -52,6 +52,9 @@ pub struct LogConfig {
     pub interval: u64,
     /// Write every rank's timeline to `<run.dir>/trace/` ([`crate::trace`]).
     pub trace: bool,
+    /// How many steps (from the first of this run, or of its resumed part) the timeline
+    /// covers: every span is kept in memory until the end.
+    pub trace_steps: u64,
 }
 
 impl Default for LogConfig {
@@ -59,6 +62,7 @@ impl Default for LogConfig {
         LogConfig {
             interval: 10,
             trace: false,
+            trace_steps: 20,
         }
     }
 }
@@ -67,6 +71,9 @@ impl LogConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.interval == 0 {
             return Err(invalid("log.interval", "must be >= 1"));
+        }
+        if self.trace_steps == 0 {
+            return Err(invalid("log.trace_steps", "must be >= 1"));
         }
         Ok(())
     }

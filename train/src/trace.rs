@@ -65,6 +65,10 @@ pub struct Tracer {
     rank: usize,
     device: Device,
     enabled: bool,
+    /// Steps recorded at most, from the first one set (spans are kept until the end).
+    limit: u64,
+    first: Option<u64>,
+    recording: bool,
     /// Unix time of `origin`, µs.
     origin_us: f64,
     origin: Instant,
@@ -74,8 +78,8 @@ pub struct Tracer {
 
 impl Tracer {
     /// A tracer of `rank` whose spans end on `device`'s work; records nothing unless
-    /// `enabled`.
-    pub fn new(rank: usize, device: Device, enabled: bool) -> Self {
+    /// `enabled`, and then the first `limit` steps.
+    pub fn new(rank: usize, device: Device, enabled: bool, limit: u64) -> Self {
         let origin_us = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64() * 1e6);
@@ -83,6 +87,9 @@ impl Tracer {
             rank,
             device,
             enabled,
+            limit,
+            first: None,
+            recording: enabled,
             origin_us,
             origin: Instant::now(),
             step: 0,
@@ -92,21 +99,24 @@ impl Tracer {
 
     /// A tracer that records nothing.
     pub fn off() -> Self {
-        Self::new(0, Device::Cpu, false)
+        Self::new(0, Device::Cpu, false, 0)
     }
 
     pub fn is_enabled(&self) -> bool {
         self.enabled
     }
 
-    /// The step the next spans belong to (an argument of each span).
+    /// The step the next spans belong to (an argument of each span); past the first
+    /// `limit` steps nothing more is recorded.
     pub fn set_step(&mut self, step: u64) {
         self.step = step;
+        let first = *self.first.get_or_insert(step);
+        self.recording = self.enabled && step < first.saturating_add(self.limit);
     }
 
-    /// The start of a span; `None` when tracing is off (nothing is measured).
+    /// The start of a span; `None` when nothing is recorded (nothing is measured).
     pub fn start(&self) -> Option<Instant> {
-        self.enabled.then(Instant::now)
+        self.recording.then(Instant::now)
     }
 
     /// Ends the span begun at `start` (after the device's queued work): `name` is what

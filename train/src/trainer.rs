@@ -9,7 +9,9 @@ use braid_dataloader::loader::{Loader, LoaderConfig};
 use braid_kernels::Device;
 use braid_nn::Module;
 
-use crate::assemble::{build_model, check_against_dataset, model_config, param_counts_of};
+use crate::assemble::{
+    build_model, check_against_dataset, model_config, param_counts, param_counts_of,
+};
 use crate::checkpoint::{self, TrainState};
 use crate::config::{RunConfig, invalid};
 use crate::data::{ensure_dataset, rows_to_batch, split_even};
@@ -186,14 +188,15 @@ impl Trainer {
             .into());
         }
 
-        // Counted before the model is built (a process of a world never builds it).
-        let counts = param_counts_of(&mconfig, Freeze::from_names(&cfg.train.freeze)?)?;
-        let (mut model, mut optim) = if full {
+        // A process of a world never builds the model: its counts come from the layers.
+        let (mut model, mut optim, counts) = if full {
             let model = build_model(&cfg, mconfig, cfg.run.seed, device)?;
             let optim = AdamW::new(cfg.optim.clone(), &model)?;
-            (Some(model), Some(optim))
+            let counts = param_counts(&model);
+            (Some(model), Some(optim), counts)
         } else {
-            (None, None)
+            let counts = param_counts_of(&mconfig, Freeze::from_names(&cfg.train.freeze)?)?;
+            (None, None, counts)
         };
         let config_toml = cfg.to_toml()?;
         let data_json = serde_json::to_string_pretty(&data.settings)

@@ -53,6 +53,7 @@ fn a_multi_rank_run_writes_every_rank_timeline() {
         "parallel.world_size=4",
         "parallel.llm.pp=2",
         "log.trace=true",
+        "log.trace_steps=2",
         "train.steps=3",
         "checkpoint.interval=2",
     ];
@@ -75,7 +76,18 @@ fn a_multi_rank_run_writes_every_rank_timeline() {
     ] {
         assert!(text.contains(key), "{key}");
     }
-    let names = check_file(&read(&trace.join("trace.json")).unwrap(), 4);
+    let merged = read(&trace.join("trace.json")).unwrap();
+    let steps: BTreeSet<u64> = merged
+        .trace_events
+        .iter()
+        .filter_map(|e| e.args.get("step").and_then(|s| s.as_u64()))
+        .collect();
+    assert_eq!(
+        steps,
+        BTreeSet::from([1, 2]),
+        "log.trace_steps = 2 of 3 steps"
+    );
+    let names = check_file(&merged, 4);
     let has = |rank: usize, name: &str| names[rank].contains(name);
     for (rank, want) in [
         (

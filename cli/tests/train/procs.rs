@@ -5,7 +5,7 @@
 use super::*;
 
 /// A port nobody listens on right now (the store of one test's world).
-fn free_port() -> u16 {
+pub(super) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -14,7 +14,7 @@ fn free_port() -> u16 {
 }
 
 /// `braid launch --nproc-per-node n -- train ...` of the fixture's run into `dir`.
-fn launch(n: usize, dir: &Path, extra: &[&str]) -> Command {
+pub(super) fn launch(n: usize, dir: &Path, extra: &[&str]) -> Command {
     let mut c = braid();
     c.args([
         "launch",
@@ -490,92 +490,6 @@ fn a_checkpoint_of_4_processes_resumes_on_5_and_2_processes_and_on_threads() {
     }
 }
 
-/// The peak resident memory a line of `braid train`'s output reports, MiB: the summary's
-/// `host memory      peak N MiB` or a rank's `peak host memory N MiB`.
-fn peak_mib(line: &str) -> Option<f64> {
-    let at = line
-        .find("peak host memory ")
-        .map(|i| i + 17)
-        .or_else(|| line.find("host memory      peak ").map(|i| i + 22))?;
-    line[at..].split_whitespace().next()?.parse().ok()
-}
-
-/// Each process holds only its share: a 101M-parameter model (the fixture's encoders, a
-/// 12-layer, 768-wide LLM with a 32000-token vocabulary) with the LLM in TP 4 over 4
-/// processes, every process's peak resident memory (VmHWM) under 40 % of the one-process
-/// run's; rank 0, which reads the whole model back at the end to evaluate and export it,
-/// included. Both runs report the same losses (within 1e-4: TP sums in another order).
-#[test]
-fn four_tp_processes_each_hold_under_40_percent_of_one_process() {
-    reference(); // the dataset is packed once, by the reference run
-    let model = [
-        "model.llm.hidden=768",
-        "model.llm.intermediate=2048",
-        "model.llm.layers=12",
-        "model.llm.heads=12",
-        "model.llm.kv_heads=4",
-        "model.llm.head_dim=64",
-        "model.llm.vocab=32000",
-        "model.projector.vision.out_dim=768",
-        "model.projector.audio.out_dim=768",
-        "train.steps=2",
-        "checkpoint.interval=0",
-    ];
-    let mut sets: Vec<&str> = Vec::new();
-    for s in &model {
-        sets.extend(["--set", s]);
-    }
-    let one = fixture().join("runs/mem-one");
-    let o = train(&one, &sets).output().unwrap();
-    let out = text(&o);
-    assert!(o.status.success(), "one process: {out}");
-    assert!(out.contains("101.37M params"), "{out}");
-    let whole = out.lines().find_map(peak_mib).expect("the summary's peak");
-    let four = fixture().join("runs/mem-four");
-    let mut layout = sets.clone();
-    layout.extend([
-        "--set",
-        "parallel.placement=\"colocated\"",
-        "--set",
-        "parallel.llm.tp=4",
-        "--set",
-        "parallel.vision.dp=4",
-        "--set",
-        "parallel.audio.dp=4",
-    ]);
-    let o = launch(4, &four, &layout).output().unwrap();
-    let out = text(&o);
-    assert!(o.status.success(), "four processes: {out}");
-    let mut peaks = Vec::new();
-    for rank in 0..4 {
-        let tag = format!("[rank {rank}]");
-        let peak = out
-            .lines()
-            .filter(|l| l.starts_with(&tag))
-            .find_map(peak_mib)
-            .unwrap_or_else(|| panic!("rank {rank} reports no peak: {out}"));
-        peaks.push(peak);
-    }
-    eprintln!("peak resident MiB: one process {whole}, four processes {peaks:?}");
-    for (rank, p) in peaks.iter().enumerate() {
-        assert!(
-            *p < 0.4 * whole,
-            "rank {rank}: {p} MiB is {:.0} % of the one-process run's {whole} MiB",
-            100.0 * p / whole
-        );
-    }
-    let (a, b) = (losses(&one), losses(&four));
-    assert_eq!(a.len(), 2);
-    for (x, y) in a.iter().zip(&b) {
-        let (lx, ly) = (f64::from_bits(x.1), f64::from_bits(y.1));
-        assert!(
-            (lx - ly).abs() <= 1e-4 * lx.abs(),
-            "step {}: {lx} vs {ly}",
-            x.0
-        );
-    }
-}
-
 /// `braid launch` over two "machines" (two launchers on this one, like torchrun's static
 /// mode: `--nnodes 2 --node-rank K --master-addr A --master-port P`), and SLURM's
 /// variables set by hand (what `srun` gives each task): the same numbers bit for bit as
@@ -628,4 +542,40 @@ fn two_node_launch_and_slurm_variables_train_like_threads() {
         assert!(o.status.success(), "task {r}: {}", text(&o));
     }
     assert_eq!(logged(&dir), logged(&threads), "SLURM tasks vs threads");
+}
+
+/// A rank that cannot set its share up (here the vision ranks: their Hugging Face file is
+/// cut short) stops every process at once, and the others name it, instead of waiting in
+/// the first step's collectives until the timeout.
+#[test]
+fn a_rank_that_cannot_set_up_its_share_stops_every_process_at_once() {
+    reference();
+    let hf = fixture().join("runs/broken-vision");
+    let _ = std::fs::remove_dir_all(&hf);
+    std::fs::create_dir_all(&hf).unwrap();
+    let exported = fixture().join("runs/ref/hf/vision");
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(exported.join(f), hf.join(f)).unwrap();
+    }
+    let weights = hf.join("model.safetensors");
+    let len = std::fs::metadata(&weights).unwrap().len();
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&weights)
+        .unwrap();
+    file.set_len(len / 2).unwrap();
+    let dir = fixture().join("runs/broken-setup");
+    let init = format!("model.vision={{ init = \"hf:{}\" }}", hf.display());
+    let t = Instant::now();
+    let o = launch(4, &dir, &["--set", "parallel.llm.dp=2", "--set", &init])
+        .output()
+        .unwrap();
+    let out = text(&o);
+    assert!(!o.status.success(), "{out}");
+    assert!(t.elapsed().as_secs() < 60, "took {:?}: {out}", t.elapsed());
+    assert!(out.contains("rank(s) [0] could not set up"), "{out}");
+    assert!(
+        out.contains("model.safetensors"),
+        "the vision rank says why: {out}"
+    );
 }

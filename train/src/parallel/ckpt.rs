@@ -201,6 +201,9 @@ impl SliceReader {
                     .read_f32_into(s.3, o * inner..(o + 1) * inner, &mut data)?;
             }
         }
+        for s in &slices {
+            self.files.release_tensor(s.3);
+        }
         let mut dims = part;
         dims[dim] *= size;
         Ok((data, dims))

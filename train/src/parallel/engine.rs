@@ -109,7 +109,7 @@ impl Engine {
             zero1,
             device,
             compute_dtype,
-            trace: Tracer::new(rank, device, cfg.log.trace),
+            trace: Tracer::new(rank, device, cfg.log.trace, cfg.log.trace_steps),
         })
     }
 

@@ -15,6 +15,7 @@ use super::ckpt::SliceReader;
 use super::engine::Engine;
 use super::layout::Layouts;
 use super::model::{ModuleInits, RankModel};
+use crate::assemble::ModelCounts;
 use crate::config::RunConfig;
 use crate::error::{Result, TrainError};
 use crate::mllm::{Freeze, MllmConfig, module_init};
@@ -120,14 +121,36 @@ fn apply_freeze(model: &mut RankModel, config: &MllmConfig, f: Freeze) -> Result
 
 /// Restores this rank's weights and AdamW moments from checkpoint `dir`, written under
 /// any layout: each tensor is read as this rank's slice (a slice stored as such is read
-/// as is; otherwise one full tensor at a time is joined and cut).
+/// as is; otherwise one full tensor at a time is joined and cut). The checkpoint must hold
+/// exactly the model's tensors (`counts`, of the whole model: every rank checks alike),
+/// as a one-rank load requires.
 pub fn load_rank_checkpoint(
     dir: &Path,
     engine: &mut Engine,
     optimizer_step: u64,
     device: Device,
+    counts: ModelCounts,
 ) -> Result<()> {
     let weights = SliceReader::open(dir, "model")?;
+    let moments = SliceReader::open(dir, "optim")?;
+    let mismatch = |reason: String| TrainError::Checkpoint {
+        path: dir.to_path_buf(),
+        reason,
+    };
+    if weights.len() != counts.tensors {
+        return Err(mismatch(format!(
+            "{} tensors stored but the model has {} parameters: the checkpoint is of another model",
+            weights.len(),
+            counts.tensors
+        )));
+    }
+    if moments.len() != 2 * counts.trainable_tensors {
+        return Err(mismatch(format!(
+            "{} tensors stored for {} trainable parameters (2 each): were other modules frozen?",
+            moments.len(),
+            counts.trainable_tensors
+        )));
+    }
     let mut shards: HashMap<String, Shard> = HashMap::new();
     let mut res: Result<()> = Ok(());
     engine.model.visit_params_mut(&mut |p| {
@@ -144,7 +167,6 @@ pub fn load_rank_checkpoint(
             });
     });
     res?;
-    let moments = SliceReader::open(dir, "optim")?;
     for m in &mut engine.optim.moments {
         let shard = shards.get(&m.name).copied().ok_or_else(|| {
             TrainError::Other(format!("optimizer state for `{}`, not a parameter", m.name))

@@ -302,6 +302,30 @@ fn agree_to_stop(world: &dyn Comm, stop: &StopFlag) -> Result<Option<i32>> {
     Ok(None)
 }
 
+/// Every rank learns whether every other rank set its share up: a rank that failed (a
+/// broken Hugging Face folder, a missing checkpoint slice) makes every rank stop at once,
+/// naming it, instead of leaving the others waiting in the first step's collectives.
+fn agree_on_setup<T>(world: &dyn Comm, local: Result<T>) -> Result<T> {
+    let n = world.size();
+    let mut failed = vec![0.0f32; n];
+    if local.is_err() {
+        failed[world.rank()] = 1.0;
+    }
+    let mut t = braid_kernels::Tensor::from_vec(failed, [n], braid_kernels::Device::Cpu)?;
+    world.all_reduce_sum(&mut t)?;
+    let v = t.to_vec_f32()?;
+    let bad: Vec<usize> = (0..n)
+        .filter(|&r| v.get(r).is_some_and(|x| *x > 0.0))
+        .collect();
+    match local {
+        Err(e) => Err(e),
+        Ok(_) if !bad.is_empty() => Err(TrainError::Other(format!(
+            "rank(s) {bad:?} could not set up their share of the model (their logs say why)"
+        ))),
+        Ok(x) => Ok(x),
+    }
+}
+
 /// One rank's whole run.
 fn rank_main(
     world: Arc<dyn Comm>,
@@ -316,19 +340,28 @@ fn rank_main(
             let _ = tx.send(e);
         }
     };
-    let mut engine = Engine::new(t.source, Arc::clone(&world), t.layouts.clone(), cfg)?;
-    // Making the shards drew (or read) full tensors one at a time: hand those back before
-    // the steps allocate their activations.
-    crate::metrics::return_freed_memory();
-    match (t.optim, t.resumed_from) {
-        (Some(full), _) => copy_moments(&mut engine, full)?,
-        (None, Some(dir)) => {
-            let device = cfg.parallel.kernel_device();
-            super::load::load_rank_checkpoint(dir, &mut engine, t.state.optimizer_step, device)?
+    let setup = (|| -> Result<Engine> {
+        let mut engine = Engine::new(t.source, Arc::clone(&world), t.layouts.clone(), cfg)?;
+        // Making the shards drew (or read) full tensors one at a time: hand those back
+        // before the steps allocate their activations.
+        crate::metrics::return_freed_memory();
+        match (t.optim, t.resumed_from) {
+            (Some(full), _) => copy_moments(&mut engine, full)?,
+            (None, Some(dir)) => {
+                let device = cfg.parallel.kernel_device();
+                let counts = crate::assemble::model_counts(
+                    t.source.config(),
+                    crate::mllm::Freeze::from_names(&cfg.train.freeze)?,
+                )?;
+                let step = t.state.optimizer_step;
+                super::load::load_rank_checkpoint(dir, &mut engine, step, device, counts)?
+            }
+            // A fresh start made by the rank itself: zero moments, step 0.
+            (None, None) => {}
         }
-        // A fresh start made by the rank itself: zero moments, step 0.
-        (None, None) => {}
-    }
+        Ok(engine)
+    })();
+    let mut engine = agree_on_setup(world.as_ref(), setup)?;
     let resumed = t.resumed_from.is_some();
     // Every rank reads the whole global batch's token layout, but decodes only the media
     // its encoders take.
@@ -472,15 +505,24 @@ fn write_trace(
     if !engine.trace.is_enabled() {
         return Ok(());
     }
+    // The timeline is for looking: failing to write it warns, never fails the run, and
+    // every rank still reaches the barrier.
     let dir = cfg.run.dir.join("trace");
-    engine.trace.write(&dir)?;
+    if let Err(e) = engine.trace.write(&dir) {
+        say(Event::Log(format!(
+            "warning: rank {}: no timeline: {e}",
+            world.rank()
+        )));
+    }
     world.barrier()?;
     if world.rank() == 0 {
-        let merged = crate::trace::merge(&dir, world.size())?;
-        say(Event::Log(format!(
-            "timeline of every rank: {} (open it in ui.perfetto.dev)",
-            merged.display()
-        )));
+        say(Event::Log(match crate::trace::merge(&dir, world.size()) {
+            Ok(merged) => format!(
+                "timeline of every rank: {} (open it in ui.perfetto.dev)",
+                merged.display()
+            ),
+            Err(e) => format!("warning: no merged timeline: {e}"),
+        }));
     }
     Ok(())
 }

@@ -13,6 +13,8 @@ use braid_train::metrics::read_metrics;
 use braid_train::trainer::train;
 use braid_train::{Quiet, RunConfig};
 
+pub mod layouts;
+
 /// A folder with a packed demo dataset and a tiny run config, made once per binary.
 pub fn fixture() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
@@ -132,4 +134,18 @@ pub fn losses(name: &str, sets: &[&str]) -> Vec<(f64, f64)> {
         .iter()
         .map(|m| (m.loss, m.grad_norm))
         .collect()
+}
+
+/// A global batch of 6 rows of `cfg`'s data, every item decoded.
+pub fn first_batch(cfg: &RunConfig) -> Vec<braid_dataloader::loader::Row> {
+    let loader_cfg = braid_dataloader::loader::LoaderConfig {
+        seed: 3,
+        batch_rows: 6,
+        workers: 1,
+        prefetch: 1,
+        shuffle: true,
+    };
+    let mut loader =
+        braid_dataloader::loader::Loader::open(&cfg.data.path, &loader_cfg, 0, 1, None).unwrap();
+    loader.next_batch().unwrap().rows
 }
