@@ -51,6 +51,7 @@
 //! compute exactly what [`WhisperEncoder::forward`] / [`WhisperEncoder::backward`] do,
 //! bit for bit.
 
+mod conv;
 mod recompute;
 mod stage;
 
@@ -70,52 +71,9 @@ use crate::config::WhisperEncoderConfig;
 use crate::util::{ids, zeros};
 use crate::weights::{Shards, block_shards};
 
+pub use conv::Conv1d;
 pub use recompute::{AudioCache, AudioStageCache};
 pub use stage::{AudioStageGrad, AudioStageInput, AudioStageOutput};
-
-/// A `Conv1d` with bias: weight (CO, CI, K), bias (CO).
-#[derive(Debug)]
-pub struct Conv1d {
-    pub weight: Param,
-    pub bias: Param,
-    pub spec: Conv1dSpec,
-}
-
-impl Conv1d {
-    fn new(init: &Init, name: &str, ci: usize, co: usize, spec: Conv1dSpec) -> Result<Self> {
-        Ok(Conv1d {
-            weight: init.param(
-                &format!("{name}.weight"),
-                &[co, ci, 3],
-                InitKind::Normal(init.std),
-                Shard::Full,
-            )?,
-            bias: init.param(
-                &format!("{name}.bias"),
-                &[co],
-                InitKind::Constant(0.0),
-                Shard::Full,
-            )?,
-            spec,
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        ops::conv1d_fwd(
-            x,
-            self.weight.compute(),
-            Some(self.bias.compute()),
-            &self.spec,
-        )
-        .ctx(&self.weight.name, "forward")
-    }
-
-    fn backward(&mut self, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
-        let (w, dw) = self.weight.compute_and_grad();
-        ops::conv1d_bwd(dy, x, w, &self.spec, dw, self.bias.grad.as_mut())
-            .ctx(&self.weight.name, "backward")
-    }
-}
 
 /// The conv stem and the position table: the first stage's input layers.
 #[derive(Debug)]

@@ -76,12 +76,8 @@ impl WhisperEncoder {
     ) -> Result<HfImport<WhisperEncoder>> {
         let cfg: Value = read_json(&dir.join("config.json"))?;
         let (config, architecture) = WhisperEncoderConfig::from_hf_config(&cfg)?;
-        let files = WeightFiles::open_dir(dir)?;
-        let prefix = find_prefix(&files, dir, "conv1.weight", &["encoder.", "model.encoder."])?;
         let mut model = WhisperEncoder::with_group(&Init::for_loading(device), config, tp)?;
-        let map = whisper_name_map(&model.config);
-        let shards = model.tp_shards();
-        let unused = load_params_sharded(&mut model, &map, &files, &prefix, device, &shards)?;
+        let (prefix, unused) = model.load_hf_files(dir, device)?;
         Ok(HfImport {
             model,
             architecture,
@@ -97,7 +93,7 @@ impl WhisperEncoder {
         let cfg: Value = read_json(&dir.join("config.json"))?;
         let (config, _) = WhisperEncoderConfig::from_hf_config(&cfg)?;
         if config != self.config {
-            return Err(braid_nn::Error::config(
+            return Err(Error::config(
                 "audio encoder",
                 format!(
                     "{}: the checkpoint's config differs from this encoder's",
@@ -105,11 +101,18 @@ impl WhisperEncoder {
                 ),
             ));
         }
+        Ok(self.load_hf_files(dir, device)?.1)
+    }
+
+    /// Every parameter of this encoder from the weights of `dir`: the encoder's prefix in
+    /// the files, and the tensors left unused.
+    fn load_hf_files(&mut self, dir: &Path, device: Device) -> Result<(String, Vec<String>)> {
         let files = WeightFiles::open_dir(dir)?;
         let prefix = find_prefix(&files, dir, "conv1.weight", &["encoder.", "model.encoder."])?;
         let map = whisper_name_map(&self.config);
         let shards = self.tp_shards();
-        load_params_sharded(self, &map, &files, &prefix, device, &shards)
+        let unused = load_params_sharded(self, &map, &files, &prefix, device, &shards)?;
+        Ok((prefix, unused))
     }
 
     /// The WhisperModel `config.json` written on export.

@@ -119,16 +119,8 @@ impl VisionEncoder {
     ) -> Result<HfImport<VisionEncoder>> {
         let cfg: Value = read_json(&dir.join("config.json"))?;
         let hf = VisionConfig::from_hf_config(&cfg)?;
-        let files = WeightFiles::open_dir(dir)?;
-        let candidates: &[&str] = match hf.architecture.as_str() {
-            "CLIPModel" | "SiglipModel" => &["vision_model."],
-            _ => &["", "vision_model."],
-        };
-        let prefix = find_prefix(&files, dir, "embeddings.patch_embedding.weight", candidates)?;
         let mut model = VisionEncoder::with_group(&Init::for_loading(device), hf.config, tp)?;
-        let map = vision_name_map(&model.config);
-        let shards = model.tp_shards();
-        let unused = load_params_sharded(&mut model, &map, &files, &prefix, device, &shards)?;
+        let (prefix, unused) = model.load_hf_files(dir, &hf.architecture, device)?;
         Ok(HfImport {
             model,
             architecture: hf.architecture,
@@ -153,15 +145,27 @@ impl VisionEncoder {
                 ),
             ));
         }
+        Ok(self.load_hf_files(dir, &hf.architecture, device)?.1)
+    }
+
+    /// Every parameter of this encoder from the weights of `dir` (written by a model of
+    /// `architecture`): the tower's prefix in the files, and the tensors left unused.
+    fn load_hf_files(
+        &mut self,
+        dir: &Path,
+        architecture: &str,
+        device: Device,
+    ) -> Result<(String, Vec<String>)> {
         let files = WeightFiles::open_dir(dir)?;
-        let candidates: &[&str] = match hf.architecture.as_str() {
+        let candidates: &[&str] = match architecture {
             "CLIPModel" | "SiglipModel" => &["vision_model."],
             _ => &["", "vision_model."],
         };
         let prefix = find_prefix(&files, dir, "embeddings.patch_embedding.weight", candidates)?;
         let map = vision_name_map(&self.config);
         let shards = self.tp_shards();
-        load_params_sharded(self, &map, &files, &prefix, device, &shards)
+        let unused = load_params_sharded(self, &map, &files, &prefix, device, &shards)?;
+        Ok((prefix, unused))
     }
 
     /// The HF `config.json` of this tower as a single-tower model.

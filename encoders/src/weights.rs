@@ -244,9 +244,9 @@ fn load_shard(
     shard: Shard,
     device: Device,
 ) -> Result<Tensor> {
-    let Shard::Split { dim, size, .. } = shard else {
+    if shard == Shard::Full {
         return Err(Error::config("load_params", format!("{name}: not a split")));
-    };
+    }
     if matches!(layout, Layout::Chunk { .. }) {
         // No packed tensor is split today (SigLIP's in_proj belongs to the replicated
         // pooling head); slicing a chunk of a packed tensor is not implemented.
@@ -257,16 +257,7 @@ fn load_shard(
             ),
         ));
     }
-    let mut full = dims.to_vec();
-    match full.get_mut(dim) {
-        Some(d) => *d *= size,
-        None => {
-            return Err(Error::config(
-                "load_params",
-                format!("{name}: shape {dims:?} has no dimension {dim} to split"),
-            ));
-        }
-    }
+    let full = shard.full_dims(name, dims)?;
     let shape = hf_shape(layout, &full);
     let data = files
         .load(hf, &shape, Device::Cpu)?

@@ -49,13 +49,8 @@ impl LlmStage {
             let name = hf_name(&p.name);
             let device = p.value.device();
             // A tensor-parallel shard reads only its slice of the stored full tensor.
-            let mut full = p.value.dims().to_vec();
-            if let braid_nn::Shard::Split { dim, size, .. } = p.shard
-                && let Some(d) = full.get_mut(dim)
-            {
-                *d *= size;
-            }
-            match files.load_shard(&name, &full, p.shard, device) {
+            let full = p.shard.full_dims(&p.name, p.value.dims());
+            match full.and_then(|full| files.load_shard(&name, &full, p.shard, device)) {
                 Ok(t) => {
                     p.value = t;
                     loaded.push(name);

@@ -230,6 +230,26 @@ pub enum Shard {
     },
 }
 
+impl Shard {
+    /// The full tensor's shape, from the shape `local` of this slice of it (`name` for
+    /// the error: a slice of a dimension `local` does not have).
+    pub fn full_dims(self, name: &str, local: &[usize]) -> Result<Vec<usize>> {
+        let mut full = local.to_vec();
+        if let Shard::Split { dim, size, .. } = self {
+            match full.get_mut(dim) {
+                Some(d) => *d *= size,
+                None => {
+                    return Err(Error::config(
+                        "Shard",
+                        format!("{name}: shape {local:?} has no dimension {dim} to split"),
+                    ));
+                }
+            }
+        }
+        Ok(full)
+    }
+}
+
 /// How a parameter is initialized before it is sharded.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum InitKind {

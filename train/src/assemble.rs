@@ -203,13 +203,7 @@ pub fn build_model(cfg: &RunConfig, config: MllmConfig, seed: u64, device: Devic
     // `parallel.<module>.recompute` for the one-rank run (a parallel rank's shard gets
     // it in `Engine::new`).
     let p = &cfg.parallel;
-    model.llm.stage.recompute = p.llm.recompute;
-    if let Some(v) = &mut model.vision {
-        v.recompute = p.vision.recompute;
-    }
-    if let Some(a) = &mut model.audio {
-        a.recompute = p.audio.recompute;
-    }
+    model.set_recompute(p.llm.recompute, p.vision.recompute, p.audio.recompute);
     Ok(model)
 }
 
@@ -221,13 +215,6 @@ pub struct ModelCounts {
     pub trainable: usize,
     pub tensors: usize,
     pub trainable_tensors: usize,
-}
-
-/// `(parameters, trainable)` of the model `config` describes under `freeze`, without
-/// building it (see [`model_counts`]).
-pub fn param_counts_of(config: &MllmConfig, freeze: Freeze) -> Result<(usize, usize)> {
-    let c = model_counts(config, freeze)?;
-    Ok((c.params, c.trainable))
 }
 
 /// What the model `config` describes holds under `freeze`, without building it: each

@@ -10,7 +10,7 @@ use braid_kernels::Device;
 use braid_nn::Module;
 
 use crate::assemble::{
-    build_model, check_against_dataset, model_config, param_counts, param_counts_of,
+    ModelCounts, build_model, check_against_dataset, model_config, model_counts, param_counts,
 };
 use crate::checkpoint::{self, TrainState};
 use crate::config::{RunConfig, invalid};
@@ -18,7 +18,7 @@ use crate::data::{ensure_dataset, rows_to_batch, split_even};
 use crate::error::{Result, TrainError, io_err};
 use crate::eval::{EvalReport, evaluate};
 use crate::metrics::{MetricsWriter, StepMetrics};
-use crate::mllm::{Freeze, Mllm, MllmBatch};
+use crate::mllm::{Freeze, Mllm, MllmBatch, MllmConfig};
 use crate::optim::{AdamW, clip_factor, grad_norm, scale_grads};
 use crate::parallel::layout::Layouts;
 use crate::resume::check_resumable;
@@ -78,6 +78,11 @@ pub struct Trainer {
     /// from the last checkpoint for evaluation and export.
     pub model: Option<Mllm>,
     pub(crate) optim: Option<AdamW>,
+    /// The model's config (read once: Hugging Face modules take it from their folders).
+    pub(crate) mconfig: MllmConfig,
+    /// What the model holds, counted without it (when the trainer has no full model):
+    /// what a rank's resume checks the checkpoint against.
+    pub(crate) counts: Option<ModelCounts>,
     pub(crate) loader: Loader,
     pub(crate) loader_cfg: LoaderConfig,
     pub state: TrainState,
@@ -189,14 +194,14 @@ impl Trainer {
         }
 
         // A process of a world never builds the model: its counts come from the layers.
-        let (mut model, mut optim, counts) = if full {
-            let model = build_model(&cfg, mconfig, cfg.run.seed, device)?;
+        let (mut model, mut optim, counts, model_counted) = if full {
+            let model = build_model(&cfg, mconfig.clone(), cfg.run.seed, device)?;
             let optim = AdamW::new(cfg.optim.clone(), &model)?;
             let counts = param_counts(&model);
-            (Some(model), Some(optim), counts)
+            (Some(model), Some(optim), counts, None)
         } else {
-            let counts = param_counts_of(&mconfig, Freeze::from_names(&cfg.train.freeze)?)?;
-            (None, None, counts)
+            let c = model_counts(&mconfig, Freeze::from_names(&cfg.train.freeze)?)?;
+            (None, None, (c.params, c.trainable), Some(c))
         };
         let config_toml = cfg.to_toml()?;
         let data_json = serde_json::to_string_pretty(&data.settings)
@@ -304,6 +309,8 @@ impl Trainer {
             data_json,
             model,
             optim,
+            mconfig,
+            counts: model_counted,
             loader,
             loader_cfg,
             state,

@@ -300,6 +300,18 @@ impl Mllm {
         })
     }
 
+    /// Activation recomputation per module: a module that recomputes keeps only each
+    /// block's input for its backward.
+    pub fn set_recompute(&mut self, llm: bool, vision: bool, audio: bool) {
+        self.llm.stage.recompute = llm;
+        if let Some(v) = &mut self.vision {
+            v.recompute = vision;
+        }
+        if let Some(a) = &mut self.audio {
+            a.recompute = audio;
+        }
+    }
+
     /// Logits (T, V) of a batch without keeping anything for backward; `zero_modality`
     /// replaces every image and clip embedding by zeros (what the model predicts from the
     /// text alone).

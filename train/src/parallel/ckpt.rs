@@ -137,12 +137,7 @@ impl SliceReader {
         if let Some((_, stored)) = pieces.iter().find(|(s, _)| *s == want) {
             return Ok(self.files.load(stored, dims, device)?);
         }
-        let mut full = dims.to_vec();
-        if let Shard::Split { dim, size, .. } = want
-            && let Some(d) = full.get_mut(dim)
-        {
-            *d *= size;
-        }
+        let full = want.full_dims(name, dims)?;
         if let [(Shard::Full, stored)] = pieces.as_slice() {
             return Ok(self.files.load_shard(stored, &full, want, device)?);
         }
@@ -162,52 +157,69 @@ impl SliceReader {
     /// The full tensor `name` from its stored slices, read straight from the files into
     /// one buffer (no per-slice copies): (data, dims).
     fn join(&self, name: &str, pieces: &[(Shard, String)]) -> Result<(Vec<f32>, Vec<usize>)> {
-        let err = |reason: String| ckpt_err(&self.dir, reason);
-        let mut slices: Vec<(usize, usize, usize, &str)> = Vec::new(); // (rank, dim, size, stored)
-        for (shard, stored) in pieces {
-            match *shard {
-                Shard::Split { dim, rank, size } => slices.push((rank, dim, size, stored)),
-                Shard::Full => {
-                    return Err(err(format!("`{name}` is stored both whole and in slices")));
-                }
+        let shapes: Vec<(Shard, &[usize])> = pieces
+            .iter()
+            .map(|(shard, stored)| (*shard, self.files.shape(stored).unwrap_or(&[])))
+            .collect();
+        let join = slice_layout(name, &shapes).map_err(|reason| ckpt_err(&self.dir, reason))?;
+        let mut data = Vec::with_capacity(join.dims.iter().product());
+        for o in 0..join.outer {
+            for &k in &join.order {
+                let range = o * join.inner..(o + 1) * join.inner;
+                self.files.read_f32_into(&pieces[k].1, range, &mut data)?;
             }
         }
-        slices.sort_unstable();
-        let Some(&(_, dim, size, first)) = slices.first() else {
-            return Err(err(format!("`{name}` has no stored slices")));
-        };
-        let ranks: Vec<usize> = slices.iter().map(|s| s.0).collect();
-        if slices.iter().any(|s| (s.1, s.2) != (dim, size))
-            || ranks != (0..size).collect::<Vec<_>>()
-        {
-            return Err(err(format!(
-                "`{name}` has slices {ranks:?} of {size}: the checkpoint is incomplete"
-            )));
+        for (_, stored) in pieces {
+            self.files.release_tensor(stored);
         }
-        let part: Vec<usize> = self.files.shape(first).unwrap_or_default().to_vec();
-        if part.len() <= dim
-            || slices
-                .iter()
-                .any(|s| self.files.shape(s.3) != Some(&part[..]))
-        {
-            return Err(err(format!("`{name}`: slices of different shapes")));
-        }
-        let outer: usize = part[..dim].iter().product();
-        let inner: usize = part[dim..].iter().product(); // slice rows * trailing
-        let mut data = Vec::with_capacity(outer * inner * size);
-        for o in 0..outer {
-            for s in &slices {
-                self.files
-                    .read_f32_into(s.3, o * inner..(o + 1) * inner, &mut data)?;
-            }
-        }
-        for s in &slices {
-            self.files.release_tensor(s.3);
-        }
-        let mut dims = part;
-        dims[dim] *= size;
-        Ok((data, dims))
+        Ok((data, join.dims))
     }
+}
+
+/// How slices make their full tensor: each slice is `outer` runs of `inner` elements,
+/// and the full tensor is, for each run, the slices' runs in `order` (of rank).
+struct SliceLayout {
+    order: Vec<usize>,
+    outer: usize,
+    inner: usize,
+    dims: Vec<usize>,
+}
+
+/// The layout of the slices `(shard, shape)` of `name`; an error names a tensor stored
+/// both whole and in slices, a missing slice, or slices of different shapes.
+fn slice_layout(
+    name: &str,
+    slices: &[(Shard, &[usize])],
+) -> std::result::Result<SliceLayout, String> {
+    let mut by_rank: Vec<(usize, usize, usize, usize)> = Vec::new(); // (rank, dim, size, k)
+    for (k, (shard, _)) in slices.iter().enumerate() {
+        match *shard {
+            Shard::Split { dim, rank, size } => by_rank.push((rank, dim, size, k)),
+            Shard::Full => return Err(format!("`{name}` is stored both whole and in slices")),
+        }
+    }
+    by_rank.sort_unstable();
+    let Some(&(_, dim, size, first)) = by_rank.first() else {
+        return Err(format!("`{name}` has no stored slices"));
+    };
+    let ranks: Vec<usize> = by_rank.iter().map(|s| s.0).collect();
+    if by_rank.iter().any(|s| (s.1, s.2) != (dim, size)) || ranks != (0..size).collect::<Vec<_>>() {
+        return Err(format!(
+            "`{name}` has slices {ranks:?} of {size}: the checkpoint is incomplete"
+        ));
+    }
+    let part = slices[first].1;
+    if part.len() <= dim || slices.iter().any(|s| s.1 != part) {
+        return Err(format!("`{name}`: slices of different shapes"));
+    }
+    let mut dims = part.to_vec();
+    dims[dim] *= size;
+    Ok(SliceLayout {
+        order: by_rank.iter().map(|s| s.3).collect(),
+        outer: part[..dim].iter().product(),
+        inner: part[dim..].iter().product(), // slice rows * trailing
+        dims,
+    })
 }
 
 fn ckpt_err(dir: &Path, reason: impl Into<String>) -> TrainError {
@@ -225,36 +237,15 @@ pub fn join_slices(
     if let [(Shard::Full, data, dims)] = slices {
         return Ok((std::mem::take(data), dims.clone()));
     }
-    let key = |s: &Shard| match *s {
-        Shard::Split { rank, .. } => rank,
-        Shard::Full => usize::MAX,
-    };
-    slices.sort_by_key(|s| key(&s.0));
-    let (dim, size) = match slices.first().map(|s| s.0) {
-        Some(Shard::Split { dim, size, .. }) => (dim, size),
-        _ => return Err(format!("`{name}` is stored both whole and in slices")),
-    };
-    let ranks: Vec<usize> = slices.iter().map(|s| key(&s.0)).collect();
-    if ranks != (0..size).collect::<Vec<_>>() {
-        return Err(format!(
-            "`{name}` has slices {ranks:?} of {size}: the checkpoint is incomplete"
-        ));
-    }
-    let part_dims = slices[0].2.clone();
-    let outer: usize = part_dims[..dim].iter().product();
-    let inner: usize = part_dims[dim..].iter().product(); // slice rows * trailing
-    let mut data = Vec::with_capacity(inner * outer * size);
-    for o in 0..outer {
-        for (_, d, dims) in slices.iter() {
-            if *dims != part_dims {
-                return Err(format!("`{name}`: slices of different shapes"));
-            }
-            data.extend_from_slice(&d[o * inner..(o + 1) * inner]);
+    let shapes: Vec<(Shard, &[usize])> = slices.iter().map(|s| (s.0, &s.2[..])).collect();
+    let join = slice_layout(name, &shapes)?;
+    let mut data = Vec::with_capacity(join.dims.iter().product());
+    for o in 0..join.outer {
+        for &k in &join.order {
+            data.extend_from_slice(&slices[k].1[o * join.inner..(o + 1) * join.inner]);
         }
     }
-    let mut dims = part_dims;
-    dims[dim] *= size;
-    Ok((data, dims))
+    Ok((data, join.dims))
 }
 
 /// Writes this rank's primary parameters and their moments into the checkpoint folder

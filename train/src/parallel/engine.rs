@@ -23,7 +23,7 @@ use braid_nn::{Module, SeqInfo};
 use super::encode::{backward_clips, backward_images, encode_clips, encode_images};
 use super::layout::Layouts;
 use super::model::{LlmPart, RankModel, ShardSource};
-use super::plan::{StepPlan, TokenSplit, batch_shape};
+use super::plan::{ItemKind, StepPlan, TokenSplit, batch_shape, media_items};
 use super::schedule::{Op, one_f_one_b};
 use super::sync::{ShardPlan, all_reduce_grads, broadcast_updates, local_sq_norm};
 use crate::config::{AssignPolicy, RunConfig};
@@ -141,21 +141,13 @@ impl Engine {
             let shape = batch_shape(rows);
             let a = assigner.assign(&shape, &replicas);
             a.validate(&shape, &replicas).map_err(|e| e.to_string())?;
-            // Images and clips are numbered in row order, as `StepPlan::new` numbers them.
-            let (mut image, mut clip) = (0, 0);
-            for (r, row) in rows.iter().enumerate() {
-                for i in 0..row.images.len() {
-                    if vision == a.images.get(image).copied() {
-                        wanted.images.insert((r, i));
-                    }
-                    image += 1;
-                }
-                for i in 0..row.audio.len() {
-                    if audio == a.clips.get(clip).copied() {
-                        wanted.clips.insert((r, i));
-                    }
-                    clip += 1;
-                }
+            // The items as the step's plan numbers them (`a` is validated above).
+            for (kind, r, i, dp) in media_items(rows, &a) {
+                match kind {
+                    ItemKind::Image if vision == Some(dp) => wanted.images.insert((r, i)),
+                    ItemKind::Clip if audio == Some(dp) => wanted.clips.insert((r, i)),
+                    _ => false,
+                };
             }
             Ok(wanted)
         })

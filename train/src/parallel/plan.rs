@@ -105,6 +105,26 @@ pub struct StepPlan {
     pub tokens: usize,
 }
 
+/// Every image and clip of `rows` with the encoder replica `a` gives it: `(kind, row,
+/// index in the row's images or clips, replica)`. The assignment numbers images, and
+/// clips, in row order; this is the one place that reads it so (the step's plan and
+/// each rank's media filter both go through it).
+pub fn media_items(rows: &[Row], a: &Assignment) -> Vec<(ItemKind, usize, usize, usize)> {
+    let mut out = Vec::new();
+    let (mut image, mut clip) = (0, 0);
+    for (r, row) in rows.iter().enumerate() {
+        for index in 0..row.images.len() {
+            out.push((ItemKind::Image, r, index, a.images[image]));
+            image += 1;
+        }
+        for index in 0..row.audio.len() {
+            out.push((ItemKind::Clip, r, index, a.clips[clip]));
+            clip += 1;
+        }
+    }
+    out
+}
+
 /// The batch's shape as an assigner sees it.
 pub fn batch_shape(rows: &[Row]) -> BatchShape {
     BatchShape {
@@ -183,35 +203,22 @@ impl StepPlan {
             }
         }
         let mut items = Vec::new();
-        let (mut img, mut clip) = (0, 0);
-        for (r, row) in rows.iter().enumerate() {
+        for (kind, r, index, enc_dp) in media_items(rows, a) {
             let (dp, mb) = a.rows[r];
-            for (index, im) in row.images.iter().enumerate() {
-                items.push(Item {
-                    kind: ItemKind::Image,
-                    row: r,
-                    index,
-                    rows: im.len,
-                    enc_dp: a.images[img],
-                    llm_dp: dp,
-                    mb,
-                    start: row_offset[r] + im.start,
-                });
-                img += 1;
-            }
-            for (index, au) in row.audio.iter().enumerate() {
-                items.push(Item {
-                    kind: ItemKind::Clip,
-                    row: r,
-                    index,
-                    rows: au.len,
-                    enc_dp: a.clips[clip],
-                    llm_dp: dp,
-                    mb,
-                    start: row_offset[r] + au.start,
-                });
-                clip += 1;
-            }
+            let (len, start) = match kind {
+                ItemKind::Image => (rows[r].images[index].len, rows[r].images[index].start),
+                ItemKind::Clip => (rows[r].audio[index].len, rows[r].audio[index].start),
+            };
+            items.push(Item {
+                kind,
+                row: r,
+                index,
+                rows: len,
+                enc_dp,
+                llm_dp: dp,
+                mb,
+                start: row_offset[r] + start,
+            });
         }
         // Images first, then clips: the bridge's item order.
         items.sort_by_key(|it| (it.kind == ItemKind::Clip, it.row, it.index));

@@ -92,7 +92,7 @@ fn run_ranks(
         None
     };
     let (tx, rx) = mpsc::channel::<Event>();
-    let mconfig = crate::assemble::model_config(&trainer.cfg)?;
+    let mconfig = trainer.mconfig.clone();
     let source = match &trainer.model {
         Some(full) => ShardSource::Cut(full),
         None => ShardSource::Direct {
@@ -111,6 +111,7 @@ fn run_ranks(
         config_toml: &trainer.config_toml,
         data_json: &trainer.data_json,
         resumed_from: trainer.info.resumed_from.as_deref(),
+        counts: trainer.counts,
         stop: &trainer.stop,
         tokenizer_files: &trainer.tokenizer_files,
         transport: match &process {
@@ -221,13 +222,7 @@ fn run_ranks(
             let mut full = Mllm::new_except(mconfig, &weights_only, ALL_LOADED)?;
             // It only evaluates: its forwards keep no more than each block's input (the
             // cache a backward would need is never used).
-            full.llm.stage.recompute = true;
-            if let Some(v) = &mut full.vision {
-                v.recompute = true;
-            }
-            if let Some(a) = &mut full.audio {
-                a.recompute = true;
-            }
+            full.set_recompute(true, true, true);
             full.set_compute_dtype(trainer.cfg.precision().compute_dtype())?;
             checkpoint::load_weights(dir, &mut full, device)?;
             // The slices joined while loading are gone too.
@@ -269,6 +264,8 @@ struct Shared<'a> {
     data_json: &'a str,
     /// The checkpoint the run resumes from.
     resumed_from: Option<&'a std::path::Path>,
+    /// What the whole model holds (set when the trainer has no full model).
+    counts: Option<crate::assemble::ModelCounts>,
     stop: &'a StopFlag,
     tokenizer_files: &'a crate::tokenizer::TokenizerFiles,
     /// How the ranks talk, for the log ("threads", "processes (SocketComm: TCP ...)").
@@ -349,10 +346,10 @@ fn rank_main(
             (Some(full), _) => copy_moments(&mut engine, full)?,
             (None, Some(dir)) => {
                 let device = cfg.parallel.kernel_device();
-                let counts = crate::assemble::model_counts(
-                    t.source.config(),
-                    crate::mllm::Freeze::from_names(&cfg.train.freeze)?,
-                )?;
+                // Counted once, when the trainer was set up without the full model.
+                let counts = t.counts.ok_or_else(|| {
+                    TrainError::Other("a rank resumes alone but the model was not counted".into())
+                })?;
                 let step = t.state.optimizer_step;
                 super::load::load_rank_checkpoint(dir, &mut engine, step, device, counts)?
             }
