@@ -129,6 +129,48 @@ impl Assigner for Balanced {
     }
 }
 
+/// [`Balanced`] for the overlapped schedule, where each encoder replica runs one chunk
+/// per LLM microbatch: rows as [`Balanced`] places them, then each microbatch's images
+/// (and clips) balanced over the encoder replicas on their own, since a replica idle in
+/// one chunk cannot make up for it in another (the planner's overlapped step assumes
+/// the same).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PerMicrobatch(pub Balanced);
+
+impl Assigner for PerMicrobatch {
+    fn assign(&self, b: &BatchShape, r: &Replicas) -> Assignment {
+        let mut a = self.0.assign(b, r);
+        let c = self.0.costs(b);
+        let chunk_of = |per_row: &[usize]| -> Vec<usize> {
+            per_row
+                .iter()
+                .enumerate()
+                .flat_map(|(row, &n)| std::iter::repeat_n(a.rows[row].1, n))
+                .collect()
+        };
+        let (image_chunks, clip_chunks) = (chunk_of(&b.row_images), chunk_of(&b.row_clips));
+        a.images = lpt_within(&c.images, &image_chunks, r.vision_dp);
+        a.clips = lpt_within(&c.clips, &clip_chunks, r.audio_dp);
+        a
+    }
+}
+
+/// [`lpt`] of the items of each group (`group[i]`) on its own.
+fn lpt_within(costs: &[f64], group: &[usize], bins: usize) -> Vec<usize> {
+    let mut out = vec![0; costs.len()];
+    let mut groups: Vec<usize> = group.to_vec();
+    groups.sort_unstable();
+    groups.dedup();
+    for g in groups {
+        let members: Vec<usize> = (0..costs.len()).filter(|&i| group[i] == g).collect();
+        let sub: Vec<f64> = members.iter().map(|&i| costs[i]).collect();
+        for (&i, bin) in members.iter().zip(lpt(&sub, bins)) {
+            out[i] = bin;
+        }
+    }
+    out
+}
+
 /// Max over mean of the bins' loads (1 = perfect; 1 when there is no load).
 pub fn max_over_mean(loads: &[f64]) -> f64 {
     let total: f64 = loads.iter().sum();

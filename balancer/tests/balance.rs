@@ -63,3 +63,56 @@ fn lpt_is_deterministic_and_fills_every_bin() {
     assert_eq!(load.iter().sum::<f64>(), 24.0);
     assert!(braid_balancer::balance::lpt(&[], 4).is_empty());
 }
+
+/// The overlapped schedule's assignment: rows where [`Balanced`] puts them, and every
+/// microbatch's images balanced over the vision replicas on its own (within a microbatch
+/// the per-step assignment can leave a replica idle while another has a long queue).
+#[test]
+fn per_microbatch_assignment_balances_each_chunk() {
+    use braid_balancer::PerMicrobatch;
+    for seed in [5, 6, 7] {
+        let b = llava_like(512, 0.3, 4096, seed);
+        let r = Replicas {
+            llm_dp: 4,
+            microbatches: 4,
+            vision_dp: 8,
+            audio_dp: 2,
+        };
+        let c = costs();
+        let whole = c.assign(&b, &r);
+        let chunked = PerMicrobatch(c).assign(&b, &r);
+        chunked.validate(&b, &r).expect("a valid assignment");
+        assert_eq!(chunked.rows, whole.rows, "rows are placed alike");
+        let costs = c.costs(&b);
+        let row_of: Vec<usize> = b
+            .row_images
+            .iter()
+            .enumerate()
+            .flat_map(|(row, &n)| std::iter::repeat_n(row, n))
+            .collect();
+        // The worst chunk's max/mean load over the replicas.
+        let worst = |to: &[usize]| {
+            (0..r.microbatches)
+                .map(|k| {
+                    let mut load = vec![0.0; r.vision_dp];
+                    for (i, &rep) in to.iter().enumerate() {
+                        if whole.rows[row_of[i]].1 == k {
+                            load[rep] += costs.images[i];
+                        }
+                    }
+                    let mean = load.iter().sum::<f64>() / load.len() as f64;
+                    load.iter().copied().fold(0.0, f64::max) / mean
+                })
+                .fold(0.0, f64::max)
+        };
+        let (per_step, per_chunk) = (worst(&whole.images), worst(&chunked.images));
+        assert!(
+            per_chunk <= 1.1,
+            "seed {seed}: worst chunk max/mean {per_chunk:.3}"
+        );
+        assert!(
+            per_chunk < per_step,
+            "seed {seed}: {per_chunk:.3} vs per step {per_step:.3}"
+        );
+    }
+}

@@ -107,7 +107,7 @@ impl Routes {
     }
 
     /// An empty `(0, C)` part.
-    fn empty(&self, op: &'static str, rank: usize) -> Result<Tensor> {
+    pub(crate) fn empty(&self, op: &'static str, rank: usize) -> Result<Tensor> {
         Tensor::zeros([0, self.width()], self.dtype(), self.device()).ctx(op, rank)
     }
 
@@ -162,8 +162,26 @@ impl Routes {
     pub fn forward(&self, comm: &dyn Comm, produced: &[(usize, &Tensor)]) -> Result<Tensor> {
         let op = FORWARD;
         let rank = self.comm_rank(op, comm)?;
-        let (c, world, items) = (self.width(), self.world(), self.items());
+        let parts = self.forward_parts(op, rank, produced)?;
+        if !self.moves_rows() {
+            return self.empty(op, rank);
+        }
+        let (pos, m) = self.forward_positions(rank);
+        let counts: Vec<usize> = pos.iter().map(Vec::len).collect();
+        let got = self.exchange(op, comm, parts, &counts)?;
+        self.forward_assemble(op, rank, got, pos, m)
+    }
 
+    /// Forward's parts on `rank`: `parts[d]` holds the rows rank `d` asked for of the
+    /// items this rank produced (by item, then in `d`'s order); `(0, C)` where none.
+    /// Checks `produced` as [`Routes::forward`] documents.
+    pub(crate) fn forward_parts(
+        &self,
+        op: &'static str,
+        rank: usize,
+        produced: &[(usize, &Tensor)],
+    ) -> Result<Vec<Tensor>> {
+        let (c, world, items) = (self.width(), self.world(), self.items());
         // item -> its tensor, for the items this rank owns.
         let mut mine: Vec<Option<&Tensor>> = vec![None; items.len()];
         for &(i, t) in produced {
@@ -207,9 +225,6 @@ impl Routes {
             .enumerate()
             .filter_map(|(i, t)| t.map(|t| (i, t)))
             .collect();
-        if !self.moves_rows() {
-            return self.empty(op, rank);
-        }
 
         // This rank's items one under the other: (S, C), item i at rows offset[i]...
         let mut offset = vec![0usize; items.len()];
@@ -217,6 +232,17 @@ impl Routes {
         for &(i, _) in &owned {
             offset[i] = s_rows;
             s_rows += items[i].rows;
+        }
+        // send[d]: the stacked rows rank d asked for, by item then in d's order.
+        let mut send: Vec<Vec<u32>> = vec![Vec::new(); world];
+        for &(i, _) in &owned {
+            let base = offset[i];
+            for dest in &items[i].dst {
+                send[dest.rank].extend(dest.rows.iter().map(|&r| (base + r as usize) as u32));
+            }
+        }
+        if send.iter().all(Vec::is_empty) {
+            return (0..world).map(|_| self.empty(op, rank)).collect();
         }
         let stacked_buf;
         let stacked: &Tensor = match owned.as_slice() {
@@ -233,15 +259,6 @@ impl Routes {
                 &stacked_buf
             }
         };
-
-        // parts[d]: the rows rank d asked for, by item then in d's order.
-        let mut send: Vec<Vec<u32>> = vec![Vec::new(); world];
-        for &(i, _) in &owned {
-            let base = offset[i];
-            for dest in &items[i].dst {
-                send[dest.rank].extend(dest.rows.iter().map(|&r| (base + r as usize) as u32));
-            }
-        }
         let mut parts = Vec::with_capacity(world);
         for idx in send {
             parts.push(if idx.is_empty() {
@@ -251,24 +268,39 @@ impl Routes {
                 ops::gather_rows(stacked, &idx).ctx(op, rank)? // (n_d, C)
             });
         }
+        Ok(parts)
+    }
 
-        // pos[s]: where the rows from rank s go in the output.
-        let mut pos: Vec<Vec<u32>> = vec![Vec::new(); world];
+    /// Where the forward rows from each rank go in `rank`'s output (`pos[s]`), and the
+    /// output's row count `M_r`.
+    pub(crate) fn forward_positions(&self, rank: usize) -> (Vec<Vec<u32>>, usize) {
+        let mut pos: Vec<Vec<u32>> = vec![Vec::new(); self.world()];
         let mut m = 0;
-        for (i, item) in items.iter().enumerate() {
+        for (i, item) in self.items().iter().enumerate() {
             if let Some(dest) = self.dest_of(i, rank) {
                 pos[item.src].extend(span(m, dest.rows.len()));
                 m += dest.rows.len();
             }
         }
-        let counts: Vec<usize> = pos.iter().map(Vec::len).collect();
-        let mut got = self.exchange(op, comm, parts, &counts)?;
+        (pos, m)
+    }
 
+    /// `rank`'s forward output `(M_r, C)` from what each rank sent it (`got[s]`, laid out
+    /// as `pos[s]` says).
+    pub(crate) fn forward_assemble(
+        &self,
+        op: &'static str,
+        rank: usize,
+        mut got: Vec<Tensor>,
+        pos: Vec<Vec<u32>>,
+        m: usize,
+    ) -> Result<Tensor> {
         // One source: its part is already in output order (both go by item index).
-        if let Some(s) = counts.iter().position(|&n| n == m).filter(|_| m > 0) {
+        if let Some(s) = pos.iter().position(|p| p.len() == m).filter(|_| m > 0) {
             return Ok(got.swap_remove(s));
         }
-        let mut out = Tensor::zeros([m, c], self.dtype(), self.device()).ctx(op, rank)?; // (M_r, C)
+        let mut out =
+            Tensor::zeros([m, self.width()], self.dtype(), self.device()).ctx(op, rank)?; // (M_r, C)
         for (part, p) in got.iter().zip(pos) {
             if !p.is_empty() {
                 let idx = index(p, self.device(), op, rank)?;
@@ -290,78 +322,109 @@ impl Routes {
     pub fn backward(&self, comm: &dyn Comm, grad: &Tensor) -> Result<Vec<(usize, Tensor)>> {
         let op = BACKWARD;
         let rank = self.comm_rank(op, comm)?;
-        let (c, world, items) = (self.width(), self.world(), self.items());
-        self.check_rows(op, rank, "grad", grad, self.rows_received(rank))?;
+        let got = if self.moves_grads() {
+            let parts = self.backward_parts(op, rank, grad)?;
+            let counts: Vec<usize> = self.backward_ids(rank).iter().map(Vec::len).collect();
+            Some(self.exchange(op, comm, parts, &counts)?)
+        } else {
+            self.check_rows(op, rank, "grad", grad, self.rows_received(rank))?;
+            None
+        };
+        self.backward_assemble(op, rank, got)
+    }
 
-        // Where this rank's items sit in one accumulator (G, C).
-        let mine = self.grads_for(rank);
-        let mut offset = vec![0usize; items.len()];
-        let mut g_rows = 0;
-        for &i in &mine {
-            offset[i] = g_rows;
-            g_rows += items[i].rows;
+    /// Backward's parts on `rank`: `parts[g]` holds the grads of this rank's `grad`
+    /// copies of the items rank `g` wants back (by item, then in this rank's order).
+    pub(crate) fn backward_parts(
+        &self,
+        op: &'static str,
+        rank: usize,
+        grad: &Tensor,
+    ) -> Result<Vec<Tensor>> {
+        self.check_rows(op, rank, "grad", grad, self.rows_received(rank))?;
+        let mut send: Vec<Vec<u32>> = vec![Vec::new(); self.world()];
+        let mut m = 0;
+        for (i, item) in self.items().iter().enumerate() {
+            let Some(dest) = self.dest_of(i, rank) else {
+                continue;
+            };
+            if dest.grad {
+                for &g in &item.grad_to {
+                    send[g].extend(span(m, dest.rows.len()));
+                }
+            }
+            m += dest.rows.len();
         }
+        let mut parts = Vec::with_capacity(self.world());
+        for idx in send {
+            parts.push(if idx.is_empty() {
+                self.empty(op, rank)?
+            } else {
+                let idx = index(idx, self.device(), op, rank)?;
+                ops::gather_rows(grad, &idx).ctx(op, rank)? // (n_g, C)
+            });
+        }
+        Ok(parts)
+    }
+
+    /// `rank`'s grad accumulator layout: its items ([`Routes::grads_for`]) one under the
+    /// other, as (item, first row).
+    fn grad_offsets(&self, rank: usize) -> (Vec<(usize, usize)>, usize) {
+        let mut out = Vec::new();
+        let mut g_rows = 0;
+        for i in self.grads_for(rank) {
+            out.push((i, g_rows));
+            g_rows += self.items()[i].rows;
+        }
+        (out, g_rows)
+    }
+
+    /// `ids[d]`: the accumulator row of each grad row rank `d` sends `rank` (by item,
+    /// then in `d`'s order, as `d` sends them).
+    pub(crate) fn backward_ids(&self, rank: usize) -> Vec<Vec<u32>> {
+        let mut ids: Vec<Vec<u32>> = vec![Vec::new(); self.world()];
+        for (i, base) in self.grad_offsets(rank).0 {
+            for dest in self.items()[i].dst.iter().filter(|d| d.grad) {
+                ids[dest.rank].extend(dest.rows.iter().map(|&r| (base + r as usize) as u32));
+            }
+        }
+        ids
+    }
+
+    /// `rank`'s backward result from what each rank sent it (`got[d]`; `None`: nothing
+    /// moved, every grad is zero).
+    pub(crate) fn backward_assemble(
+        &self,
+        op: &'static str,
+        rank: usize,
+        got: Option<Vec<Tensor>>,
+    ) -> Result<Vec<(usize, Tensor)>> {
+        let c = self.width();
+        let (mine, g_rows) = self.grad_offsets(rank);
         // Summed in f32 whatever the rows' dtype (one rounding at the end under bf16).
         let mut acc = Tensor::zeros([g_rows, c], DType::F32, self.device()).ctx(op, rank)?; // (G, C)
-
-        if self.moves_grads() {
-            // parts[g]: grads of this rank's grad copies of the items g wants back.
-            let mut send: Vec<Vec<u32>> = vec![Vec::new(); world];
-            let mut m = 0;
-            for (i, item) in items.iter().enumerate() {
-                let Some(dest) = self.dest_of(i, rank) else {
-                    continue;
-                };
-                if dest.grad {
-                    for &g in &item.grad_to {
-                        send[g].extend(span(m, dest.rows.len()));
-                    }
-                }
-                m += dest.rows.len();
-            }
-            let mut parts = Vec::with_capacity(world);
-            for idx in send {
-                parts.push(if idx.is_empty() {
-                    self.empty(op, rank)?
-                } else {
-                    let idx = index(idx, self.device(), op, rank)?;
-                    ops::gather_rows(grad, &idx).ctx(op, rank)? // (n_g, C)
-                });
-            }
-
-            // ids[d]: the accumulator row of each row rank d sends here (by item, then
-            // in d's order, as d sends them).
-            let mut ids: Vec<Vec<u32>> = vec![Vec::new(); world];
-            for &i in &mine {
-                let base = offset[i];
-                for dest in items[i].dst.iter().filter(|d| d.grad) {
-                    ids[dest.rank].extend(dest.rows.iter().map(|&r| (base + r as usize) as u32));
-                }
-            }
-            let counts: Vec<usize> = ids.iter().map(Vec::len).collect();
-            let got = self.exchange(op, comm, parts, &counts)?;
+        if let Some(got) = got {
             // Ascending source rank; within one source every accumulator row appears at
             // most once (one dest per rank, distinct rows), so each row is a plain f32
             // sum in rank order: deterministic and the same on every grad_to rank.
-            for (part, id) in got.iter().zip(ids) {
+            for (part, id) in got.iter().zip(self.backward_ids(rank)) {
                 if !id.is_empty() {
                     let id = index(id, self.device(), op, rank)?;
                     ops::embedding_bwd(part, &id, &mut acc).ctx(op, rank)?;
                 }
             }
         }
-
         let acc = ops::into_dtype(acc, self.dtype()).ctx(op, rank)?;
-        if let [i] = mine.as_slice() {
+        if let [(i, _)] = mine.as_slice() {
             return Ok(vec![(*i, acc)]);
         }
         let mut out = Vec::with_capacity(mine.len());
-        for &i in &mine {
-            let rows = items[i].rows;
+        for (i, base) in mine {
+            let rows = self.items()[i].rows;
             let t = if rows == 0 {
                 self.empty(op, rank)?
             } else {
-                let idx = index(span(offset[i], rows).collect(), self.device(), op, rank)?;
+                let idx = index(span(base, rows).collect(), self.device(), op, rank)?;
                 ops::gather_rows(&acc, &idx).ctx(op, rank)? // (rows, C)
             };
             out.push((i, t));

@@ -21,6 +21,9 @@
 //!   several grad copies are summed (the adjoint of the fan-out), in ascending order of
 //!   the copies' ranks, so the result is bitwise deterministic and identical on every
 //!   `grad_to` rank.
+//! - [`Routes::subset`] with [`Routes::forward_sends`] / [`Routes::forward_gather`] (and
+//!   the backward pair): the same exchange as point-to-point messages between only the
+//!   ranks involved, one microbatch's items at a time (the overlapped schedule).
 //!
 //! Nothing here assumes a relation between the encoder and LLM layouts (DP sizes need not
 //! divide, CP and TP may be on either side, placement may be colocated or disjoint):
@@ -28,6 +31,7 @@
 
 mod build;
 mod exchange;
+mod p2p;
 mod routes;
 
 pub use build::{ItemPlacement, routes_for};

@@ -32,7 +32,7 @@ use braid_train::trainer::train;
 use braid_train::{Quiet, Trainer};
 
 mod common;
-use common::layouts::LAYOUTS;
+use common::layouts::{LAYOUTS, OVERLAPPED};
 use common::{config, first_batch, fixture, losses, run_dir};
 
 fn reference(frozen_vision: bool) -> &'static [(f64, f64)] {
@@ -77,6 +77,14 @@ fn twenty_steps_of_every_layout_match_one_rank() {
     }
 }
 
+#[test]
+fn twenty_steps_of_every_overlapped_layout_match_one_rank() {
+    for (name, sets, frozen) in OVERLAPPED {
+        let got = losses(name, sets);
+        assert_same_losses(name, &got, reference(*frozen));
+    }
+}
+
 /// The one-rank gradient of the first batch, by parameter name.
 fn one_rank_grads(t: &mut Trainer, rows: &[Row], microbatches: usize) -> HashMap<String, Vec<f32>> {
     let refs: Vec<&Row> = rows.iter().collect();
@@ -110,7 +118,7 @@ fn first_step_gradients_of_every_layout_match_one_rank() {
     let want = one_rank_grads(&mut t, &rows, base.train.microbatches);
     assert!(want.len() > 40, "{} trainable tensors", want.len());
 
-    for (name, sets, frozen) in LAYOUTS {
+    for (name, sets, frozen) in LAYOUTS.iter().chain(OVERLAPPED) {
         if *frozen {
             continue;
         }

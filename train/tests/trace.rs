@@ -9,7 +9,7 @@
 use std::collections::BTreeSet;
 
 use braid_train::Quiet;
-use braid_train::trace::{LANES, TraceFile, read};
+use braid_train::trace::{LANES, TraceEvent, TraceFile, read};
 use braid_train::trainer::train;
 
 mod common;
@@ -42,6 +42,88 @@ fn check_file(file: &TraceFile, ranks: usize) -> Vec<BTreeSet<String>> {
         }
     }
     names
+}
+
+/// Pairs of spans, one matching `a` and one `b`, that run at the same time (by more
+/// than 1 µs of rounding).
+fn overlapping(
+    file: &TraceFile,
+    a: impl Fn(&TraceEvent) -> bool,
+    b: impl Fn(&TraceEvent) -> bool,
+) -> usize {
+    let spans = |f: &dyn Fn(&TraceEvent) -> bool| -> Vec<(f64, f64)> {
+        file.trace_events
+            .iter()
+            .filter(|e| e.ph == "X" && f(e))
+            .map(|e| (e.ts, e.ts + e.dur.unwrap()))
+            .collect()
+    };
+    let (xs, ys) = (spans(&a), spans(&b));
+    xs.iter()
+        .map(|x| {
+            ys.iter()
+                .filter(|y| x.0 < y.1 - 1.0 && y.0 < x.1 - 1.0)
+                .count()
+        })
+        .sum()
+}
+
+fn encoder_compute(e: &TraceEvent) -> bool {
+    e.cat == "vision" || e.cat == "audio"
+}
+
+fn llm_compute(e: &TraceEvent) -> bool {
+    e.cat == "llm"
+}
+
+/// The overlapped schedule on 4 ranks (vision, audio, a two-stage LLM): each encoder
+/// works on later microbatches while the LLM runs earlier ones, and the timeline shows
+/// it.
+#[test]
+fn an_overlapped_run_shows_encoders_working_beside_the_llm() {
+    let dir = run_dir("trace-overlapped");
+    let _ = std::fs::remove_dir_all(&dir);
+    let sets = [
+        "parallel.schedule=\"overlapped\"",
+        "parallel.world_size=4",
+        "parallel.llm.pp=2",
+        "train.microbatches=3",
+        "log.trace=true",
+        "log.trace_steps=3",
+        "train.steps=3",
+    ];
+    train(config(&dir, &sets), false, &mut Quiet).unwrap();
+    let merged = read(&dir.join("trace").join("trace.json")).unwrap();
+    let names = check_file(&merged, 4);
+    for (rank, want) in [
+        (
+            0,
+            &[
+                "vision fwd s0 mb0",
+                "vision fwd s0 mb2",
+                "vision bwd s0 mb1",
+            ][..],
+        ),
+        (1, &["audio fwd s0 mb1", "audio bwd s0 mb2"][..]),
+        (2, &["llm fwd s0 mb0", "llm bwd s0 mb2", "wait fwd mb1"][..]),
+        (3, &["llm loss mb2", "llm bwd s1 mb1"][..]),
+    ] {
+        for n in want {
+            assert!(
+                names[rank].contains(*n),
+                "rank {rank} has no span `{n}`: {:?}",
+                names[rank]
+            );
+        }
+    }
+    // No world-wide bridge exchange: the embeddings moved per microbatch.
+    assert!(!names.iter().any(|n| n.contains("bridge fwd")));
+    // The encoders' forward of a later microbatch runs while the LLM works on an
+    // earlier one.
+    let later_encoder_fwd =
+        |e: &TraceEvent| encoder_compute(e) && e.name.contains(" fwd ") && !e.name.ends_with("mb0");
+    let n = overlapping(&merged, later_encoder_fwd, llm_compute);
+    assert!(n > 0, "no encoder forward overlaps the LLM's work");
 }
 
 #[test]
@@ -136,6 +218,9 @@ fn a_multi_rank_run_writes_every_rank_timeline() {
             .any(|n| n.starts_with("vision") || n.starts_with("audio"))
     );
     assert!(!names[0].iter().any(|n| n.starts_with("llm")));
+    // The phased schedule: the bridge's collectives keep every encoder's work apart from
+    // the LLM's (what the overlapped schedule changes).
+    assert_eq!(overlapping(&merged, encoder_compute, llm_compute), 0);
 }
 
 #[test]

@@ -58,11 +58,11 @@ pub enum Placement {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Schedule {
-    /// What `braid train` runs: encoders forward every microbatch, the bridge, the LLM's
-    /// 1F1B, the bridge back, the encoders' backward.
+    /// Encoders forward every microbatch, the bridge, the LLM's 1F1B, the bridge back,
+    /// the encoders' backward (`braid train`'s default, `parallel.schedule = "phased"`).
     Phased,
     /// 1F1B over the module graph: an encoder's microbatch feeds the LLM's first stage as
-    /// soon as it is done (disjoint placement only; not yet run by `braid train`).
+    /// soon as it is done (disjoint placement only; `parallel.schedule = "overlapped"`).
     Overlapped,
 }
 

@@ -97,10 +97,20 @@ pub struct ParallelConfig {
     /// Where each step's rows, images and clips go.
     #[serde(default)]
     pub assign: AssignPolicy,
+    /// How a step runs across modules: `"phased"` (every encoder forward, one bridge
+    /// exchange, the LLM's 1F1B, the bridge back, every encoder backward) or
+    /// `"overlapped"` (1F1B across the module graph: encoders work on later
+    /// microbatches while the LLM runs earlier ones; disjoint placement only).
+    #[serde(default = "phased")]
+    pub schedule: braid_balancer::Schedule,
     /// A plan file written by `braid plan` (or "auto": plan for `world_size` now); it
     /// sets `world_size`, `placement`, every module's layout and `train.microbatches`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan: Option<String>,
+}
+
+fn phased() -> braid_balancer::Schedule {
+    braid_balancer::Schedule::Phased
 }
 
 fn one() -> usize {
@@ -132,6 +142,7 @@ impl Default for ParallelConfig {
             bucket_mb: default_bucket_mb(),
             zero1: true,
             assign: AssignPolicy::Balanced,
+            schedule: phased(),
             plan: None,
         }
     }
@@ -176,6 +187,15 @@ impl ParallelConfig {
         }
         if self.world_size == 0 {
             return Err(invalid("parallel.world_size", "must be >= 1"));
+        }
+        if self.schedule == braid_balancer::Schedule::Overlapped
+            && self.placement == Placement::Colocated
+            && self.world_size > 1
+        {
+            return Err(invalid(
+                "parallel.schedule",
+                "\"overlapped\" runs each module on its own ranks: set parallel.placement = \"disjoint\" or parallel.schedule = \"phased\"",
+            ));
         }
         for (name, l) in [
             ("llm", &self.llm),

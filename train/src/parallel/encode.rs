@@ -3,7 +3,10 @@
 //! stage from the previous stage's hidden states, and the last stage's output goes
 //! through the projector and, from TP/CP rank 0, to the bridge. Backward runs the same
 //! way back: the bridge's grads enter the last stage, hidden-state grads go to the stage
-//! before. All of a replica's items run as one microbatch.
+//! before. The phased step runs all of a replica's items as one chunk
+//! ([`encode_images`] and friends, which move the messages themselves); the overlapped
+//! step runs one chunk per LLM microbatch through the `*_stage_forward` /
+//! `*_stage_backward` pairs, which take and return the messages.
 //!
 //! Under CP every rank of a stage holds its share of each item's tokens; the last stage
 //! gathers them (the encoder does it), so its output is whole on every CP rank.
@@ -45,6 +48,14 @@ pub(crate) struct Encoded<B, C> {
     held: Held<B, C>,
 }
 
+impl<B, C> Encoded<B, C> {
+    /// Whether its backward starts from the next stage's grad (a middle stage that
+    /// trains) rather than the bridge's.
+    pub fn wants_next_grad(&self) -> bool {
+        matches!(self.held, Held::Middle(Some(_)))
+    }
+}
+
 pub(crate) type VisionWork = Encoded<VisionBranch<VisionStageCache>, VisionStageCache>;
 pub(crate) type AudioWork = Encoded<AudioBranch<AudioStageCache>, AudioStageCache>;
 
@@ -57,10 +68,9 @@ fn my_items(plan: &StepPlan, kind: ItemKind, dp: usize) -> Vec<usize> {
 
 /// An item this rank encodes that its loader did not decode (its media filter and the
 /// step's assignment disagree: a bug, never silent garbage).
-fn not_decoded(world: &dyn Comm, what: &str, row: usize, index: usize) -> TrainError {
+fn not_decoded(rank: usize, what: &str, row: usize, index: usize) -> TrainError {
     TrainError::Other(format!(
-        "rank {}: {what} {index} of row {row} is assigned to this rank but its loader did not decode it",
-        world.rank()
+        "rank {rank}: {what} {index} of row {row} is assigned to this rank but its loader did not decode it"
     ))
 }
 
@@ -70,7 +80,45 @@ fn neighbor(g: &ModuleGroups, world: &dyn Comm, delta: isize) -> Result<usize> {
     })
 }
 
-/// This replica's images through this rank's vision stage.
+/// What a stage's forward hands on.
+pub(crate) enum Handed {
+    /// Hidden states for the next stage: (N_local, D).
+    Next(Tensor),
+    /// The items' projected rows for the bridge, `(plan item, (rows, C))`: on the last
+    /// stage's TP/CP rank 0 (the sender); empty on the others.
+    Embeds(Vec<(usize, Tensor)>),
+}
+
+/// The grad entering a stage's backward.
+pub(crate) enum GradIn<'a> {
+    /// The last stage: the bridge's grads, `(plan item, (rows, C))`.
+    Bridge(&'a [(usize, Tensor)]),
+    /// Another stage: the grad of its output hidden states (N_local, D).
+    Next(Tensor),
+}
+
+/// The phased step's messages of a stage's forward: the hidden states on to the next
+/// stage, or the embeddings to the bridge's list.
+fn hand(
+    handed: Handed,
+    g: &ModuleGroups,
+    world: &dyn Comm,
+    produced: &mut Vec<(usize, Tensor)>,
+) -> Result<()> {
+    match handed {
+        Handed::Next(h) => world.send(&h, neighbor(g, world, 1)?)?,
+        Handed::Embeds(e) => produced.extend(e),
+    }
+    Ok(())
+}
+
+/// The shape of a vision stage's input (and output) hidden states for `n_items` images.
+pub(crate) fn vision_hidden(part: &VisionPart, n_items: usize) -> Result<Shape> {
+    let n = part.encoder.hidden_tokens(n_items)?;
+    Ok(Shape::new([n, part.encoder.config.hidden_size])) // (N_local, D)
+}
+
+/// This replica's images through this rank's vision stage (phased: one chunk).
 pub(crate) fn encode_images(
     part: &VisionPart,
     world: &dyn Comm,
@@ -80,33 +128,57 @@ pub(crate) fn encode_images(
 ) -> Result<Option<VisionWork>> {
     let g = &part.groups;
     let items = my_items(plan, ItemKind::Image, g.coord.dp);
-    let Some(&first) = items.first() else {
+    if items.is_empty() {
         return Ok(None);
+    }
+    let hidden = if g.coord.pp > 0 {
+        let shape = vision_hidden(part, items.len())?;
+        Some(world.recv(&shape, neighbor(g, world, -1)?)?)
+    } else {
+        None
     };
+    let (handed, work) = vision_stage_forward(part, world.rank(), rows, plan, items, hidden)?;
+    hand(handed, g, world, produced)?;
+    Ok(Some(work))
+}
+
+/// `items` (plan indices, non-empty) through this rank's vision stage: from pixels on
+/// the first stage, from the previous stage's `hidden` states otherwise.
+pub(crate) fn vision_stage_forward(
+    part: &VisionPart,
+    rank: usize,
+    rows: &[Row],
+    plan: &StepPlan,
+    items: Vec<usize>,
+    hidden: Option<Tensor>,
+) -> Result<(Handed, VisionWork)> {
+    let g = &part.groups;
+    let &first = items
+        .first()
+        .ok_or_else(|| TrainError::Other("a vision stage was given no images".into()))?;
     let b = items.len();
     let n_rows: Vec<usize> = items.iter().map(|&i| plan.items[i].rows).collect();
-    let d = part.encoder.config.hidden_size;
-    let (out, cache) = if g.coord.pp == 0 {
-        let im0 = &rows[plan.items[first].row].images[plan.items[first].index];
-        let (h, w) = (im0.height, im0.width);
-        let mut pixels = Vec::with_capacity(b * 3 * h * w); // (B, 3, H, W)
-        for &i in &items {
-            let it = &plan.items[i];
-            let im = &rows[it.row].images[it.index];
-            if im.pixels.len() != 3 * h * w {
-                return Err(not_decoded(world, "image", it.row, it.index));
+    let dev = device_of(&part.encoder);
+    let (out, cache) = match hidden {
+        None => {
+            let im0 = &rows[plan.items[first].row].images[plan.items[first].index];
+            let (h, w) = (im0.height, im0.width);
+            let mut pixels = Vec::with_capacity(b * 3 * h * w); // (B, 3, H, W)
+            for &i in &items {
+                let it = &plan.items[i];
+                let im = &rows[it.row].images[it.index];
+                if im.pixels.len() != 3 * h * w {
+                    return Err(not_decoded(rank, "image", it.row, it.index));
+                }
+                pixels.extend_from_slice(&im.pixels);
             }
-            pixels.extend_from_slice(&im.pixels);
+            let px = Tensor::from_vec(pixels, [b, 3, h, w], dev)?;
+            part.encoder
+                .forward_stage(VisionStageInput::Pixels(&px), b)?
         }
-        let px = Tensor::from_vec(pixels, [b, 3, h, w], device_of(&part.encoder))?;
-        part.encoder
-            .forward_stage(VisionStageInput::Pixels(&px), b)?
-    } else {
-        let n = part.encoder.hidden_tokens(b)?;
-        let h = world
-            .recv(&Shape::new([n, d]), neighbor(g, world, -1)?)?
-            .into_device(device_of(&part.encoder))?; // (N_local, D)
-        part.encoder.forward_stage(VisionStageInput::Hidden(h), b)?
+        Some(h) => part
+            .encoder
+            .forward_stage(VisionStageInput::Hidden(h.into_device(dev)?), b)?,
     };
     let out = match out {
         VisionStageOutput::Hidden(h) => Out::Hidden(h),
@@ -119,20 +191,10 @@ pub(crate) fn encode_images(
         held: Held::Last(None),
     };
     let trains = trainable(&part.encoder);
-    hand_on(
-        g,
-        world,
-        out,
-        cache,
-        trains,
-        work,
-        produced,
-        |last, cache| {
-            let proj = last_stage_projector(part.projector.as_ref(), g)?;
-            Ok(vision_project(&part.encoder, proj, last, cache)?) // (B * tpi, C)
-        },
-    )
-    .map(Some)
+    hand_on(g, out, cache, trains, work, |last, cache| {
+        let proj = last_stage_projector(part.projector.as_ref(), g)?;
+        Ok(vision_project(&part.encoder, proj, last, cache)?) // (B * tpi, C)
+    })
 }
 
 /// The backward of [`encode_images`], given the bridge's grads.
@@ -144,27 +206,58 @@ pub(crate) fn backward_images(
     c: usize,
 ) -> Result<()> {
     let g = part.groups.clone();
+    let grad = if work.wants_next_grad() {
+        let shape = vision_hidden(part, work.items.len())?;
+        GradIn::Next(world.recv(&shape, neighbor(&g, world, 1)?)?)
+    } else {
+        GradIn::Bridge(grads)
+    };
+    if let Some(dx) = vision_stage_backward(part, work, grad, c)? {
+        world.send(&dx, neighbor(&g, world, -1)?)?;
+    }
+    Ok(())
+}
+
+/// The backward of [`vision_stage_forward`]: the grad of the stage's input for the
+/// previous stage (`None` on the first stage, or where nothing trains).
+pub(crate) fn vision_stage_backward(
+    part: &mut VisionPart,
+    work: VisionWork,
+    grad: GradIn<'_>,
+    c: usize,
+) -> Result<Option<Tensor>> {
+    let g = part.groups.clone();
     let d = part.encoder.config.hidden_size;
-    let n = part.encoder.hidden_tokens(work.items.len())?; // N_local
     let dev = device_of(&part.encoder);
     let projector = &mut part.projector;
-    let Some((cache, dout)) = grad_in(&g, world, dev, work, grads, c, n, d, |branch, dy| {
+    let Some((cache, dout)) = grad_in(&g, dev, work, grad, c, |branch, dy| {
         let proj = projector.as_mut().ok_or_else(|| no_projector(&g))?;
         let back = vision_unproject(d, proj, branch, dy)?;
         replicated_over_cp(proj, &g)?;
         Ok(back)
     })?
     else {
-        return Ok(());
+        return Ok(None);
     };
     let dx = part.encoder.backward_stage(cache, &dout, None)?;
-    if g.coord.pp > 0 {
-        world.send(&dx, neighbor(&g, world, -1)?)?;
-    }
-    Ok(())
+    Ok((g.coord.pp > 0).then_some(dx))
 }
 
-/// This replica's clips through this rank's audio stage.
+/// The shape of an audio stage's input (and output) hidden states for clips of `frames`.
+pub(crate) fn audio_hidden(part: &AudioPart, frames: &[usize]) -> Result<Shape> {
+    let n = part.encoder.hidden_tokens(frames)?;
+    Ok(Shape::new([n, part.encoder.config.d_model])) // (T_local, D)
+}
+
+/// Mel frames of each of `items` (clips).
+pub(crate) fn clip_frames(rows: &[Row], plan: &StepPlan, items: &[usize]) -> Vec<usize> {
+    items
+        .iter()
+        .map(|&i| rows[plan.items[i].row].audio[plan.items[i].index].frames)
+        .collect()
+}
+
+/// This replica's clips through this rank's audio stage (phased: one chunk).
 pub(crate) fn encode_clips(
     part: &AudioPart,
     world: &dyn Comm,
@@ -177,42 +270,63 @@ pub(crate) fn encode_clips(
     if items.is_empty() {
         return Ok(None);
     }
-    let clip = |i: usize| &rows[plan.items[i].row].audio[plan.items[i].index];
-    let frames: Vec<usize> = items.iter().map(|&i| clip(i).frames).collect();
-    let n_rows: Vec<usize> = items.iter().map(|&i| plan.items[i].rows).collect();
-    let d = part.encoder.config.d_model;
-    let (out, cache) = if g.coord.pp == 0 {
-        for &i in &items {
-            let a = clip(i);
-            if a.mel.len() != a.n_mels * a.frames {
-                return Err(not_decoded(
-                    world,
-                    "clip",
-                    plan.items[i].row,
-                    plan.items[i].index,
-                ));
-            }
-        }
-        let clips = items
-            .iter()
-            .map(|&i| {
-                let a = clip(i);
-                Tensor::from_vec(
-                    a.mel.clone(),
-                    [a.n_mels, a.frames],
-                    device_of(&part.encoder),
-                )
-            })
-            .collect::<braid_kernels::Result<Vec<_>>>()?; // (n_mels, F) each
-        part.encoder
-            .forward_stage(AudioStageInput::Clips(&clips), &frames)?
+    let hidden = if g.coord.pp > 0 {
+        let shape = audio_hidden(part, &clip_frames(rows, plan, &items))?;
+        Some(world.recv(&shape, neighbor(g, world, -1)?)?)
     } else {
-        let n = part.encoder.hidden_tokens(&frames)?;
-        let h = world
-            .recv(&Shape::new([n, d]), neighbor(g, world, -1)?)?
-            .into_device(device_of(&part.encoder))?; // (T_local, D)
-        part.encoder
-            .forward_stage(AudioStageInput::Hidden(h), &frames)?
+        None
+    };
+    let (handed, work) = audio_stage_forward(part, world.rank(), rows, plan, items, hidden)?;
+    hand(handed, g, world, produced)?;
+    Ok(Some(work))
+}
+
+/// `items` (plan indices, non-empty) through this rank's audio stage: from mel frames
+/// on the first stage, from the previous stage's `hidden` states otherwise.
+pub(crate) fn audio_stage_forward(
+    part: &AudioPart,
+    rank: usize,
+    rows: &[Row],
+    plan: &StepPlan,
+    items: Vec<usize>,
+    hidden: Option<Tensor>,
+) -> Result<(Handed, AudioWork)> {
+    let g = &part.groups;
+    if items.is_empty() {
+        return Err(TrainError::Other(
+            "an audio stage was given no clips".into(),
+        ));
+    }
+    let clip = |i: usize| &rows[plan.items[i].row].audio[plan.items[i].index];
+    let frames = clip_frames(rows, plan, &items);
+    let n_rows: Vec<usize> = items.iter().map(|&i| plan.items[i].rows).collect();
+    let dev = device_of(&part.encoder);
+    let (out, cache) = match hidden {
+        None => {
+            for &i in &items {
+                let a = clip(i);
+                if a.mel.len() != a.n_mels * a.frames {
+                    return Err(not_decoded(
+                        rank,
+                        "clip",
+                        plan.items[i].row,
+                        plan.items[i].index,
+                    ));
+                }
+            }
+            let clips = items
+                .iter()
+                .map(|&i| {
+                    let a = clip(i);
+                    Tensor::from_vec(a.mel.clone(), [a.n_mels, a.frames], dev)
+                })
+                .collect::<braid_kernels::Result<Vec<_>>>()?; // (n_mels, F) each
+            part.encoder
+                .forward_stage(AudioStageInput::Clips(&clips), &frames)?
+        }
+        Some(h) => part
+            .encoder
+            .forward_stage(AudioStageInput::Hidden(h.into_device(dev)?), &frames)?,
     };
     let out = match out {
         AudioStageOutput::Hidden(h) => Out::Hidden(h),
@@ -225,7 +339,7 @@ pub(crate) fn encode_clips(
         held: Held::Last(None),
     };
     let trains = trainable(&part.encoder);
-    hand_on(g, world, out, cache, trains, work, produced, |o, cache| {
+    hand_on(g, out, cache, trains, work, |o, cache| {
         let proj = last_stage_projector(part.projector.as_ref(), g)?;
         Ok(audio_project(
             &part.encoder,
@@ -235,7 +349,6 @@ pub(crate) fn encode_clips(
             cache,
         )?) // (G_a, C)
     })
-    .map(Some)
 }
 
 /// The backward of [`encode_clips`], given the bridge's grads.
@@ -247,25 +360,43 @@ pub(crate) fn backward_clips(
     c: usize,
 ) -> Result<()> {
     let g = part.groups.clone();
-    let d = part.encoder.config.d_model;
-    let n = part.encoder.hidden_tokens(&work.frames)?; // T_local
+    let grad = if work.wants_next_grad() {
+        let shape = audio_hidden(part, &work.frames)?;
+        GradIn::Next(world.recv(&shape, neighbor(&g, world, 1)?)?)
+    } else {
+        GradIn::Bridge(grads)
+    };
+    if let Some(dx) = audio_stage_backward(part, work, grad, c)? {
+        world.send(&dx, neighbor(&g, world, -1)?)?;
+    }
+    Ok(())
+}
+
+/// The backward of [`audio_stage_forward`]: the grad of the stage's input for the
+/// previous stage (`None` on the first stage, or where nothing trains).
+pub(crate) fn audio_stage_backward(
+    part: &mut AudioPart,
+    work: AudioWork,
+    grad: GradIn<'_>,
+    c: usize,
+) -> Result<Option<Tensor>> {
+    let g = part.groups.clone();
     let dev = device_of(&part.encoder);
     let projector = &mut part.projector;
-    let Some((cache, dout)) = grad_in(&g, world, dev, work, grads, c, n, d, |branch, dy| {
+    let Some((cache, dout)) = grad_in(&g, dev, work, grad, c, |branch, dy| {
         let proj = projector.as_mut().ok_or_else(|| no_projector(&g))?;
         let back = audio_unproject(proj, branch, dy)?;
         replicated_over_cp(proj, &g)?;
         Ok(back)
     })?
     else {
-        return Ok(());
+        return Ok(None);
     };
-    match part.encoder.backward_stage(cache, &dout)? {
-        AudioStageGrad::Hidden(dh) => world.send(&dh, neighbor(&g, world, -1)?)?,
+    Ok(match part.encoder.backward_stage(cache, &dout)? {
+        AudioStageGrad::Hidden(dh) => Some(dh),
         // The first stage: the clips' grads are not needed.
-        AudioStageGrad::Clips(_) => {}
-    }
-    Ok(())
+        AudioStageGrad::Clips(_) => None,
+    })
 }
 
 /// A stage's output: hidden states for the next stage, or the encoder's final output.
@@ -274,62 +405,57 @@ enum Out<F> {
     Final(F),
 }
 
-/// After a stage's forward: a middle stage sends its hidden states on and keeps its
+/// After a stage's forward: a middle stage hands its hidden states on and keeps its
 /// cache (when the encoder trains); the last stage projects the output (`project`) and,
 /// on TP/CP rank 0, hands each item's rows to the bridge.
-#[allow(clippy::too_many_arguments)]
 fn hand_on<F, B, C>(
     g: &ModuleGroups,
-    world: &dyn Comm,
     out: Out<F>,
     cache: C,
     trains: bool,
     mut work: Encoded<B, C>,
-    produced: &mut Vec<(usize, Tensor)>,
     project: impl FnOnce(F, C) -> Result<(Tensor, Option<B>)>,
-) -> Result<Encoded<B, C>> {
-    work.held = match out {
+) -> Result<(Handed, Encoded<B, C>)> {
+    let handed = match out {
         Out::Hidden(h) => {
-            world.send(&h, neighbor(g, world, 1)?)?;
-            Held::Middle(trains.then_some(cache))
+            work.held = Held::Middle(trains.then_some(cache));
+            Handed::Next(h)
         }
         Out::Final(o) => {
             let (y, branch) = project(o, cache)?;
             let sender = g.coord.tp == 0 && g.coord.cp == 0;
-            hand_over(&y, &work.items, &work.rows, sender, produced)?;
-            Held::Last(branch)
+            let mut embeds = Vec::new();
+            hand_over(&y, &work.items, &work.rows, sender, &mut embeds)?;
+            work.held = Held::Last(branch);
+            Handed::Embeds(embeds)
         }
     };
-    Ok(work)
+    Ok((handed, work))
 }
 
 /// The grad entering a stage's backward, with its cache: from the bridge through the
-/// projector (`unproject`) on the last stage, from the next stage otherwise (`n` rows of
-/// width `d`). `None` when nothing here runs backward.
-#[allow(clippy::too_many_arguments)]
+/// projector (`unproject`) on the last stage, the next stage's otherwise. `None` when
+/// nothing here runs backward.
 fn grad_in<B, C>(
     g: &ModuleGroups,
-    world: &dyn Comm,
     dev: Device,
     work: Encoded<B, C>,
-    grads: &[(usize, Tensor)],
+    grad: GradIn<'_>,
     c: usize,
-    n: usize,
-    d: usize,
     unproject: impl FnOnce(B, &Tensor) -> Result<Option<(C, Tensor)>>,
 ) -> Result<Option<(C, Tensor)>> {
-    match work.held {
-        Held::Last(None) | Held::Middle(None) => Ok(None),
-        Held::Last(Some(branch)) => {
+    match (work.held, grad) {
+        (Held::Last(None) | Held::Middle(None), _) => Ok(None),
+        (Held::Last(Some(branch)), GradIn::Bridge(grads)) => {
             let dy = stack_grads(grads, &work.items, &work.rows, c, dev)?;
             unproject(branch, &dy)
         }
-        Held::Middle(Some(cache)) => {
-            let dh = world
-                .recv(&Shape::new([n, d]), neighbor(g, world, 1)?)?
-                .into_device(dev)?; // (N_local, D)
-            Ok(Some((cache, dh)))
-        }
+        (Held::Middle(Some(cache)), GradIn::Next(dh)) => Ok(Some((cache, dh.into_device(dev)?))), // (N_local, D)
+        _ => Err(TrainError::Other(format!(
+            "{} stage {}: its backward got the wrong kind of grad (bridge vs next stage)",
+            g.kind.key(),
+            g.coord.pp
+        ))),
     }
 }
 

@@ -13,26 +13,27 @@
 
 use std::sync::Arc;
 
-use braid_bridge::Routes;
+use braid_balancer::Schedule;
 use braid_comm::Comm;
 use braid_dataloader::loader::{MediaFilter, Row, WantedMedia};
-use braid_kernels::{Device, Shape, Tensor, ops};
-use braid_llm::{ModalityEmbeds, StageCache, StageInput, vocab_parallel_loss};
-use braid_nn::{Module, SeqInfo};
+use braid_kernels::{Device, Tensor};
+use braid_nn::Module;
 
 use super::encode::{backward_clips, backward_images, encode_clips, encode_images};
 use super::layout::Layouts;
-use super::model::{LlmPart, RankModel, ShardSource};
+use super::llm_stage::run_pipeline;
+use super::model::{RankModel, ShardSource};
+use super::overlapped::run_overlapped;
 use super::plan::{ItemKind, StepPlan, TokenSplit, batch_shape, media_items};
-use super::schedule::{Op, one_f_one_b};
 use super::sync::{ShardPlan, all_reduce_grads, broadcast_updates, local_sq_norm};
-use crate::config::{AssignPolicy, RunConfig};
-use crate::data::rows_to_text;
-use crate::error::{Result, TrainError};
+use crate::config::{AssignPolicy, Placement, RunConfig};
+use crate::error::Result;
 use crate::mllm::{Freeze, MllmConfig};
 use crate::optim::AdamW;
 use crate::trace::Tracer;
-use braid_balancer::{Assigner, Balanced, Imbalance, Replicas, RoundRobin, TokenCost};
+use braid_balancer::{
+    Assigner, Balanced, Imbalance, PerMicrobatch, Replicas, RoundRobin, TokenCost,
+};
 
 /// What one forward/backward over the global batch measured (the same on every rank).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -65,6 +66,9 @@ pub struct Engine {
     pub freeze: Freeze,
     bucket_elems: usize,
     zero1: bool,
+    /// This run takes the overlapped schedule (`parallel.schedule`, on disjoint modules
+    /// of several ranks); otherwise the phased one.
+    overlapped: bool,
     /// Where this rank's shards live and the dtype they compute in: what the bridge
     /// carries (fixed at construction, not looked up every step).
     device: Device,
@@ -90,6 +94,9 @@ impl Engine {
         model.set_compute_dtype(compute_dtype)?;
         let device = super::model::device_of(&model);
         let zero1 = cfg.parallel.zero1;
+        let overlapped = cfg.parallel.schedule == Schedule::Overlapped
+            && layouts.placement == Placement::Disjoint
+            && layouts.world > 1;
         let plan = ShardPlan::new(&model, zero1);
         let optim = AdamW::new_owned(cfg.optim.clone(), &model, &|p| plan.owns(&p.name), zero1)?;
         Ok(Engine {
@@ -97,7 +104,7 @@ impl Engine {
             world,
             layouts,
             costs: balanced(&mconfig),
-            assigner: assigner(cfg.parallel.assign, &mconfig),
+            assigner: assigner(cfg.parallel.assign, &mconfig, overlapped),
             assign_policy: cfg.parallel.assign,
             mconfig,
             model,
@@ -107,6 +114,7 @@ impl Engine {
             freeze: Freeze::from_names(&cfg.train.freeze)?,
             bucket_elems: ((cfg.parallel.bucket_mb * 1024.0 * 1024.0) / 4.0).max(1.0) as usize,
             zero1,
+            overlapped,
             device,
             compute_dtype,
             trace: Tracer::new(rank, device, cfg.log.trace, cfg.log.trace_steps),
@@ -119,7 +127,7 @@ impl Engine {
     /// runs the step's own assignment on the batch's shapes, so it agrees with
     /// [`Engine::forward_backward`] by construction.
     pub fn media_filter(&self) -> MediaFilter {
-        let assigner = assigner(self.assign_policy, &self.mconfig);
+        let assigner = assigner(self.assign_policy, &self.mconfig, self.overlapped);
         let replicas = self.replicas();
         let first_stage_dp =
             |g: &super::model::ModuleGroups| (g.coord.pp == 0).then_some(g.coord.dp);
@@ -181,14 +189,57 @@ impl Engine {
             .with_device(self.device)
             .with_dtype(self.compute_dtype);
         self.model.zero_grads()?;
+        let norm = plan.targets.max(1);
+        let loss_local = if self.overlapped {
+            run_overlapped(
+                &mut self.model,
+                self.world.as_ref(),
+                &self.layouts,
+                rows,
+                &plan,
+                &routes,
+                self.freeze,
+                norm,
+                &mut self.trace,
+            )?
+        } else {
+            self.phased(rows, &plan, &routes, norm)?
+        };
+        let trace = &mut self.trace;
+        let t0 = trace.start();
+        all_reduce_grads(&mut self.model, self.bucket_elems)?;
+        trace.end(t0, "grad all-reduce", "comm")?;
 
+        let mut loss = Tensor::from_vec(vec![loss_local as f32], [1], Device::Cpu)?;
+        self.world.all_reduce_sum(&mut loss)?;
+        let loss_sum = f64::from(loss.to_vec_f32()?[0]);
+        Ok(Pass {
+            loss_sum,
+            targets: plan.targets,
+            tokens: plan.tokens,
+            images: shape.num_images(),
+            clips: shape.num_clips(),
+            imbalance,
+        })
+    }
+
+    /// The phased step: every encoder forward, one bridge exchange, the LLM's 1F1B, the
+    /// bridge back, every encoder backward. Returns the loss sum this rank contributes.
+    fn phased(
+        &mut self,
+        rows: &[Row],
+        plan: &StepPlan,
+        routes: &braid_bridge::Routes,
+        norm: usize,
+    ) -> Result<f64> {
+        let c = self.mconfig.llm.hidden;
         // Encoders, then the bridge to the LLM's first stage.
         let mut produced: Vec<(usize, Tensor)> = Vec::new();
         let world = self.world.as_ref();
         let trace = &mut self.trace;
         let t0 = trace.start();
         let vision = match &self.model.vision {
-            Some(v) => encode_images(v, world, rows, &plan, &mut produced)?,
+            Some(v) => encode_images(v, world, rows, plan, &mut produced)?,
             None => None,
         };
         if vision.is_some() {
@@ -196,7 +247,7 @@ impl Engine {
         }
         let t0 = trace.start();
         let audio = match &self.model.audio {
-            Some(a) => encode_clips(a, world, rows, &plan, &mut produced)?,
+            Some(a) => encode_clips(a, world, rows, plan, &mut produced)?,
             None => None,
         };
         if audio.is_some() {
@@ -213,14 +264,13 @@ impl Engine {
         let dev = self.device;
         let received = received.into_device(dev)?; // (M_r, C)
         let mut dreceived = Tensor::zeros(received.shape().clone(), received.dtype(), dev)?; // (M_r, C)
-        let norm = plan.targets.max(1);
         let loss_local = match &mut self.model.llm {
             Some(l) => run_pipeline(
                 l,
                 self.world.as_ref(),
                 rows,
-                &plan,
-                &routes,
+                plan,
+                routes,
                 &received,
                 &mut dreceived,
                 norm,
@@ -246,21 +296,7 @@ impl Engine {
             backward_clips(a, self.world.as_ref(), work, &grads, c)?;
             trace.end(t0, "audio bwd", "audio")?;
         }
-        let t0 = trace.start();
-        all_reduce_grads(&mut self.model, self.bucket_elems)?;
-        trace.end(t0, "grad all-reduce", "comm")?;
-
-        let mut loss = Tensor::from_vec(vec![loss_local as f32], [1], Device::Cpu)?;
-        self.world.all_reduce_sum(&mut loss)?;
-        let loss_sum = f64::from(loss.to_vec_f32()?[0]);
-        Ok(Pass {
-            loss_sum,
-            targets: plan.targets,
-            tokens: plan.tokens,
-            images: shape.num_images(),
-            clips: shape.num_clips(),
-            imbalance,
-        })
+        Ok(loss_local)
     }
 
     /// The global L2 norm of the gradient (every element counted once in the world).
@@ -293,9 +329,11 @@ impl Engine {
     }
 }
 
-/// The assigner of `parallel.assign`.
-fn assigner(policy: AssignPolicy, m: &MllmConfig) -> Box<dyn Assigner> {
+/// The assigner of `parallel.assign`: under the overlapped schedule the balanced one
+/// evens out each microbatch's media over the encoder replicas (each is a chunk there).
+fn assigner(policy: AssignPolicy, m: &MllmConfig, overlapped: bool) -> Box<dyn Assigner> {
     match policy {
+        AssignPolicy::Balanced if overlapped => Box::new(PerMicrobatch(balanced(m))),
         AssignPolicy::Balanced => Box::new(balanced(m)),
         AssignPolicy::RoundRobin => Box::new(RoundRobin),
     }
@@ -332,192 +370,4 @@ pub fn balanced(m: &MllmConfig) -> Balanced {
             TokenCost::transformer(a.encoder_layers, a.d_model, a.encoder_ffn_dim, 2, 0, false)
         }),
     }
-}
-
-/// A microbatch as this CP rank sees it: token ids, sample layout, next-token targets.
-struct LocalBatch {
-    ids: Tensor, // (T) u32 on the device
-    /// The same ids on the host (the vocab-parallel embedding picks its range here).
-    host_ids: Vec<u32>,
-    seq: SeqInfo,
-    targets: Vec<u32>,
-}
-
-fn local_batch(
-    rows: &[Row],
-    mb: &super::plan::Microbatch,
-    cp_rank: usize,
-    dev: Device,
-) -> Result<LocalBatch> {
-    let refs: Vec<&Row> = mb.rows.iter().map(|&r| &rows[r]).collect();
-    // Text only: the LLM never reads this microbatch's pixels or mel frames.
-    let text = rows_to_text(&refs)?;
-    let Some(plan) = &mb.split.plan else {
-        let t = text.ids.len();
-        return Ok(LocalBatch {
-            ids: Tensor::from_vec_u32(text.ids.clone(), [t], dev)?,
-            host_ids: text.ids,
-            seq: text.seq,
-            targets: text.targets,
-        });
-    };
-    // Targets look one token ahead (possibly on another CP rank): taken on the whole
-    // microbatch, then this rank's tokens kept.
-    let mine = plan.tokens(cp_rank)?;
-    let local_ids: Vec<u32> = mine.iter().map(|&i| text.ids[i]).collect();
-    Ok(LocalBatch {
-        ids: Tensor::from_vec_u32(local_ids.clone(), [mine.len()], dev)?,
-        host_ids: local_ids,
-        seq: plan.seq_info(cp_rank, &text.seq)?,
-        targets: mine.iter().map(|&i| text.targets[i]).collect(),
-    })
-}
-
-/// The loss of the last stage's output (logits, or this TP rank's vocab shard of them):
-/// (loss sum of these tokens, d loss / d output).
-fn stage_loss(part: &LlmPart, out: &Tensor, targets: &[u32], norm: usize) -> Result<(f64, Tensor)> {
-    let l = vocab_parallel_loss(
-        part.stage.tp_group().as_ref(),
-        out,
-        part.stage.vocab_range().start,
-        targets,
-        Some(norm),
-    )?;
-    Ok((l.loss_sum, l.dlogits))
-}
-
-/// This rank's stage over its replica's microbatches in 1F1B order. Returns the loss
-/// sum this rank contributes (last stage, TP rank 0; 0 elsewhere).
-#[allow(clippy::too_many_arguments)]
-fn run_pipeline(
-    part: &mut LlmPart,
-    world: &dyn Comm,
-    rows: &[Row],
-    plan: &StepPlan,
-    routes: &Routes,
-    received: &Tensor,
-    dreceived: &mut Tensor,
-    norm: usize,
-    trace: &mut Tracer,
-) -> Result<f64> {
-    let g = part.groups.clone();
-    let dev = super::model::device_of(&part.stage);
-    let rank = world.rank();
-    let (stage, stages) = (g.coord.pp, g.grid.dims.pp);
-    let (first, last) = (stage == 0, stage + 1 == stages);
-    let prev = g.grid.pp_neighbor(rank, -1);
-    let next = g.grid.pp_neighbor(rank, 1);
-    let c = part.stage.config.hidden;
-    let mbs = plan.microbatches_of(g.coord.dp);
-
-    // Stage 0: which received rows fill which local placeholder of each microbatch.
-    let recv_rows = if first {
-        routes.received(rank)
-    } else {
-        Vec::new()
-    };
-    let mut fill: Vec<(Vec<u32>, Vec<u32>)> = vec![(Vec::new(), Vec::new()); mbs.len()];
-    for (k, &(item, row)) in recv_rows.iter().enumerate() {
-        let it = &plan.items[item];
-        let j = mbs.iter().position(|m| m.mb == it.mb).ok_or_else(|| {
-            TrainError::Other(format!("received a row of item {item} for no microbatch"))
-        })?;
-        let (cpr, local) = mbs[j].split.owner[it.start + row as usize];
-        if cpr != g.coord.cp {
-            return Err(TrainError::Other(format!(
-                "item {item} row {row} was routed to cp rank {} but belongs to {cpr}",
-                g.coord.cp
-            )));
-        }
-        fill[j].0.push(k as u32);
-        fill[j].1.push(local as u32);
-    }
-
-    let mut caches: Vec<Option<(StageCache, Option<Tensor>)>> =
-        (0..mbs.len()).map(|_| None).collect();
-    let mut batches: Vec<Option<LocalBatch>> = (0..mbs.len()).map(|_| None).collect();
-    let mut loss = 0.0f64;
-    for op in one_f_one_b(stage, stages, mbs.len()) {
-        match op {
-            Op::Forward(j) => {
-                let b = local_batch(rows, mbs[j], g.coord.cp, dev)?;
-                let t = b.seq.num_tokens();
-                let (out, cache) = if first {
-                    let (idx, pos) = &fill[j];
-                    let modality = if idx.is_empty() {
-                        None
-                    } else {
-                        let idx_t = Tensor::from_vec_u32(idx.clone(), [idx.len()], dev)?;
-                        Some(ModalityEmbeds {
-                            positions: Tensor::from_vec_u32(pos.clone(), [pos.len()], dev)?,
-                            embeds: ops::gather_rows(received, &idx_t)?, // (M_mb, C)
-                        })
-                    };
-                    let input = StageInput::Tokens {
-                        ids: &b.ids,
-                        host_ids: Some(&b.host_ids),
-                        modality: modality.as_ref(),
-                    };
-                    let t0 = trace.start();
-                    let out = part.stage.forward(input, &b.seq)?;
-                    trace.end(t0, format!("llm fwd s{stage} mb{j}"), "llm")?;
-                    out
-                } else {
-                    let from = prev.ok_or_else(|| TrainError::Other("no previous stage".into()))?;
-                    let t0 = trace.start();
-                    let h = world.recv(&Shape::new([t, c]), from)?.into_device(dev)?; // (T, C)
-                    trace.end(t0, format!("recv act mb{j}"), "comm")?;
-                    let t0 = trace.start();
-                    let out = part.stage.forward(StageInput::Hidden(h), &b.seq)?;
-                    trace.end(t0, format!("llm fwd s{stage} mb{j}"), "llm")?;
-                    out
-                };
-                if last {
-                    let t0 = trace.start();
-                    let (sum, dout) = stage_loss(part, &out, &b.targets, norm)?;
-                    trace.end(t0, format!("llm loss mb{j}"), "llm")?;
-                    if g.coord.tp == 0 {
-                        loss += sum;
-                    }
-                    caches[j] = Some((cache, Some(dout)));
-                } else {
-                    let to = next.ok_or_else(|| TrainError::Other("no next stage".into()))?;
-                    world.send(&out, to)?;
-                    caches[j] = Some((cache, None));
-                }
-                batches[j] = Some(b);
-            }
-            Op::Backward(j) => {
-                let (cache, dlogits) = caches[j]
-                    .take()
-                    .ok_or_else(|| TrainError::Other(format!("microbatch {j} has no cache")))?;
-                let t = batches[j].take().map_or(0, |b| b.seq.num_tokens());
-                let dout = match dlogits {
-                    Some(d) => d,
-                    None => {
-                        let from = next.ok_or_else(|| TrainError::Other("no next stage".into()))?;
-                        let t0 = trace.start();
-                        let d = world.recv(&Shape::new([t, c]), from)?.into_device(dev)?; // (T, C)
-                        trace.end(t0, format!("recv grad mb{j}"), "comm")?;
-                        d
-                    }
-                };
-                let t0 = trace.start();
-                let dx = part.stage.backward(cache, &dout)?;
-                trace.end(t0, format!("llm bwd s{stage} mb{j}"), "llm")?;
-                if !first {
-                    let to = prev.ok_or_else(|| TrainError::Other("no previous stage".into()))?;
-                    let dh =
-                        dx.ok_or_else(|| TrainError::Other("stage gave no input grad".into()))?;
-                    world.send(&dh, to)?;
-                } else if let Some(dmod) = dx
-                    && !fill[j].0.is_empty()
-                {
-                    let idx = Tensor::from_vec_u32(fill[j].0.clone(), [fill[j].0.len()], dev)?;
-                    ops::scatter_rows(dreceived, &idx, &dmod)?;
-                }
-            }
-        }
-    }
-    Ok(loss)
 }

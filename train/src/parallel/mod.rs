@@ -17,9 +17,12 @@
 pub mod ckpt;
 mod encode;
 pub mod engine;
+pub mod graph;
 pub mod layout;
+mod llm_stage;
 mod load;
 pub mod model;
+mod overlapped;
 pub mod plan;
 pub mod procs;
 pub mod run;

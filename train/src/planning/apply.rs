@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use braid_balancer::{Placement, Plan, Schedule};
+use braid_balancer::{Placement, Plan};
 use serde::{Deserialize, Serialize};
 
 use super::{err, plan};
@@ -102,7 +102,7 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
         // The run's own packed rows when they exist, else the [plan.mix].
         let own = cfg.data.path.join(braid_dataloader::dataset::DATASET_JSON);
         let data = own.exists().then_some(cfg.data.path.as_path());
-        let p = plan(cfg, gpus, None, data, Some(Schedule::Phased))?;
+        let p = plan(cfg, gpus, None, data, None)?;
         let f = PlanFile {
             gpus,
             cluster: p.cluster,
@@ -126,12 +126,8 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
         }
     };
     let mut notes = Vec::new();
-    if p.schedule == Schedule::Overlapped {
-        notes.push(
-            "the plan assumes the overlapped schedule; braid train runs the phased one".into(),
-        );
-    }
     cfg.parallel.world_size = file.gpus;
+    cfg.parallel.schedule = p.schedule;
     cfg.parallel.placement = placement;
     cfg.parallel.llm = module_layout(Some(p.llm), p.recompute);
     cfg.parallel.vision = module_layout(p.vision, p.recompute_encoders);

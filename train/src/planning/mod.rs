@@ -35,7 +35,8 @@ pub struct PlanSection {
     /// Sampled batches each candidate's simulated step is averaged over.
     #[serde(default = "default_batches")]
     pub batches: usize,
-    /// `phased` (what `braid train` runs) or `overlapped` (1F1B across modules).
+    /// `phased` or `overlapped` (1F1B across modules, disjoint placement only); `braid
+    /// train` runs either (`parallel.schedule`, which a plan file sets).
     #[serde(default = "default_schedule")]
     pub schedule: Schedule,
     /// The synthetic sample distribution used without `--data`.

@@ -132,3 +132,80 @@ pub const LAYOUTS: &[(&str, &[&str], bool)] = &[
         false,
     ),
 ];
+
+/// Disjoint layouts run with the overlapped schedule (1F1B across the module graph),
+/// checked like [`LAYOUTS`]: encoder PP, encoder CP and TP, uneven DP between modules,
+/// a frozen encoder, LLM PP with TP and CP, and a deep LLM pipeline under more
+/// microbatches than stages.
+pub const OVERLAPPED: &[(&str, &[&str], bool)] = &[
+    (
+        "ov-encoders-pp2-llm-pp2-mb3-recompute",
+        &[
+            "parallel.schedule=\"overlapped\"",
+            "parallel.world_size=6",
+            "parallel.vision.pp=2",
+            "parallel.vision.recompute=true",
+            "parallel.audio.pp=2",
+            "parallel.llm.pp=2",
+            "train.microbatches=3",
+        ],
+        false,
+    ),
+    (
+        "ov-vision-tp2-cp2-audio-cp2",
+        &[
+            "parallel.schedule=\"overlapped\"",
+            "parallel.world_size=7",
+            "parallel.vision.tp=2",
+            "parallel.vision.cp=2",
+            "parallel.audio.cp=2",
+        ],
+        false,
+    ),
+    (
+        "ov-uneven-dp-3-2-2",
+        &[
+            "parallel.schedule=\"overlapped\"",
+            "parallel.world_size=7",
+            "parallel.vision.dp=3",
+            "parallel.audio.dp=2",
+            "parallel.llm.dp=2",
+        ],
+        false,
+    ),
+    (
+        "ov-frozen-vision-llm-tp2-pp2",
+        &[
+            "parallel.schedule=\"overlapped\"",
+            "parallel.world_size=7",
+            "parallel.llm.tp=2",
+            "parallel.llm.pp=2",
+            "parallel.vision.dp=2",
+            r#"train.freeze=["vision"]"#,
+        ],
+        true,
+    ),
+    (
+        "ov-llm-pp2-tp2-cp2",
+        &[
+            "parallel.schedule=\"overlapped\"",
+            "parallel.world_size=10",
+            "parallel.llm.pp=2",
+            "parallel.llm.tp=2",
+            "parallel.llm.cp=2",
+        ],
+        false,
+    ),
+    (
+        "ov-llm-pp4-mb4-vision-pp2-dp2",
+        &[
+            "parallel.schedule=\"overlapped\"",
+            "parallel.world_size=9",
+            "parallel.llm.pp=4",
+            "parallel.vision.pp=2",
+            "parallel.vision.dp=2",
+            "train.microbatches=4",
+        ],
+        false,
+    ),
+];

@@ -1,0 +1,386 @@
+//! The overlapped schedule's programs on random graphs: 1-5 stages per module, 1-8 microbatches, random items, frozen encoders; run with rendezvous (unbuffered) sends.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::HashMap;
+
+use braid_bridge::{ItemPlacement, routes_for};
+use braid_comm::grid::{Axis, Coord, Grid, GridDims};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::*;
+use crate::parallel::schedule::max_in_flight;
+
+/// A random graph: an LLM and 0-2 encoders, each with its own TP/CP/PP/DP, items of
+/// random replicas and microbatches.
+fn random_graph(rng: &mut ChaCha8Rng, max_pp: usize, m: usize) -> Graph {
+    let dims = |rng: &mut ChaCha8Rng| GridDims {
+        tp: rng.random_range(1..=2),
+        cp: rng.random_range(1..=2),
+        pp: rng.random_range(1..=max_pp),
+        dp: rng.random_range(1..=3),
+    };
+    let n_enc = rng.random_range(0..=2);
+    let mut offset = 0;
+    let mut encoders = Vec::new();
+    for _ in 0..n_enc {
+        let grid = Grid::new(dims(rng), offset).unwrap();
+        offset += grid.size();
+        let trains = rng.random_bool(0.7);
+        encoders.push(EncoderNode {
+            grid,
+            trains,
+            branch_trains: trains || rng.random_bool(0.5),
+        });
+    }
+    let llm = Grid::new(dims(rng), offset).unwrap();
+    let world = offset + llm.size();
+    // Each LLM replica runs a random non-empty subset of the m microbatches.
+    let llm_chunks: Vec<Vec<usize>> = (0..llm.dims.dp)
+        .map(|_| {
+            loop {
+                let c: Vec<usize> = (0..m).filter(|_| rng.random_bool(0.7)).collect();
+                if !c.is_empty() {
+                    break c;
+                }
+            }
+        })
+        .collect();
+    // Items: (encoder, replica, llm replica, chunk).
+    let mut items = Vec::new();
+    for (e, node) in encoders.iter().enumerate() {
+        for _ in 0..rng.random_range(0..=3 * m) {
+            let d = rng.random_range(0..llm.dims.dp);
+            let k = llm_chunks[d][rng.random_range(0..llm_chunks[d].len())];
+            items.push((e, rng.random_range(0..node.grid.dims.dp), d, k));
+        }
+    }
+    let placements: Vec<ItemPlacement> = items
+        .iter()
+        .map(|&(e, r, d, _)| {
+            let g = &encoders[e].grid;
+            let src = g.rank(Coord {
+                tp: 0,
+                cp: 0,
+                dp: r,
+                pp: g.dims.pp - 1,
+            });
+            let rows = rng.random_range(1..=4);
+            ItemPlacement {
+                encoder_ranks: g.group(src, &[Axis::Tp, Axis::Cp]).unwrap(),
+                frozen: !encoders[e].branch_trains,
+                row_cp: (0..rows)
+                    .map(|_| rng.random_range(0..llm.dims.cp))
+                    .collect(),
+                llm_ranks: (0..llm.dims.cp)
+                    .map(|cp| {
+                        (0..llm.dims.tp)
+                            .map(|tp| {
+                                llm.rank(Coord {
+                                    tp,
+                                    cp,
+                                    dp: d,
+                                    pp: 0,
+                                })
+                            })
+                            .collect()
+                    })
+                    .collect(),
+            }
+        })
+        .collect();
+    let routes = routes_for(&placements, 3, world).unwrap();
+    let bridges = (0..m)
+        .map(|k| {
+            let of_k: Vec<usize> = (0..items.len()).filter(|&i| items[i].3 == k).collect();
+            (!of_k.is_empty()).then(|| routes.subset(&of_k).unwrap())
+        })
+        .collect();
+    let encoder_chunks = encoders
+        .iter()
+        .enumerate()
+        .map(|(e, node)| {
+            (0..node.grid.dims.dp)
+                .map(|r| {
+                    let mut c: Vec<usize> = items
+                        .iter()
+                        .filter(|it| it.0 == e && it.1 == r)
+                        .map(|it| it.3)
+                        .collect();
+                    c.sort_unstable();
+                    c.dedup();
+                    c
+                })
+                .collect()
+        })
+        .collect();
+    Graph {
+        llm,
+        encoders,
+        llm_chunks,
+        encoder_chunks,
+        bridges,
+    }
+}
+
+fn world_of(g: &Graph) -> usize {
+    g.llm.offset + g.llm.size()
+}
+
+/// Runs every rank's program where a send completes only when its peer has posted the
+/// matching receive in its current exchange. Returns whether every program finished.
+fn run_rendezvous(programs: &[Vec<Step>]) -> bool {
+    stuck(programs).is_none()
+}
+
+/// Where the rendezvous run stops: each unfinished rank's step index and step.
+fn stuck(programs: &[Vec<Step>]) -> Option<String> {
+    let n = programs.len();
+    let mut pc = vec![0usize; n];
+    // Per rank, the done flags of its current exchange's sends and receives.
+    let mut done: Vec<(Vec<bool>, Vec<bool>)> = vec![(Vec::new(), Vec::new()); n];
+    let current = |pc: &[usize], r: usize| programs[r].get(pc[r]);
+    let reset = |done: &mut Vec<(Vec<bool>, Vec<bool>)>, pc: &[usize], r: usize| {
+        done[r] = match programs[r].get(pc[r]) {
+            Some(Step::Exchange { send, recv }) => {
+                (vec![false; send.len()], vec![false; recv.len()])
+            }
+            _ => (Vec::new(), Vec::new()),
+        };
+    };
+    for r in 0..n {
+        reset(&mut done, &pc, r);
+    }
+    loop {
+        let mut progressed = false;
+        for a in 0..n {
+            // Match a's posted sends with receives its peers have posted.
+            if let Some(Step::Exchange { send, .. }) = current(&pc, a) {
+                for (si, x) in send.iter().enumerate() {
+                    if done[a].0[si] {
+                        continue;
+                    }
+                    let b = x.peer;
+                    if let Some(Step::Exchange { recv, .. }) = current(&pc, b)
+                        && let Some(ri) = recv
+                            .iter()
+                            .enumerate()
+                            .position(|(ri, y)| y.peer == a && y.msg == x.msg && !done[b].1[ri])
+                    {
+                        done[a].0[si] = true;
+                        done[b].1[ri] = true;
+                        progressed = true;
+                    }
+                }
+            }
+        }
+        for r in 0..n {
+            let finished_step = match current(&pc, r) {
+                None => false,
+                Some(Step::Run(_)) => true,
+                Some(Step::Exchange { .. }) => {
+                    done[r].0.iter().all(|&d| d) && done[r].1.iter().all(|&d| d)
+                }
+            };
+            if finished_step {
+                pc[r] += 1;
+                reset(&mut done, &pc, r);
+                progressed = true;
+            }
+        }
+        if !progressed {
+            let open: Vec<String> = (0..n)
+                .filter(|&r| pc[r] < programs[r].len())
+                .map(|r| format!("rank {r} at {}: {:?}", pc[r], programs[r][pc[r]]))
+                .collect();
+            return (!open.is_empty()).then(|| open.join("\n"));
+        }
+    }
+}
+
+/// Per ordered pair of ranks, the messages in the order the sender sends them and in
+/// the order the receiver receives them: a FIFO transport needs them equal.
+fn pair_orders(
+    programs: &[Vec<Step>],
+) -> (
+    HashMap<(usize, usize), Vec<Msg>>,
+    HashMap<(usize, usize), Vec<Msg>>,
+) {
+    let (mut sent, mut got) = (HashMap::new(), HashMap::new());
+    for (r, p) in programs.iter().enumerate() {
+        for s in p {
+            if let Step::Exchange { send, recv } = s {
+                for x in send {
+                    sent.entry((r, x.peer)).or_insert_with(Vec::new).push(x.msg);
+                }
+                for x in recv {
+                    got.entry((x.peer, r)).or_insert_with(Vec::new).push(x.msg);
+                }
+            }
+        }
+    }
+    (sent, got)
+}
+
+#[test]
+fn programs_are_complete_bounded_and_deadlock_free_without_buffering() {
+    let mut rng = ChaCha8Rng::seed_from_u64(0x0f1b);
+    let (mut cases, mut overlapping) = (0, 0);
+    for max_pp in 1..=5 {
+        for m in 1..=8 {
+            for _ in 0..20 {
+                let g = random_graph(&mut rng, max_pp, m);
+                let world = world_of(&g);
+                let roles: Vec<Role> = (0..world).map(|r| g.role(r).unwrap()).collect();
+                let programs: Vec<Vec<Step>> = roles.iter().map(Role::program).collect();
+                for (r, (role, p)) in roles.iter().zip(&programs).enumerate() {
+                    let ops: Vec<Op> = p
+                        .iter()
+                        .filter_map(|s| match s {
+                            Step::Run(op) => Some(*op),
+                            Step::Exchange { .. } => None,
+                        })
+                        .collect();
+                    let n = role.chunks.len();
+                    // Every chunk forward once, backward once (when it trains), in order.
+                    for j in 0..n {
+                        let f = ops.iter().position(|&o| o == Op::Forward(j));
+                        let b = ops.iter().position(|&o| o == Op::Backward(j));
+                        assert!(f.is_some(), "rank {r}: no forward of chunk {j}");
+                        assert_eq!(b.is_some(), role.backward, "rank {r} chunk {j}");
+                        if let (Some(f), Some(b)) = (f, b) {
+                            assert!(f < b, "rank {r} chunk {j}: backward before forward");
+                        }
+                    }
+                    assert_eq!(ops.len(), n * (1 + usize::from(role.backward)));
+                    if role.backward {
+                        assert!(max_in_flight(&ops) <= role.depth.min(n.max(1)), "rank {r}");
+                    }
+                }
+                let (sent, got) = pair_orders(&programs);
+                assert_eq!(
+                    sent, got,
+                    "every send has its receive, in one order per pair"
+                );
+                if let Some(at) = stuck(&programs) {
+                    let roles: Vec<String> = roles
+                        .iter()
+                        .map(|r| {
+                            format!("chunks {:?} depth {} bwd {}", r.chunks, r.depth, r.backward)
+                        })
+                        .collect();
+                    panic!(
+                        "deadlock:\n{at}\nroles:\n{}\nprograms: {programs:?}",
+                        roles.join("\n")
+                    );
+                }
+                // Encoders of this graph run some chunk's forward after an LLM rank
+                // needs an earlier one: the overlap the schedule is for.
+                overlapping += usize::from(
+                    roles
+                        .iter()
+                        .any(|r| r.chunks.len() > 1 && r.depth > g.llm.dims.pp && r.backward),
+                );
+                cases += 1;
+            }
+        }
+    }
+    assert!(
+        overlapping > 50,
+        "only {overlapping} of {cases} graphs overlap"
+    );
+}
+
+/// The rendezvous check can fail: the naive order (send right after each compute, not
+/// grouped with the next receive) deadlocks a two-stage 1F1B pipeline.
+#[test]
+fn ungrouped_sends_deadlock_under_rendezvous() {
+    let llm = Grid::new(
+        GridDims {
+            tp: 1,
+            cp: 1,
+            pp: 2,
+            dp: 1,
+        },
+        0,
+    )
+    .unwrap();
+    let g = Graph {
+        llm,
+        encoders: Vec::new(),
+        llm_chunks: vec![vec![0, 1, 2]],
+        encoder_chunks: Vec::new(),
+        bridges: vec![None, None, None],
+    };
+    let grouped: Vec<Vec<Step>> = (0..2).map(|r| g.role(r).unwrap().program()).collect();
+    assert!(run_rendezvous(&grouped));
+    // Split every exchange into its sends, then its receives, one at a time.
+    let naive: Vec<Vec<Step>> = grouped
+        .iter()
+        .map(|p| {
+            p.iter()
+                .flat_map(|s| match s {
+                    Step::Run(_) => vec![s.clone()],
+                    Step::Exchange { send, recv } => send
+                        .iter()
+                        .map(|x| Step::Exchange {
+                            send: vec![*x],
+                            recv: Vec::new(),
+                        })
+                        .chain(recv.iter().map(|x| Step::Exchange {
+                            send: Vec::new(),
+                            recv: vec![*x],
+                        }))
+                        .collect(),
+                })
+                .collect()
+        })
+        .collect();
+    assert!(!run_rendezvous(&naive));
+}
+
+#[test]
+fn encoder_warm_up_spans_the_llm_pipeline() {
+    let grid = |pp, offset| {
+        Grid::new(
+            GridDims {
+                tp: 1,
+                cp: 1,
+                pp,
+                dp: 1,
+            },
+            offset,
+        )
+        .unwrap()
+    };
+    let g = Graph {
+        llm: grid(3, 2),
+        encoders: vec![EncoderNode {
+            grid: grid(2, 0),
+            trains: true,
+            branch_trains: true,
+        }],
+        llm_chunks: vec![(0..6).collect()],
+        encoder_chunks: vec![vec![(0..6).collect()]],
+        bridges: vec![None; 6],
+    };
+    // Encoder stage 0 of 2 before a 3-stage LLM: 2 - 0 - 1 + 3 = 4 forwards ahead.
+    let ops = g.role(0).unwrap().ops();
+    assert_eq!(
+        &ops[..5],
+        &[
+            Op::Forward(0),
+            Op::Forward(1),
+            Op::Forward(2),
+            Op::Forward(3),
+            Op::Forward(4)
+        ]
+    );
+    assert_eq!(ops[5], Op::Backward(0));
+    assert_eq!(max_in_flight(&ops), 5);
+    // The LLM's last stage alternates.
+    assert_eq!(
+        &g.role(4).unwrap().ops()[..2],
+        &[Op::Forward(0), Op::Backward(0)]
+    );
+}

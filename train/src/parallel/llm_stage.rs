@@ -1,0 +1,311 @@
+//! One rank's LLM stage over its replica's microbatches: each microbatch's forward (with its modality rows on the first stage, the loss on the last) and backward, and the phased step's 1F1B loop over them.
+//!
+//! [`LlmStageRun`] holds what a stage keeps between a microbatch's forward and its
+//! backward (at most the schedule's in-flight caches). It moves no messages itself: the
+//! phased loop ([`run_pipeline`]) and the overlapped executor each pass inputs in and
+//! take outputs out.
+
+use braid_bridge::Routes;
+use braid_comm::Comm;
+use braid_dataloader::loader::Row;
+use braid_kernels::{Device, Shape, Tensor, ops};
+use braid_llm::{ModalityEmbeds, StageCache, StageInput, vocab_parallel_loss};
+use braid_nn::SeqInfo;
+
+use super::model::{LlmPart, device_of};
+use super::plan::{Microbatch, StepPlan};
+use super::schedule::{Op, one_f_one_b};
+use crate::data::rows_to_text;
+use crate::error::{Result, TrainError};
+use crate::trace::Tracer;
+
+/// A microbatch as this CP rank sees it: token ids, sample layout, next-token targets.
+struct LocalBatch {
+    ids: Tensor, // (T) u32 on the device
+    /// The same ids on the host (the vocab-parallel embedding picks its range here).
+    host_ids: Vec<u32>,
+    seq: SeqInfo,
+    targets: Vec<u32>,
+}
+
+fn local_batch(rows: &[Row], mb: &Microbatch, cp_rank: usize, dev: Device) -> Result<LocalBatch> {
+    let refs: Vec<&Row> = mb.rows.iter().map(|&r| &rows[r]).collect();
+    // Text only: the LLM never reads this microbatch's pixels or mel frames.
+    let text = rows_to_text(&refs)?;
+    let Some(plan) = &mb.split.plan else {
+        let t = text.ids.len();
+        return Ok(LocalBatch {
+            ids: Tensor::from_vec_u32(text.ids.clone(), [t], dev)?,
+            host_ids: text.ids,
+            seq: text.seq,
+            targets: text.targets,
+        });
+    };
+    // Targets look one token ahead (possibly on another CP rank): taken on the whole
+    // microbatch, then this rank's tokens kept.
+    let mine = plan.tokens(cp_rank)?;
+    let local_ids: Vec<u32> = mine.iter().map(|&i| text.ids[i]).collect();
+    Ok(LocalBatch {
+        ids: Tensor::from_vec_u32(local_ids.clone(), [mine.len()], dev)?,
+        host_ids: local_ids,
+        seq: plan.seq_info(cp_rank, &text.seq)?,
+        targets: mine.iter().map(|&i| text.targets[i]).collect(),
+    })
+}
+
+/// Where each received modality row goes: for every row of `received` (`(plan item,
+/// row of the item)`, in the order of the tensor holding them), its microbatch among
+/// `mbs` and its position among this CP rank's tokens. Per microbatch: (indices into
+/// the tensor, local placeholder positions).
+pub(crate) fn placeholders(
+    plan: &StepPlan,
+    mbs: &[&Microbatch],
+    cp: usize,
+    received: &[(usize, u32)],
+) -> Result<Vec<(Vec<u32>, Vec<u32>)>> {
+    let mut fill: Vec<(Vec<u32>, Vec<u32>)> = vec![(Vec::new(), Vec::new()); mbs.len()];
+    for (k, &(item, row)) in received.iter().enumerate() {
+        let it = &plan.items[item];
+        let j = mbs.iter().position(|m| m.mb == it.mb).ok_or_else(|| {
+            TrainError::Other(format!("received a row of item {item} for no microbatch"))
+        })?;
+        let (cpr, local) = mbs[j].split.owner[it.start + row as usize];
+        if cpr != cp {
+            return Err(TrainError::Other(format!(
+                "item {item} row {row} was routed to cp rank {cp} but belongs to {cpr}"
+            )));
+        }
+        fill[j].0.push(k as u32);
+        fill[j].1.push(local as u32);
+    }
+    Ok(fill)
+}
+
+/// A stage's input for one microbatch.
+pub(crate) enum LlmIn {
+    /// The first stage: the microbatch's modality rows `(M_mb, C)` and their local
+    /// placeholder positions, if it has any.
+    Tokens(Option<(Tensor, Vec<u32>)>),
+    /// Another stage: the previous stage's output (T, C).
+    Hidden(Tensor),
+}
+
+/// One rank's LLM stage over one step's microbatches of its replica.
+pub(crate) struct LlmStageRun<'a> {
+    part: &'a mut LlmPart,
+    rows: &'a [Row],
+    pub mbs: Vec<&'a Microbatch>,
+    /// The loss normalizer: valid targets of the whole global batch.
+    norm: usize,
+    dev: Device,
+    caches: Vec<Option<(StageCache, Option<Tensor>)>>,
+    tokens: Vec<usize>,
+    /// Loss sum this rank contributes (last stage, TP rank 0; 0 elsewhere).
+    pub loss: f64,
+}
+
+impl<'a> LlmStageRun<'a> {
+    pub fn new(part: &'a mut LlmPart, rows: &'a [Row], plan: &'a StepPlan, norm: usize) -> Self {
+        let mbs = plan.microbatches_of(part.groups.coord.dp);
+        let dev = device_of(&part.stage);
+        let n = mbs.len();
+        LlmStageRun {
+            part,
+            rows,
+            mbs,
+            norm,
+            dev,
+            caches: (0..n).map(|_| None).collect(),
+            tokens: vec![0; n],
+            loss: 0.0,
+        }
+    }
+
+    /// This rank's CP index.
+    pub fn cp(&self) -> usize {
+        self.part.groups.coord.cp
+    }
+
+    pub fn stage(&self) -> (usize, usize) {
+        (self.part.groups.coord.pp, self.part.groups.grid.dims.pp)
+    }
+
+    /// The shape of the hidden states (and their grads) between stages of microbatch
+    /// `j`: (T_local, C).
+    pub fn hidden_shape(&self, j: usize) -> Result<Shape> {
+        let t = self.mbs[j]
+            .split
+            .tokens
+            .get(self.part.groups.coord.cp)
+            .map_or(0, Vec::len);
+        Ok(Shape::new([t, self.part.stage.config.hidden]))
+    }
+
+    /// Microbatch `j`'s forward; returns the output for the next stage (`None` on the
+    /// last stage, which takes the loss and keeps its grad).
+    pub fn forward(
+        &mut self,
+        j: usize,
+        input: LlmIn,
+        trace: &mut Tracer,
+    ) -> Result<Option<Tensor>> {
+        let (stage, stages) = self.stage();
+        let b = local_batch(self.rows, self.mbs[j], self.part.groups.coord.cp, self.dev)?;
+        self.tokens[j] = b.seq.num_tokens();
+        let t0 = trace.start();
+        let (out, cache) = match input {
+            LlmIn::Tokens(modality) => {
+                let modality = match modality {
+                    Some((embeds, pos)) => Some(ModalityEmbeds {
+                        positions: Tensor::from_vec_u32(pos.clone(), [pos.len()], self.dev)?,
+                        embeds: embeds.into_device(self.dev)?, // (M_mb, C)
+                    }),
+                    None => None,
+                };
+                let input = StageInput::Tokens {
+                    ids: &b.ids,
+                    host_ids: Some(&b.host_ids),
+                    modality: modality.as_ref(),
+                };
+                self.part.stage.forward(input, &b.seq)?
+            }
+            LlmIn::Hidden(h) => self
+                .part
+                .stage
+                .forward(StageInput::Hidden(h.into_device(self.dev)?), &b.seq)?,
+        };
+        trace.end(t0, format!("llm fwd s{stage} mb{j}"), "llm")?;
+        if stage + 1 == stages {
+            let t0 = trace.start();
+            let l = vocab_parallel_loss(
+                self.part.stage.tp_group().as_ref(),
+                &out,
+                self.part.stage.vocab_range().start,
+                &b.targets,
+                Some(self.norm),
+            )?;
+            trace.end(t0, format!("llm loss mb{j}"), "llm")?;
+            if self.part.groups.coord.tp == 0 {
+                self.loss += l.loss_sum;
+            }
+            self.caches[j] = Some((cache, Some(l.dlogits)));
+            Ok(None)
+        } else {
+            self.caches[j] = Some((cache, None));
+            Ok(Some(out))
+        }
+    }
+
+    /// Microbatch `j`'s backward, given the grad of its output (`None` on the last
+    /// stage, which has it from the loss); returns the grad of its input: the previous
+    /// stage's hidden states, or on the first stage the modality rows' grads (in the
+    /// order they came in; `None` without any).
+    pub fn backward(
+        &mut self,
+        j: usize,
+        dout: Option<Tensor>,
+        trace: &mut Tracer,
+    ) -> Result<Option<Tensor>> {
+        let stage = self.stage().0;
+        let (cache, dlogits) = self.caches[j]
+            .take()
+            .ok_or_else(|| TrainError::Other(format!("microbatch {j} has no cache")))?;
+        let dout = match (dlogits, dout) {
+            (Some(d), _) => d,
+            (None, Some(d)) => d.into_device(self.dev)?, // (T, C)
+            (None, None) => {
+                return Err(TrainError::Other(format!(
+                    "llm stage {stage} microbatch {j}: no output grad"
+                )));
+            }
+        };
+        let t0 = trace.start();
+        let dx = self.part.stage.backward(cache, &dout)?;
+        trace.end(t0, format!("llm bwd s{stage} mb{j}"), "llm")?;
+        Ok(dx)
+    }
+}
+
+/// The phased step: this rank's stage over its replica's microbatches in 1F1B order,
+/// every microbatch's modality rows taken from `received` (the whole step's, from one
+/// bridge exchange), their grads scattered into `dreceived`. Returns the loss sum this
+/// rank contributes.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn run_pipeline(
+    part: &mut LlmPart,
+    world: &dyn Comm,
+    rows: &[Row],
+    plan: &StepPlan,
+    routes: &Routes,
+    received: &Tensor,
+    dreceived: &mut Tensor,
+    norm: usize,
+    trace: &mut Tracer,
+) -> Result<f64> {
+    let g = part.groups.clone();
+    let rank = world.rank();
+    let (stage, stages) = (g.coord.pp, g.grid.dims.pp);
+    let first = stage == 0;
+    let prev = || {
+        g.grid
+            .pp_neighbor(rank, -1)
+            .ok_or_else(|| TrainError::Other("no previous stage".into()))
+    };
+    let next = || {
+        g.grid
+            .pp_neighbor(rank, 1)
+            .ok_or_else(|| TrainError::Other("no next stage".into()))
+    };
+    let mut run = LlmStageRun::new(part, rows, plan, norm);
+    let dev = run.dev;
+    // Stage 0: which received rows fill which local placeholder of each microbatch.
+    let fill = if first {
+        placeholders(plan, &run.mbs, g.coord.cp, &routes.received(rank))?
+    } else {
+        vec![(Vec::new(), Vec::new()); run.mbs.len()]
+    };
+    let index = |v: &[u32]| Tensor::from_vec_u32(v.to_vec(), [v.len()], dev);
+    for op in one_f_one_b(stage, stages, run.mbs.len()) {
+        match op {
+            Op::Forward(j) => {
+                let input = if first {
+                    let (idx, pos) = &fill[j];
+                    LlmIn::Tokens(if idx.is_empty() {
+                        None
+                    } else {
+                        Some((ops::gather_rows(received, &index(idx)?)?, pos.clone())) // (M_mb, C)
+                    })
+                } else {
+                    let t0 = trace.start();
+                    let h = world.recv(&run.hidden_shape(j)?, prev()?)?; // (T, C)
+                    trace.end(t0, format!("recv act mb{j}"), "comm")?;
+                    LlmIn::Hidden(h)
+                };
+                if let Some(out) = run.forward(j, input, trace)? {
+                    world.send(&out, next()?)?;
+                }
+            }
+            Op::Backward(j) => {
+                let dout = if stage + 1 == stages {
+                    None
+                } else {
+                    let t0 = trace.start();
+                    let d = world.recv(&run.hidden_shape(j)?, next()?)?; // (T, C)
+                    trace.end(t0, format!("recv grad mb{j}"), "comm")?;
+                    Some(d)
+                };
+                let dx = run.backward(j, dout, trace)?;
+                if !first {
+                    let dh =
+                        dx.ok_or_else(|| TrainError::Other("stage gave no input grad".into()))?;
+                    world.send(&dh, prev()?)?;
+                } else if let Some(dmod) = dx
+                    && !fill[j].0.is_empty()
+                {
+                    ops::scatter_rows(dreceived, &index(&fill[j].0)?, &dmod)?;
+                }
+            }
+        }
+    }
+    Ok(run.loss)
+}
