@@ -32,6 +32,11 @@ pub struct PlanArgs {
     /// Where to write the plan file.
     #[arg(long, default_value = "plan.toml")]
     out: PathBuf,
+    /// Also write the simulator's predicted timeline of the pick's step (on the first
+    /// sampled batch) to this Chrome trace file: a row per pipeline stage of a replica,
+    /// spans named like a run's `log.trace` (`braid trace FILE --png` draws it).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -106,6 +111,16 @@ fn plan_cmd(a: &PlanArgs) -> Result<(), String> {
         plan: o.best.plan.clone(),
     };
     file.write(&a.out).map_err(|e| e.to_string())?;
+    if let Some(path) = &a.trace {
+        let (_, timeline) = p
+            .problem
+            .timeline(&o.best.plan, &p.workload.batch(0))
+            .map_err(|e| format!("--trace: {e}"))?;
+        braid_train::trace::write_plan(path, &timeline).map_err(|e| e.to_string())?;
+        if !a.json {
+            println!("predicted timeline: {}", path.display());
+        }
+    }
     if a.json {
         println!(
             "{}",

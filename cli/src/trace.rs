@@ -42,10 +42,18 @@ fn trace_file(path: &Path) -> PathBuf {
     path.to_path_buf()
 }
 
-/// Per rank: `(label, spans in seconds with their lane)`, ranks in order.
+/// Per rank (or a plan's lane): `(label, spans in seconds with their lane)`, in order;
+/// labelled by the file's process names where it has them.
 fn rows(file: &TraceFile, step: Option<u64>) -> Vec<Row> {
     let mut by_rank: BTreeMap<usize, Vec<Span>> = BTreeMap::new();
+    let mut labels: BTreeMap<usize, String> = BTreeMap::new();
     for e in &file.trace_events {
+        if e.ph == "M"
+            && e.name == "process_name"
+            && let Some(name) = e.args.get("name").and_then(serde_json::Value::as_str)
+        {
+            labels.insert(e.pid, name.to_string());
+        }
         let Some(dur) = e.dur.filter(|_| e.ph == "X") else {
             continue;
         };
@@ -61,7 +69,10 @@ fn rows(file: &TraceFile, step: Option<u64>) -> Vec<Row> {
     }
     by_rank
         .into_iter()
-        .map(|(rank, spans)| (format!("rank {rank}"), spans))
+        .map(|(rank, spans)| {
+            let label = labels.remove(&rank).unwrap_or_else(|| format!("rank {rank}"));
+            (label, spans)
+        })
         .collect()
 }
 

@@ -194,3 +194,43 @@ fn bad_input_exits_2_naming_the_fix() {
         assert!(err.contains(says), "{args:?}: {err}");
     }
 }
+
+/// `braid plan --trace FILE`: the simulator's predicted timeline of the pick, as a
+/// Chrome trace with a row per stage lane and spans named like a run's; `braid trace`
+/// reads and draws it like a run's.
+#[test]
+fn a_plan_writes_its_predicted_timeline() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, trace, png) = (
+        dir.path().join("plan.toml"),
+        dir.path().join("predicted.json"),
+        dir.path().join("predicted.png"),
+    );
+    let v = plan_json(
+        "configs/plan-7b.toml",
+        &["--schedule", "overlapped", "--trace", trace.to_str().unwrap()],
+        &out,
+    );
+    let file = braid_train::trace::read(&trace).unwrap();
+    let spans: Vec<_> = file.trace_events.iter().filter(|e| e.ph == "X").collect();
+    let names: std::collections::BTreeSet<&str> = spans.iter().map(|e| e.name.as_str()).collect();
+    for n in ["llm fwd s0 mb0", "llm bwd s0 mb0", "vision fwd s0 mb0", "bridge fwd mb0"] {
+        assert!(names.contains(n), "no `{n}` in {names:?}");
+    }
+    // The timeline spans about the predicted step (which is the mean of several sampled
+    // batches; the timeline is the first's).
+    let end = spans
+        .iter()
+        .map(|e| (e.ts + e.dur.unwrap()) * 1e-6)
+        .fold(0.0, f64::max);
+    let step = v["step_time_s"].as_f64().unwrap();
+    assert!(end > 0.5 * step && end < 2.0 * step, "{end} vs {step}");
+    // Each row is named after its lane.
+    assert!(file.trace_events.iter().any(|e| e.ph == "M"
+        && e.args.get("name").and_then(|n| n.as_str()).is_some_and(|n| n.starts_with("llm r0 s0 ("))));
+    let res = braid(&["trace", trace.to_str().unwrap(), "--png", png.to_str().unwrap()]);
+    assert!(res.status.success(), "{}", String::from_utf8_lossy(&res.stderr));
+    let text = String::from_utf8_lossy(&res.stdout);
+    assert!(text.contains("llm r0 s0"), "{text}");
+    assert!(std::fs::metadata(&png).unwrap().len() > 1000);
+}

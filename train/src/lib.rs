@@ -23,6 +23,7 @@ pub mod parallel;
 pub mod planning;
 pub mod resume;
 pub mod stop;
+pub mod straggler;
 pub mod summary;
 pub mod tokenizer;
 pub mod trace;

@@ -110,6 +110,10 @@ pub struct StepMetrics {
     /// pool's high-water mark; absent on CPU).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_mem_gib: Option<f64>,
+    /// On several ranks: the rank furthest behind the ranks doing the same work, its
+    /// compute seconds in the step and their median.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub straggler: Option<crate::straggler::Straggler>,
 }
 
 /// Max over mean of the estimated load (forward FLOPs of the balancer's cost model) over
@@ -235,6 +239,7 @@ mod tests {
             epoch: 0,
             balance: None,
             peak_mem_gib: None,
+            straggler: None,
         }
     }
 

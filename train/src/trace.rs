@@ -74,6 +74,9 @@ pub struct Tracer {
     origin: Instant,
     step: u64,
     events: Vec<TraceEvent>,
+    /// Seconds spent in compute spans (the module and optimizer lanes) since the last
+    /// [`Tracer::take_busy`], measured whether or not spans are recorded.
+    busy_s: f64,
 }
 
 impl Tracer {
@@ -94,6 +97,7 @@ impl Tracer {
             origin: Instant::now(),
             step: 0,
             events: Vec::new(),
+            busy_s: 0.0,
         }
     }
 
@@ -114,9 +118,16 @@ impl Tracer {
         self.recording = self.enabled && step < first.saturating_add(self.limit);
     }
 
-    /// The start of a span; `None` when nothing is recorded (nothing is measured).
+    /// The start of a span (always measured: compute spans count as busy time).
     pub fn start(&self) -> Option<Instant> {
-        self.recording.then(Instant::now)
+        Some(Instant::now())
+    }
+
+    /// Compute seconds since the last call (the straggler check's busy time). While
+    /// spans are recorded they end after the device's queued work; otherwise on the
+    /// host, which on a GPU counts launches rather than kernels.
+    pub fn take_busy(&mut self) -> f64 {
+        std::mem::take(&mut self.busy_s)
     }
 
     /// Ends the span begun at `start` (after the device's queued work): `name` is what
@@ -130,8 +141,16 @@ impl Tracer {
         let Some(start) = start else {
             return Ok(());
         };
-        self.device.synchronize()?;
+        if self.recording {
+            self.device.synchronize()?;
+        }
         let end = Instant::now();
+        if matches!(lane, "vision" | "audio" | "llm" | "optim") {
+            self.busy_s += end.duration_since(start).as_secs_f64();
+        }
+        if !self.recording {
+            return Ok(());
+        }
         let at = |t: Instant| self.origin_us + t.duration_since(self.origin).as_secs_f64() * 1e6;
         let event = TraceEvent {
             name: name.into(),
@@ -205,6 +224,47 @@ fn write_file(path: &Path, events: Vec<TraceEvent>) -> Result<()> {
         std::fs::write(tmp, &json).map_err(|e| braid_nn::Error::io(tmp, "write", e))
     })?;
     Ok(())
+}
+
+/// Writes the simulator's predicted timeline of a plan's step to `path`, in the format of
+/// a run's: a row per lane (a pipeline stage of a replica, its TP x CP GPUs acting as
+/// one; the bridge's transfers on rows of their own), spans named as the trainer names
+/// them and coloured by module, from time 0.
+pub fn write_plan(path: &Path, timeline: &braid_balancer::plan::step::PlanTimeline) -> Result<()> {
+    let mut events = Vec::new();
+    for (pid, (label, ranks)) in timeline.lanes.iter().enumerate() {
+        let mut meta = names(pid);
+        meta[0].args.insert(
+            "name".into(),
+            match ranks {
+                0 => label.clone(),
+                n => format!("{label} ({n} GPUs)"),
+            }
+            .into(),
+        );
+        events.extend(meta);
+    }
+    for (lane, name, start, end) in &timeline.spans {
+        let kind = match name.split(' ').next().unwrap_or("") {
+            "grad" => "comm",
+            "" => "comm",
+            k => k,
+        };
+        events.push(TraceEvent {
+            name: name.clone(),
+            cat: kind.to_string(),
+            ph: "X".into(),
+            ts: start * 1e6,
+            dur: Some((end - start) * 1e6),
+            pid: *lane,
+            tid: lane_index(kind),
+            args: BTreeMap::new(),
+        });
+    }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(io_err(dir, "create"))?;
+    }
+    write_file(path, events)
 }
 
 /// Reads a trace file (a rank's, the merged one, or a plan's).

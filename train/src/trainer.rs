@@ -410,6 +410,7 @@ impl Trainer {
                 .device
                 .peak_memory_bytes()?
                 .map(|b| b as f64 / (1u64 << 30) as f64),
+            straggler: None,
         };
         if let Some(w) = self.metrics.as_mut() {
             w.append(&m)?;

@@ -9,6 +9,7 @@
 use std::collections::BTreeSet;
 
 use braid_train::Quiet;
+use braid_train::metrics::read_metrics;
 use braid_train::trace::{LANES, TraceEvent, TraceFile, read};
 use braid_train::trainer::train;
 
@@ -124,6 +125,13 @@ fn an_overlapped_run_shows_encoders_working_beside_the_llm() {
         |e: &TraceEvent| encoder_compute(e) && e.name.contains(" fwd ") && !e.name.ends_with("mb0");
     let n = overlapping(&merged, later_encoder_fwd, llm_compute);
     assert!(n > 0, "no encoder forward overlaps the LLM's work");
+    // Every step names its slowest rank against the ranks doing the same work.
+    let metrics = read_metrics(&dir.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.len(), 3);
+    for m in &metrics {
+        let s = m.straggler.expect("a straggler line on 4 ranks");
+        assert!(s.slowest_rank < 4 && s.busy_s > 0.0 && s.median_busy_s > 0.0, "{s:?}");
+    }
 }
 
 #[test]

@@ -28,6 +28,9 @@ pub struct Dag {
     order: Vec<Vec<usize>>,
     /// (task, the task it waits for): one flat list (steps have ~10^5 tasks).
     edges: Vec<(u32, u32)>,
+    /// Each task's name ("llm fwd s0 mb3"), kept only by [`Dag::named`] (for a predicted
+    /// timeline; the search's simulations skip the strings).
+    names: Option<Vec<String>>,
 }
 
 /// Compressed adjacency: the tasks waiting on each task.
@@ -66,6 +69,29 @@ impl Dag {
 }
 
 impl Dag {
+    /// A DAG that keeps its tasks' names.
+    pub fn named() -> Dag {
+        Dag {
+            names: Some(Vec::new()),
+            ..Dag::default()
+        }
+    }
+
+    /// Names task `id` (when names are kept; `name` runs only then).
+    pub fn name(&mut self, id: usize, name: impl FnOnce() -> String) {
+        if let Some(slot) = self.names.as_mut().and_then(|n| n.get_mut(id)) {
+            *slot = name();
+        }
+    }
+
+    /// The name of task `id` ("" when unnamed or names are not kept).
+    pub fn name_of(&self, id: usize) -> &str {
+        self.names
+            .as_ref()
+            .and_then(|n| n.get(id))
+            .map_or("", String::as_str)
+    }
+
     pub fn lane(&mut self, ranks: usize, label: impl Into<String>) -> usize {
         self.lanes.push(Lane {
             ranks,
@@ -79,6 +105,9 @@ impl Dag {
     pub fn push(&mut self, lane: usize, cost: Cost, deps: &[usize]) -> usize {
         let id = self.tasks.len();
         self.tasks.push(Task { lane, cost });
+        if let Some(n) = self.names.as_mut() {
+            n.push(String::new());
+        }
         self.order[lane].push(id);
         for &d in deps {
             self.wait(id, d);

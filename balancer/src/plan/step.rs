@@ -55,6 +55,14 @@ pub struct StepSim {
     pub dp_sync_s: f64,
 }
 
+/// A simulated step's timeline: its lanes (label, GPUs each stands for) and every task
+/// that took time, `(lane, name, start s, end s)`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PlanTimeline {
+    pub lanes: Vec<(String, usize)>,
+    pub spans: Vec<(usize, String, f64, f64)>,
+}
+
 /// A load of tokens: their count, the sum of squared sequence lengths, the longest.
 #[derive(Clone, Copy, Debug, Default)]
 struct Load {
@@ -121,11 +129,15 @@ fn one_f_one_b(m: usize, depth: usize, backward: bool) -> Vec<(bool, usize)> {
     out
 }
 
-/// Pushes a stage lane's tasks (deps filled later).
+/// Pushes a stage lane's tasks (deps filled later); `module` and `stage` name them as
+/// the trainer's timeline does ("llm fwd s0 mb3").
+#[allow(clippy::too_many_arguments)]
 fn stage_lane(
     g: &mut Dag,
     ranks: usize,
     label: String,
+    module: &str,
+    stage: usize,
     order: &[(bool, usize)],
     cost: impl Fn(bool, usize) -> Cost,
     m: usize,
@@ -134,6 +146,9 @@ fn stage_lane(
     let (mut f, mut b) = (vec![usize::MAX; m], vec![usize::MAX; m]);
     for &(fwd, i) in order {
         let id = g.push(lane, cost(fwd, i), &[]);
+        g.name(id, || {
+            format!("{module} {} s{stage} mb{i}", if fwd { "fwd" } else { "bwd" })
+        });
         if fwd {
             f[i] = id;
         } else {
@@ -155,6 +170,33 @@ impl Problem {
 
     /// Simulates `plan` on the global batch `rows`.
     pub fn simulate(&self, plan: &Plan, rows: &[RowShape]) -> Result<StepSim, String> {
+        Ok(self.run(plan, rows, Dag::default())?.0)
+    }
+
+    /// [`Problem::simulate`] with the predicted timeline of every task.
+    pub fn timeline(
+        &self,
+        plan: &Plan,
+        rows: &[RowShape],
+    ) -> Result<(StepSim, PlanTimeline), String> {
+        let (sim, g, tl) = self.run(plan, rows, Dag::named())?;
+        let timeline = PlanTimeline {
+            lanes: g.lanes.iter().map(|l| (l.label.clone(), l.ranks)).collect(),
+            spans: (0..g.tasks.len())
+                .filter(|&i| tl.end[i] > tl.start[i])
+                .map(|i| (g.tasks[i].lane, g.name_of(i).to_string(), tl.start[i], tl.end[i]))
+                .collect(),
+        };
+        Ok((sim, timeline))
+    }
+
+    /// Builds `plan`'s step on `rows` into `g` and runs it.
+    fn run(
+        &self,
+        plan: &Plan,
+        rows: &[RowShape],
+        mut g: Dag,
+    ) -> Result<(StepSim, Dag, crate::plan::dag::Timeline), String> {
         let b = shape_of(rows);
         let (llm, m) = (plan.llm, plan.microbatches);
         let encoders: Vec<Module> = [Module::Vision, Module::Audio]
@@ -261,7 +303,6 @@ impl Problem {
             link.send(recv.max(send) * hidden * self.cluster.compute_bytes)
         };
 
-        let mut g = Dag::default();
         let mut bridge_s = 0.0;
         // Encoder lanes (not in the baseline): [encoder][replica][stage].
         let mut enc_lanes: Vec<Vec<Vec<LaneTasks>>> = Vec::new();
@@ -299,6 +340,8 @@ impl Problem {
                             &mut g,
                             l.block(),
                             format!("{} r{r} s{s}", e.name()),
+                            e.name(),
+                            s,
                             &order,
                             cost,
                             chunks,
@@ -366,6 +409,8 @@ impl Problem {
                     &mut g,
                     llm.block(),
                     format!("llm r{d} s{s}"),
+                    "llm",
+                    s,
                     &order,
                     cost,
                     m,
@@ -402,6 +447,10 @@ impl Problem {
                     },
                     &[],
                 );
+                g.name(fwd, || match overlapped {
+                    true => format!("bridge fwd mb{c}"),
+                    false => "bridge fwd".into(),
+                });
                 let lane = g.lane(0, format!("bridge back {c}"));
                 let bwd = g.push(
                     lane,
@@ -411,6 +460,10 @@ impl Problem {
                     },
                     &[],
                 );
+                g.name(bwd, || match overlapped {
+                    true => format!("bridge bwd mb{c}"),
+                    false => "bridge bwd".into(),
+                });
                 let mbs: Vec<usize> = if overlapped {
                     vec![c]
                 } else {
@@ -458,7 +511,7 @@ impl Problem {
             dp_sync_s = dp_sync_s.max(t);
             let lane = st.lane;
             if t > 0.0 {
-                g.push(
+                let id = g.push(
                     lane,
                     Cost {
                         compute: 0.0,
@@ -466,6 +519,7 @@ impl Problem {
                     },
                     &[],
                 );
+                g.name(id, || "grad sync".into());
             }
         };
         for (k, &e) in encoders.iter().enumerate() {
@@ -493,7 +547,7 @@ impl Problem {
         // shared device they take their share of it.
         if self.cluster.shared_compute && self.input_s > 0.0 {
             let lane = g.lane(plan.gpus(), "input");
-            g.push(
+            let id = g.push(
                 lane,
                 Cost {
                     compute: self.input_s,
@@ -501,6 +555,7 @@ impl Problem {
                 },
                 &[],
             );
+            g.name(id, || "data".into());
         }
         let tl = g.simulate(self.cluster.shared_compute)?;
 
@@ -582,7 +637,7 @@ impl Problem {
         } else {
             memory.iter().map(|x| x.1).fold(0.0, f64::max)
         };
-        Ok(StepSim {
+        let sim = StepSim {
             step_s: tl.makespan,
             bubble: 1.0 - used / (gpus * tl.makespan).max(1e-30),
             idle: (1.0 - occupied / (gpus * tl.makespan).max(1e-30)).max(0.0),
@@ -592,6 +647,7 @@ impl Problem {
             memory,
             bridge_s,
             dp_sync_s,
-        })
+        };
+        Ok((sim, g, tl))
     }
 }

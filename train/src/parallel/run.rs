@@ -26,6 +26,7 @@ use super::ckpt;
 use super::engine::Engine;
 use super::layout::Layouts;
 use super::model::ShardSource;
+use braid_kernels::{Device, Tensor};
 use crate::checkpoint::{self, TrainState};
 use crate::config::RunConfig;
 use crate::error::{Result, TrainError};
@@ -383,6 +384,8 @@ fn rank_main(
         )));
     }
     let root = cfg.run.dir.join("checkpoints");
+    let peers = crate::straggler::peer_groups(&engine.layouts);
+    let mut watch = crate::straggler::Watch::default();
     let mut state = t.state.clone();
     let mut last_checkpoint = None;
     while state.step < cfg.train.steps {
@@ -428,6 +431,20 @@ fn rank_main(
         state.optimizer_step = engine.optim.step;
         state.loader = loader.state();
         state.tokens_seen += pass.tokens as u64;
+        // Every rank's compute time of the step, against the ranks doing the same work.
+        let busy = Tensor::from_vec(vec![engine.trace.take_busy() as f32], [1], Device::Cpu)?;
+        let busy: Vec<f64> = world
+            .all_gather(&busy)?
+            .to_vec_f32()?
+            .into_iter()
+            .map(f64::from)
+            .collect();
+        let straggler = crate::straggler::slowest(&busy, &peers);
+        if rank == 0
+            && let Some(line) = watch.observe(step, straggler.as_ref())
+        {
+            say(Event::Log(line));
+        }
         let step_time_s = started.elapsed().as_secs_f64();
         state.elapsed_s += step_time_s;
         say(Event::Step(Box::new(StepMetrics {
@@ -450,6 +467,7 @@ fn rank_main(
                 audio: pass.imbalance.audio,
             }),
             peak_mem_gib: None,
+            straggler,
         })));
         let every = cfg.checkpoint.interval;
         let stopped = agree_to_stop(world.as_ref(), t.stop)?;
