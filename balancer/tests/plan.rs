@@ -300,6 +300,40 @@ fn the_search_is_within_five_percent_of_brute_force_and_beats_the_baseline() {
         ov.best.sim.step_s,
         ov_brute.sim.step_s
     );
+    // The work-conserving bound is below every plan's step, and the gap's parts add up.
+    let batches: Vec<Vec<RowShape>> = (0..space.batches).map(|k| w.batch(k)).collect();
+    for f in [&o.best, &o.baseline, &ov.best, &brute] {
+        let g = p.gap(&f.plan, &batches, &f.sim);
+        assert!(g.bound_s > 0.0 && g.bound_s <= f.sim.step_s, "{g:?} vs {}", f.sim.step_s);
+        assert!((g.step_s() - f.sim.step_s).abs() <= 1e-9 * f.sim.step_s, "{g:?}");
+        for part in [g.grad_sync_s, g.imbalance_s, g.bridge_s, g.bubbles_s] {
+            assert!(part >= 0.0, "{g:?}");
+        }
+    }
+}
+
+/// On one GPU with free links, one microbatch and no encoders, the step is the bound:
+/// nothing waits and nothing is communicated.
+#[test]
+fn one_gpu_of_pure_compute_meets_the_bound() {
+    let p = problem(llm_only(4), free_links());
+    let rows: Vec<RowShape> = (0..8)
+        .map(|i| RowShape {
+            samples: vec![256 + 64 * i],
+            images: vec![],
+            clips: vec![],
+        })
+        .collect();
+    let one = Layout {
+        tp: 1,
+        cp: 1,
+        pp: 1,
+        dp: 1,
+    };
+    let plan = plan(one, 1);
+    let sim = p.simulate(&plan, &rows).unwrap();
+    let g = p.gap(&plan, &[rows], &sim);
+    assert!((g.bound_s - sim.step_s).abs() <= 1e-6 * sim.step_s, "{g:?} vs {}", sim.step_s);
 }
 
 #[test]

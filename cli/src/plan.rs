@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use braid_balancer::cluster::GIB;
+use braid_balancer::plan::bound::Gap;
 use braid_balancer::plan::search::Found;
 use braid_balancer::{Layout, Module, Placement, Schedule};
 use braid_train::RunConfig;
@@ -167,10 +168,25 @@ fn found_json(f: &Found) -> Value {
     })
 }
 
+/// The pick's distance from the work-conserving bound, split into its parts.
+fn gap(p: &Planned) -> Gap {
+    let batches: Vec<_> = (0..p.batches.max(1)).map(|k| p.workload.batch(k)).collect();
+    let b = &p.outcome.best;
+    p.problem.gap(&b.plan, &batches, &b.sim)
+}
+
 fn to_json(p: &Planned, alone: Option<&Found>, a: &PlanArgs) -> Value {
     let o = &p.outcome;
     let mut v = found_json(&o.best);
+    let g = gap(p);
     let extra = json!({
+        "bound_step_time_s": g.bound_s,
+        "from_bound": o.best.sim.step_s / g.bound_s,
+        "gap_memory_forced_s": g.memory_forced_s,
+        "gap_grad_sync_s": g.grad_sync_s,
+        "gap_imbalance_s": g.imbalance_s,
+        "gap_bridge_s": g.bridge_s,
+        "gap_bubbles_s": g.bubbles_s,
         "gpus": p.gpus,
         "cluster": p.cluster,
         "overlap_grad_sync": p.problem.overlap_sync,
@@ -242,6 +258,18 @@ fn explain(p: &Planned, alone: Option<&Found>) -> Vec<String> {
         out.push("compute binds: the GPUs are busy most of the step".into());
     }
     out.push(split_reason(b));
+    let g = gap(p);
+    out.push(format!(
+        "work-conserving bound {} (each module's work at its cheapest layout over all {} GPUs, no bubble, no wait, no bridge); the plan is {:.2}x it: memory-forced layout work {}, gradient sync {}, imbalance {}, bridge {}, bubbles {}",
+        secs(g.bound_s),
+        p.gpus,
+        step / g.bound_s.max(1e-12),
+        secs(g.memory_forced_s),
+        secs(g.grad_sync_s),
+        secs(g.imbalance_s),
+        secs(g.bridge_s),
+        secs(g.bubbles_s)
+    ));
     out.push(format!(
         "the LLM-centric layout (llm {}, {} microbatch{}) runs every encoder inside the LLM's first pipeline stage with the LLM's TP and DP; its step takes {} against {} here ({:.2}x)",
         layout_str(base.plan.llm),

@@ -42,6 +42,18 @@ fn the_7b_reference_plans_on_64_gpus() {
     assert_eq!(v["check_simulated"].as_u64(), Some(40), "{v}");
     let checked = v["check_step_time_s"].as_f64().unwrap();
     assert!(v["step_time_s"].as_f64().unwrap() <= 1.05 * checked, "{v}");
+    // The work-conserving bound sits below the step, which its parts add up to.
+    let (step, bound) = (
+        v["step_time_s"].as_f64().unwrap(),
+        v["bound_step_time_s"].as_f64().unwrap(),
+    );
+    assert!(bound > 0.0 && bound <= step, "{v}");
+    assert!((v["from_bound"].as_f64().unwrap() - step / bound).abs() < 1e-9);
+    let parts: f64 = ["memory_forced", "grad_sync", "imbalance", "bridge", "bubbles"]
+        .iter()
+        .map(|k| v[format!("gap_{k}_s")].as_f64().unwrap())
+        .sum();
+    assert!((bound + parts - step).abs() < 1e-6 * step, "{v}");
     // GPU clusters hide the gradient sync behind the passes by default.
     assert_eq!(v["overlap_grad_sync"].as_bool(), Some(true), "{v}");
     assert_eq!(v["sequence_parallel"].as_bool(), Some(true), "{v}");
@@ -100,6 +112,7 @@ fn the_7b_reference_plans_on_64_gpus() {
             && s.contains("speedup")
             && s.contains("binds")
             && s.contains("LLM alone")
+            && s.contains("work-conserving bound")
             && s.contains("overlapped with the passes"),
         "{s}"
     );

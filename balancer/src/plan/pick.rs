@@ -198,6 +198,9 @@ pub fn mean_sim(p: &Problem, plan: &Plan, batches: &[Vec<RowShape>]) -> Result<S
                 a.idle += s.idle;
                 a.bridge_s += s.bridge_s;
                 a.dp_sync_s += s.dp_sync_s;
+                a.busy_gpu_s += s.busy_gpu_s;
+                a.sync_gpu_s += s.sync_gpu_s;
+                a.imbalance_gpu_s += s.imbalance_gpu_s;
                 a.peak_memory = a.peak_memory.max(s.peak_memory);
                 for (x, y) in a.busy.iter_mut().zip(&s.busy) {
                     x.1 += y.1;
@@ -219,6 +222,9 @@ pub fn mean_sim(p: &Problem, plan: &Plan, batches: &[Vec<RowShape>]) -> Result<S
     a.idle /= n;
     a.bridge_s /= n;
     a.dp_sync_s /= n;
+    a.busy_gpu_s /= n;
+    a.sync_gpu_s /= n;
+    a.imbalance_gpu_s /= n;
     for x in a.busy.iter_mut().chain(a.busiest.iter_mut()) {
         x.1 /= n;
     }

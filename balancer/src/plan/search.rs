@@ -415,8 +415,9 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
     })
 }
 
-/// The best LLM-centric plan: the LLM's layouts, each encoder inside stage 0 with the
-/// LLM's TP (or the largest its heads allow) and DP, with and without recomputation.
+/// The best LLM-centric plan (the strongest such baseline): the LLM's layouts, each
+/// encoder inside stage 0 with the LLM's TP (or the largest its heads allow), its items
+/// spread over the stage's DP x CP ranks, with and without recomputation.
 fn baseline(
     p: &Problem,
     batches: &[Vec<RowShape>],
@@ -444,11 +445,12 @@ fn baseline(
             continue;
         };
         let n = (o.layout.dp * o.microbatches) as f64;
+        let spread = o.layout.cp as f64;
         let enc_layout = |e: Module| Layout {
             tp: encoder_tp(p, e, o.layout.tp),
             cp: 1,
             pp: 1,
-            dp: o.layout.dp,
+            dp: o.layout.dp * o.layout.cp,
         };
         for &rc in &space.recompute {
             let extra: Vec<_> = encoders
@@ -460,7 +462,7 @@ fn baseline(
                         checkpoint_stages: false,
                         ..p.cost(e, enc_layout(e), rc, space.zero1)?
                     };
-                    Some((ec, (tot.0 / n, tot.1 / n)))
+                    Some((ec, (tot.0 / n / spread, tot.1 / n / spread)))
                 })
                 .collect();
             let g = t.granularity(Module::Llm, o.layout.dp);

@@ -53,6 +53,27 @@ pub struct StepSim {
     /// Seconds of the bridge (both ways) and of the slowest gradient sync.
     pub bridge_s: f64,
     pub dp_sync_s: f64,
+    /// GPU-seconds of the step: computing or communicating on the stage lanes, of that
+    /// the exposed gradient sync, and the time replicas of a module stage wait for their
+    /// busiest peer (see [`crate::plan::bound`]).
+    pub busy_gpu_s: f64,
+    pub sync_gpu_s: f64,
+    pub imbalance_gpu_s: f64,
+}
+
+/// A module's work in `rows`: (tokens, sum of squared sequence lengths) of the LLM's
+/// rows, or of the encoder's images or clips (after its stem).
+pub(crate) fn module_load(p: &Problem, rows: &[RowShape], m: Module) -> (f64, f64) {
+    let b = shape_of(rows);
+    match m {
+        Module::Llm => (
+            b.row_tokens.iter().map(|&t| t as f64).sum(),
+            b.row_sq.iter().map(|&q| q as f64).sum(),
+        ),
+        _ => items(&b, &p.model, m)
+            .iter()
+            .fold((0.0, 0.0), |(t, q), it| (t + it.1, q + it.1 * it.1)),
+    }
 }
 
 /// A simulated step's timeline: its lanes (label, GPUs each stands for) and every task
@@ -78,7 +99,7 @@ impl Load {
 }
 
 /// Each image's and clip's (row, encoder tokens, LLM tokens).
-fn items(b: &BatchShape, model: &ModelDims, m: Module) -> Vec<(usize, f64, f64)> {
+pub(crate) fn items(b: &BatchShape, model: &ModelDims, m: Module) -> Vec<(usize, f64, f64)> {
     let (per_row, sizes, ratio, stem) = match m {
         Module::Vision => (&b.row_images, &b.image_tokens, model.vision_llm_ratio, 1),
         Module::Audio => (&b.row_clips, &b.clip_frames, model.audio_llm_ratio, 2),
@@ -356,7 +377,8 @@ impl Problem {
         let sc = self.stage_cost(Module::Llm, llm, plan).ok_or("no LLM")?;
         let centric: Vec<(usize, StageCost)> = if plan.placement == Placement::LlmCentric {
             // Each encoder with its own TP (the LLM's, or less where its heads require)
-            // on the LLM's DP ranks.
+            // on the LLM's first-stage ranks, its items spread over their DP x CP ranks
+            // (each CP rank encodes a share and the rows are exchanged, as Megatron can).
             encoders
                 .iter()
                 .enumerate()
@@ -366,7 +388,7 @@ impl Problem {
                         tp,
                         cp: 1,
                         pp: 1,
-                        dp: llm.dp,
+                        dp: llm.dp * llm.cp,
                     };
                     // Inside a 1F1B stage: per-block checkpoints, like the LLM.
                     let sc = StageCost {
@@ -394,12 +416,15 @@ impl Problem {
                     t.comm += sc.send(x.tokens)
                         * f64::from(u8::from(if fwd { s > 0 } else { s + 1 < llm.pp }));
                     if s == 0 {
+                        // A CP rank's share of the replica's items.
+                        let spread = llm.cp as f64;
                         for (k, ec) in &centric {
                             let y = enc_load[*k][d][i];
+                            let (tk, sq) = (y.tokens / spread, y.sq / spread);
                             t = t.plus(if fwd {
-                                ec.forward(0, y.tokens, y.sq)
+                                ec.forward(0, tk, sq)
                             } else {
-                                ec.backward(0, y.tokens, y.sq)
+                                ec.backward(0, tk, sq)
                             });
                         }
                     }
@@ -500,6 +525,7 @@ impl Problem {
         // The gradient sync after each lane's last backward: what of it the lane's last
         // backward and first forward do not hide (all of it without overlap).
         let mut dp_sync_s = 0.0f64;
+        let mut sync_gpu_s = 0.0f64;
         let mut sync = |g: &mut Dag, st: &LaneTasks, scs: &[&StageCost], s: usize| {
             let pass = |ids: &[usize], last: bool| {
                 let id = if last { ids.last() } else { ids.first() };
@@ -509,6 +535,7 @@ impl Problem {
             let (bwd, fwd) = (pass(&st.b, true), pass(&st.f, false));
             let t: f64 = scs.iter().map(|sc| sc.exposed_sync(s, bwd, fwd)).sum();
             dp_sync_s = dp_sync_s.max(t);
+            sync_gpu_s += t * g.lanes[st.lane].ranks as f64;
             let lane = st.lane;
             if t > 0.0 {
                 let id = g.push(
@@ -593,7 +620,8 @@ impl Problem {
             let mut bytes = sc.memory(s, inflight, largest).total();
             if s == 0 {
                 for (k, ec) in &centric {
-                    let big = enc_load[*k].iter().map(|d| max_mb(d)).fold(0.0, f64::max);
+                    let big = enc_load[*k].iter().map(|d| max_mb(d)).fold(0.0, f64::max)
+                        / llm.cp as f64;
                     bytes += ec.memory(0, big * llm.pp.min(m) as f64, big).total();
                 }
             }
@@ -637,6 +665,21 @@ impl Problem {
         } else {
             memory.iter().map(|x| x.1).fold(0.0, f64::max)
         };
+        // Per module stage: each replica's wait for the busiest one.
+        let mut imbalance_gpu_s = 0.0;
+        let mut stages_of: Vec<Vec<Vec<&LaneTasks>>> = Vec::new();
+        for reps in &enc_lanes {
+            let pp = reps.first().map_or(0, Vec::len);
+            stages_of.push((0..pp).map(|s| reps.iter().map(|r| &r[s]).collect()).collect());
+        }
+        stages_of.push((0..llm.pp).map(|s| llm_lanes.iter().map(|r| &r[s]).collect()).collect());
+        for stage in stages_of.iter().flatten() {
+            let most = stage.iter().map(|t| tl.busy[t.lane]).fold(0.0, f64::max);
+            imbalance_gpu_s += stage
+                .iter()
+                .map(|t| (most - tl.busy[t.lane]) * g.lanes[t.lane].ranks as f64)
+                .sum::<f64>();
+        }
         let sim = StepSim {
             step_s: tl.makespan,
             bubble: 1.0 - used / (gpus * tl.makespan).max(1e-30),
@@ -647,6 +690,9 @@ impl Problem {
             memory,
             bridge_s,
             dp_sync_s,
+            busy_gpu_s: occupied,
+            sync_gpu_s,
+            imbalance_gpu_s,
         };
         Ok((sim, g, tl))
     }
