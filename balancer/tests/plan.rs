@@ -67,6 +67,7 @@ fn plan(llm: Layout, m: usize) -> Plan {
         microbatches: m,
         recompute: false,
         recompute_encoders: false,
+        llm_first_stage_layers: None,
         zero1: true,
         llm,
         vision: None,
@@ -304,8 +305,15 @@ fn the_search_is_within_five_percent_of_brute_force_and_beats_the_baseline() {
     let batches: Vec<Vec<RowShape>> = (0..space.batches).map(|k| w.batch(k)).collect();
     for f in [&o.best, &o.baseline, &ov.best, &brute] {
         let g = p.gap(&f.plan, &batches, &f.sim);
-        assert!(g.bound_s > 0.0 && g.bound_s <= f.sim.step_s, "{g:?} vs {}", f.sim.step_s);
-        assert!((g.step_s() - f.sim.step_s).abs() <= 1e-9 * f.sim.step_s, "{g:?}");
+        assert!(
+            g.bound_s > 0.0 && g.bound_s <= f.sim.step_s,
+            "{g:?} vs {}",
+            f.sim.step_s
+        );
+        assert!(
+            (g.step_s() - f.sim.step_s).abs() <= 1e-9 * f.sim.step_s,
+            "{g:?}"
+        );
         for part in [g.grad_sync_s, g.imbalance_s, g.bridge_s, g.bubbles_s] {
             assert!(part >= 0.0, "{g:?}");
         }
@@ -333,7 +341,11 @@ fn one_gpu_of_pure_compute_meets_the_bound() {
     let plan = plan(one, 1);
     let sim = p.simulate(&plan, &rows).unwrap();
     let g = p.gap(&plan, &[rows], &sim);
-    assert!((g.bound_s - sim.step_s).abs() <= 1e-6 * sim.step_s, "{g:?} vs {}", sim.step_s);
+    assert!(
+        (g.bound_s - sim.step_s).abs() <= 1e-6 * sim.step_s,
+        "{g:?} vs {}",
+        sim.step_s
+    );
 }
 
 #[test]

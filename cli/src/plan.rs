@@ -159,6 +159,7 @@ fn found_json(f: &Found) -> Value {
         "microbatches": f.plan.microbatches,
         "recompute": f.plan.recompute,
         "recompute_encoders": f.plan.recompute_encoders,
+        "llm_first_stage_layers": f.plan.llm_first_stage_layers,
         "bubble": f.sim.bubble,
         "idle": f.sim.idle,
         "peak_memory_gib": f.sim.peak_memory / GIB,
@@ -200,6 +201,7 @@ fn to_json(p: &Planned, alone: Option<&Found>, a: &PlanArgs) -> Value {
         "combinations": o.combinations,
         "simulated": o.simulated,
         "baseline": found_json(&o.baseline),
+        "baseline_kind": "llm-centric: every encoder in the LLM's first pipeline stage with its TP, items spread over that stage's DP x CP ranks",
         "llm_alone_step_time_s": alone.map(|f| f.sim.step_s),
         "speedup_ceiling": alone.map(|f| o.baseline.sim.step_s / f.sim.step_s),
         "plan_file": a.out.display().to_string(),
@@ -271,8 +273,12 @@ fn explain(p: &Planned, alone: Option<&Found>) -> Vec<String> {
         secs(g.bubbles_s)
     ));
     out.push(format!(
-        "the LLM-centric layout (llm {}, {} microbatch{}) runs every encoder inside the LLM's first pipeline stage with the LLM's TP and DP; its step takes {} against {} here ({:.2}x)",
+        "the LLM-centric layout (llm {}{}, {} microbatch{}) runs every encoder inside the LLM's first pipeline stage with the LLM's TP, its items spread over that stage's DP x CP ranks; its step takes {} against {} here ({:.2}x)",
         layout_str(base.plan.llm),
+        base.plan
+            .llm_first_stage_layers
+            .map(|f| format!(", first stage {f} layers"))
+            .unwrap_or_default(),
         base.plan.microbatches,
         if base.plan.microbatches == 1 { "" } else { "es" },
         secs(base.sim.step_s),

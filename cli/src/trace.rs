@@ -70,7 +70,9 @@ fn rows(file: &TraceFile, step: Option<u64>) -> Vec<Row> {
     by_rank
         .into_iter()
         .map(|(rank, spans)| {
-            let label = labels.remove(&rank).unwrap_or_else(|| format!("rank {rank}"));
+            let label = labels
+                .remove(&rank)
+                .unwrap_or_else(|| format!("rank {rank}"));
             (label, spans)
         })
         .collect()

@@ -49,10 +49,16 @@ fn the_7b_reference_plans_on_64_gpus() {
     );
     assert!(bound > 0.0 && bound <= step, "{v}");
     assert!((v["from_bound"].as_f64().unwrap() - step / bound).abs() < 1e-9);
-    let parts: f64 = ["memory_forced", "grad_sync", "imbalance", "bridge", "bubbles"]
-        .iter()
-        .map(|k| v[format!("gap_{k}_s")].as_f64().unwrap())
-        .sum();
+    let parts: f64 = [
+        "memory_forced",
+        "grad_sync",
+        "imbalance",
+        "bridge",
+        "bubbles",
+    ]
+    .iter()
+    .map(|k| v[format!("gap_{k}_s")].as_f64().unwrap())
+    .sum();
     assert!((bound + parts - step).abs() < 1e-6 * step, "{v}");
     // GPU clusters hide the gradient sync behind the passes by default.
     assert_eq!(v["overlap_grad_sync"].as_bool(), Some(true), "{v}");
@@ -221,13 +227,23 @@ fn a_plan_writes_its_predicted_timeline() {
     );
     let v = plan_json(
         "configs/plan-7b.toml",
-        &["--schedule", "overlapped", "--trace", trace.to_str().unwrap()],
+        &[
+            "--schedule",
+            "overlapped",
+            "--trace",
+            trace.to_str().unwrap(),
+        ],
         &out,
     );
     let file = braid_train::trace::read(&trace).unwrap();
     let spans: Vec<_> = file.trace_events.iter().filter(|e| e.ph == "X").collect();
     let names: std::collections::BTreeSet<&str> = spans.iter().map(|e| e.name.as_str()).collect();
-    for n in ["llm fwd s0 mb0", "llm bwd s0 mb0", "vision fwd s0 mb0", "bridge fwd mb0"] {
+    for n in [
+        "llm fwd s0 mb0",
+        "llm bwd s0 mb0",
+        "vision fwd s0 mb0",
+        "bridge fwd mb0",
+    ] {
         assert!(names.contains(n), "no `{n}` in {names:?}");
     }
     // The timeline spans about the predicted step (which is the mean of several sampled
@@ -239,10 +255,24 @@ fn a_plan_writes_its_predicted_timeline() {
     let step = v["step_time_s"].as_f64().unwrap();
     assert!(end > 0.5 * step && end < 2.0 * step, "{end} vs {step}");
     // Each row is named after its lane.
-    assert!(file.trace_events.iter().any(|e| e.ph == "M"
-        && e.args.get("name").and_then(|n| n.as_str()).is_some_and(|n| n.starts_with("llm r0 s0 ("))));
-    let res = braid(&["trace", trace.to_str().unwrap(), "--png", png.to_str().unwrap()]);
-    assert!(res.status.success(), "{}", String::from_utf8_lossy(&res.stderr));
+    assert!(file.trace_events.iter().any(|e| {
+        e.ph == "M"
+            && e.args
+                .get("name")
+                .and_then(|n| n.as_str())
+                .is_some_and(|n| n.starts_with("llm r0 s0 ("))
+    }));
+    let res = braid(&[
+        "trace",
+        trace.to_str().unwrap(),
+        "--png",
+        png.to_str().unwrap(),
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
     let text = String::from_utf8_lossy(&res.stdout);
     assert!(text.contains("llm r0 s0"), "{text}");
     assert!(std::fs::metadata(&png).unwrap().len() > 1000);

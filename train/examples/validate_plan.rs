@@ -85,6 +85,30 @@ const LAYOUTS: &[(&str, &[&str])] = &[
             "parallel.audio.dp=2",
         ],
     ),
+    // The overlapped schedule (1F1B across the modules) on three of the disjoint ones.
+    (
+        "disjoint 3, overlapped",
+        &["parallel.world_size=3", "parallel.schedule=\"overlapped\""],
+    ),
+    (
+        "llm pp2 m4, overlapped",
+        &[
+            "parallel.world_size=4",
+            "parallel.llm.pp=2",
+            "parallel.schedule=\"overlapped\"",
+        ],
+    ),
+    (
+        "llm pp2 dp2 + v dp2 + a dp2, overlapped",
+        &[
+            "parallel.world_size=8",
+            "parallel.llm.pp=2",
+            "parallel.llm.dp=2",
+            "parallel.vision.dp=2",
+            "parallel.audio.dp=2",
+            "parallel.schedule=\"overlapped\"",
+        ],
+    ),
 ];
 
 /// Keeps every step's wall time.
@@ -112,13 +136,20 @@ fn plan_of(cfg: &RunConfig, dims: &braid_balancer::ModelDims) -> Plan {
     } else {
         Placement::Disjoint
     };
+    // The trainer runs the overlapped schedule only on disjoint modules of several ranks.
+    let schedule = if placement == Placement::Disjoint {
+        p.schedule
+    } else {
+        Schedule::Phased
+    };
     Plan {
         placement,
-        schedule: Schedule::Phased,
+        schedule,
         microbatches: cfg.train.microbatches,
         recompute: p.llm.recompute,
         // The plan has one switch for both encoders; the layouts above set them alike.
         recompute_encoders: p.vision.recompute || p.audio.recompute,
+        llm_first_stage_layers: None,
         zero1: p.zero1,
         llm: l(&p.llm),
         vision: dims.vision.as_ref().map(|_| l(&p.vision)),

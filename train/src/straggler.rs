@@ -145,7 +145,10 @@ mod tests {
         assert!(w.observe(1, Some(&behind(2))).is_none());
         assert!(w.observe(2, Some(&behind(2))).is_none());
         let line = w.observe(3, Some(&behind(2))).unwrap();
-        assert!(line.contains("rank 2") && line.contains("30 % slower"), "{line}");
+        assert!(
+            line.contains("rank 2") && line.contains("30 % slower"),
+            "{line}"
+        );
         assert!(w.observe(4, Some(&behind(2))).is_none(), "once per streak");
         // Another rank, or a step within 20 %, starts over.
         assert!(w.observe(5, Some(&behind(3))).is_none());

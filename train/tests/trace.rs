@@ -130,7 +130,10 @@ fn an_overlapped_run_shows_encoders_working_beside_the_llm() {
     assert_eq!(metrics.len(), 3);
     for m in &metrics {
         let s = m.straggler.expect("a straggler line on 4 ranks");
-        assert!(s.slowest_rank < 4 && s.busy_s > 0.0 && s.median_busy_s > 0.0, "{s:?}");
+        assert!(
+            s.slowest_rank < 4 && s.busy_s > 0.0 && s.median_busy_s > 0.0,
+            "{s:?}"
+        );
     }
 }
 

@@ -90,7 +90,11 @@ impl Problem {
     pub fn gap(&self, plan: &Plan, batches: &[Vec<RowShape>], sim: &StepSim) -> Gap {
         let g = plan.gpus().max(1) as f64;
         let n = batches.len().max(1) as f64;
-        let bound_s = batches.iter().map(|b| self.work_bound(plan, b)).sum::<f64>() / n;
+        let bound_s = batches
+            .iter()
+            .map(|b| self.work_bound(plan, b))
+            .sum::<f64>()
+            / n;
         let idle = (g * sim.step_s - sim.busy_gpu_s).max(0.0) / g;
         let imbalance_s = (sim.imbalance_gpu_s / g).min(idle);
         let exposed_bridge = match plan.schedule {

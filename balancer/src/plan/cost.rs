@@ -88,12 +88,26 @@ pub struct StageCost<'a> {
     /// their elementwise work is divided by TP too. False: every TP rank repeats them
     /// (`braid train`'s TP; see [`Cluster::replicated_elementwise`]).
     pub sequence_parallel: bool,
+    /// Blocks of the first stage when it holds fewer than the others, the rest split
+    /// evenly (Megatron's first-stage layer count: room for the encoders an LLM-centric
+    /// layout puts there); `None`: `layers / pp` on every stage.
+    pub first_stage_layers: Option<usize>,
 }
 
 impl StageCost<'_> {
-    /// Blocks per stage.
-    fn layers(&self) -> f64 {
-        (self.dims.layers / self.layout.pp.max(1)) as f64
+    /// Blocks of stage `stage`.
+    fn layers(&self, stage: usize) -> f64 {
+        let (l, pp) = (self.dims.layers, self.layout.pp.max(1));
+        match self.first_stage_layers {
+            Some(f) if pp > 1 && f < l => {
+                if stage == 0 {
+                    f as f64
+                } else {
+                    (l - f) as f64 / (pp - 1) as f64
+                }
+            }
+            _ => (l / pp) as f64,
+        }
     }
 
     fn last(&self, stage: usize) -> bool {
@@ -114,7 +128,7 @@ impl StageCost<'_> {
         let (d, l, c) = (self.dims, self.layout, self.cluster);
         let split = (l.tp * l.cp) as f64;
         let rows = tokens / l.cp as f64; // GEMM rows on one GPU
-        let layers = self.layers();
+        let layers = self.layers(stage);
         // The representative GEMM: the MLP's up projection on this GPU's share.
         let gemm = 2.0 * rows * d.hidden as f64 * (d.ffn / l.tp).max(1) as f64;
         let rate = c.matmul_rate(gemm);
@@ -200,7 +214,7 @@ impl StageCost<'_> {
     /// Parameters of stage `stage` on one GPU.
     pub fn params(&self, stage: usize) -> f64 {
         let d = self.dims;
-        let mut p = self.layers() * d.layer_params() as f64;
+        let mut p = self.layers(stage) * d.layer_params() as f64;
         if stage == 0 {
             p += (d.vocab * d.hidden) as f64 + d.extra_params as f64;
         }
@@ -245,7 +259,7 @@ impl StageCost<'_> {
             return self.dp_sync(stage);
         }
         let (reduce, gather) = self.sync_parts(stage);
-        let layers = self.layers().max(1.0);
+        let layers = self.layers(stage).max(1.0);
         let hidden = |t: f64, window: f64| (t - window * (1.0 - 1.0 / layers)).max(t / layers);
         hidden(reduce, last_backward) + hidden(gather, first_forward)
     }
@@ -273,13 +287,13 @@ impl StageCost<'_> {
             let kept = if self.recompute && self.checkpoint_stages {
                 1.0
             } else {
-                self.layers()
+                self.layers(stage)
             };
             let mut a = per_cp(inflight) * kept * d.act_bytes_per_token(l.tp, self.recompute);
             if self.recompute {
                 // The recomputed working set: one block, or the whole stage of one chunk.
                 let span = if self.checkpoint_stages {
-                    self.layers()
+                    self.layers(stage)
                 } else {
                     1.0
                 };
@@ -323,6 +337,7 @@ mod tests {
             frozen: false,
             checkpoint_stages: false,
             overlap_sync: false,
+            first_stage_layers: None,
             sequence_parallel: true,
         };
         let (t, sq) = (4096.0, 4096.0 * 4096.0);
@@ -404,6 +419,7 @@ mod tests {
             frozen: false,
             checkpoint_stages: false,
             overlap_sync: false,
+            first_stage_layers: None,
             sequence_parallel: true,
         };
         let extra = |stage| {
@@ -445,6 +461,7 @@ mod tests {
                 frozen: false,
                 checkpoint_stages: false,
                 overlap_sync: false,
+                first_stage_layers: None,
                 sequence_parallel,
             }
             .forward(0, 4096.0, 4096.0)

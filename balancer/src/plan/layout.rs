@@ -77,6 +77,11 @@ pub struct Plan {
     /// Full activation recomputation (per block) in the LLM, and in the encoders.
     pub recompute: bool,
     pub recompute_encoders: bool,
+    /// The LLM's first pipeline stage holds this many blocks, the others the rest evenly
+    /// (the LLM-centric baseline's option, as Megatron's first-stage layer count);
+    /// absent: an even split.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub llm_first_stage_layers: Option<usize>,
     /// AdamW state sharded over each module's data-parallel ranks.
     pub zero1: bool,
     pub llm: Layout,

@@ -177,6 +177,7 @@ impl Problem {
             checkpoint_stages: m != Module::Llm,
             overlap_sync: self.overlap_sync,
             sequence_parallel: self.sequence_parallel,
+            first_stage_layers: None,
         })
     }
 

@@ -253,6 +253,7 @@ mod tests {
                 microbatches: 1,
                 recompute: false,
                 recompute_encoders: false,
+                llm_first_stage_layers: None,
                 zero1: true,
                 llm: l(dp),
                 vision: Some(l(v)),

@@ -91,6 +91,7 @@ fn plan_of(
         microbatches: llm.microbatches,
         recompute: llm.recompute,
         recompute_encoders: enc.iter().any(|e| e.1.recompute),
+        llm_first_stage_layers: None,
         zero1,
         llm: llm.layout,
         vision: get(Module::Vision),
@@ -415,9 +416,27 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
     })
 }
 
+/// The first-stage layer counts the baseline tries on `pp` stages of `layers` blocks: an
+/// even split (`None`), and 1-3 steps shorter first stages whose remaining blocks still
+/// split evenly over the other stages (as Megatron requires).
+fn first_stage_options(layers: usize, pp: usize) -> Vec<Option<usize>> {
+    let mut out = vec![None];
+    if pp > 1 && layers.is_multiple_of(pp) {
+        let even = layers / pp;
+        out.extend(
+            (1..=3)
+                .map(|j| even as isize - (j * (pp - 1)) as isize)
+                .filter(|&f| f >= 1)
+                .map(|f| Some(f as usize)),
+        );
+    }
+    out
+}
+
 /// The best LLM-centric plan (the strongest such baseline): the LLM's layouts, each
 /// encoder inside stage 0 with the LLM's TP (or the largest its heads allow), its items
-/// spread over the stage's DP x CP ranks, with and without recomputation.
+/// spread over the stage's DP x CP ranks, that stage optionally shorter than the others
+/// ([`first_stage_options`]), with and without recomputation.
 fn baseline(
     p: &Problem,
     batches: &[Vec<RowShape>],
@@ -468,22 +487,29 @@ fn baseline(
             let g = t.granularity(Module::Llm, o.layout.dp);
             let peak = t.granularity(Module::Llm, o.layout.dp * o.microbatches) / g;
             let load = (t.llm.0 * g / n, t.llm.1 * g / n);
-            let e = p.estimate(&sc, o.microbatches, load, peak, &extra, 0);
-            if e.mem <= budget {
-                combos.push(Combo {
-                    est: e.time + e.sync,
-                    plan: Plan {
-                        placement: Placement::LlmCentric,
-                        schedule: Schedule::Phased,
-                        microbatches: o.microbatches,
-                        recompute: o.recompute,
-                        recompute_encoders: rc,
-                        zero1: space.zero1,
-                        llm: o.layout,
-                        vision: p.model.vision.as_ref().map(|_| enc_layout(Module::Vision)),
-                        audio: p.model.audio.as_ref().map(|_| enc_layout(Module::Audio)),
-                    },
-                });
+            for first in first_stage_options(p.model.llm.layers, o.layout.pp) {
+                let sc = StageCost {
+                    first_stage_layers: first,
+                    ..sc
+                };
+                let e = p.estimate(&sc, o.microbatches, load, peak, &extra, 0);
+                if e.mem <= budget {
+                    combos.push(Combo {
+                        est: e.time + e.sync,
+                        plan: Plan {
+                            placement: Placement::LlmCentric,
+                            schedule: Schedule::Phased,
+                            microbatches: o.microbatches,
+                            recompute: o.recompute,
+                            recompute_encoders: rc,
+                            llm_first_stage_layers: first,
+                            zero1: space.zero1,
+                            llm: o.layout,
+                            vision: p.model.vision.as_ref().map(|_| enc_layout(Module::Vision)),
+                            audio: p.model.audio.as_ref().map(|_| enc_layout(Module::Audio)),
+                        },
+                    });
+                }
             }
         }
     }

@@ -168,7 +168,10 @@ fn stage_lane(
     for &(fwd, i) in order {
         let id = g.push(lane, cost(fwd, i), &[]);
         g.name(id, || {
-            format!("{module} {} s{stage} mb{i}", if fwd { "fwd" } else { "bwd" })
+            format!(
+                "{module} {} s{stage} mb{i}",
+                if fwd { "fwd" } else { "bwd" }
+            )
         });
         if fwd {
             f[i] = id;
@@ -186,7 +189,11 @@ impl Problem {
         } else {
             plan.recompute_encoders
         };
-        self.cost(m, layout, recompute, plan.zero1)
+        let mut sc = self.cost(m, layout, recompute, plan.zero1)?;
+        if m == Module::Llm {
+            sc.first_stage_layers = plan.llm_first_stage_layers;
+        }
+        Some(sc)
     }
 
     /// Simulates `plan` on the global batch `rows`.
@@ -205,7 +212,14 @@ impl Problem {
             lanes: g.lanes.iter().map(|l| (l.label.clone(), l.ranks)).collect(),
             spans: (0..g.tasks.len())
                 .filter(|&i| tl.end[i] > tl.start[i])
-                .map(|i| (g.tasks[i].lane, g.name_of(i).to_string(), tl.start[i], tl.end[i]))
+                .map(|i| {
+                    (
+                        g.tasks[i].lane,
+                        g.name_of(i).to_string(),
+                        tl.start[i],
+                        tl.end[i],
+                    )
+                })
                 .collect(),
         };
         Ok((sim, timeline))
@@ -620,8 +634,8 @@ impl Problem {
             let mut bytes = sc.memory(s, inflight, largest).total();
             if s == 0 {
                 for (k, ec) in &centric {
-                    let big = enc_load[*k].iter().map(|d| max_mb(d)).fold(0.0, f64::max)
-                        / llm.cp as f64;
+                    let big =
+                        enc_load[*k].iter().map(|d| max_mb(d)).fold(0.0, f64::max) / llm.cp as f64;
                     bytes += ec.memory(0, big * llm.pp.min(m) as f64, big).total();
                 }
             }
@@ -670,9 +684,17 @@ impl Problem {
         let mut stages_of: Vec<Vec<Vec<&LaneTasks>>> = Vec::new();
         for reps in &enc_lanes {
             let pp = reps.first().map_or(0, Vec::len);
-            stages_of.push((0..pp).map(|s| reps.iter().map(|r| &r[s]).collect()).collect());
+            stages_of.push(
+                (0..pp)
+                    .map(|s| reps.iter().map(|r| &r[s]).collect())
+                    .collect(),
+            );
         }
-        stages_of.push((0..llm.pp).map(|s| llm_lanes.iter().map(|r| &r[s]).collect()).collect());
+        stages_of.push(
+            (0..llm.pp)
+                .map(|s| llm_lanes.iter().map(|r| &r[s]).collect())
+                .collect(),
+        );
         for stage in stages_of.iter().flatten() {
             let most = stage.iter().map(|t| tl.busy[t.lane]).fold(0.0, f64::max);
             imbalance_gpu_s += stage

@@ -26,7 +26,6 @@ use super::ckpt;
 use super::engine::Engine;
 use super::layout::Layouts;
 use super::model::ShardSource;
-use braid_kernels::{Device, Tensor};
 use crate::checkpoint::{self, TrainState};
 use crate::config::RunConfig;
 use crate::error::{Result, TrainError};
@@ -36,6 +35,7 @@ use crate::optim::AdamW;
 use crate::optim::clip_factor;
 use crate::stop::StopFlag;
 use crate::trainer::{LossTrail, Observer, RunSummary, Trainer};
+use braid_kernels::{Device, Tensor};
 
 /// What rank 0 tells the caller's observer.
 enum Event {

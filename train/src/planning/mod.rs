@@ -404,6 +404,7 @@ mod tests {
                 microbatches: 2,
                 recompute: true,
                 recompute_encoders: false,
+                llm_first_stage_layers: None,
                 zero1: false,
                 llm: braid_balancer::Layout {
                     tp: 2,
