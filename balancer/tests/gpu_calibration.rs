@@ -72,6 +72,7 @@ fn predict(b: &Block, cluster: &Cluster) -> (f64, f64) {
         checkpoint_stages: false,
         overlap_sync: false,
         sequence_parallel: true,
+        first_stage_layers: None,
     };
     let tokens = (b.seqs * b.len) as f64;
     let sq = (b.seqs * b.len * b.len) as f64;

@@ -19,8 +19,9 @@
 //!   modules).
 
 use crate::dims::Module;
+use crate::plan::lanes::module_load;
 use crate::plan::layout::{Layout, Plan, Schedule};
-use crate::plan::step::{Problem, StepSim, module_load};
+use crate::plan::step::{Problem, StepSim};
 use crate::workload::RowShape;
 
 /// A plan's distance from the bound, split into its parts (seconds of the step).

@@ -5,6 +5,7 @@ pub mod bound;
 pub mod check;
 pub mod cost;
 pub mod dag;
+pub mod lanes;
 pub mod layout;
 mod options;
 mod pick;

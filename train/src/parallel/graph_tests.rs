@@ -198,14 +198,12 @@ fn stuck(programs: &[Vec<Step>]) -> Option<String> {
     }
 }
 
+/// Per ordered pair of ranks (sender, receiver), its messages in order.
+type PairOrders = HashMap<(usize, usize), Vec<Msg>>;
+
 /// Per ordered pair of ranks, the messages in the order the sender sends them and in
 /// the order the receiver receives them: a FIFO transport needs them equal.
-fn pair_orders(
-    programs: &[Vec<Step>],
-) -> (
-    HashMap<(usize, usize), Vec<Msg>>,
-    HashMap<(usize, usize), Vec<Msg>>,
-) {
+fn pair_orders(programs: &[Vec<Step>]) -> (PairOrders, PairOrders) {
     let (mut sent, mut got) = (HashMap::new(), HashMap::new());
     for (r, p) in programs.iter().enumerate() {
         for s in p {

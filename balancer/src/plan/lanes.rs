@@ -1,0 +1,130 @@
+//! The pieces a simulated step is built from: each module's work in a batch, a lane's
+//! 1F1B order and its tasks, and the named timeline a plan's `--trace` writes.
+
+use crate::assign::BatchShape;
+use crate::dims::{ModelDims, Module};
+use crate::plan::cost::Cost;
+use crate::plan::dag::Dag;
+use crate::plan::step::Problem;
+use crate::workload::{RowShape, shape_of};
+
+/// A module's work in `rows`: (tokens, sum of squared sequence lengths) of the LLM's
+/// rows, or of the encoder's images or clips (after its stem).
+pub(crate) fn module_load(p: &Problem, rows: &[RowShape], m: Module) -> (f64, f64) {
+    let b = shape_of(rows);
+    match m {
+        Module::Llm => (
+            b.row_tokens.iter().map(|&t| t as f64).sum(),
+            b.row_sq.iter().map(|&q| q as f64).sum(),
+        ),
+        _ => items(&b, &p.model, m)
+            .iter()
+            .fold((0.0, 0.0), |(t, q), it| (t + it.1, q + it.1 * it.1)),
+    }
+}
+
+/// A simulated step's timeline: its lanes (label, GPUs each stands for) and every task
+/// that took time, `(lane, name, start s, end s)`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PlanTimeline {
+    pub lanes: Vec<(String, usize)>,
+    pub spans: Vec<(usize, String, f64, f64)>,
+}
+
+/// A load of tokens: their count, the sum of squared sequence lengths, the longest.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Load {
+    pub tokens: f64,
+    pub sq: f64,
+}
+
+impl Load {
+    pub fn add(&mut self, t: f64) {
+        self.tokens += t;
+        self.sq += t * t;
+    }
+}
+
+/// Each image's and clip's (row, encoder tokens, LLM tokens).
+pub(crate) fn items(b: &BatchShape, model: &ModelDims, m: Module) -> Vec<(usize, f64, f64)> {
+    let (per_row, sizes, ratio, stem) = match m {
+        Module::Vision => (&b.row_images, &b.image_tokens, model.vision_llm_ratio, 1),
+        Module::Audio => (&b.row_clips, &b.clip_frames, model.audio_llm_ratio, 2),
+        Module::Llm => return Vec::new(),
+    };
+    let mut out = Vec::with_capacity(sizes.len());
+    let mut k = 0;
+    for (row, &n) in per_row.iter().enumerate() {
+        for &s in &sizes[k..k + n] {
+            out.push((row, s.div_ceil(stem) as f64, (s as f64 * ratio).ceil()));
+        }
+        k += n;
+    }
+    out
+}
+
+/// The largest token sum of `w` consecutive loads.
+pub(crate) fn window_max(loads: &[Load], w: usize) -> f64 {
+    let mut sum: f64 = loads.iter().take(w).map(|x| x.tokens).sum();
+    let mut best = sum;
+    for i in w..loads.len() {
+        sum += loads[i].tokens - loads[i - w].tokens;
+        best = best.max(sum);
+    }
+    best
+}
+
+/// Task ids of a lane's forwards and backwards per microbatch.
+pub(crate) struct LaneTasks {
+    pub lane: usize,
+    pub f: Vec<usize>,
+    pub b: Vec<usize>,
+}
+
+/// 1F1B on a lane `depth` stages from the end of the pipeline: warm-up forwards, then
+/// alternating, then cool-down backwards. `(forward?, microbatch)`.
+pub(crate) fn one_f_one_b(m: usize, depth: usize, backward: bool) -> Vec<(bool, usize)> {
+    if !backward {
+        return (0..m).map(|i| (true, i)).collect();
+    }
+    let warm = depth.saturating_sub(1).min(m);
+    let mut out: Vec<(bool, usize)> = (0..warm).map(|i| (true, i)).collect();
+    for i in 0..m - warm {
+        out.push((true, warm + i));
+        out.push((false, i));
+    }
+    out.extend((m - warm..m).map(|i| (false, i)));
+    out
+}
+
+/// Pushes a stage lane's tasks (deps filled later); `module` and `stage` name them as
+/// the trainer's timeline does ("llm fwd s0 mb3").
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn stage_lane(
+    g: &mut Dag,
+    ranks: usize,
+    label: String,
+    module: &str,
+    stage: usize,
+    order: &[(bool, usize)],
+    cost: impl Fn(bool, usize) -> Cost,
+    m: usize,
+) -> LaneTasks {
+    let lane = g.lane(ranks, label);
+    let (mut f, mut b) = (vec![usize::MAX; m], vec![usize::MAX; m]);
+    for &(fwd, i) in order {
+        let id = g.push(lane, cost(fwd, i), &[]);
+        g.name(id, || {
+            format!(
+                "{module} {} s{stage} mb{i}",
+                if fwd { "fwd" } else { "bwd" }
+            )
+        });
+        if fwd {
+            f[i] = id;
+        } else {
+            b[i] = id;
+        }
+    }
+    LaneTasks { lane, f, b }
+}

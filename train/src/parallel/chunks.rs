@@ -1,0 +1,310 @@
+//! The overlapped step's computes: an encoder stage's or an LLM stage's forward and backward of one chunk, taking their inputs from the rank's received messages and filing their outputs as messages to send ([`super::overlapped`] moves them).
+
+use braid_bridge::Routes;
+use braid_dataloader::loader::Row;
+use braid_kernels::{Shape, Tensor};
+
+use super::encode::{
+    AudioWork, GradIn, Handed, VisionWork, audio_hidden, audio_stage_backward, audio_stage_forward,
+    clip_frames, vision_hidden, vision_stage_backward, vision_stage_forward,
+};
+use super::graph::{Graph, Msg, Role, Xfer};
+use super::llm_stage::{LlmIn, LlmStageRun, placeholders};
+use super::model::ModuleGroups;
+use super::overlapped::Mail;
+use super::plan::StepPlan;
+use crate::error::{Result, TrainError};
+use crate::trace::Tracer;
+
+/// What a module's computes need from the executor: the shape of each hidden-state
+/// message, and the forward and backward of a chunk (at its position in the role).
+pub(super) trait Chunks {
+    fn hidden_shape(&self, j: usize) -> Result<Shape>;
+    fn forward(&mut self, j: usize, mail: &mut Mail, trace: &mut Tracer) -> Result<()>;
+    fn backward(&mut self, j: usize, mail: &mut Mail, trace: &mut Tracer) -> Result<()>;
+    /// The loss sum this rank contributes (the LLM's last stage).
+    fn loss(&self) -> f64 {
+        0.0
+    }
+}
+
+/// The plan items of chunk `k`, ascending: item `j` of the chunk's routes is `[j]`.
+fn items_of_chunk(plan: &StepPlan, k: usize) -> Vec<usize> {
+    (0..plan.items.len())
+        .filter(|&i| plan.items[i].mb == k)
+        .collect()
+}
+
+fn bridge_of(graph: &Graph, k: usize) -> Result<&Routes> {
+    graph
+        .bridges
+        .get(k)
+        .and_then(Option::as_ref)
+        .ok_or_else(|| TrainError::Other(format!("chunk {k} has no bridge routes")))
+}
+
+/// The one message of `xs` (a pipeline neighbour's).
+fn single(xs: &[Xfer], what: &str) -> Result<Xfer> {
+    match xs {
+        [x] => Ok(*x),
+        _ => Err(TrainError::Other(format!(
+            "the schedule gives {} messages for {what}, not one",
+            xs.len()
+        ))),
+    }
+}
+
+/// An encoder stage, vision or audio, as the executor drives it.
+pub(super) trait EncoderStage {
+    type Work;
+    const NAME: &'static str;
+    fn groups(&self) -> &ModuleGroups;
+    fn hidden(&self, rows: &[Row], plan: &StepPlan, items: &[usize]) -> Result<Shape>;
+    fn stage_forward(
+        &self,
+        rank: usize,
+        rows: &[Row],
+        plan: &StepPlan,
+        items: Vec<usize>,
+        hidden: Option<Tensor>,
+    ) -> Result<(Handed, Self::Work)>;
+    fn stage_backward(
+        &mut self,
+        work: Self::Work,
+        grad: GradIn<'_>,
+        c: usize,
+    ) -> Result<Option<Tensor>>;
+    fn wants_next_grad(work: &Self::Work) -> bool;
+}
+
+impl EncoderStage for super::model::VisionPart {
+    type Work = VisionWork;
+    const NAME: &'static str = "vision";
+    fn groups(&self) -> &ModuleGroups {
+        &self.groups
+    }
+    fn hidden(&self, _rows: &[Row], _plan: &StepPlan, items: &[usize]) -> Result<Shape> {
+        vision_hidden(self, items.len())
+    }
+    fn stage_forward(
+        &self,
+        rank: usize,
+        rows: &[Row],
+        plan: &StepPlan,
+        items: Vec<usize>,
+        hidden: Option<Tensor>,
+    ) -> Result<(Handed, VisionWork)> {
+        vision_stage_forward(self, rank, rows, plan, items, hidden)
+    }
+    fn stage_backward(
+        &mut self,
+        work: VisionWork,
+        grad: GradIn<'_>,
+        c: usize,
+    ) -> Result<Option<Tensor>> {
+        vision_stage_backward(self, work, grad, c)
+    }
+    fn wants_next_grad(work: &VisionWork) -> bool {
+        work.wants_next_grad()
+    }
+}
+
+impl EncoderStage for super::model::AudioPart {
+    type Work = AudioWork;
+    const NAME: &'static str = "audio";
+    fn groups(&self) -> &ModuleGroups {
+        &self.groups
+    }
+    fn hidden(&self, rows: &[Row], plan: &StepPlan, items: &[usize]) -> Result<Shape> {
+        audio_hidden(self, &clip_frames(rows, plan, items))
+    }
+    fn stage_forward(
+        &self,
+        rank: usize,
+        rows: &[Row],
+        plan: &StepPlan,
+        items: Vec<usize>,
+        hidden: Option<Tensor>,
+    ) -> Result<(Handed, AudioWork)> {
+        audio_stage_forward(self, rank, rows, plan, items, hidden)
+    }
+    fn stage_backward(
+        &mut self,
+        work: AudioWork,
+        grad: GradIn<'_>,
+        c: usize,
+    ) -> Result<Option<Tensor>> {
+        audio_stage_backward(self, work, grad, c)
+    }
+    fn wants_next_grad(work: &AudioWork) -> bool {
+        work.wants_next_grad()
+    }
+}
+
+/// An encoder rank's chunks.
+pub(super) struct EncoderChunks<'a, P: EncoderStage> {
+    pub part: &'a mut P,
+    pub rows: &'a [Row],
+    pub plan: &'a StepPlan,
+    pub rank: usize,
+    /// The bridge's row width (the LLM hidden size).
+    pub c: usize,
+    pub role: &'a Role,
+    pub graph: &'a Graph,
+    /// Per chunk (position in the role): its items, and what its forward kept.
+    pub items: Vec<Vec<usize>>,
+    pub works: Vec<Option<P::Work>>,
+}
+
+impl<P: EncoderStage> Chunks for EncoderChunks<'_, P> {
+    fn hidden_shape(&self, j: usize) -> Result<Shape> {
+        self.part.hidden(self.rows, self.plan, &self.items[j])
+    }
+
+    fn forward(&mut self, j: usize, mail: &mut Mail, trace: &mut Tracer) -> Result<()> {
+        let k = self.role.chunks[j];
+        let pp = self.part.groups().coord.pp;
+        let hidden = match self.role.fwd_in[j].as_slice() {
+            [] => None,
+            xs => Some(mail.take(single(xs, "a stage's input")?)?),
+        };
+        let t0 = trace.start();
+        let (handed, work) = self.part.stage_forward(
+            self.rank,
+            self.rows,
+            self.plan,
+            self.items[j].clone(),
+            hidden,
+        )?;
+        trace.end(t0, format!("{} fwd s{pp} mb{k}", P::NAME), P::NAME)?;
+        self.works[j] = Some(work);
+        match handed {
+            Handed::Next(h) => mail.put(single(&self.role.fwd_out[j], "a stage's output")?, h),
+            Handed::Embeds(embeds) => {
+                let of_chunk = items_of_chunk(self.plan, k);
+                let produced = embeds
+                    .iter()
+                    .map(|(i, t)| {
+                        let j = of_chunk.binary_search(i).map_err(|_| {
+                            TrainError::Other(format!("item {i} is not of microbatch {k}"))
+                        })?;
+                        Ok((j, t))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let sends = bridge_of(self.graph, k)?.forward_sends(self.rank, &produced)?;
+                mail.put_all(&self.role.fwd_out[j], Msg::Embed(k), sends)
+            }
+        }
+    }
+
+    fn backward(&mut self, j: usize, mail: &mut Mail, trace: &mut Tracer) -> Result<()> {
+        let k = self.role.chunks[j];
+        let pp = self.part.groups().coord.pp;
+        let work = self.works[j]
+            .take()
+            .ok_or_else(|| TrainError::Other(format!("{} chunk {k} has no cache", P::NAME)))?;
+        let t0 = trace.start();
+        let dx = if P::wants_next_grad(&work) {
+            let dh = mail.take(single(&self.role.bwd_in[j], "a stage's output grad")?)?;
+            self.part.stage_backward(work, GradIn::Next(dh), self.c)?
+        } else {
+            let got = mail.take_all(&self.role.bwd_in[j])?;
+            let of_chunk = items_of_chunk(self.plan, k);
+            let grads: Vec<(usize, Tensor)> = bridge_of(self.graph, k)?
+                .backward_gather(self.rank, got)?
+                .into_iter()
+                .map(|(j, t)| (of_chunk[j], t))
+                .collect();
+            self.part
+                .stage_backward(work, GradIn::Bridge(&grads), self.c)?
+        };
+        trace.end(t0, format!("{} bwd s{pp} mb{k}", P::NAME), P::NAME)?;
+        match (dx, self.role.bwd_out[j].as_slice()) {
+            (Some(dx), xs) => mail.put(single(xs, "a stage's input grad")?, dx),
+            (None, []) => Ok(()),
+            (None, _) => Err(TrainError::Other(format!(
+                "{} stage {pp} chunk {k}: no input grad for the previous stage",
+                P::NAME
+            ))),
+        }
+    }
+}
+
+/// An LLM rank's chunks (its replica's microbatches).
+pub(super) struct LlmChunks<'a> {
+    pub run: LlmStageRun<'a>,
+    pub plan: &'a StepPlan,
+    pub rank: usize,
+    pub role: &'a Role,
+    pub graph: &'a Graph,
+}
+
+impl Chunks for LlmChunks<'_> {
+    fn hidden_shape(&self, j: usize) -> Result<Shape> {
+        self.run.hidden_shape(j)
+    }
+
+    fn forward(&mut self, j: usize, mail: &mut Mail, trace: &mut Tracer) -> Result<()> {
+        let k = self.role.chunks[j];
+        let input = if self.run.stage().0 > 0 {
+            LlmIn::Hidden(mail.take(single(&self.role.fwd_in[j], "a stage's input")?)?)
+        } else if self.role.fwd_in[j].is_empty() {
+            LlmIn::Tokens(None)
+        } else {
+            let bridge = bridge_of(self.graph, k)?;
+            let rows = bridge.forward_gather(self.rank, mail.take_all(&self.role.fwd_in[j])?)?; // (M_k, C)
+            let of_chunk = items_of_chunk(self.plan, k);
+            let received: Vec<(usize, u32)> = bridge
+                .received(self.rank)
+                .into_iter()
+                .map(|(j, r)| (of_chunk[j], r))
+                .collect();
+            let cp = self.run.cp();
+            let mut fill = placeholders(self.plan, &self.run.mbs[j..=j], cp, &received)?;
+            let (idx, pos) = fill.pop().unwrap_or_default();
+            // Every row received for this chunk is one of its placeholders, in order.
+            if idx.iter().enumerate().any(|(n, &i)| i as usize != n) || idx.len() != rows.dims()[0]
+            {
+                return Err(TrainError::Other(format!(
+                    "rank {}: microbatch {k}'s rows do not match its placeholders",
+                    self.rank
+                )));
+            }
+            LlmIn::Tokens(Some((rows, pos)))
+        };
+        if let Some(out) = self.run.forward(j, input, trace)? {
+            mail.put(single(&self.role.fwd_out[j], "a stage's output")?, out)?;
+        }
+        Ok(())
+    }
+
+    fn backward(&mut self, j: usize, mail: &mut Mail, trace: &mut Tracer) -> Result<()> {
+        let k = self.role.chunks[j];
+        let (stage, stages) = self.run.stage();
+        let dout = if stage + 1 == stages {
+            None
+        } else {
+            Some(mail.take(single(&self.role.bwd_in[j], "a stage's output grad")?)?)
+        };
+        let dx = self.run.backward(j, dout, trace)?;
+        let no_grad =
+            || TrainError::Other(format!("llm stage {stage} microbatch {k}: no input grad"));
+        if stage > 0 {
+            return mail.put(
+                single(&self.role.bwd_out[j], "a stage's input grad")?,
+                dx.ok_or_else(no_grad)?,
+            );
+        }
+        if self.role.fwd_in[j].is_empty() {
+            return Ok(());
+        }
+        // The modality rows' grads, in the order they came: back over the bridge.
+        let dmod = dx.ok_or_else(no_grad)?;
+        let sends = bridge_of(self.graph, k)?.backward_sends(self.rank, &dmod)?;
+        mail.put_all(&self.role.bwd_out[j], Msg::EmbedGrad(k), sends)
+    }
+
+    fn loss(&self) -> f64 {
+        self.run.loss
+    }
+}
