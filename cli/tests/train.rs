@@ -173,8 +173,9 @@ fn losses(run_dir: &Path) -> Vec<StepBits> {
 /// The fields of a metrics.jsonl line that measure time: free to differ between runs.
 const TIMINGS: [&str; 2] = ["step_time_s", "data_time_s"];
 
-/// Every line of metrics.jsonl as written, minus the timings: every other number is
-/// compared as the text braid wrote (its exact bits), not as parsed back.
+/// Every line of metrics.jsonl as written, minus the timings (and the straggler object,
+/// which is made of them): every other number is compared as the text braid wrote (its
+/// exact bits), not as parsed back.
 fn logged(run_dir: &Path) -> Vec<String> {
     let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
     text.lines()
@@ -190,6 +191,10 @@ fn logged(run_dir: &Path) -> Vec<String> {
                 if l[end..].starts_with(',') {
                     end += 1;
                 }
+                l.replace_range(at..end, "");
+            }
+            if let Some(at) = l.find(",\"straggler\":{") {
+                let end = at + l[at..].find('}').unwrap_or_else(|| panic!("{line}")) + 1;
                 l.replace_range(at..end, "");
             }
             l
