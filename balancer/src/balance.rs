@@ -131,9 +131,9 @@ impl Assigner for Balanced {
 
 /// [`Balanced`] for the overlapped schedule, where each encoder replica runs one chunk
 /// per LLM microbatch: rows as [`Balanced`] places them, then each microbatch's images
-/// (and clips) balanced over the encoder replicas on their own, since a replica idle in
-/// one chunk cannot make up for it in another (the planner's overlapped step assumes
-/// the same).
+/// (and clips) balanced over the encoder replicas on their own, since the chunks reach
+/// the LLM one after another (the planner's overlapped step assumes the same); ties go
+/// to the replica with the least work so far.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PerMicrobatch(pub Balanced);
 
@@ -155,18 +155,54 @@ impl Assigner for PerMicrobatch {
     }
 }
 
-/// [`lpt`] of the items of each group (`group[i]`) on its own.
+/// [`lpt`] of the items of each group (`group[i]`, ascending) on its own, ties between
+/// bins broken by the load of the groups before (so that groups of fewer items than
+/// bins do not all land on the first bins).
 fn lpt_within(costs: &[f64], group: &[usize], bins: usize) -> Vec<usize> {
     let mut out = vec![0; costs.len()];
     let mut groups: Vec<usize> = group.to_vec();
     groups.sort_unstable();
     groups.dedup();
+    let mut before = vec![0.0; bins.max(1)];
     for g in groups {
         let members: Vec<usize> = (0..costs.len()).filter(|&i| group[i] == g).collect();
         let sub: Vec<f64> = members.iter().map(|&i| costs[i]).collect();
-        for (&i, bin) in members.iter().zip(lpt(&sub, bins)) {
+        for (&i, bin) in members.iter().zip(lpt_after(&sub, &mut before)) {
             out[i] = bin;
         }
+    }
+    out
+}
+
+/// One group's [`lpt`] over `before.len()` bins: each item, largest first, to the bin
+/// least loaded in this group, ties to the bin least loaded `before` (then the lowest);
+/// adds the group's loads to `before`. O(items x bins).
+pub fn lpt_after(costs: &[f64], before: &mut [f64]) -> Vec<usize> {
+    let bins = before.len().max(1);
+    let mut order: Vec<usize> = (0..costs.len()).collect();
+    order.sort_by(|&a, &b| costs[b].total_cmp(&costs[a]).then(a.cmp(&b)));
+    let mut now = vec![0.0f64; bins];
+    let mut out = vec![0; costs.len()];
+    for i in order {
+        let bin = (0..bins)
+            .min_by(|&x, &y| {
+                now[x]
+                    .total_cmp(&now[y])
+                    .then(
+                        before
+                            .get(x)
+                            .copied()
+                            .unwrap_or(0.0)
+                            .total_cmp(&before.get(y).copied().unwrap_or(0.0)),
+                    )
+                    .then(x.cmp(&y))
+            })
+            .unwrap_or(0);
+        out[i] = bin;
+        now[bin] += costs[i].max(0.0);
+    }
+    for (b, n) in before.iter_mut().zip(&now) {
+        *b += n;
     }
     out
 }

@@ -116,3 +116,21 @@ fn per_microbatch_assignment_balances_each_chunk() {
         );
     }
 }
+
+/// Microbatches with fewer items than replicas do not all go to the first replicas:
+/// ties go to the replica with the least work so far.
+#[test]
+fn small_chunks_spread_over_the_replicas() {
+    let mut before = vec![0.0; 4];
+    let picked: Vec<usize> = (0..8)
+        .map(|_| braid_balancer::balance::lpt_after(&[1.0], &mut before)[0])
+        .collect();
+    assert_eq!(picked, vec![0, 1, 2, 3, 0, 1, 2, 3]);
+    assert_eq!(before, vec![2.0; 4]);
+    // Within a chunk it is still largest first to the least-loaded replica.
+    let mut before = vec![0.0; 2];
+    assert_eq!(
+        braid_balancer::balance::lpt_after(&[3.0, 1.0, 2.0], &mut before),
+        vec![0, 1, 1]
+    );
+}

@@ -182,7 +182,7 @@ fn to_json(p: &Planned, alone: Option<&Found>, a: &PlanArgs) -> Value {
     let g = gap(p);
     let extra = json!({
         "bound_step_time_s": g.bound_s,
-        "from_bound": o.best.sim.step_s / g.bound_s,
+        "from_bound": o.best.sim.step_s / g.bound_s.max(1e-12),
         "gap_memory_forced_s": g.memory_forced_s,
         "gap_grad_sync_s": g.grad_sync_s,
         "gap_imbalance_s": g.imbalance_s,

@@ -5,7 +5,7 @@
 //! bubble fraction, per-module busy time and the peak memory per GPU.
 
 use crate::assign::{Assigner, Replicas, RoundRobin};
-use crate::balance::lpt;
+use crate::balance::lpt_after;
 use crate::cluster::Cluster;
 use crate::dims::{ModelDims, Module};
 use crate::plan::cost::{Cost, StageCost};
@@ -166,6 +166,8 @@ impl Problem {
                 }
             };
             let mut by_chunk: Vec<Vec<usize>> = vec![Vec::new(); nchunks];
+            // Overlapped: each chunk balanced on its own, as `PerMicrobatch` assigns.
+            let mut before = vec![0.0; reps];
             for (k, it) in its.iter().enumerate() {
                 by_chunk[chunk_of(it.0)].push(k);
                 media[a.rows[it.0].0][a.rows[it.0].1.min(m - 1)] += it.2;
@@ -188,7 +190,7 @@ impl Problem {
                             .iter()
                             .map(|&k| tc.of(its[k].1, its[k].1 * its[k].1))
                             .collect();
-                        lpt(&cs, reps)
+                        lpt_after(&cs, &mut before)
                     }
                     _ => ks.iter().map(|&k| assigned[k]).collect(),
                 };

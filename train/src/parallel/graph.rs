@@ -11,8 +11,11 @@
 //! Messages go in grouped exchanges: the sends a compute produced are posted together
 //! with the receives the next compute needs (Megatron's `send_forward_recv_backward`).
 //! The tests run every program with *rendezvous* sends (a send completes only when its
-//! receive is posted, as NCCL's do), so the order cannot deadlock on an unbuffered
-//! transport, and check that each pair of ranks exchanges its messages in one order.
+//! receive is posted), so the order cannot deadlock on a transport that needs an
+//! exchange posted as one group (NCCL's `ncclGroupStart/End`), and check that each pair
+//! of ranks exchanges its messages in one order. Today's executor
+//! ([`super::overlapped`]) runs an exchange as its sends, then its receives: the same
+//! thing on Braid's transports, whose sends never wait for the receiver.
 
 use braid_bridge::Routes;
 use braid_comm::grid::Grid;

@@ -174,7 +174,7 @@ impl<'a> LlmStageRun<'a> {
                 .stage
                 .forward(StageInput::Hidden(h.into_device(self.dev)?), &b.seq)?,
         };
-        trace.end(t0, format!("llm fwd s{stage} mb{j}"), "llm")?;
+        trace.end(t0, format!("llm fwd s{stage} mb{}", self.mbs[j].mb), "llm")?;
         if stage + 1 == stages {
             let t0 = trace.start();
             let l = vocab_parallel_loss(
@@ -184,7 +184,7 @@ impl<'a> LlmStageRun<'a> {
                 &b.targets,
                 Some(self.norm),
             )?;
-            trace.end(t0, format!("llm loss mb{j}"), "llm")?;
+            trace.end(t0, format!("llm loss mb{}", self.mbs[j].mb), "llm")?;
             if self.part.groups.coord.tp == 0 {
                 self.loss += l.loss_sum;
             }
@@ -221,7 +221,7 @@ impl<'a> LlmStageRun<'a> {
         };
         let t0 = trace.start();
         let dx = self.part.stage.backward(cache, &dout)?;
-        trace.end(t0, format!("llm bwd s{stage} mb{j}"), "llm")?;
+        trace.end(t0, format!("llm bwd s{stage} mb{}", self.mbs[j].mb), "llm")?;
         Ok(dx)
     }
 }
@@ -278,7 +278,7 @@ pub(crate) fn run_pipeline(
                 } else {
                     let t0 = trace.start();
                     let h = world.recv(&run.hidden_shape(j)?, prev()?)?; // (T, C)
-                    trace.end(t0, format!("recv act mb{j}"), "comm")?;
+                    trace.end(t0, format!("recv act mb{}", run.mbs[j].mb), "comm")?;
                     LlmIn::Hidden(h)
                 };
                 if let Some(out) = run.forward(j, input, trace)? {
@@ -291,7 +291,7 @@ pub(crate) fn run_pipeline(
                 } else {
                     let t0 = trace.start();
                     let d = world.recv(&run.hidden_shape(j)?, next()?)?; // (T, C)
-                    trace.end(t0, format!("recv grad mb{j}"), "comm")?;
+                    trace.end(t0, format!("recv grad mb{}", run.mbs[j].mb), "comm")?;
                     Some(d)
                 };
                 let dx = run.backward(j, dout, trace)?;

@@ -125,6 +125,11 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
             )));
         }
     };
+    if let Some(f) = p.llm_first_stage_layers {
+        return Err(err(format!(
+            "parallel.plan = {spec:?}: the plan gives the LLM's first stage {f} layers, but braid train splits the layers evenly over the stages; remove llm_first_stage_layers"
+        )));
+    }
     let mut notes = Vec::new();
     cfg.parallel.world_size = file.gpus;
     cfg.parallel.schedule = p.schedule;
