@@ -4,13 +4,9 @@ use braid_bridge::Routes;
 use braid_dataloader::loader::Row;
 use braid_kernels::{Shape, Tensor};
 
-use super::encode::{
-    AudioWork, GradIn, Handed, VisionWork, audio_hidden, audio_stage_backward, audio_stage_forward,
-    clip_frames, vision_hidden, vision_stage_backward, vision_stage_forward,
-};
+use super::encode::{EncoderStage, GradIn, Handed};
 use super::graph::{Graph, Msg, Role, Xfer};
 use super::llm_stage::{LlmIn, LlmStageRun, placeholders};
-use super::model::ModuleGroups;
 use super::overlapped::Mail;
 use super::plan::StepPlan;
 use crate::error::{Result, TrainError};
@@ -51,93 +47,6 @@ fn single(xs: &[Xfer], what: &str) -> Result<Xfer> {
             "the schedule gives {} messages for {what}, not one",
             xs.len()
         ))),
-    }
-}
-
-/// An encoder stage, vision or audio, as the executor drives it.
-pub(super) trait EncoderStage {
-    type Work;
-    const NAME: &'static str;
-    fn groups(&self) -> &ModuleGroups;
-    fn hidden(&self, rows: &[Row], plan: &StepPlan, items: &[usize]) -> Result<Shape>;
-    fn stage_forward(
-        &self,
-        rank: usize,
-        rows: &[Row],
-        plan: &StepPlan,
-        items: Vec<usize>,
-        hidden: Option<Tensor>,
-    ) -> Result<(Handed, Self::Work)>;
-    fn stage_backward(
-        &mut self,
-        work: Self::Work,
-        grad: GradIn<'_>,
-        c: usize,
-    ) -> Result<Option<Tensor>>;
-    fn wants_next_grad(work: &Self::Work) -> bool;
-}
-
-impl EncoderStage for super::model::VisionPart {
-    type Work = VisionWork;
-    const NAME: &'static str = "vision";
-    fn groups(&self) -> &ModuleGroups {
-        &self.groups
-    }
-    fn hidden(&self, _rows: &[Row], _plan: &StepPlan, items: &[usize]) -> Result<Shape> {
-        vision_hidden(self, items.len())
-    }
-    fn stage_forward(
-        &self,
-        rank: usize,
-        rows: &[Row],
-        plan: &StepPlan,
-        items: Vec<usize>,
-        hidden: Option<Tensor>,
-    ) -> Result<(Handed, VisionWork)> {
-        vision_stage_forward(self, rank, rows, plan, items, hidden)
-    }
-    fn stage_backward(
-        &mut self,
-        work: VisionWork,
-        grad: GradIn<'_>,
-        c: usize,
-    ) -> Result<Option<Tensor>> {
-        vision_stage_backward(self, work, grad, c)
-    }
-    fn wants_next_grad(work: &VisionWork) -> bool {
-        work.wants_next_grad()
-    }
-}
-
-impl EncoderStage for super::model::AudioPart {
-    type Work = AudioWork;
-    const NAME: &'static str = "audio";
-    fn groups(&self) -> &ModuleGroups {
-        &self.groups
-    }
-    fn hidden(&self, rows: &[Row], plan: &StepPlan, items: &[usize]) -> Result<Shape> {
-        audio_hidden(self, &clip_frames(rows, plan, items))
-    }
-    fn stage_forward(
-        &self,
-        rank: usize,
-        rows: &[Row],
-        plan: &StepPlan,
-        items: Vec<usize>,
-        hidden: Option<Tensor>,
-    ) -> Result<(Handed, AudioWork)> {
-        audio_stage_forward(self, rank, rows, plan, items, hidden)
-    }
-    fn stage_backward(
-        &mut self,
-        work: AudioWork,
-        grad: GradIn<'_>,
-        c: usize,
-    ) -> Result<Option<Tensor>> {
-        audio_stage_backward(self, work, grad, c)
-    }
-    fn wants_next_grad(work: &AudioWork) -> bool {
-        work.wants_next_grad()
     }
 }
 

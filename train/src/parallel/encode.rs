@@ -3,8 +3,8 @@
 //! stage from the previous stage's hidden states, and the last stage's output goes
 //! through the projector and, from TP/CP rank 0, to the bridge. Backward runs the same
 //! way back: the bridge's grads enter the last stage, hidden-state grads go to the stage
-//! before. The phased step runs all of a replica's items as one chunk
-//! ([`encode_images`] and friends, which move the messages themselves); the overlapped
+//! before. The phased step runs all of a replica's items as one chunk ([`encode`] and
+//! [`backward`], which move the messages themselves); the overlapped
 //! step runs one chunk per LLM microbatch through the `*_stage_forward` /
 //! `*_stage_backward` pairs, which take and return the messages.
 //!
@@ -43,8 +43,6 @@ pub(crate) struct Encoded<B, C> {
     pub items: Vec<usize>,
     /// Embedding rows per item, same order.
     pub rows: Vec<usize>,
-    /// Mel frames per clip (empty for images).
-    frames: Vec<usize>,
     held: Held<B, C>,
 }
 
@@ -112,34 +110,162 @@ fn hand(
     Ok(())
 }
 
-/// The shape of a vision stage's input (and output) hidden states for `n_items` images.
-pub(crate) fn vision_hidden(part: &VisionPart, n_items: usize) -> Result<Shape> {
-    let n = part.encoder.hidden_tokens(n_items)?;
-    Ok(Shape::new([n, part.encoder.config.hidden_size])) // (N_local, D)
+/// An encoder stage, vision or audio: what the phased step and the overlapped executor
+/// drive alike.
+pub(crate) trait EncoderStage {
+    type Work;
+    const NAME: &'static str;
+    /// The items it encodes.
+    const KIND: ItemKind;
+    fn groups(&self) -> &ModuleGroups;
+    /// Whether the encoder's own weights train.
+    fn encoder_trains(&self) -> bool;
+    /// The shape of the stage's input (and output) hidden states for `items`.
+    fn hidden(&self, rows: &[Row], plan: &StepPlan, items: &[usize]) -> Result<Shape>;
+    fn stage_forward(
+        &self,
+        rank: usize,
+        rows: &[Row],
+        plan: &StepPlan,
+        items: Vec<usize>,
+        hidden: Option<Tensor>,
+    ) -> Result<(Handed, Self::Work)>;
+    fn stage_backward(
+        &mut self,
+        work: Self::Work,
+        grad: GradIn<'_>,
+        c: usize,
+    ) -> Result<Option<Tensor>>;
+    fn wants_next_grad(work: &Self::Work) -> bool;
 }
 
-/// This replica's images through this rank's vision stage (phased: one chunk).
-pub(crate) fn encode_images(
-    part: &VisionPart,
+impl EncoderStage for VisionPart {
+    type Work = VisionWork;
+    const NAME: &'static str = "vision";
+    const KIND: ItemKind = ItemKind::Image;
+    fn groups(&self) -> &ModuleGroups {
+        &self.groups
+    }
+    fn encoder_trains(&self) -> bool {
+        trainable(&self.encoder)
+    }
+    fn hidden(&self, _rows: &[Row], _plan: &StepPlan, items: &[usize]) -> Result<Shape> {
+        vision_hidden(self, items.len())
+    }
+    fn stage_forward(
+        &self,
+        rank: usize,
+        rows: &[Row],
+        plan: &StepPlan,
+        items: Vec<usize>,
+        hidden: Option<Tensor>,
+    ) -> Result<(Handed, VisionWork)> {
+        vision_stage_forward(self, rank, rows, plan, items, hidden)
+    }
+    fn stage_backward(
+        &mut self,
+        work: VisionWork,
+        grad: GradIn<'_>,
+        c: usize,
+    ) -> Result<Option<Tensor>> {
+        vision_stage_backward(self, work, grad, c)
+    }
+    fn wants_next_grad(work: &VisionWork) -> bool {
+        work.wants_next_grad()
+    }
+}
+
+impl EncoderStage for AudioPart {
+    type Work = AudioWork;
+    const NAME: &'static str = "audio";
+    const KIND: ItemKind = ItemKind::Clip;
+    fn groups(&self) -> &ModuleGroups {
+        &self.groups
+    }
+    fn encoder_trains(&self) -> bool {
+        trainable(&self.encoder)
+    }
+    fn hidden(&self, rows: &[Row], plan: &StepPlan, items: &[usize]) -> Result<Shape> {
+        audio_hidden(self, &clip_frames(rows, plan, items))
+    }
+    fn stage_forward(
+        &self,
+        rank: usize,
+        rows: &[Row],
+        plan: &StepPlan,
+        items: Vec<usize>,
+        hidden: Option<Tensor>,
+    ) -> Result<(Handed, AudioWork)> {
+        audio_stage_forward(self, rank, rows, plan, items, hidden)
+    }
+    fn stage_backward(
+        &mut self,
+        work: AudioWork,
+        grad: GradIn<'_>,
+        c: usize,
+    ) -> Result<Option<Tensor>> {
+        audio_stage_backward(self, work, grad, c)
+    }
+    fn wants_next_grad(work: &AudioWork) -> bool {
+        work.wants_next_grad()
+    }
+}
+
+/// The phased step: this replica's images (or clips) through this rank's stage as one
+/// chunk, the hidden states received from the stage before and sent to the next, the
+/// embeddings added to the bridge's list. `None` when the replica has none.
+pub(crate) fn encode<P: EncoderStage>(
+    part: &P,
     world: &dyn Comm,
     rows: &[Row],
     plan: &StepPlan,
     produced: &mut Vec<(usize, Tensor)>,
-) -> Result<Option<VisionWork>> {
-    let g = &part.groups;
-    let items = my_items(plan, ItemKind::Image, g.coord.dp);
+) -> Result<Option<P::Work>> {
+    let g = part.groups();
+    let items = my_items(plan, P::KIND, g.coord.dp);
     if items.is_empty() {
         return Ok(None);
     }
     let hidden = if g.coord.pp > 0 {
-        let shape = vision_hidden(part, items.len())?;
+        let shape = part.hidden(rows, plan, &items)?;
         Some(world.recv(&shape, neighbor(g, world, -1)?)?)
     } else {
         None
     };
-    let (handed, work) = vision_stage_forward(part, world.rank(), rows, plan, items, hidden)?;
+    let (handed, work) = part.stage_forward(world.rank(), rows, plan, items, hidden)?;
     hand(handed, g, world, produced)?;
     Ok(Some(work))
+}
+
+/// The backward of [`encode`], given the bridge's grads (`rows`/`plan` size the next
+/// stage's grad, which a middle stage receives).
+pub(crate) fn backward<P: EncoderStage>(
+    part: &mut P,
+    world: &dyn Comm,
+    rows: &[Row],
+    plan: &StepPlan,
+    work: P::Work,
+    grads: &[(usize, Tensor)],
+    c: usize,
+) -> Result<()> {
+    let g = part.groups().clone();
+    let grad = if P::wants_next_grad(&work) {
+        let items = my_items(plan, P::KIND, g.coord.dp);
+        let shape = part.hidden(rows, plan, &items)?;
+        GradIn::Next(world.recv(&shape, neighbor(&g, world, 1)?)?)
+    } else {
+        GradIn::Bridge(grads)
+    };
+    if let Some(dx) = part.stage_backward(work, grad, c)? {
+        world.send(&dx, neighbor(&g, world, -1)?)?;
+    }
+    Ok(())
+}
+
+/// The shape of a vision stage's input (and output) hidden states for `n_items` images.
+pub(crate) fn vision_hidden(part: &VisionPart, n_items: usize) -> Result<Shape> {
+    let n = part.encoder.hidden_tokens(n_items)?;
+    Ok(Shape::new([n, part.encoder.config.hidden_size])) // (N_local, D)
 }
 
 /// `items` (plan indices, non-empty) through this rank's vision stage: from pixels on
@@ -187,7 +313,6 @@ pub(crate) fn vision_stage_forward(
     let work = Encoded {
         items,
         rows: n_rows,
-        frames: Vec::new(),
         held: Held::Last(None),
     };
     let trains = trainable(&part.encoder);
@@ -195,27 +320,6 @@ pub(crate) fn vision_stage_forward(
         let proj = last_stage_projector(part.projector.as_ref(), g)?;
         Ok(vision_project(&part.encoder, proj, last, cache)?) // (B * tpi, C)
     })
-}
-
-/// The backward of [`encode_images`], given the bridge's grads.
-pub(crate) fn backward_images(
-    part: &mut VisionPart,
-    world: &dyn Comm,
-    work: VisionWork,
-    grads: &[(usize, Tensor)],
-    c: usize,
-) -> Result<()> {
-    let g = part.groups.clone();
-    let grad = if work.wants_next_grad() {
-        let shape = vision_hidden(part, work.items.len())?;
-        GradIn::Next(world.recv(&shape, neighbor(&g, world, 1)?)?)
-    } else {
-        GradIn::Bridge(grads)
-    };
-    if let Some(dx) = vision_stage_backward(part, work, grad, c)? {
-        world.send(&dx, neighbor(&g, world, -1)?)?;
-    }
-    Ok(())
 }
 
 /// The backward of [`vision_stage_forward`]: the grad of the stage's input for the
@@ -255,30 +359,6 @@ pub(crate) fn clip_frames(rows: &[Row], plan: &StepPlan, items: &[usize]) -> Vec
         .iter()
         .map(|&i| rows[plan.items[i].row].audio[plan.items[i].index].frames)
         .collect()
-}
-
-/// This replica's clips through this rank's audio stage (phased: one chunk).
-pub(crate) fn encode_clips(
-    part: &AudioPart,
-    world: &dyn Comm,
-    rows: &[Row],
-    plan: &StepPlan,
-    produced: &mut Vec<(usize, Tensor)>,
-) -> Result<Option<AudioWork>> {
-    let g = &part.groups;
-    let items = my_items(plan, ItemKind::Clip, g.coord.dp);
-    if items.is_empty() {
-        return Ok(None);
-    }
-    let hidden = if g.coord.pp > 0 {
-        let shape = audio_hidden(part, &clip_frames(rows, plan, &items))?;
-        Some(world.recv(&shape, neighbor(g, world, -1)?)?)
-    } else {
-        None
-    };
-    let (handed, work) = audio_stage_forward(part, world.rank(), rows, plan, items, hidden)?;
-    hand(handed, g, world, produced)?;
-    Ok(Some(work))
 }
 
 /// `items` (plan indices, non-empty) through this rank's audio stage: from mel frames
@@ -335,7 +415,6 @@ pub(crate) fn audio_stage_forward(
     let work = Encoded {
         items,
         rows: n_rows,
-        frames,
         held: Held::Last(None),
     };
     let trains = trainable(&part.encoder);
@@ -349,27 +428,6 @@ pub(crate) fn audio_stage_forward(
             cache,
         )?) // (G_a, C)
     })
-}
-
-/// The backward of [`encode_clips`], given the bridge's grads.
-pub(crate) fn backward_clips(
-    part: &mut AudioPart,
-    world: &dyn Comm,
-    work: AudioWork,
-    grads: &[(usize, Tensor)],
-    c: usize,
-) -> Result<()> {
-    let g = part.groups.clone();
-    let grad = if work.wants_next_grad() {
-        let shape = audio_hidden(part, &work.frames)?;
-        GradIn::Next(world.recv(&shape, neighbor(&g, world, 1)?)?)
-    } else {
-        GradIn::Bridge(grads)
-    };
-    if let Some(dx) = audio_stage_backward(part, work, grad, c)? {
-        world.send(&dx, neighbor(&g, world, -1)?)?;
-    }
-    Ok(())
 }
 
 /// The backward of [`audio_stage_forward`]: the grad of the stage's input for the

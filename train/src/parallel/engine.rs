@@ -19,7 +19,7 @@ use braid_dataloader::loader::{MediaFilter, Row, WantedMedia};
 use braid_kernels::{Device, Tensor};
 use braid_nn::Module;
 
-use super::encode::{backward_clips, backward_images, encode_clips, encode_images};
+use super::encode::{backward, encode};
 use super::layout::Layouts;
 use super::llm_stage::run_pipeline;
 use super::model::{RankModel, ShardSource};
@@ -239,7 +239,7 @@ impl Engine {
         let trace = &mut self.trace;
         let t0 = trace.start();
         let vision = match &self.model.vision {
-            Some(v) => encode_images(v, world, rows, plan, &mut produced)?,
+            Some(v) => encode(v, world, rows, plan, &mut produced)?,
             None => None,
         };
         if vision.is_some() {
@@ -247,7 +247,7 @@ impl Engine {
         }
         let t0 = trace.start();
         let audio = match &self.model.audio {
-            Some(a) => encode_clips(a, world, rows, plan, &mut produced)?,
+            Some(a) => encode(a, world, rows, plan, &mut produced)?,
             None => None,
         };
         if audio.is_some() {
@@ -288,12 +288,12 @@ impl Engine {
         // the two encoders never wait on each other in a cycle.
         if let (Some(work), Some(v)) = (vision, &mut self.model.vision) {
             let t0 = trace.start();
-            backward_images(v, self.world.as_ref(), work, &grads, c)?;
+            backward(v, self.world.as_ref(), rows, plan, work, &grads, c)?;
             trace.end(t0, "vision bwd", "vision")?;
         }
         if let (Some(work), Some(a)) = (audio, &mut self.model.audio) {
             let t0 = trace.start();
-            backward_clips(a, self.world.as_ref(), work, &grads, c)?;
+            backward(a, self.world.as_ref(), rows, plan, work, &grads, c)?;
             trace.end(t0, "audio bwd", "audio")?;
         }
         Ok(loss_local)

@@ -15,6 +15,7 @@ use braid_dataloader::loader::Row;
 use braid_kernels::{Shape, Tensor};
 
 use super::chunks::{Chunks, EncoderChunks, LlmChunks};
+use super::encode::EncoderStage;
 use super::graph::{EncoderNode, Graph, Msg, Role, Step, Xfer};
 use super::layout::Layouts;
 use super::llm_stage::LlmStageRun;
@@ -22,7 +23,7 @@ use super::model::{ModuleGroups, RankModel};
 use super::plan::{ItemKind, StepPlan};
 use super::schedule::Op;
 use crate::error::{Result, TrainError};
-use crate::mllm::{Freeze, trainable};
+use crate::mllm::Freeze;
 use crate::trace::Tracer;
 
 /// The step's graph: chunks, who runs which, and each chunk's bridge routes.
@@ -223,33 +224,11 @@ pub(crate) fn run_overlapped(
             graph: &graph,
         })
     } else if let Some(part) = vision.as_mut() {
-        check_trains(&part.groups, trainable(&part.encoder), freeze.vision)?;
-        let items = chunk_items(plan, ItemKind::Image, part.groups.coord.dp, &role.chunks);
-        Box::new(EncoderChunks {
-            part,
-            rows,
-            plan,
-            rank,
-            c,
-            role: &role,
-            graph: &graph,
-            works: (0..items.len()).map(|_| None).collect(),
-            items,
-        })
+        let ctx = (rows, plan, rank, c, &role, &graph);
+        encoder_chunks(part, freeze.vision, ctx)?
     } else if let Some(part) = audio.as_mut() {
-        check_trains(&part.groups, trainable(&part.encoder), freeze.audio)?;
-        let items = chunk_items(plan, ItemKind::Clip, part.groups.coord.dp, &role.chunks);
-        Box::new(EncoderChunks {
-            part,
-            rows,
-            plan,
-            rank,
-            c,
-            role: &role,
-            graph: &graph,
-            works: (0..items.len()).map(|_| None).collect(),
-            items,
-        })
+        let ctx = (rows, plan, rank, c, &role, &graph);
+        encoder_chunks(part, freeze.audio, ctx)?
     } else {
         return Err(TrainError::Other(format!("rank {rank} holds no module")));
     };
@@ -292,6 +271,31 @@ pub(crate) fn run_overlapped(
         )));
     }
     Ok(module.loss())
+}
+
+/// What an encoder rank's chunks run with: the batch, its plan, the rank, the bridge's
+/// row width, its role and the step's graph.
+type Ctx<'a> = (&'a [Row], &'a StepPlan, usize, usize, &'a Role, &'a Graph);
+
+/// An encoder rank's chunks, after checking its weights train as the schedule assumes.
+fn encoder_chunks<'a, P: EncoderStage>(
+    part: &'a mut P,
+    frozen: bool,
+    (rows, plan, rank, c, role, graph): Ctx<'a>,
+) -> Result<Box<dyn Chunks + 'a>> {
+    check_trains(part.groups(), part.encoder_trains(), frozen)?;
+    let items = chunk_items(plan, P::KIND, part.groups().coord.dp, &role.chunks);
+    Ok(Box::new(EncoderChunks {
+        part,
+        rows,
+        plan,
+        rank,
+        c,
+        role,
+        graph,
+        works: (0..items.len()).map(|_| None).collect(),
+        items,
+    }))
 }
 
 /// An encoder rank's trainable state must be what the schedule was built from (the
