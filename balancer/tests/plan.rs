@@ -348,6 +348,40 @@ fn one_gpu_of_pure_compute_meets_the_bound() {
     );
 }
 
+/// Two rows cannot keep 8 GPUs busy without splitting them, and a split row pays TP/CP/PP
+/// communication: the bound on 8 GPUs lies above perfect spreading of the 2-GPU work, and
+/// never above the 2-GPU bound (the 2-GPU ways stay open on 8).
+#[test]
+fn the_bound_spreads_no_thinner_than_whole_rows_allow() {
+    let mut c = Cluster::preset("h100").unwrap();
+    c.layer_overhead_us = 0.0;
+    let p = problem(llm_only(4), c);
+    let rows: Vec<RowShape> = (0..2)
+        .map(|_| RowShape {
+            samples: vec![2048],
+            images: vec![],
+            clips: vec![],
+        })
+        .collect();
+    let batches = [rows];
+    let two = p.work_bound(2, &batches).unwrap();
+    let eight = p.work_bound(8, &batches).unwrap();
+    assert!(eight > two * 2.0 / 8.0 * 1.001, "{eight} vs {two}");
+    assert!(eight <= two, "{eight} vs {two}");
+    // The simulated step of every 8-GPU layout of this batch is at least the bound.
+    for (tp, cp, pp, dp) in [
+        (4, 1, 1, 2),
+        (2, 2, 1, 2),
+        (1, 2, 2, 2),
+        (1, 1, 4, 2),
+        (8, 1, 1, 1),
+    ] {
+        let l = Layout { tp, cp, pp, dp };
+        let sim = p.simulate(&plan(l, 1), &batches[0]).unwrap();
+        assert!(sim.step_s >= eight, "{l:?}: {} vs {eight}", sim.step_s);
+    }
+}
+
 #[test]
 fn an_impossible_world_is_an_error_naming_the_memory() {
     let (mut p, w) = small();

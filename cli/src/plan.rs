@@ -262,7 +262,7 @@ fn explain(p: &Planned, alone: Option<&Found>) -> Vec<String> {
     out.push(split_reason(b));
     let g = gap(p);
     out.push(format!(
-        "work-conserving bound {} (each module's work at its cheapest layout over all {} GPUs, no bubble, no wait, no bridge); the plan is {:.2}x it: memory-forced layout work {}, gradient sync {}, imbalance {}, bridge {}, bubbles {}",
+        "work-conserving bound {} (each module's work at its least wasteful layout that fits, spread over all {} GPUs as far as whole rows and items allow; no bubble, no wait, no bridge, no gradient sync); the plan is {:.2}x it: memory-forced layout work {}, gradient sync {}, imbalance {}, bridge {}, bubbles {}",
         secs(g.bound_s),
         p.gpus,
         step / g.bound_s.max(1e-12),

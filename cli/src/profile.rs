@@ -25,7 +25,7 @@ pub struct ProfileArgs {
     /// Where to write the cluster TOML (then: braid plan --cluster PATH).
     #[arg(long, default_value = "cluster.toml")]
     out: PathBuf,
-    /// Fewer and smaller sizes, fewer repeats, one round instead of the median of three:
+    /// Fewer and smaller sizes, fewer repeats, one round instead of the median of five:
     /// well under a second instead of ~10 s.
     #[arg(long)]
     quick: bool,
@@ -249,12 +249,13 @@ fn elementwise_ns(e: Effort, quick: bool, c: &Cluster) -> Res<f64> {
     Ok(ns)
 }
 
-/// The share of the [`elementwise_ns`] block's elementwise work on full hidden-size rows,
-/// which TP without sequence parallelism repeats on every TP rank: its two RMSNorms and
-/// residual adds against those plus what TP splits (SwiGLU on the MLP's width, RoPE on q
-/// and k), each forward and backward, timed directly on the block's shapes (not as a
-/// difference of timings, which would carry the profile's noise into the share).
-fn replicated_elementwise(e: Effort, quick: bool) -> Res<f64> {
+/// The [`elementwise_ns`] block's main elementwise work timed directly on its shapes (not
+/// as a difference of timings, which carries the matmul table's noise): its two RMSNorms
+/// and residual adds, which TP without sequence parallelism repeats on every TP rank,
+/// and what TP splits (SwiGLU on the MLP's width, RoPE on q and k), each forward and
+/// backward. Returns (the repeated share, ns per activation value per pass): the share
+/// sets `replicated_elementwise`, the ns a floor under `elementwise_ns`.
+fn elementwise_parts(e: Effort, quick: bool) -> Res<(f64, f64)> {
     let (width, nh, len) = (64usize, 4usize, if quick { 128 } else { 256 });
     let (t, hs, ff) = (2 * len, width / nh, 2 * width);
     let mut rng = Rng::new(5);
@@ -298,12 +299,13 @@ fn replicated_elementwise(e: Effort, quick: bool) -> Res<f64> {
         Ok(())
     })?;
     let share = repeated / (repeated + split).max(1e-12);
+    let ns = (repeated + split) / 3.0 / (t * width) as f64 * 1e9;
     eprintln!(
-        "  elementwise (2x{len} tokens, width {width}): norms and residuals {:.3} ms, SwiGLU and RoPE {:.3} ms -> {share:.2} repeated by TP",
+        "  elementwise (2x{len} tokens, width {width}): norms and residuals {:.3} ms, SwiGLU and RoPE {:.3} ms -> {share:.2} repeated by TP, {ns:.2} ns per value per pass",
         repeated * 1e3,
         split * 1e3
     );
-    Ok(share)
+    Ok((share, ns))
 }
 
 /// Median seconds of an all-reduce of `elems` f32 among 2 ranks (threads).
@@ -435,7 +437,7 @@ fn profile(a: &ProfileArgs) -> Res<()> {
     // Each derived figure is the median of `rounds` measurements: the overhead and the
     // elementwise cost are differences of two timings, and one disturbed sample (rayon's
     // workers asleep or spinning, another process) moved them 2x between runs.
-    let rounds = if a.quick { 1 } else { 3 };
+    let rounds = if a.quick { 1 } else { 5 };
     let mut tables = vec![std::mem::take(&mut c.matmul)];
     for _ in 1..rounds {
         tables.push(matmul_rates(e, a.quick)?);
@@ -448,8 +450,15 @@ fn profile(a: &ProfileArgs) -> Res<()> {
         .collect();
     c.attention_efficiency = median_round(rounds, || attention_efficiency(e, a.quick, &c))?;
     c.layer_overhead_us = median_round(rounds, || layer_overhead_us(e, &c))?;
-    c.elementwise_ns = median_round(rounds, || elementwise_ns(e, a.quick, &c))?;
-    c.replicated_elementwise = median_round(rounds, || replicated_elementwise(e, a.quick))?;
+    // The block's elementwise cost is its time less FLOPs and overhead, a small
+    // difference that the small-GEMM rates' noise often drives to 0; the directly timed
+    // norms, residuals, SwiGLU and RoPE are a floor under it.
+    let parts = (0..rounds.max(1))
+        .map(|_| elementwise_parts(e, a.quick))
+        .collect::<Res<Vec<_>>>()?;
+    c.replicated_elementwise = median(&parts.iter().map(|p| p.0).collect::<Vec<_>>());
+    let direct_ns = median(&parts.iter().map(|p| p.1).collect::<Vec<_>>());
+    c.elementwise_ns = median_round(rounds, || elementwise_ns(e, a.quick, &c))?.max(direct_ns);
     let l = link(e, a.quick)?;
     c.intra = l;
     c.inter = l;

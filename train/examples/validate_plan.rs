@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! cargo run --release -p braid -- profile --out /tmp/cpu.toml
-//! cargo run --release -p braid-train --example validate_plan -- --cluster /tmp/cpu.toml [--steps 12] [--only NAME,NAME]
+//! cargo run --release -p braid-train --example validate_plan -- --cluster /tmp/cpu.toml [--steps 12] [--rounds 3] [--only NAME,NAME]
 //! ```
 //! Run from the repository root (the config's data paths are relative to it).
 
@@ -162,6 +162,10 @@ struct Args {
     config: PathBuf,
     steps: u64,
     batches: usize,
+    /// Sweeps over the layouts, interleaved: each layout's measured step is the median of
+    /// all its rounds' timed steps, so a slow drift of a shared machine falls on every
+    /// layout alike instead of on the few that ran during it.
+    rounds: usize,
     only: Option<Vec<String>>,
 }
 
@@ -171,6 +175,7 @@ fn args() -> Res<Args> {
         config: PathBuf::from("configs/tiny.toml"),
         steps: 12,
         batches: 8,
+        rounds: 1,
         only: None,
     };
     let mut it = std::env::args().skip(1);
@@ -181,6 +186,7 @@ fn args() -> Res<Args> {
             "--config" => a.config = PathBuf::from(v()?),
             "--steps" => a.steps = v()?.parse().map_err(|e| format!("--steps: {e}"))?,
             "--batches" => a.batches = v()?.parse().map_err(|e| format!("--batches: {e}"))?,
+            "--rounds" => a.rounds = v()?.parse().map_err(|e| format!("--rounds: {e}"))?,
             "--only" => a.only = Some(v()?.split(',').map(str::to_string).collect()),
             _ => return Err(format!("unknown argument {k}")),
         }
@@ -258,16 +264,27 @@ fn run() -> Res<()> {
         "input: {:.4} device-seconds per rank per step (loader alone); elementwise {:.2} ns/value",
         input_s, cluster.elementwise_ns
     );
-    let mut rows = Vec::new();
-    for (name, sets) in LAYOUTS {
-        if a.only
-            .as_ref()
-            .is_some_and(|o| !o.iter().any(|x| x == name))
-        {
-            continue;
+    let chosen: Vec<&(&str, &[&str])> = LAYOUTS
+        .iter()
+        .filter(|(name, _)| a.only.as_ref().is_none_or(|o| o.iter().any(|x| x == name)))
+        .collect();
+    // Per layout: every timed step of every round.
+    let mut timed: Vec<Vec<f64>> = vec![Vec::new(); chosen.len()];
+    for round in 0..a.rounds.max(1) {
+        for (i, (name, sets)) in chosen.iter().enumerate() {
+            let dir = root.join(format!("run{i}"));
+            let cfg = config(&a, &dir, sets)?;
+            eprintln!("{name}: round {round}, training {} steps ...", a.steps);
+            let mut obs = Steps(Vec::new());
+            train(cfg, false, &mut obs).map_err(|e| format!("{name}: {e}"))?;
+            timed[i].extend(obs.0.iter().skip(2).copied());
+            // Each run writes a final checkpoint; drop it before the next.
+            let _ = std::fs::remove_dir_all(&dir);
         }
-        let dir = root.join(format!("run{}", rows.len()));
-        let cfg = config(&a, &dir, sets)?;
+    }
+    let mut rows = Vec::new();
+    for (i, (name, sets)) in chosen.iter().enumerate() {
+        let cfg = config(&a, &root.join("plan"), sets)?;
         let plan = plan_of(&cfg, &problem.model);
         let predict = |p: &Problem| -> Res<f64> {
             let mut sum = 0.0;
@@ -277,14 +294,9 @@ fn run() -> Res<()> {
             Ok(sum / a.batches as f64)
         };
         let (predicted, base) = (predict(&problem)?, predict(&flops_only)?);
-        eprintln!("{name}: training {} steps ...", a.steps);
-        let mut obs = Steps(Vec::new());
-        train(cfg, false, &mut obs).map_err(|e| format!("{name}: {e}"))?;
-        let measured = median(&obs.0.iter().skip(2).copied().collect::<Vec<_>>());
+        let measured = median(&timed[i]);
         eprintln!("{name}: measured {measured:.4} s, predicted {predicted:.4} s");
         rows.push((name.to_string(), measured, predicted, base));
-        // Each run writes a final checkpoint; drop it before the next.
-        let _ = std::fs::remove_dir_all(&dir);
     }
     let _ = std::fs::remove_dir_all(&root);
     println!(

@@ -5,23 +5,6 @@ use crate::assign::BatchShape;
 use crate::dims::{ModelDims, Module};
 use crate::plan::cost::Cost;
 use crate::plan::dag::Dag;
-use crate::plan::step::Problem;
-use crate::workload::{RowShape, shape_of};
-
-/// A module's work in `rows`: (tokens, sum of squared sequence lengths) of the LLM's
-/// rows, or of the encoder's images or clips (after its stem).
-pub(crate) fn module_load(p: &Problem, rows: &[RowShape], m: Module) -> (f64, f64) {
-    let b = shape_of(rows);
-    match m {
-        Module::Llm => (
-            b.row_tokens.iter().map(|&t| t as f64).sum(),
-            b.row_sq.iter().map(|&q| q as f64).sum(),
-        ),
-        _ => items(&b, &p.model, m)
-            .iter()
-            .fold((0.0, 0.0), |(t, q), it| (t + it.1, q + it.1 * it.1)),
-    }
-}
 
 /// A simulated step's timeline: its lanes (label, GPUs each stands for) and every task
 /// that took time, `(lane, name, start s, end s)`.
