@@ -185,11 +185,17 @@ fn a_multi_rank_run_writes_every_rank_timeline() {
     for (rank, want) in [
         (
             0,
-            &["data", "vision fwd", "vision bwd", "bridge fwd", "adamw"][..],
+            &[
+                "data",
+                "vision fwd s0",
+                "vision bwd s0",
+                "bridge fwd",
+                "adamw",
+            ][..],
         ),
         (
             1,
-            &["audio fwd", "audio bwd", "bridge bwd", "grad norm"][..],
+            &["audio fwd s0", "audio bwd s0", "bridge bwd", "grad norm"][..],
         ),
         (
             2,
@@ -245,4 +251,64 @@ fn without_log_trace_nothing_is_written() {
     ];
     train(config(&dir, &sets), false, &mut Quiet).unwrap();
     assert!(!dir.join("trace").exists());
+}
+
+/// The phased schedule with a two-stage vision encoder: a stage's waits for its
+/// neighbour are comm spans, apart from its compute span (the straggler check counts
+/// compute only, so a stage waiting on a slow one before it is not named).
+#[test]
+fn a_phased_encoder_stage_waits_on_the_comm_lane() {
+    let dir = run_dir("trace-encoder-pp");
+    let _ = std::fs::remove_dir_all(&dir);
+    let sets = [
+        "parallel.world_size=4",
+        "parallel.vision.pp=2",
+        "log.trace=true",
+        "train.steps=2",
+    ];
+    train(config(&dir, &sets), false, &mut Quiet).unwrap();
+    let merged = read(&dir.join("trace").join("trace.json")).unwrap();
+    let names = check_file(&merged, 4);
+    let rank_of = |n: &str| names.iter().position(|s| s.contains(n)).unwrap();
+    let (first, second) = (rank_of("vision fwd s0"), rank_of("vision fwd s1"));
+    assert_ne!(first, second);
+    assert!(
+        names[second].contains("vision recv act"),
+        "{:?}",
+        names[second]
+    );
+    assert!(
+        names[first].contains("vision recv grad"),
+        "{:?}",
+        names[first]
+    );
+    // Per step, the second stage's receive ends before its forward starts.
+    let span = |rank: usize, name: &str, step: u64| {
+        let e = merged
+            .trace_events
+            .iter()
+            .find(|e| {
+                e.pid == rank
+                    && e.name == name
+                    && e.args.get("step").and_then(|s| s.as_u64()) == Some(step)
+            })
+            .unwrap();
+        (e.ts, e.ts + e.dur.unwrap())
+    };
+    for step in 1..=2 {
+        let (recv, fwd) = (
+            span(second, "vision recv act", step),
+            span(second, "vision fwd s1", step),
+        );
+        assert!(recv.1 <= fwd.0 + 1.0, "step {step}: {recv:?} then {fwd:?}");
+        assert_eq!(
+            merged
+                .trace_events
+                .iter()
+                .filter(|e| e.pid == second && e.name == "vision recv act")
+                .map(|e| e.cat.as_str())
+                .collect::<BTreeSet<_>>(),
+            BTreeSet::from(["comm"])
+        );
+    }
 }

@@ -27,6 +27,7 @@ use crate::mllm::{
     AudioBranch, VisionBranch, audio_project, audio_unproject, trainable, vision_project,
     vision_unproject,
 };
+use crate::trace::Tracer;
 
 /// What a stage keeps for its backward.
 pub(crate) enum Held<B, C> {
@@ -213,13 +214,16 @@ impl EncoderStage for AudioPart {
 
 /// The phased step: this replica's images (or clips) through this rank's stage as one
 /// chunk, the hidden states received from the stage before and sent to the next, the
-/// embeddings added to the bridge's list. `None` when the replica has none.
+/// embeddings added to the bridge's list. `None` when the replica has none. The stage's
+/// compute is a span of the module's lane and the waits for its neighbours are spans of
+/// the comm lane, so a stage waiting on a slow one before it is not the straggler.
 pub(crate) fn encode<P: EncoderStage>(
     part: &P,
     world: &dyn Comm,
     rows: &[Row],
     plan: &StepPlan,
     produced: &mut Vec<(usize, Tensor)>,
+    trace: &mut Tracer,
 ) -> Result<Option<P::Work>> {
     let g = part.groups();
     let items = my_items(plan, P::KIND, g.coord.dp);
@@ -228,17 +232,26 @@ pub(crate) fn encode<P: EncoderStage>(
     }
     let hidden = if g.coord.pp > 0 {
         let shape = part.hidden(rows, plan, &items)?;
-        Some(world.recv(&shape, neighbor(g, world, -1)?)?)
+        let t0 = trace.start();
+        let h = world.recv(&shape, neighbor(g, world, -1)?)?;
+        trace.end(t0, format!("{} recv act", P::NAME), "comm")?;
+        Some(h)
     } else {
         None
     };
+    let t0 = trace.start();
     let (handed, work) = part.stage_forward(world.rank(), rows, plan, items, hidden)?;
+    trace.end(t0, format!("{} fwd s{}", P::NAME, g.coord.pp), P::NAME)?;
+    let t0 = trace.start();
     hand(handed, g, world, produced)?;
+    trace.end(t0, format!("{} send act", P::NAME), "comm")?;
     Ok(Some(work))
 }
 
 /// The backward of [`encode`], given the bridge's grads (`rows`/`plan` size the next
-/// stage's grad, which a middle stage receives).
+/// stage's grad, which a middle stage receives). The arguments mirror [`encode`]'s plus
+/// what the backward adds (the saved work, the bridge's grads and width).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<P: EncoderStage>(
     part: &mut P,
     world: &dyn Comm,
@@ -247,17 +260,26 @@ pub(crate) fn backward<P: EncoderStage>(
     work: P::Work,
     grads: &[(usize, Tensor)],
     c: usize,
+    trace: &mut Tracer,
 ) -> Result<()> {
     let g = part.groups().clone();
     let grad = if P::wants_next_grad(&work) {
         let items = my_items(plan, P::KIND, g.coord.dp);
         let shape = part.hidden(rows, plan, &items)?;
-        GradIn::Next(world.recv(&shape, neighbor(&g, world, 1)?)?)
+        let t0 = trace.start();
+        let dy = world.recv(&shape, neighbor(&g, world, 1)?)?;
+        trace.end(t0, format!("{} recv grad", P::NAME), "comm")?;
+        GradIn::Next(dy)
     } else {
         GradIn::Bridge(grads)
     };
-    if let Some(dx) = part.stage_backward(work, grad, c)? {
+    let t0 = trace.start();
+    let dx = part.stage_backward(work, grad, c)?;
+    trace.end(t0, format!("{} bwd s{}", P::NAME, g.coord.pp), P::NAME)?;
+    if let Some(dx) = dx {
+        let t0 = trace.start();
         world.send(&dx, neighbor(&g, world, -1)?)?;
+        trace.end(t0, format!("{} send grad", P::NAME), "comm")?;
     }
     Ok(())
 }

@@ -237,22 +237,14 @@ impl Engine {
         let mut produced: Vec<(usize, Tensor)> = Vec::new();
         let world = self.world.as_ref();
         let trace = &mut self.trace;
-        let t0 = trace.start();
         let vision = match &self.model.vision {
-            Some(v) => encode(v, world, rows, plan, &mut produced)?,
+            Some(v) => encode(v, world, rows, plan, &mut produced, trace)?,
             None => None,
         };
-        if vision.is_some() {
-            trace.end(t0, "vision fwd", "vision")?;
-        }
-        let t0 = trace.start();
         let audio = match &self.model.audio {
-            Some(a) => encode(a, world, rows, plan, &mut produced)?,
+            Some(a) => encode(a, world, rows, plan, &mut produced, trace)?,
             None => None,
         };
-        if audio.is_some() {
-            trace.end(t0, "audio fwd", "audio")?;
-        }
         let sent: Vec<(usize, &Tensor)> = produced.iter().map(|(i, t)| (*i, t)).collect();
         let t0 = trace.start();
         let received = routes.forward(self.world.as_ref(), &sent)?; // (M_r, C)
@@ -287,14 +279,10 @@ impl Engine {
         // Vision then audio on every rank: a fixed order, so stage-to-stage messages of
         // the two encoders never wait on each other in a cycle.
         if let (Some(work), Some(v)) = (vision, &mut self.model.vision) {
-            let t0 = trace.start();
-            backward(v, self.world.as_ref(), rows, plan, work, &grads, c)?;
-            trace.end(t0, "vision bwd", "vision")?;
+            backward(v, self.world.as_ref(), rows, plan, work, &grads, c, trace)?;
         }
         if let (Some(work), Some(a)) = (audio, &mut self.model.audio) {
-            let t0 = trace.start();
-            backward(a, self.world.as_ref(), rows, plan, work, &grads, c)?;
-            trace.end(t0, "audio bwd", "audio")?;
+            backward(a, self.world.as_ref(), rows, plan, work, &grads, c, trace)?;
         }
         Ok(loss_local)
     }
