@@ -19,7 +19,7 @@ use braid_dataloader::loader::{MediaFilter, Row, WantedMedia};
 use braid_kernels::{Device, Tensor};
 use braid_nn::Module;
 
-use super::encode::{backward, encode};
+use super::encode_phased::{backward, encode};
 use super::layout::Layouts;
 use super::llm_stage::run_pipeline;
 use super::model::{RankModel, ShardSource};

@@ -17,6 +17,7 @@
 mod chunks;
 pub mod ckpt;
 mod encode;
+mod encode_phased;
 pub mod engine;
 pub mod graph;
 pub mod layout;
