@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""Random layouts of configs/tiny.toml under both schedules against one rank.
+
+Draws disjoint layouts (TP, CP, PP, DP per module, microbatches, encoder recomputation),
+trains each for 4 steps under `parallel.schedule = "phased"` and `"overlapped"` with the
+given `braid` binary, and prints the largest relative difference of each run's per-step
+losses from the one-rank run. A config the binary rejects (exit 2, a message naming the
+key) is printed as REJECT and drawn again; any other failure is FAIL.
+
+    tools/layout-sweep.py [--bin target/debug/braid] [--seed 1] [--layouts 14] [--max-world 14]
+"""
+import argparse
+import json
+import random
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def train(binary, out, name, sets):
+    run_dir = out / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    args = [binary, "train", "--config", "configs/tiny.toml",
+            "--set", f"run.dir={run_dir}", "--set", "train.steps=4",
+            "--set", "optim.warmup_steps=1", "--set", "checkpoint.interval=0",
+            "--set", "log.interval=1"]
+    for s in sets:
+        args += ["--set", s]
+    p = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        last = (p.stderr.strip().splitlines() or ["?"])[-1][:200]
+        return None, (p.returncode, last)
+    losses = []
+    for line in open(run_dir / "metrics.jsonl"):
+        v = json.loads(line)
+        if "loss" in v and "step" in v:
+            losses.append(v["loss"])
+    return losses, None
+
+
+def rel(a, b):
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", default=str(ROOT / "target/debug/braid"))
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--layouts", type=int, default=14)
+    ap.add_argument("--max-world", type=int, default=14)
+    a = ap.parse_args()
+    rng = random.Random(a.seed)
+    out = Path(tempfile.mkdtemp(prefix="braid-sweep-"))
+    one, err = train(a.bin, out, "one", [])
+    if one is None:
+        raise SystemExit(f"one rank failed: {err}")
+    print("one rank", one, flush=True)
+    done = tried = failed = 0
+    while done < a.layouts and tried < 20 * a.layouts:
+        tried += 1
+        mods = {
+            "llm": dict(tp=rng.choice([1, 2]), cp=rng.choice([1, 2]),
+                        pp=rng.choice([1, 2, 4]), dp=rng.choice([1, 2, 3])),
+            "vision": dict(tp=rng.choice([1, 2, 4]), cp=rng.choice([1, 2]),
+                           pp=rng.choice([1, 2]), dp=rng.choice([1, 2, 3])),
+            "audio": dict(tp=rng.choice([1, 2]), cp=rng.choice([1, 2]),
+                          pp=rng.choice([1, 2]), dp=rng.choice([1, 2])),
+        }
+        world = sum(x["tp"] * x["cp"] * x["pp"] * x["dp"] for x in mods.values())
+        if world > a.max_world:
+            continue
+        sets = [f"parallel.world_size={world}",
+                f"train.microbatches={rng.choice([1, 2, 3, 4, 8])}"]
+        for m, x in mods.items():
+            sets += [f"parallel.{m}.{k}={v}" for k, v in x.items() if v != 1]
+        if rng.random() < 0.3:
+            sets.append("parallel.vision.recompute=true")
+        tag = " ".join(s.replace("parallel.", "") for s in sets)
+        phased, e1 = train(a.bin, out, "phased", sets)
+        over, e2 = train(a.bin, out, "overlapped", sets + ['parallel.schedule="overlapped"'])
+        if phased is None or over is None:
+            if e1 and e2 and e1[0] == 2 and e2[0] == 2:
+                print("REJECT", tag, e1[1], flush=True)
+                continue
+            print("FAIL", tag, e1, e2, flush=True)
+            failed += 1
+            done += 1
+            continue
+        done += 1
+        d_over, d_phased = rel(over, one), rel(phased, one)
+        ok = d_over < 1e-4 and d_phased < 1e-4
+        failed += not ok
+        print(f"{'OK  ' if ok else 'DIFF'} overlapped {d_over:.1e} phased {d_phased:.1e} | {tag}",
+              flush=True)
+    shutil.rmtree(out, ignore_errors=True)
+    print(f"{done} layouts, {failed} failed or differed", flush=True)
+    raise SystemExit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
