@@ -364,8 +364,8 @@ fn the_bound_spreads_no_thinner_than_whole_rows_allow() {
         })
         .collect();
     let batches = [rows];
-    let two = p.work_bound(2, &batches).unwrap();
-    let eight = p.work_bound(8, &batches).unwrap();
+    let two = p.work_bound(2, &batches, 1).unwrap().0;
+    let eight = p.work_bound(8, &batches, 1).unwrap().0;
     assert!(eight > two * 2.0 / 8.0 * 1.001, "{eight} vs {two}");
     assert!(eight <= two, "{eight} vs {two}");
     // The simulated step of every 8-GPU layout of this batch is at least the bound.

@@ -249,14 +249,15 @@ fn elementwise_ns(e: Effort, quick: bool, c: &Cluster) -> Res<f64> {
     Ok(ns)
 }
 
-/// The [`elementwise_ns`] block's main elementwise work timed directly on its shapes (not
-/// as a difference of timings, which carries the matmul table's noise): its two RMSNorms
+/// The [`elementwise_ns`] block's main elementwise work timed directly on its width at 4x
+/// its tokens (not as a difference of timings, which carries the matmul table's noise;
+/// the longer rows dilute the per-call costs `layer_overhead_us` charges): its two RMSNorms
 /// and residual adds, which TP without sequence parallelism repeats on every TP rank,
 /// and what TP splits (SwiGLU on the MLP's width, RoPE on q and k), each forward and
 /// backward. Returns (the repeated share, ns per activation value per pass): the share
 /// sets `replicated_elementwise`, the ns a floor under `elementwise_ns`.
 fn elementwise_parts(e: Effort, quick: bool) -> Res<(f64, f64)> {
-    let (width, nh, len) = (64usize, 4usize, if quick { 128 } else { 256 });
+    let (width, nh, len) = (64usize, 4usize, if quick { 128 } else { 1024 });
     let (t, hs, ff) = (2 * len, width / nh, 2 * width);
     let mut rng = Rng::new(5);
     let mut randn = |shape: &[usize], what: &str| {

@@ -6,25 +6,27 @@
 //! keep it honest where a plain sum would promise a step no plan can run:
 //!
 //! - each module's layout is the one that makes the bound least, among every layout on
-//!   every GPU count dividing the cluster (so its work is what the least wasteful layout
-//!   that fits costs, TP/CP/PP communication and recomputation included);
-//! - no module finishes before its own critical path at that layout: its fullest
-//!   replica's whole rows (images, clips), chunk by chunk through its pipeline stages in
-//!   1F1B. A batch of 1,024 rows cannot keep 4,096 GPUs busy without splitting rows, a
-//!   split row pays its TP/CP communication, and a row cut into pipeline stages runs
-//!   them one after another unless there are other rows to fill them.
+//!   every GPU count a plan may give it (the divisors of the cluster, the disjoint
+//!   search's encoder counts and what they leave the LLM), so its work is what the least
+//!   wasteful layout that fits costs, TP/CP/PP communication and recomputation included;
+//! - no module finishes before a lower bound of its critical path at that layout,
+//!   whatever its chunking: its busiest stage runs at least the fullest replica's load
+//!   (at least the mean share, at least the largest row, image or clip), and the largest
+//!   item runs through every stage. A batch of 1,024 rows cannot keep 4,096 GPUs busy
+//!   without splitting rows, and a split row pays its TP/CP communication.
 //!
 //! So the bound is `min over layouts of max(sum of work / GPUs, each module's critical
-//! path)`, at most every plan's step (a test checks it against brute force). A module's
-//! own pipeline fill and drain can thus be part of the bound (where the critical path
-//! sets it); the bubbles below are the rest. A plan's
-//! step splits into the bound and five parts (seconds of the step, i.e. GPU-seconds over
-//! the GPUs):
+//! path)`, at most every plan's step (tests check it against the search's picks, the
+//! baseline, brute force, and layouts of a 2-row batch on 8 GPUs). A plan's step splits
+//! into the bound and five parts (seconds of the step, i.e. GPU-seconds over the GPUs);
+//! idle time the bound already holds (where a critical path sets it) is not counted
+//! again:
 //!
 //! - **memory-forced choices**: the plan's own busy work beyond the bound's (layouts the
-//!   plan takes because its modules share memory or GPUs: more TP, CP and PP
-//!   communication, recomputation, smaller matmuls), taken as the rest of the step once
-//!   the other parts are counted;
+//!   plan takes because its modules share memory or GPUs, or to cut the gradient sync:
+//!   more TP, CP and PP communication, recomputation, smaller matmuls), taken as the rest
+//!   of the step once the other parts are counted (negative where the plan's layouts do
+//!   less work than the bound's, which trade work for a shorter critical path);
 //! - **gradient sync**: the exposed part of each lane's gradient reduction;
 //! - **imbalance**: the time a replica's lane waits for the busiest replica of its
 //!   module and stage;
@@ -37,8 +39,9 @@
 use crate::dims::Module;
 use crate::plan::layout::{Plan, Schedule};
 use crate::plan::options::{Knobs, Totals};
+use crate::plan::search::encoder_counts;
 use crate::plan::step::{Problem, StepSim};
-use crate::workload::RowShape;
+use crate::workload::{RowShape, shape_of};
 
 /// A plan's distance from the bound, split into its parts (seconds of the step).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -64,7 +67,7 @@ impl Gap {
 }
 
 /// One way to run a module alone: its busy GPU-seconds and the least time it can take
-/// (its critical path: the fullest replica's whole items through its pipeline).
+/// (a lower bound of its critical path, whatever the chunking).
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct Way {
     work: f64,
@@ -83,20 +86,88 @@ fn front(mut ways: Vec<Way>) -> Vec<Way> {
     out
 }
 
+/// Per module, the largest single item (tokens, squared length) in every batch: rows,
+/// images, clips after the stem (the least over the batches, so it holds for each).
+fn largest_items(batches: &[Vec<RowShape>]) -> [(f64, f64); 3] {
+    let mut out = [(f64::INFINITY, f64::INFINITY); 3];
+    for rows in batches {
+        let b = shape_of(rows);
+        let llm = b
+            .row_tokens
+            .iter()
+            .zip(&b.row_sq)
+            .map(|(&t, &q)| (t as f64, q as f64))
+            .max_by(|x, y| x.0.total_cmp(&y.0));
+        let image = b
+            .image_tokens
+            .iter()
+            .map(|&t| t as f64)
+            .max_by(f64::total_cmp);
+        let clip = b
+            .clip_frames
+            .iter()
+            .map(|&f| f.div_ceil(2) as f64)
+            .max_by(f64::total_cmp);
+        let found = [llm, image.map(|t| (t, t * t)), clip.map(|t| (t, t * t))];
+        for (o, f) in out.iter_mut().zip(found) {
+            let f = f.unwrap_or((0.0, 0.0));
+            *o = (o.0.min(f.0), o.1.min(f.1));
+        }
+    }
+    out.map(|x| if x.0.is_finite() { x } else { (0.0, 0.0) })
+}
+
+/// GPU counts a plan on `gpus` GPUs may give one module: the divisors of `gpus`, the
+/// disjoint search's encoder counts, and what two of those leave the LLM.
+fn module_counts(gpus: usize, node: usize) -> Vec<usize> {
+    let enc = encoder_counts(gpus, node);
+    let mut out: Vec<usize> = (1..=gpus).filter(|g| gpus.is_multiple_of(*g)).collect();
+    out.extend(&enc);
+    for &a in &enc {
+        out.push(gpus - a);
+        for &b in &enc {
+            if a + b < gpus {
+                out.push(gpus - a - b);
+            }
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+/// What the bound is built from: the batch loads, each module's largest item, the GPU
+/// counts and encoder chunk counts to try.
+struct Inputs<'a> {
+    knobs: Knobs<'a>,
+    largest: [(f64, f64); 3],
+    counts: Vec<usize>,
+    chunks: Vec<usize>,
+}
+
 impl Problem {
-    /// Every way to run module `m` alone on a GPU count dividing `gpus` that fits in a
-    /// GPU's memory, on the batch loads of `k` (the Pareto front of work and span).
-    fn ways(&self, m: Module, gpus: usize, k: &Knobs) -> Vec<Way> {
+    /// Every way to run module `m` alone that fits in a GPU's memory (the Pareto front of
+    /// work and span). The work is the option's passes and pipeline sends over its
+    /// chunks; the span holds for any chunking: the busiest stage runs at least the
+    /// fullest replica's load (at least the mean, at least the largest item), as one
+    /// chunk (the fewest fixed costs), and the largest item runs through every stage.
+    fn ways(&self, m: Module, inp: &Inputs) -> Vec<Way> {
+        let k = &inp.knobs;
         let budget = self.cluster.usable_bytes();
         let total = k.totals.module(m);
+        let big = inp.largest[match m {
+            Module::Llm => 0,
+            Module::Vision => 1,
+            Module::Audio => 2,
+        }];
         // An encoder's chunks (its 1F1B microbatches); the LLM's own option list tries
         // every microbatch count.
         let chunks: &[usize] = match m {
             Module::Llm => &[1],
-            _ => &[1, 2, 4, 8, 16, 32, 64],
+            _ => &inp.chunks,
         };
         let mut ways = Vec::new();
-        for g in (1..=gpus).filter(|g| gpus.is_multiple_of(*g)) {
+        for &g in &inp.counts {
             for &c in chunks {
                 for o in self.options(m, g, c, 0, k) {
                     if o.mem > budget {
@@ -106,20 +177,23 @@ impl Problem {
                         continue;
                     };
                     let l = o.layout;
+                    let pass = |st: usize, t: f64, q: f64| {
+                        sc.forward(st, t, q).total() + sc.backward(st, t, q).total()
+                    };
                     let n = (l.dp * o.microbatches) as f64;
-                    let (t, s) = (total.0 / n, total.1 / n);
-                    let per_chunk: f64 = (0..l.pp)
-                        .map(|st| {
-                            sc.forward(st, t, s).total()
-                                + sc.backward(st, t, s).total()
-                                + 2.0 * sc.send(t)
-                        })
-                        .sum();
-                    // The span is the option's pipeline time: its fullest replica's
-                    // whole rows (items), chunk by chunk through its stages in 1F1B.
+                    let (t, q) = (total.0 / n, total.1 / n);
+                    let sends = (l.pp - 1) as f64 * if sc.frozen { 1.0 } else { 2.0 };
+                    let per_chunk =
+                        (0..l.pp).map(|st| pass(st, t, q)).sum::<f64>() + sends * sc.send(t);
+                    let dp = l.dp as f64;
+                    let replica = ((total.0 / dp).max(big.0), (total.1 / dp).max(big.1));
+                    let busiest = (0..l.pp)
+                        .map(|st| pass(st, replica.0, replica.1))
+                        .fold(0.0, f64::max);
+                    let chain: f64 = (0..l.pp).map(|st| pass(st, big.0, big.1)).sum();
                     ways.push(Way {
                         work: n * per_chunk * l.block() as f64,
-                        span: o.time,
+                        span: busiest.max(chain),
                     });
                 }
             }
@@ -127,44 +201,72 @@ impl Problem {
         front(ways)
     }
 
-    /// The work-conserving bound of a step on `gpus` GPUs over `batches` (seconds), or
-    /// `None` when some module fits in no layout.
-    pub fn work_bound(&self, gpus: usize, batches: &[Vec<RowShape>]) -> Option<f64> {
+    /// The work-conserving bound of a step on `gpus` GPUs over `batches` and, of it, the
+    /// modules' work over the GPUs (seconds; the rest is a critical path's). `chunks`:
+    /// an encoder chunk count to try besides powers of two up to 64 (a plan's
+    /// microbatches). `None` when some module fits in no layout.
+    pub fn work_bound(
+        &self,
+        gpus: usize,
+        batches: &[Vec<RowShape>],
+        chunks: usize,
+    ) -> Option<(f64, f64)> {
         let totals = Totals::of(batches);
-        let k = Knobs {
-            totals: &totals,
-            recompute: &[false, true],
-            zero1: true,
-            rows: batches.first().map_or(1, |b| b.len()).max(1),
-            overlapped: true,
+        let mut enc_chunks: Vec<usize> = (0..7).map(|k| 1usize << k).collect();
+        enc_chunks.push(chunks.max(1));
+        let inp = Inputs {
+            knobs: Knobs {
+                totals: &totals,
+                recompute: &[false, true],
+                zero1: true,
+                rows: batches.first().map_or(1, |b| b.len()).max(1),
+                overlapped: true,
+            },
+            largest: largest_items(batches),
+            counts: module_counts(gpus.max(1), self.cluster.gpus_per_node),
+            chunks: enc_chunks,
         };
         let g = gpus.max(1) as f64;
-        let mut best: Vec<(f64, f64)> = vec![(0.0, 0.0)]; // (work, longest span)
+        // Partial sums over the modules so far: (work, longest span), kept to its front.
+        let mut best = vec![Way {
+            work: 0.0,
+            span: 0.0,
+        }];
         for m in [Module::Llm, Module::Vision, Module::Audio] {
             if self.model.module(m).is_none() {
                 continue;
             }
-            let ways = self.ways(m, gpus, &k);
+            let ways = self.ways(m, &inp);
             if ways.is_empty() {
                 return None;
             }
-            let next: Vec<(f64, f64)> = best
-                .iter()
-                .flat_map(|&(w, s)| ways.iter().map(move |x| (w + x.work, s.max(x.span))))
-                .collect();
-            best = next;
+            best = front(
+                best.iter()
+                    .flat_map(|a| {
+                        ways.iter().map(move |x| Way {
+                            work: a.work + x.work,
+                            span: a.span.max(x.span),
+                        })
+                    })
+                    .collect(),
+            );
         }
         best.iter()
-            .map(|&(w, s)| (w / g).max(s))
-            .min_by(|a, b| a.total_cmp(b))
+            .map(|w| ((w.work / g).max(w.span), w.work / g))
+            .min_by(|a, b| a.0.total_cmp(&b.0))
     }
 
     /// `sim` (the simulated step of `plan`, the mean over `batches`) split into the
     /// bound and its parts.
     pub fn gap(&self, plan: &Plan, batches: &[Vec<RowShape>], sim: &StepSim) -> Gap {
         let g = plan.gpus().max(1) as f64;
-        let bound_s = self.work_bound(plan.gpus(), batches).unwrap_or(0.0);
-        let idle = (g * sim.step_s - sim.busy_gpu_s).max(0.0) / g;
+        let (bound_s, work_s) = self
+            .work_bound(plan.gpus(), batches, plan.microbatches)
+            .unwrap_or((0.0, 0.0));
+        // Idle time the bound already holds (a module's critical path above the work
+        // spread over the GPUs) is not counted again below.
+        let held = (bound_s - work_s).max(0.0);
+        let idle = ((g * sim.step_s - sim.busy_gpu_s).max(0.0) / g - held).max(0.0);
         let imbalance_s = (sim.imbalance_gpu_s / g).min(idle);
         let exposed_bridge = match plan.schedule {
             Schedule::Phased => sim.bridge_s,

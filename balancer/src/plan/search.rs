@@ -241,12 +241,7 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
                 // Encoder GPU counts on a geometric grid: powers of two, and 3 x powers
                 // of two in whole nodes, at most half the GPUs; splits ranked by the best
                 // estimate of each module on its share, the best 8 searched.
-                let node = problem.cluster.gpus_per_node;
-                let mut counts: Vec<usize> = (0..20)
-                    .flat_map(|k| [1usize << k, 3 << k])
-                    .filter(|&c| c <= g / 2 && (c.is_power_of_two() || c % node == 0))
-                    .collect();
-                counts.sort_unstable();
+                let counts = encoder_counts(g, problem.cluster.gpus_per_node);
                 let all: Vec<Vec<usize>> = match encoders.len() {
                     0 => vec![vec![]],
                     1 => counts.iter().map(|&a| vec![a]).collect(),
@@ -419,6 +414,17 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
 /// The first-stage layer counts the baseline tries on `pp` stages of `layers` blocks: an
 /// even split (`None`), and 1-3 steps shorter first stages whose remaining blocks still
 /// split evenly over the other stages (as Megatron requires).
+/// The GPU counts the disjoint search gives an encoder on `g` GPUs: powers of two, and 3 x
+/// powers of two in whole nodes, at most half the GPUs (ascending).
+pub(crate) fn encoder_counts(g: usize, node: usize) -> Vec<usize> {
+    let mut counts: Vec<usize> = (0..20)
+        .flat_map(|k| [1usize << k, 3 << k])
+        .filter(|&c| c <= g / 2 && (c.is_power_of_two() || c % node == 0))
+        .collect();
+    counts.sort_unstable();
+    counts
+}
+
 fn first_stage_options(layers: usize, pp: usize) -> Vec<Option<usize>> {
     let mut out = vec![None];
     if pp > 1 && layers.is_multiple_of(pp) {

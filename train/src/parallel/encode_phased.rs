@@ -70,9 +70,13 @@ pub(crate) fn encode<P: EncoderStage>(
     let t0 = trace.start();
     let (handed, work) = part.stage_forward(world.rank(), rows, plan, items, hidden)?;
     trace.end(t0, format!("{} fwd s{}", P::NAME, g.coord.pp), P::NAME)?;
+    // Only a middle stage sends here; the last stage's embeddings go to the bridge.
+    let sends = matches!(handed, Handed::Next(_));
     let t0 = trace.start();
     hand(handed, g, world, produced)?;
-    trace.end(t0, format!("{} send act", P::NAME), "comm")?;
+    if sends {
+        trace.end(t0, format!("{} send act", P::NAME), "comm")?;
+    }
     Ok(Some(work))
 }
 
