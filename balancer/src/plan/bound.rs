@@ -287,3 +287,48 @@ impl Problem {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plan_s_gpu_counts_are_all_tried() {
+        let c = module_counts(64, 8);
+        // Divisors, encoder counts (powers of two, 24 = 3 nodes) and what they leave.
+        for g in [1, 2, 16, 24, 32, 64, 40, 48, 56, 63, 62] {
+            assert!(c.contains(&g), "{g} missing from {c:?}");
+        }
+        assert!(c.windows(2).all(|w| w[0] < w[1]), "{c:?}");
+        assert!(c.iter().all(|&g| (1..=64).contains(&g)), "{c:?}");
+    }
+
+    #[test]
+    fn the_largest_item_is_the_least_over_batches() {
+        let row = |len: u32, images: Vec<u32>| RowShape {
+            samples: vec![len],
+            images,
+            clips: vec![],
+        };
+        let a = vec![row(100, vec![16]), row(300, vec![])];
+        let b = vec![row(200, vec![64, 8])];
+        let [llm, vision, audio] = largest_items(&[a, b]);
+        assert_eq!(llm, (200.0, 200.0 * 200.0));
+        assert_eq!(vision.0, 16.0);
+        // No clip in either batch.
+        assert_eq!(audio, (0.0, 0.0));
+    }
+
+    #[test]
+    fn the_front_keeps_only_unbeaten_ways() {
+        let w = |work, span| Way { work, span };
+        let f = front(vec![
+            w(3.0, 1.0),
+            w(1.0, 3.0),
+            w(2.0, 3.0),
+            w(2.0, 2.0),
+            w(4.0, 1.0),
+        ]);
+        assert_eq!(f, vec![w(1.0, 3.0), w(2.0, 2.0), w(3.0, 1.0)]);
+    }
+}
