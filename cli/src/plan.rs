@@ -125,11 +125,11 @@ fn plan_cmd(a: &PlanArgs) -> Result<(), String> {
     if a.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&to_json(&p, alone.as_ref(), a))
+            serde_json::to_string_pretty(&to_json(&p, alone.as_ref(), &gap(&p), a))
                 .map_err(|e| e.to_string())?
         );
     } else {
-        print_text(&p, alone.as_ref(), a);
+        print_text(&p, alone.as_ref(), &gap(&p), a);
     }
     Ok(())
 }
@@ -176,10 +176,9 @@ fn gap(p: &Planned) -> Gap {
     p.problem.gap(&b.plan, &batches, &b.sim)
 }
 
-fn to_json(p: &Planned, alone: Option<&Found>, a: &PlanArgs) -> Value {
+fn to_json(p: &Planned, alone: Option<&Found>, g: &Gap, a: &PlanArgs) -> Value {
     let o = &p.outcome;
     let mut v = found_json(&o.best);
-    let g = gap(p);
     let extra = json!({
         "bound_step_time_s": g.bound_s,
         "from_bound": o.best.sim.step_s / g.bound_s.max(1e-12),
@@ -205,7 +204,7 @@ fn to_json(p: &Planned, alone: Option<&Found>, a: &PlanArgs) -> Value {
         "llm_alone_step_time_s": alone.map(|f| f.sim.step_s),
         "speedup_ceiling": alone.map(|f| o.baseline.sim.step_s / f.sim.step_s),
         "plan_file": a.out.display().to_string(),
-        "explanation": explain(p, alone),
+        "explanation": explain(p, alone, g),
     });
     if let (Value::Object(m), Value::Object(e)) = (&mut v, extra) {
         m.extend(e);
@@ -217,8 +216,9 @@ fn layout_str(l: Layout) -> String {
     format!("tp{} cp{} pp{} dp{}", l.tp, l.cp, l.pp, l.dp)
 }
 
-/// What binds the chosen plan and why it beats the LLM-centric one.
-fn explain(p: &Planned, alone: Option<&Found>) -> Vec<String> {
+/// What binds the chosen plan and why it beats the LLM-centric one (`g`: the pick's gap
+/// from the bound).
+fn explain(p: &Planned, alone: Option<&Found>, g: &Gap) -> Vec<String> {
     let o = &p.outcome;
     let (b, base) = (&o.best, &o.baseline);
     let usable = p.problem.cluster.usable_bytes();
@@ -260,7 +260,6 @@ fn explain(p: &Planned, alone: Option<&Found>) -> Vec<String> {
         out.push("compute binds: the GPUs are busy most of the step".into());
     }
     out.push(split_reason(b));
-    let g = gap(p);
     out.push(format!(
         "work-conserving bound {} (each module's work at its least wasteful layout that fits, spread over all {} GPUs as far as whole rows and items allow; no bubble, no wait, no bridge, no gradient sync); the plan is {:.2}x it: memory-forced layout work {}, gradient sync {}, imbalance {}, bridge {}, bubbles {}",
         secs(g.bound_s),
@@ -373,7 +372,7 @@ fn gain_share(baseline: f64, step: f64, alone: f64) -> Option<f64> {
     (room > 0.0).then(|| (baseline - step) / room)
 }
 
-fn print_text(p: &Planned, alone: Option<&Found>, a: &PlanArgs) {
+fn print_text(p: &Planned, alone: Option<&Found>, g: &Gap, a: &PlanArgs) {
     let o = &p.outcome;
     let c = &p.problem.cluster;
     let (tokens, images, clips) = p.workload.summary();
@@ -483,7 +482,7 @@ fn print_text(p: &Planned, alone: Option<&Found>, a: &PlanArgs) {
         );
     }
     println!();
-    for line in explain(p, alone) {
+    for line in explain(p, alone, g) {
         println!("  - {line}");
     }
     println!(

@@ -41,7 +41,7 @@ use crate::plan::layout::{Plan, Schedule};
 use crate::plan::options::{Knobs, Totals};
 use crate::plan::search::encoder_counts;
 use crate::plan::step::{Problem, StepSim};
-use crate::workload::{RowShape, shape_of};
+use crate::workload::RowShape;
 
 /// A plan's distance from the bound, split into its parts (seconds of the step).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -86,37 +86,6 @@ fn front(mut ways: Vec<Way>) -> Vec<Way> {
     out
 }
 
-/// Per module, the largest single item (tokens, squared length) in every batch: rows,
-/// images, clips after the stem (the least over the batches, so it holds for each).
-fn largest_items(batches: &[Vec<RowShape>]) -> [(f64, f64); 3] {
-    let mut out = [(f64::INFINITY, f64::INFINITY); 3];
-    for rows in batches {
-        let b = shape_of(rows);
-        let llm = b
-            .row_tokens
-            .iter()
-            .zip(&b.row_sq)
-            .map(|(&t, &q)| (t as f64, q as f64))
-            .max_by(|x, y| x.0.total_cmp(&y.0));
-        let image = b
-            .image_tokens
-            .iter()
-            .map(|&t| t as f64)
-            .max_by(f64::total_cmp);
-        let clip = b
-            .clip_frames
-            .iter()
-            .map(|&f| f.div_ceil(2) as f64)
-            .max_by(f64::total_cmp);
-        let found = [llm, image.map(|t| (t, t * t)), clip.map(|t| (t, t * t))];
-        for (o, f) in out.iter_mut().zip(found) {
-            let f = f.unwrap_or((0.0, 0.0));
-            *o = (o.0.min(f.0), o.1.min(f.1));
-        }
-    }
-    out.map(|x| if x.0.is_finite() { x } else { (0.0, 0.0) })
-}
-
 /// GPU counts a plan on `gpus` GPUs may give one module: the divisors of `gpus`, the
 /// disjoint search's encoder counts, and what two of those leave the LLM.
 fn module_counts(gpus: usize, node: usize) -> Vec<usize> {
@@ -136,11 +105,10 @@ fn module_counts(gpus: usize, node: usize) -> Vec<usize> {
     out
 }
 
-/// What the bound is built from: the batch loads, each module's largest item, the GPU
-/// counts and encoder chunk counts to try.
+/// What the bound is built from: the batch loads (with each module's largest item), the
+/// GPU counts and encoder chunk counts to try.
 struct Inputs<'a> {
     knobs: Knobs<'a>,
-    largest: [(f64, f64); 3],
     counts: Vec<usize>,
     chunks: Vec<usize>,
 }
@@ -155,11 +123,7 @@ impl Problem {
         let k = &inp.knobs;
         let budget = self.cluster.usable_bytes();
         let total = k.totals.module(m);
-        let big = inp.largest[match m {
-            Module::Llm => 0,
-            Module::Vision => 1,
-            Module::Audio => 2,
-        }];
+        let big = k.totals.largest(m);
         // An encoder's chunks (its 1F1B microbatches); the LLM's own option list tries
         // every microbatch count.
         let chunks: &[usize] = match m {
@@ -222,7 +186,6 @@ impl Problem {
                 rows: batches.first().map_or(1, |b| b.len()).max(1),
                 overlapped: true,
             },
-            largest: largest_items(batches),
             counts: module_counts(gpus.max(1), self.cluster.gpus_per_node),
             chunks: enc_chunks,
         };
@@ -301,22 +264,6 @@ mod tests {
         }
         assert!(c.windows(2).all(|w| w[0] < w[1]), "{c:?}");
         assert!(c.iter().all(|&g| (1..=64).contains(&g)), "{c:?}");
-    }
-
-    #[test]
-    fn the_largest_item_is_the_least_over_batches() {
-        let row = |len: u32, images: Vec<u32>| RowShape {
-            samples: vec![len],
-            images,
-            clips: vec![],
-        };
-        let a = vec![row(100, vec![16]), row(300, vec![])];
-        let b = vec![row(200, vec![64, 8])];
-        let [llm, vision, audio] = largest_items(&[a, b]);
-        assert_eq!(llm, (200.0, 200.0 * 200.0));
-        assert_eq!(vision.0, 16.0);
-        // No clip in either batch.
-        assert_eq!(audio, (0.0, 0.0));
     }
 
     #[test]

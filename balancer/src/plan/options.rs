@@ -34,14 +34,26 @@ pub(crate) struct PipeEst {
     pub mem: f64,
 }
 
-/// Mean per-batch (tokens, sum of squared lengths) of each module, and how many whole
-/// items carry them (rows, images, clips).
+/// Mean per-batch (tokens, sum of squared lengths) of each module, how many whole items
+/// carry them (rows, images, clips), and the largest single item (tokens, squared
+/// length; images and clips after the stem) that every batch holds: the least over the
+/// batches of each batch's largest.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Totals {
     pub llm: (f64, f64),
     pub vision: (f64, f64),
     pub audio: (f64, f64),
     pub items: [f64; 3],
+    pub largest: [(f64, f64); 3],
+}
+
+/// The index of module `m` in [`Totals`]' per-module arrays.
+fn slot(m: Module) -> usize {
+    match m {
+        Module::Llm => 0,
+        Module::Vision => 1,
+        Module::Audio => 2,
+    }
 }
 
 impl Totals {
@@ -49,8 +61,30 @@ impl Totals {
         let n = batches.len().max(1) as f64;
         let (mut l, mut v, mut a) = ((0.0, 0.0), (0.0, 0.0), (0.0, 0.0));
         let mut items = [0.0; 3];
+        let mut largest = [(f64::INFINITY, f64::INFINITY); 3];
         for rows in batches {
             let b = shape_of(rows);
+            let llm = b
+                .row_tokens
+                .iter()
+                .zip(&b.row_sq)
+                .map(|(&t, &q)| (t as f64, q as f64))
+                .max_by(|x, y| x.0.total_cmp(&y.0));
+            let image = b
+                .image_tokens
+                .iter()
+                .map(|&t| t as f64)
+                .max_by(f64::total_cmp);
+            let clip = b
+                .clip_frames
+                .iter()
+                .map(|&f| f.div_ceil(2) as f64)
+                .max_by(f64::total_cmp);
+            let found = [llm, image.map(|t| (t, t * t)), clip.map(|t| (t, t * t))];
+            for (o, f) in largest.iter_mut().zip(found) {
+                let f = f.unwrap_or((0.0, 0.0));
+                *o = (o.0.min(f.0), o.1.min(f.1));
+            }
             items[0] += b.row_tokens.len() as f64 / n;
             items[1] += b.image_tokens.len() as f64 / n;
             items[2] += b.clip_frames.len() as f64 / n;
@@ -71,6 +105,7 @@ impl Totals {
             vision: v,
             audio: a,
             items,
+            largest: largest.map(|x| if x.0.is_finite() { x } else { (0.0, 0.0) }),
         }
     }
 
@@ -78,13 +113,13 @@ impl Totals {
     /// whole items of module `m` are dealt out: with k items a slot on average, one gets
     /// ceil(k) (and with fewer items than slots, one item is 1/k times the mean).
     pub fn granularity(&self, m: Module, slots: usize) -> f64 {
-        let i = match m {
-            Module::Llm => 0,
-            Module::Vision => 1,
-            Module::Audio => 2,
-        };
-        let k = self.items[i] / slots.max(1) as f64;
+        let k = self.items[slot(m)] / slots.max(1) as f64;
         if k > 0.0 { k.ceil() / k } else { 1.0 }
+    }
+
+    /// Module `m`'s largest single item (tokens, squared length).
+    pub fn largest(&self, m: Module) -> (f64, f64) {
+        self.largest[slot(m)]
     }
 
     pub fn module(&self, m: Module) -> (f64, f64) {
@@ -332,6 +367,7 @@ mod tests {
             vision: (0.0, 0.0),
             audio: (0.0, 0.0),
             items: [1024.0, 13.0, 2.0],
+            largest: [(0.0, 0.0); 3],
         };
         // 1,024 rows over 256 replicas: 4 each.
         assert_eq!(t.granularity(Module::Llm, 256), 1.0);
@@ -347,5 +383,23 @@ mod tests {
             ..t
         };
         assert_eq!(none.granularity(Module::Audio, 8), 1.0);
+    }
+
+    #[test]
+    fn the_largest_item_is_the_least_over_batches() {
+        let row = |len: u32, images: Vec<u32>| RowShape {
+            samples: vec![len],
+            images,
+            clips: vec![],
+        };
+        let a = vec![row(100, vec![16]), row(300, vec![])];
+        let b = vec![row(200, vec![64, 8])];
+        let t = Totals::of(&[a, b]);
+        let [llm, vision, audio] =
+            [Module::Llm, Module::Vision, Module::Audio].map(|m| t.largest(m));
+        assert_eq!(llm, (200.0, 200.0 * 200.0));
+        assert_eq!(vision.0, 16.0);
+        // No clip in either batch.
+        assert_eq!(audio, (0.0, 0.0));
     }
 }

@@ -3,10 +3,10 @@
 //! stage from the previous stage's hidden states, and the last stage's output goes
 //! through the projector and, from TP/CP rank 0, to the bridge. Backward runs the same
 //! way back: the bridge's grads enter the last stage, hidden-state grads go to the stage
-//! before. The phased step runs all of a replica's items as one chunk (`encode_phased.rs`,
-//! which moves the messages itself); the overlapped
-//! step runs one chunk per LLM microbatch through the `*_stage_forward` /
-//! `*_stage_backward` pairs, which take and return the messages.
+//! before. Both schedules drive a stage through [`EncoderStage`], whose forward and
+//! backward take and return the messages: the phased step (`encode_phased.rs`) runs all of
+//! a replica's items as one chunk and moves the messages itself, the overlapped step one
+//! chunk per LLM microbatch.
 //!
 //! Under CP every rank of a stage holds its share of each item's tokens; the last stage
 //! gathers them (the encoder does it), so its output is whole on every CP rank.
@@ -120,9 +120,13 @@ impl EncoderStage for VisionPart {
     fn encoder_trains(&self) -> bool {
         trainable(&self.encoder)
     }
+    /// The stage's input (and output) hidden states for `items` images.
     fn hidden(&self, _rows: &[Row], _plan: &StepPlan, items: &[usize]) -> Result<Shape> {
-        vision_hidden(self, items.len())
+        let n = self.encoder.hidden_tokens(items.len())?;
+        Ok(Shape::new([n, self.encoder.config.hidden_size])) // (N_local, D)
     }
+    /// `items` (plan indices, non-empty) through this rank's vision stage: from pixels on
+    /// the first stage, from the previous stage's `hidden` states otherwise.
     fn stage_forward(
         &self,
         rank: usize,
@@ -131,16 +135,77 @@ impl EncoderStage for VisionPart {
         items: Vec<usize>,
         hidden: Option<Tensor>,
     ) -> Result<(Handed, VisionWork)> {
-        vision_stage_forward(self, rank, rows, plan, items, hidden)
+        let part = self;
+        let g = &part.groups;
+        let &first = items
+            .first()
+            .ok_or_else(|| TrainError::Other("a vision stage was given no images".into()))?;
+        let b = items.len();
+        let n_rows: Vec<usize> = items.iter().map(|&i| plan.items[i].rows).collect();
+        let dev = device_of(&part.encoder);
+        let (out, cache) = match hidden {
+            None => {
+                let im0 = &rows[plan.items[first].row].images[plan.items[first].index];
+                let (h, w) = (im0.height, im0.width);
+                let mut pixels = Vec::with_capacity(b * 3 * h * w); // (B, 3, H, W)
+                for &i in &items {
+                    let it = &plan.items[i];
+                    let im = &rows[it.row].images[it.index];
+                    if im.pixels.len() != 3 * h * w {
+                        return Err(not_decoded(rank, "image", it.row, it.index));
+                    }
+                    pixels.extend_from_slice(&im.pixels);
+                }
+                let px = Tensor::from_vec(pixels, [b, 3, h, w], dev)?;
+                part.encoder
+                    .forward_stage(VisionStageInput::Pixels(&px), b)?
+            }
+            Some(h) => part
+                .encoder
+                .forward_stage(VisionStageInput::Hidden(h.into_device(dev)?), b)?,
+        };
+        let out = match out {
+            VisionStageOutput::Hidden(h) => Out::Hidden(h),
+            VisionStageOutput::Final(o) => Out::Final(o.last_hidden_state),
+        };
+        let work = Encoded {
+            items,
+            rows: n_rows,
+            held: Held::Last(None),
+        };
+        let trains = trainable(&part.encoder);
+        hand_on(g, out, cache, trains, work, |last, cache| {
+            let proj = last_stage_projector(part.projector.as_ref(), g)?;
+            Ok(vision_project(&part.encoder, proj, last, cache)?) // (B * tpi, C)
+        })
     }
+
+    /// The backward of [`EncoderStage::stage_forward`]: the grad of the stage's input for the
+    /// previous stage (`None` on the first stage, or where nothing trains).
     fn stage_backward(
         &mut self,
         work: VisionWork,
         grad: GradIn<'_>,
         c: usize,
     ) -> Result<Option<Tensor>> {
-        vision_stage_backward(self, work, grad, c)
+        let part = self;
+        let g = part.groups.clone();
+        let d = part.encoder.config.hidden_size;
+        let dev = device_of(&part.encoder);
+        let projector = &mut part.projector;
+        let Some((cache, dout)) = grad_in(&g, dev, work, grad, c, |branch, dy| {
+            let proj = projector.as_mut().ok_or_else(|| no_projector(&g))?;
+            let back = vision_unproject(d, proj, branch, dy)?;
+            replicated_over_cp(proj, &g)?;
+            Ok(back)
+        })?
+        else {
+            return Ok(None);
+        };
+        let dx = part.encoder.backward_stage(cache, &dout, None)?;
+        Ok((g.coord.pp > 0).then_some(dx))
     }
+
     fn wants_next_grad(work: &VisionWork) -> bool {
         work.wants_next_grad()
     }
@@ -156,9 +221,15 @@ impl EncoderStage for AudioPart {
     fn encoder_trains(&self) -> bool {
         trainable(&self.encoder)
     }
+    /// The stage's input (and output) hidden states for the clips `items`.
     fn hidden(&self, rows: &[Row], plan: &StepPlan, items: &[usize]) -> Result<Shape> {
-        audio_hidden(self, &clip_frames(rows, plan, items))
+        let n = self
+            .encoder
+            .hidden_tokens(&clip_frames(rows, plan, items))?;
+        Ok(Shape::new([n, self.encoder.config.d_model])) // (T_local, D)
     }
+    /// `items` (plan indices, non-empty) through this rank's audio stage: from mel frames
+    /// on the first stage, from the previous stage's `hidden` states otherwise.
     fn stage_forward(
         &self,
         rank: usize,
@@ -167,214 +238,105 @@ impl EncoderStage for AudioPart {
         items: Vec<usize>,
         hidden: Option<Tensor>,
     ) -> Result<(Handed, AudioWork)> {
-        audio_stage_forward(self, rank, rows, plan, items, hidden)
+        let part = self;
+        let g = &part.groups;
+        if items.is_empty() {
+            return Err(TrainError::Other(
+                "an audio stage was given no clips".into(),
+            ));
+        }
+        let clip = |i: usize| &rows[plan.items[i].row].audio[plan.items[i].index];
+        let frames = clip_frames(rows, plan, &items);
+        let n_rows: Vec<usize> = items.iter().map(|&i| plan.items[i].rows).collect();
+        let dev = device_of(&part.encoder);
+        let (out, cache) = match hidden {
+            None => {
+                for &i in &items {
+                    let a = clip(i);
+                    if a.mel.len() != a.n_mels * a.frames {
+                        return Err(not_decoded(
+                            rank,
+                            "clip",
+                            plan.items[i].row,
+                            plan.items[i].index,
+                        ));
+                    }
+                }
+                let clips = items
+                    .iter()
+                    .map(|&i| {
+                        let a = clip(i);
+                        Tensor::from_vec(a.mel.clone(), [a.n_mels, a.frames], dev)
+                    })
+                    .collect::<braid_kernels::Result<Vec<_>>>()?; // (n_mels, F) each
+                part.encoder
+                    .forward_stage(AudioStageInput::Clips(&clips), &frames)?
+            }
+            Some(h) => part
+                .encoder
+                .forward_stage(AudioStageInput::Hidden(h.into_device(dev)?), &frames)?,
+        };
+        let out = match out {
+            AudioStageOutput::Hidden(h) => Out::Hidden(h),
+            AudioStageOutput::Final(o) => Out::Final(o),
+        };
+        let work = Encoded {
+            items,
+            rows: n_rows,
+            held: Held::Last(None),
+        };
+        let trains = trainable(&part.encoder);
+        hand_on(g, out, cache, trains, work, |o, cache| {
+            let proj = last_stage_projector(part.projector.as_ref(), g)?;
+            Ok(audio_project(
+                &part.encoder,
+                proj,
+                &o.hidden,
+                &o.cu_seqlens,
+                cache,
+            )?) // (G_a, C)
+        })
     }
+
+    /// The backward of [`EncoderStage::stage_forward`]: the grad of the stage's input for the
+    /// previous stage (`None` on the first stage, or where nothing trains).
     fn stage_backward(
         &mut self,
         work: AudioWork,
         grad: GradIn<'_>,
         c: usize,
     ) -> Result<Option<Tensor>> {
-        audio_stage_backward(self, work, grad, c)
+        let part = self;
+        let g = part.groups.clone();
+        let dev = device_of(&part.encoder);
+        let projector = &mut part.projector;
+        let Some((cache, dout)) = grad_in(&g, dev, work, grad, c, |branch, dy| {
+            let proj = projector.as_mut().ok_or_else(|| no_projector(&g))?;
+            let back = audio_unproject(proj, branch, dy)?;
+            replicated_over_cp(proj, &g)?;
+            Ok(back)
+        })?
+        else {
+            return Ok(None);
+        };
+        Ok(match part.encoder.backward_stage(cache, &dout)? {
+            AudioStageGrad::Hidden(dh) => Some(dh),
+            // The first stage: the clips' grads are not needed.
+            AudioStageGrad::Clips(_) => None,
+        })
     }
+
     fn wants_next_grad(work: &AudioWork) -> bool {
         work.wants_next_grad()
     }
 }
 
-/// The shape of a vision stage's input (and output) hidden states for `n_items` images.
-pub(crate) fn vision_hidden(part: &VisionPart, n_items: usize) -> Result<Shape> {
-    let n = part.encoder.hidden_tokens(n_items)?;
-    Ok(Shape::new([n, part.encoder.config.hidden_size])) // (N_local, D)
-}
-
-/// `items` (plan indices, non-empty) through this rank's vision stage: from pixels on
-/// the first stage, from the previous stage's `hidden` states otherwise.
-pub(crate) fn vision_stage_forward(
-    part: &VisionPart,
-    rank: usize,
-    rows: &[Row],
-    plan: &StepPlan,
-    items: Vec<usize>,
-    hidden: Option<Tensor>,
-) -> Result<(Handed, VisionWork)> {
-    let g = &part.groups;
-    let &first = items
-        .first()
-        .ok_or_else(|| TrainError::Other("a vision stage was given no images".into()))?;
-    let b = items.len();
-    let n_rows: Vec<usize> = items.iter().map(|&i| plan.items[i].rows).collect();
-    let dev = device_of(&part.encoder);
-    let (out, cache) = match hidden {
-        None => {
-            let im0 = &rows[plan.items[first].row].images[plan.items[first].index];
-            let (h, w) = (im0.height, im0.width);
-            let mut pixels = Vec::with_capacity(b * 3 * h * w); // (B, 3, H, W)
-            for &i in &items {
-                let it = &plan.items[i];
-                let im = &rows[it.row].images[it.index];
-                if im.pixels.len() != 3 * h * w {
-                    return Err(not_decoded(rank, "image", it.row, it.index));
-                }
-                pixels.extend_from_slice(&im.pixels);
-            }
-            let px = Tensor::from_vec(pixels, [b, 3, h, w], dev)?;
-            part.encoder
-                .forward_stage(VisionStageInput::Pixels(&px), b)?
-        }
-        Some(h) => part
-            .encoder
-            .forward_stage(VisionStageInput::Hidden(h.into_device(dev)?), b)?,
-    };
-    let out = match out {
-        VisionStageOutput::Hidden(h) => Out::Hidden(h),
-        VisionStageOutput::Final(o) => Out::Final(o.last_hidden_state),
-    };
-    let work = Encoded {
-        items,
-        rows: n_rows,
-        held: Held::Last(None),
-    };
-    let trains = trainable(&part.encoder);
-    hand_on(g, out, cache, trains, work, |last, cache| {
-        let proj = last_stage_projector(part.projector.as_ref(), g)?;
-        Ok(vision_project(&part.encoder, proj, last, cache)?) // (B * tpi, C)
-    })
-}
-
-/// The backward of [`vision_stage_forward`]: the grad of the stage's input for the
-/// previous stage (`None` on the first stage, or where nothing trains).
-pub(crate) fn vision_stage_backward(
-    part: &mut VisionPart,
-    work: VisionWork,
-    grad: GradIn<'_>,
-    c: usize,
-) -> Result<Option<Tensor>> {
-    let g = part.groups.clone();
-    let d = part.encoder.config.hidden_size;
-    let dev = device_of(&part.encoder);
-    let projector = &mut part.projector;
-    let Some((cache, dout)) = grad_in(&g, dev, work, grad, c, |branch, dy| {
-        let proj = projector.as_mut().ok_or_else(|| no_projector(&g))?;
-        let back = vision_unproject(d, proj, branch, dy)?;
-        replicated_over_cp(proj, &g)?;
-        Ok(back)
-    })?
-    else {
-        return Ok(None);
-    };
-    let dx = part.encoder.backward_stage(cache, &dout, None)?;
-    Ok((g.coord.pp > 0).then_some(dx))
-}
-
-/// The shape of an audio stage's input (and output) hidden states for clips of `frames`.
-pub(crate) fn audio_hidden(part: &AudioPart, frames: &[usize]) -> Result<Shape> {
-    let n = part.encoder.hidden_tokens(frames)?;
-    Ok(Shape::new([n, part.encoder.config.d_model])) // (T_local, D)
-}
-
 /// Mel frames of each of `items` (clips).
-pub(crate) fn clip_frames(rows: &[Row], plan: &StepPlan, items: &[usize]) -> Vec<usize> {
+fn clip_frames(rows: &[Row], plan: &StepPlan, items: &[usize]) -> Vec<usize> {
     items
         .iter()
         .map(|&i| rows[plan.items[i].row].audio[plan.items[i].index].frames)
         .collect()
-}
-
-/// `items` (plan indices, non-empty) through this rank's audio stage: from mel frames
-/// on the first stage, from the previous stage's `hidden` states otherwise.
-pub(crate) fn audio_stage_forward(
-    part: &AudioPart,
-    rank: usize,
-    rows: &[Row],
-    plan: &StepPlan,
-    items: Vec<usize>,
-    hidden: Option<Tensor>,
-) -> Result<(Handed, AudioWork)> {
-    let g = &part.groups;
-    if items.is_empty() {
-        return Err(TrainError::Other(
-            "an audio stage was given no clips".into(),
-        ));
-    }
-    let clip = |i: usize| &rows[plan.items[i].row].audio[plan.items[i].index];
-    let frames = clip_frames(rows, plan, &items);
-    let n_rows: Vec<usize> = items.iter().map(|&i| plan.items[i].rows).collect();
-    let dev = device_of(&part.encoder);
-    let (out, cache) = match hidden {
-        None => {
-            for &i in &items {
-                let a = clip(i);
-                if a.mel.len() != a.n_mels * a.frames {
-                    return Err(not_decoded(
-                        rank,
-                        "clip",
-                        plan.items[i].row,
-                        plan.items[i].index,
-                    ));
-                }
-            }
-            let clips = items
-                .iter()
-                .map(|&i| {
-                    let a = clip(i);
-                    Tensor::from_vec(a.mel.clone(), [a.n_mels, a.frames], dev)
-                })
-                .collect::<braid_kernels::Result<Vec<_>>>()?; // (n_mels, F) each
-            part.encoder
-                .forward_stage(AudioStageInput::Clips(&clips), &frames)?
-        }
-        Some(h) => part
-            .encoder
-            .forward_stage(AudioStageInput::Hidden(h.into_device(dev)?), &frames)?,
-    };
-    let out = match out {
-        AudioStageOutput::Hidden(h) => Out::Hidden(h),
-        AudioStageOutput::Final(o) => Out::Final(o),
-    };
-    let work = Encoded {
-        items,
-        rows: n_rows,
-        held: Held::Last(None),
-    };
-    let trains = trainable(&part.encoder);
-    hand_on(g, out, cache, trains, work, |o, cache| {
-        let proj = last_stage_projector(part.projector.as_ref(), g)?;
-        Ok(audio_project(
-            &part.encoder,
-            proj,
-            &o.hidden,
-            &o.cu_seqlens,
-            cache,
-        )?) // (G_a, C)
-    })
-}
-
-/// The backward of [`audio_stage_forward`]: the grad of the stage's input for the
-/// previous stage (`None` on the first stage, or where nothing trains).
-pub(crate) fn audio_stage_backward(
-    part: &mut AudioPart,
-    work: AudioWork,
-    grad: GradIn<'_>,
-    c: usize,
-) -> Result<Option<Tensor>> {
-    let g = part.groups.clone();
-    let dev = device_of(&part.encoder);
-    let projector = &mut part.projector;
-    let Some((cache, dout)) = grad_in(&g, dev, work, grad, c, |branch, dy| {
-        let proj = projector.as_mut().ok_or_else(|| no_projector(&g))?;
-        let back = audio_unproject(proj, branch, dy)?;
-        replicated_over_cp(proj, &g)?;
-        Ok(back)
-    })?
-    else {
-        return Ok(None);
-    };
-    Ok(match part.encoder.backward_stage(cache, &dout)? {
-        AudioStageGrad::Hidden(dh) => Some(dh),
-        // The first stage: the clips' grads are not needed.
-        AudioStageGrad::Clips(_) => None,
-    })
 }
 
 /// A stage's output: hidden states for the next stage, or the encoder's final output.
