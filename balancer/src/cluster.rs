@@ -77,8 +77,9 @@ pub struct Cluster {
     pub backward_overhead_us: Option<f64>,
     /// Non-matmul work of a block per activation value (token x hidden) per pass, in ns:
     /// norms, residuals, RoPE, activations, allocation. Memory-bound, so it does not
-    /// shrink with GEMM size; on a CPU at small widths it rivals the matmuls. 0 (folded
-    /// into the matmul rate) in the GPU presets.
+    /// shrink with GEMM size; on a CPU at small widths it rivals the matmuls. The GPU
+    /// presets' value is the H200 calibration's (docs/planning.md), scaled by HBM
+    /// bandwidth for the H100.
     #[serde(default)]
     pub elementwise_ns: f64,
     /// Inside a node (NVLink).
@@ -274,13 +275,31 @@ impl Cluster {
         tf * 1e12
     }
 
-    /// The link a group of `span` consecutive ranks (with `stride` between members)
-    /// uses: NVLink when the whole group sits in one node.
+    /// The link a point-to-point transfer between GPUs `span` consecutive GPUs apart
+    /// uses: NVLink inside a node, else the sender's own NIC.
     pub fn link(&self, span: usize) -> Link {
         if span <= self.gpus_per_node {
             self.intra
         } else {
             self.inter
+        }
+    }
+
+    /// The link a collective uses whose group spans `span` consecutive GPUs with its
+    /// members `stride` apart (a DP group of a TP-4 grid: stride 4). Inside a node,
+    /// NVLink. Across nodes each member drives its own NIC: NCCL runs a ring channel per
+    /// NIC and reduces inside the node over NVLink, so a node's members move its share
+    /// together and the group's bus bandwidth is its members per node times one NIC's,
+    /// up to NVLink's (8 per node on NDR: ~360 GB/s, what nccl-tests' multi-node
+    /// all-reduce reaches; one per node: one NIC's 45 GB/s).
+    pub fn group_link(&self, span: usize, stride: usize) -> Link {
+        if span <= self.gpus_per_node {
+            return self.intra;
+        }
+        let per_node = (self.gpus_per_node / stride.max(1)).max(1) as f64;
+        Link {
+            bandwidth_gbs: (per_node * self.inter.bandwidth_gbs).min(self.intra.bandwidth_gbs),
+            latency_us: self.inter.latency_us,
         }
     }
 }
@@ -303,6 +322,16 @@ mod tests {
         let back: Cluster = toml::from_str(&c.to_toml().unwrap()).unwrap();
         assert_eq!(back, c);
         assert!(c.inter.all_reduce(1e9, 8) > c.intra.all_reduce(1e9, 8));
+        // A collective across nodes: each member in a node drives its own NIC, up to
+        // NVLink's bandwidth; inside a node, NVLink.
+        assert_eq!(c.group_link(8, 1), c.intra);
+        assert_eq!(c.group_link(16, 8).bandwidth_gbs, c.inter.bandwidth_gbs);
+        assert_eq!(
+            c.group_link(64, 4).bandwidth_gbs,
+            2.0 * c.inter.bandwidth_gbs
+        );
+        assert_eq!(c.group_link(1024, 1).bandwidth_gbs, c.intra.bandwidth_gbs);
+        assert_eq!(c.group_link(1024, 1).latency_us, c.inter.latency_us);
         assert_eq!(c.intra.all_reduce(1e9, 1), 0.0);
     }
 

@@ -364,8 +364,8 @@ fn the_bound_spreads_no_thinner_than_whole_rows_allow() {
         })
         .collect();
     let batches = [rows];
-    let two = p.work_bound(2, &batches, 1).unwrap().0;
-    let eight = p.work_bound(8, &batches, 1).unwrap().0;
+    let two = p.work_bound(2, &batches, 1).unwrap().step_s;
+    let eight = p.work_bound(8, &batches, 1).unwrap().step_s;
     assert!(eight > two * 2.0 / 8.0 * 1.001, "{eight} vs {two}");
     assert!(eight <= two, "{eight} vs {two}");
     // The simulated step of every 8-GPU layout of this batch is at least the bound.
@@ -430,4 +430,129 @@ fn overlapping_the_gradient_sync_hides_it_behind_the_passes() {
     );
     // One block's bucket (of 8) always waits.
     assert!(over.dp_sync_s >= serial.dp_sync_s / 8.0 - 1e-12);
+}
+
+/// The bound is at most the simulated step of every layout and microbatch count of a
+/// 16-GPU world (two nodes), with the sync overlapped or not, on a compute-bound
+/// cluster and on one whose links are so slow that every layout with data parallelism
+/// waits on its gradient sync; rows
+/// of unequal length so a pipeline's fill runs on short rows and its busiest stage on
+/// long ones.
+#[test]
+fn the_bound_holds_for_every_layout_of_two_nodes() {
+    let rows: Vec<RowShape> = (0..16)
+        .map(|i| RowShape {
+            samples: vec![256 + 128 * (i % 5)],
+            images: vec![],
+            clips: vec![],
+        })
+        .collect();
+    let mut slow = Cluster::preset("h100").unwrap();
+    slow.inter.bandwidth_gbs = 0.05;
+    slow.intra.bandwidth_gbs = 0.5;
+    let mut checked = 0;
+    for (name, cluster) in [("h100", Cluster::preset("h100").unwrap()), ("slow", slow)] {
+        for overlap in [false, true] {
+            let mut p = problem(llm_only(8), cluster.clone());
+            p.overlap_sync = overlap;
+            let b = p.work_bound(16, std::slice::from_ref(&rows), 1).unwrap();
+            assert_eq!(b.step_s, b.work_s.max(b.path_s).max(b.sync_s), "{b:?}");
+            for tp in [1, 2, 4, 8] {
+                for cp in [1, 2, 4] {
+                    for pp in [1, 2, 4, 8] {
+                        let Some(dp) = 16usize.checked_div(tp * cp * pp) else {
+                            continue;
+                        };
+                        if dp == 0 || tp * cp * pp * dp != 16 {
+                            continue;
+                        }
+                        for m in [1, 2, 4, 8, 16] {
+                            let l = Layout { tp, cp, pp, dp };
+                            let Ok(sim) = p.simulate(&plan(l, m), &rows) else {
+                                continue;
+                            };
+                            checked += 1;
+                            assert!(
+                                sim.step_s >= b.step_s * (1.0 - 1e-9),
+                                "{name}, overlap {overlap}, {l:?}, {m} mb: step {} < bound {b:?}",
+                                sim.step_s
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked > 100, "{checked} layouts simulated");
+}
+
+/// Colocated encoders take turns on the GPUs they share: on every GPU, every vision
+/// forward there ends before the first audio forward there starts, and every audio
+/// backward before the first vision backward (the vision backwards once started as soon
+/// as the LLM's ended, beside the audio's on the same GPUs), whatever the encoders'
+/// stages and the microbatches.
+#[test]
+fn colocated_encoders_take_turns_on_their_gpus() {
+    let (p, w) = small();
+    let batch = w.batch(0);
+    let lay = |tp, pp, dp| Layout { tp, cp: 1, pp, dp };
+    // The GPUs of a lane "<module> r<replica> s<stage>" (grid order TP, CP, DP, PP).
+    let gpus_of = |l: Layout, label: &str| -> std::ops::Range<usize> {
+        let num = |p: &str| {
+            let t = label.split(' ').find(|t| t.starts_with(p)).unwrap();
+            t[1..].parse::<usize>().unwrap()
+        };
+        let start = num("s") * l.tp * l.cp * l.dp + num("r") * l.tp * l.cp;
+        start..start + l.tp * l.cp
+    };
+    let mut checked = 0;
+    for (vision, audio) in [
+        (lay(1, 1, 16), lay(1, 1, 16)),
+        (lay(1, 2, 8), lay(1, 2, 8)),
+        (lay(2, 2, 4), lay(1, 4, 4)),
+        (lay(1, 4, 4), lay(2, 1, 8)),
+    ] {
+        for m in [2, 4, 8] {
+            let plan = Plan {
+                placement: Placement::Colocated,
+                vision: Some(vision),
+                audio: Some(audio),
+                ..plan(lay(2, 2, 4), m)
+            };
+            let (sim, tl) = p.timeline(&plan, &batch).unwrap();
+            // (first start, last end) of the spans named `prefix` on lanes over `gpu`.
+            let on = |gpu: usize, prefix: &str, l: Layout| -> (f64, f64) {
+                let (mut first, mut last) = (f64::INFINITY, 0.0f64);
+                for (lane, name, a, b) in &tl.spans {
+                    let label = &tl.lanes[*lane].0;
+                    if name.starts_with(prefix) && gpus_of(l, label).contains(&gpu) {
+                        first = first.min(*a);
+                        last = last.max(*b);
+                    }
+                }
+                assert!(first.is_finite(), "no {prefix} span on GPU {gpu}");
+                (first, last)
+            };
+            let at = format!("{vision:?} {audio:?} {m} mb");
+            for gpu in 0..16 {
+                let (vf, af) = (on(gpu, "vision fwd", vision), on(gpu, "audio fwd", audio));
+                let (vb, ab) = (on(gpu, "vision bwd", vision), on(gpu, "audio bwd", audio));
+                assert!(
+                    vf.1 <= af.0 + 1e-12,
+                    "{at}, GPU {gpu}: forwards {vf:?} {af:?}"
+                );
+                assert!(
+                    ab.1 <= vb.0 + 1e-12,
+                    "{at}, GPU {gpu}: backwards {ab:?} {vb:?}"
+                );
+            }
+            assert!(
+                sim.bubble >= -1e-9,
+                "{at}: busy share above 1: {}",
+                sim.bubble
+            );
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 12);
 }

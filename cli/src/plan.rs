@@ -182,6 +182,9 @@ fn to_json(p: &Planned, alone: Option<&Found>, g: &Gap, a: &PlanArgs) -> Value {
     let extra = json!({
         "bound_step_time_s": g.bound_s,
         "from_bound": o.best.sim.step_s / g.bound_s.max(1e-12),
+        "bound_work_s": g.bound.work_s,
+        "bound_path_s": g.bound.path_s,
+        "bound_sync_s": g.bound.sync_s,
         "gap_memory_forced_s": g.memory_forced_s,
         "gap_grad_sync_s": g.grad_sync_s,
         "gap_imbalance_s": g.imbalance_s,
@@ -261,9 +264,12 @@ fn explain(p: &Planned, alone: Option<&Found>, g: &Gap) -> Vec<String> {
     }
     out.push(split_reason(b));
     out.push(format!(
-        "work-conserving bound {} (each module's work at its least wasteful layout that fits, spread over all {} GPUs as far as whole rows and items allow; no bubble, no wait, no bridge, no gradient sync); the plan is {:.2}x it: memory-forced layout work {}, gradient sync {}, imbalance {}, bridge {}, bubbles {}",
+        "work-conserving bound {} (the longest of: each module's work at its least wasteful layout that fits, spread over all {} GPUs, {}; that layout's critical path with its pipeline fill and drain, {}; its gradient sync on a lane of its own, {}; no bubble, no wait, no bridge); the plan is {:.2}x it: memory-forced layout work {}, gradient sync {}, imbalance {}, bridge {}, bubbles {}",
         secs(g.bound_s),
         p.gpus,
+        secs(g.bound.work_s),
+        secs(g.bound.path_s),
+        secs(g.bound.sync_s),
         step / g.bound_s.max(1e-12),
         secs(g.memory_forced_s),
         secs(g.grad_sync_s),

@@ -49,6 +49,11 @@ fn the_7b_reference_plans_on_64_gpus() {
     );
     assert!(bound > 0.0 && bound <= step, "{v}");
     assert!((v["from_bound"].as_f64().unwrap() - step / bound).abs() < 1e-9);
+    // The bound is the longest of what sets it: the work spread over the GPUs, a
+    // critical path, a gradient sync.
+    let set_by = ["bound_work_s", "bound_path_s", "bound_sync_s"].map(|k| v[k].as_f64().unwrap());
+    assert!(set_by.iter().all(|&x| x >= 0.0), "{v}");
+    assert_eq!(set_by.iter().copied().fold(0.0, f64::max), bound, "{v}");
     let parts: f64 = [
         "memory_forced",
         "grad_sync",

@@ -1,26 +1,29 @@
 //! The work-conserving bound of a step and how far a plan is from it.
 //!
-//! The bound is the step with no bubble, no waiting, no bridge and no gradient sync:
-//! every module's busy GPU-seconds at a layout of its own that fits in a GPU's memory
-//! (alone on its GPUs), summed over the modules and divided by all the GPUs. Two things
-//! keep it honest where a plain sum would promise a step no plan can run:
+//! The bound is the step with no bubble, no waiting and no bridge: every module's busy
+//! GPU-seconds at a layout of its own that fits in a GPU's memory (alone on its GPUs),
+//! summed over the modules and divided by all the GPUs. Three things keep it honest
+//! where a plain sum would promise a step no plan can run:
 //!
 //! - each module's layout is the one that makes the bound least, among every layout on
 //!   every GPU count a plan may give it (the divisors of the cluster, the disjoint
 //!   search's encoder counts and what they leave the LLM), so its work is what the least
 //!   wasteful layout that fits costs, TP/CP/PP communication and recomputation included;
 //! - no module finishes before a lower bound of its critical path at that layout,
-//!   whatever its chunking: its busiest stage runs at least the fullest replica's load
-//!   (at least the mean share, at least the largest row, image or clip), and the largest
-//!   item runs through every stage. A batch of 1,024 rows cannot keep 4,096 GPUs busy
-//!   without splitting rows, and a split row pays its TP/CP communication.
+//!   whatever its chunking: each stage runs at least the fullest replica's load (at
+//!   least the mean share, at least the largest row, image or clip) between the
+//!   pipeline's fill and drain (the smallest item through the stages before it), and
+//!   the largest item runs through every stage. A batch of 1,024 rows cannot keep 4,096
+//!   GPUs busy without splitting rows, and a split row pays its TP/CP communication;
+//! - nor before its gradient sync at that layout: the sync runs on a lane of its own,
+//!   which in a steady state of steps carries one sync a step.
 //!
 //! So the bound is `min over layouts of max(sum of work / GPUs, each module's critical
-//! path)`, at most every plan's step (tests check it against the search's picks, the
-//! baseline, brute force, and layouts of a 2-row batch on 8 GPUs). A plan's step splits
-//! into the bound and five parts (seconds of the step, i.e. GPU-seconds over the GPUs);
-//! idle time the bound already holds (where a critical path sets it) is not counted
-//! again:
+//! path, each module's sync)`, at most every plan's step (tests check it against the
+//! search's picks, the baseline, brute force, every layout of a two-node world, and
+//! layouts of a 2-row batch on 8 GPUs). A plan's step splits into the bound and five
+//! parts (seconds of the step, i.e. GPU-seconds over the GPUs); time the bound already
+//! holds (where a critical path or a sync sets it) is not counted again:
 //!
 //! - **memory-forced choices**: the plan's own busy work beyond the bound's (layouts the
 //!   plan takes because its modules share memory or GPUs, or to cut the gradient sync:
@@ -36,7 +39,9 @@
 //! - **bubbles**: the rest of the idle time (pipeline fill and drain, waiting on other
 //!   modules).
 
+use crate::cluster::{Cluster, RatePoint};
 use crate::dims::Module;
+use crate::plan::cost::StageCost;
 use crate::plan::layout::{Plan, Schedule};
 use crate::plan::options::{Knobs, Totals};
 use crate::plan::search::encoder_counts;
@@ -47,6 +52,8 @@ use crate::workload::RowShape;
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Gap {
     pub bound_s: f64,
+    /// What sets the bound.
+    pub bound: Bound,
     pub memory_forced_s: f64,
     pub grad_sync_s: f64,
     pub imbalance_s: f64,
@@ -66,20 +73,45 @@ impl Gap {
     }
 }
 
-/// One way to run a module alone: its busy GPU-seconds and the least time it can take
-/// (a lower bound of its critical path, whatever the chunking).
+/// One way to run a module alone: its busy GPU-seconds and the least time it can take:
+/// at least a lower bound of its critical path (`path`, whatever the chunking) and of its
+/// longest stage's gradient sync (`sync`, which the gap counts apart).
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct Way {
     work: f64,
-    span: f64,
+    path: f64,
+    sync: f64,
+}
+
+impl Way {
+    fn span(&self) -> f64 {
+        self.path.max(self.sync)
+    }
+}
+
+/// The bound of a step and what sets it (seconds).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Bound {
+    /// The bound: the longest of the next three.
+    pub step_s: f64,
+    /// The modules' work spread over the GPUs.
+    pub work_s: f64,
+    /// The longest module's critical path.
+    pub path_s: f64,
+    /// The longest stage's gradient sync.
+    pub sync_s: f64,
 }
 
 /// The ways no other way beats in both work and span.
 fn front(mut ways: Vec<Way>) -> Vec<Way> {
-    ways.sort_by(|a, b| a.work.total_cmp(&b.work).then(a.span.total_cmp(&b.span)));
+    ways.sort_by(|a, b| {
+        a.work
+            .total_cmp(&b.work)
+            .then(a.span().total_cmp(&b.span()))
+    });
     let mut out: Vec<Way> = Vec::new();
     for w in ways {
-        if out.last().is_none_or(|l| w.span < l.span) {
+        if out.last().is_none_or(|l| w.span() < l.span()) {
             out.push(w);
         }
     }
@@ -115,15 +147,10 @@ struct Inputs<'a> {
 
 impl Problem {
     /// Every way to run module `m` alone that fits in a GPU's memory (the Pareto front of
-    /// work and span). The work is the option's passes and pipeline sends over its
-    /// chunks; the span holds for any chunking: the busiest stage runs at least the
-    /// fullest replica's load (at least the mean, at least the largest item), as one
-    /// chunk (the fewest fixed costs), and the largest item runs through every stage.
+    /// work and span; see [`Problem::way`]).
     fn ways(&self, m: Module, inp: &Inputs) -> Vec<Way> {
         let k = &inp.knobs;
         let budget = self.cluster.usable_bytes();
-        let total = k.totals.module(m);
-        let big = k.totals.largest(m);
         // An encoder's chunks (its 1F1B microbatches); the LLM's own option list tries
         // every microbatch count.
         let chunks: &[usize] = match m {
@@ -137,36 +164,85 @@ impl Problem {
                     if o.mem > budget {
                         continue;
                     }
-                    let Some(sc) = self.cost(m, o.layout, o.recompute, k.zero1) else {
-                        continue;
-                    };
-                    let l = o.layout;
-                    let pass = |st: usize, t: f64, q: f64| {
-                        sc.forward(st, t, q).total() + sc.backward(st, t, q).total()
-                    };
-                    let n = (l.dp * o.microbatches) as f64;
-                    let (t, q) = (total.0 / n, total.1 / n);
-                    let sends = (l.pp - 1) as f64 * if sc.frozen { 1.0 } else { 2.0 };
-                    let per_chunk =
-                        (0..l.pp).map(|st| pass(st, t, q)).sum::<f64>() + sends * sc.send(t);
-                    let dp = l.dp as f64;
-                    let replica = ((total.0 / dp).max(big.0), (total.1 / dp).max(big.1));
-                    let busiest = (0..l.pp)
-                        .map(|st| pass(st, replica.0, replica.1))
-                        .fold(0.0, f64::max);
-                    let chain: f64 = (0..l.pp).map(|st| pass(st, big.0, big.1)).sum();
-                    ways.push(Way {
-                        work: n * per_chunk * l.block() as f64,
-                        span: busiest.max(chain),
-                    });
+                    if let Some(sc) = self.cost(m, o.layout, o.recompute, k.zero1) {
+                        ways.push(self.way(&sc, o.microbatches, k.totals, m));
+                    }
                 }
             }
         }
         front(ways)
     }
 
-    /// The work-conserving bound of a step on `gpus` GPUs over `batches` and, of it, the
-    /// modules' work over the GPUs (seconds; the rest is a critical path's). `chunks`:
+    /// Module `m` run alone as `sc` says, its batch load in `microbatches` chunks a
+    /// replica. The work is its passes and pipeline sends over the chunks. The span holds
+    /// for any chunking; it is the longest of
+    ///
+    /// - each stage's own time: the fullest replica's load (at least the mean, at least
+    ///   the largest item) as one chunk (the fewest fixed costs), after the fill (a chunk
+    ///   holds at least the smallest item, whose forward runs through every stage before
+    ///   this one first) and before the drain (the last backward here runs back through
+    ///   them; a frozen module's last forward runs on through the stages after it). Fill
+    ///   and drain are timed at the cluster's peak matmul rate, where a pass grows with
+    ///   its tokens (below the rate curve's first points a smaller GEMM can take longer);
+    /// - the largest item through every stage;
+    /// - each stage's gradient sync (reduce-scatter and all-gather, on a lane of its
+    ///   own): in a steady state of steps that lane carries one sync a step.
+    fn way(&self, sc: &StageCost, microbatches: usize, totals: &Totals, m: Module) -> Way {
+        let (total, big, small) = (totals.module(m), totals.largest(m), totals.smallest(m));
+        let peak = self
+            .cluster
+            .matmul
+            .iter()
+            .map(|p| p.tflops)
+            .fold(0.0, f64::max);
+        let flat = Cluster {
+            matmul: vec![RatePoint {
+                flops: 1.0,
+                tflops: peak,
+            }],
+            ..self.cluster.clone()
+        };
+        let l = sc.layout;
+        let pass = |st: usize, t: f64, q: f64| {
+            sc.forward(st, t, q).total() + sc.backward(st, t, q).total()
+        };
+        let n = (l.dp * microbatches) as f64;
+        let (t, q) = (total.0 / n, total.1 / n);
+        let sends = (l.pp - 1) as f64 * if sc.frozen { 1.0 } else { 2.0 };
+        let per_chunk = (0..l.pp).map(|st| pass(st, t, q)).sum::<f64>() + sends * sc.send(t);
+        let dp = l.dp as f64;
+        let replica = ((total.0 / dp).max(big.0), (total.1 / dp).max(big.1));
+        let at_peak = StageCost {
+            cluster: &flat,
+            ..*sc
+        };
+        let fwd: Vec<f64> = (0..l.pp)
+            .map(|st| at_peak.forward(st, small.0, small.1).total())
+            .collect();
+        let bwd: Vec<f64> = (0..l.pp)
+            .map(|st| at_peak.backward(st, small.0, small.1).total())
+            .collect();
+        let busiest = (0..l.pp)
+            .map(|st| {
+                let fill: f64 = fwd[..st].iter().sum();
+                let drain: f64 = if sc.frozen {
+                    fwd[st + 1..].iter().sum()
+                } else {
+                    bwd[..st].iter().sum()
+                };
+                fill + pass(st, replica.0, replica.1) + drain
+            })
+            .fold(0.0, f64::max);
+        let chain: f64 = (0..l.pp).map(|st| pass(st, big.0, big.1)).sum();
+        Way {
+            work: n * per_chunk * l.block() as f64,
+            path: busiest.max(chain),
+            sync: (0..l.pp).map(|st| sc.dp_sync(st)).fold(0.0, f64::max),
+        }
+    }
+
+    /// The work-conserving bound of a step on `gpus` GPUs over `batches` and what sets
+    /// it. `chunks`:
     /// an encoder chunk count to try besides powers of two up to 64 (a plan's
     /// microbatches). `None` when some module fits in no layout.
     pub fn work_bound(
@@ -174,7 +250,7 @@ impl Problem {
         gpus: usize,
         batches: &[Vec<RowShape>],
         chunks: usize,
-    ) -> Option<(f64, f64)> {
+    ) -> Option<Bound> {
         let totals = Totals::of(batches);
         let mut enc_chunks: Vec<usize> = (0..7).map(|k| 1usize << k).collect();
         enc_chunks.push(chunks.max(1));
@@ -190,10 +266,12 @@ impl Problem {
             chunks: enc_chunks,
         };
         let g = gpus.max(1) as f64;
-        // Partial sums over the modules so far: (work, longest span), kept to its front.
+        // Partial sums over the modules so far: (work, longest path and sync), kept to
+        // its front.
         let mut best = vec![Way {
             work: 0.0,
-            span: 0.0,
+            path: 0.0,
+            sync: 0.0,
         }];
         for m in [Module::Llm, Module::Vision, Module::Audio] {
             if self.model.module(m).is_none() {
@@ -208,40 +286,49 @@ impl Problem {
                     .flat_map(|a| {
                         ways.iter().map(move |x| Way {
                             work: a.work + x.work,
-                            span: a.span.max(x.span),
+                            path: a.path.max(x.path),
+                            sync: a.sync.max(x.sync),
                         })
                     })
                     .collect(),
             );
         }
         best.iter()
-            .map(|w| ((w.work / g).max(w.span), w.work / g))
-            .min_by(|a, b| a.0.total_cmp(&b.0))
+            .map(|w| Bound {
+                step_s: (w.work / g).max(w.span()),
+                work_s: w.work / g,
+                path_s: w.path,
+                sync_s: w.sync,
+            })
+            .min_by(|a, b| a.step_s.total_cmp(&b.step_s))
     }
 
     /// `sim` (the simulated step of `plan`, the mean over `batches`) split into the
     /// bound and its parts.
     pub fn gap(&self, plan: &Plan, batches: &[Vec<RowShape>], sim: &StepSim) -> Gap {
         let g = plan.gpus().max(1) as f64;
-        let (bound_s, work_s) = self
+        let b = self
             .work_bound(plan.gpus(), batches, plan.microbatches)
-            .unwrap_or((0.0, 0.0));
-        // Idle time the bound already holds (a module's critical path above the work
-        // spread over the GPUs) is not counted again below.
-        let held = (bound_s - work_s).max(0.0);
-        let idle = ((g * sim.step_s - sim.busy_gpu_s).max(0.0) / g - held).max(0.0);
+            .unwrap_or_default();
+        let bound_s = b.step_s;
+        // Time the bound already holds beyond the work spread over the GPUs is not counted
+        // again below: a critical path's as idle time, a sync's beyond it as sync.
+        let held_idle = (b.path_s - b.work_s).max(0.0);
+        let held_sync = (b.sync_s - b.path_s.max(b.work_s)).max(0.0);
+        let idle = ((g * sim.step_s - sim.busy_gpu_s).max(0.0) / g - held_idle).max(0.0);
         let imbalance_s = (sim.imbalance_gpu_s / g).min(idle);
         let exposed_bridge = match plan.schedule {
             Schedule::Phased => sim.bridge_s,
             Schedule::Overlapped => sim.bridge_s / plan.microbatches.max(1) as f64,
         };
         let bridge_s = exposed_bridge.min(idle - imbalance_s);
-        let grad_sync_s = sim.sync_gpu_s / g;
+        let grad_sync_s = (sim.sync_gpu_s / g - held_sync).max(0.0);
         // The plan's busy work beyond the bound's, taken as what is left so that the
         // parts add up to the step (lanes of colocated modules that overlap on shared
         // GPUs would otherwise count twice).
         Gap {
             bound_s,
+            bound: b,
             memory_forced_s: sim.step_s - bound_s - grad_sync_s - idle,
             grad_sync_s,
             imbalance_s,
@@ -254,6 +341,98 @@ impl Problem {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cluster::Link;
+    use crate::dims::{ModelDims, ModuleDims};
+    use crate::plan::layout::{Layout, Placement};
+
+    /// A pipeline of equal rows, one a microbatch, on free links at one matmul rate: the
+    /// simulated 1F1B step is the fill, every row through the last stage and the drain,
+    /// which is the way's span to rounding; without the fill and drain it would be 8/11.
+    #[test]
+    fn a_pipeline_s_fill_and_drain_are_in_its_span() {
+        let llm = ModuleDims {
+            layers: 8,
+            hidden: 512,
+            heads: 8,
+            kv_heads: 8,
+            head_dim: 64,
+            ffn: 2048,
+            mlp_mats: 3,
+            causal: true,
+            vocab: 0,
+            tied: false,
+            extra_params: 0,
+            stem_flops_per_token: 0.0,
+            projector_flops_per_token: 0.0,
+        };
+        let Some(mut cluster) = Cluster::preset("h100") else {
+            panic!("no h100 preset");
+        };
+        cluster.intra = Link {
+            bandwidth_gbs: 1e12,
+            latency_us: 0.0,
+        };
+        cluster.inter = cluster.intra;
+        cluster.layer_overhead_us = 0.0;
+        cluster.backward_overhead_us = Some(0.0);
+        cluster.matmul = vec![RatePoint {
+            flops: 1.0,
+            tflops: 400.0,
+        }];
+        let p = Problem {
+            model: ModelDims {
+                llm,
+                vision: None,
+                audio: None,
+                vision_llm_ratio: 1.0,
+                audio_llm_ratio: 0.125,
+            },
+            cluster,
+            frozen: vec![],
+            input_s: 0.0,
+            overlap_sync: false,
+            sequence_parallel: true,
+        };
+        let row = RowShape {
+            samples: vec![1024],
+            images: vec![],
+            clips: vec![],
+        };
+        let rows = vec![row; 8];
+        let layout = Layout {
+            tp: 1,
+            cp: 1,
+            pp: 4,
+            dp: 1,
+        };
+        let plan = Plan {
+            placement: Placement::Disjoint,
+            schedule: Schedule::Phased,
+            microbatches: 8,
+            recompute: false,
+            recompute_encoders: false,
+            llm_first_stage_layers: None,
+            zero1: true,
+            llm: layout,
+            vision: None,
+            audio: None,
+        };
+        let sim = match p.simulate(&plan, &rows) {
+            Ok(s) => s,
+            Err(e) => panic!("{e}"),
+        };
+        let totals = Totals::of(std::slice::from_ref(&rows));
+        let Some(sc) = p.cost(Module::Llm, layout, false, true) else {
+            panic!("no LLM");
+        };
+        let way = p.way(&sc, 8, &totals, Module::Llm);
+        assert!(
+            (way.path - sim.step_s).abs() <= 1e-6 * sim.step_s,
+            "{way:?} vs {}",
+            sim.step_s
+        );
+        assert_eq!(way.sync, 0.0);
+    }
 
     #[test]
     fn a_plan_s_gpu_counts_are_all_tried() {
@@ -268,7 +447,11 @@ mod tests {
 
     #[test]
     fn the_front_keeps_only_unbeaten_ways() {
-        let w = |work, span| Way { work, span };
+        let w = |work, path| Way {
+            work,
+            path,
+            sync: 0.0,
+        };
         let f = front(vec![
             w(3.0, 1.0),
             w(1.0, 3.0),

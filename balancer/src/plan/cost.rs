@@ -169,7 +169,7 @@ impl StageCost<'_> {
         let tp = 2.0 * layers * c.intra.all_reduce(act, l.tp);
         // CP: each rank gathers the K and V of its TP head shard from the other CP ranks.
         let kv = 2.0 * tokens * (d.kv_heads * d.head_dim) as f64 * c.compute_bytes / l.tp as f64;
-        let cp = layers * c.link(l.tp * l.cp).gather(kv, l.cp);
+        let cp = layers * c.group_link(l.tp * l.cp, l.tp).gather(kv, l.cp);
         Pass {
             matmul,
             head,
@@ -240,7 +240,8 @@ impl StageCost<'_> {
             return (0.0, 0.0);
         }
         let p = self.params(stage);
-        let link = self.cluster.link(l.block() * l.dp);
+        // A stage's CP x DP group: PP is the grid's outermost dimension.
+        let link = self.cluster.group_link(l.tp * l.cp * l.dp, l.tp);
         if self.zero1 {
             let params = self.cluster.compute_bytes * p;
             (link.gather(4.0 * p, n), link.gather(params, n))

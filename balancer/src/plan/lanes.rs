@@ -5,6 +5,7 @@ use crate::assign::BatchShape;
 use crate::dims::{ModelDims, Module};
 use crate::plan::cost::Cost;
 use crate::plan::dag::Dag;
+use crate::plan::layout::Layout;
 
 /// A simulated step's timeline: its lanes (label, GPUs each stands for) and every task
 /// that took time, `(lane, name, start s, end s)`.
@@ -64,6 +65,44 @@ pub(crate) struct LaneTasks {
     pub b: Vec<usize>,
 }
 
+/// The `(replica, stage)` lanes of two grids placed from the same first GPU that share
+/// a GPU, each pair once. A lane holds one replica's stage: `tp x cp` consecutive GPUs
+/// (the grid order is TP, CP, DP, PP), at `stage x tp cp dp + replica x tp cp`.
+pub(crate) fn sharing_lanes(a: Layout, b: Layout) -> Vec<((usize, usize), (usize, usize))> {
+    let lane = |l: Layout, gpu: usize| {
+        let stage = l.tp * l.cp * l.dp;
+        (gpu % stage / l.block(), gpu / stage)
+    };
+    let mut out: Vec<_> = (0..a.gpus().min(b.gpus()))
+        .map(|gpu| (lane(a, gpu), lane(b, gpu)))
+        .collect();
+    out.dedup();
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+/// GPU-seconds each replica's lane waits for the busiest replica of its module stage:
+/// `modules` holds each module's lanes as `[replica][stage]`, `busy` each lane's busy
+/// seconds, `ranks` the GPUs a lane stands for.
+pub(crate) fn imbalance_gpu_s(
+    modules: &[&[Vec<LaneTasks>]],
+    busy: &[f64],
+    ranks: impl Fn(usize) -> usize,
+) -> f64 {
+    let mut out = 0.0;
+    for reps in modules {
+        for s in 0..reps.first().map_or(0, Vec::len) {
+            let most = reps.iter().map(|r| busy[r[s].lane]).fold(0.0, f64::max);
+            out += reps
+                .iter()
+                .map(|r| (most - busy[r[s].lane]) * ranks(r[s].lane) as f64)
+                .sum::<f64>();
+        }
+    }
+    out
+}
+
 /// 1F1B on a lane `depth` stages from the end of the pipeline: warm-up forwards, then
 /// alternating, then cool-down backwards. `(forward?, microbatch)`.
 pub(crate) fn one_f_one_b(m: usize, depth: usize, backward: bool) -> Vec<(bool, usize)> {
@@ -110,4 +149,32 @@ pub(crate) fn stage_lane(
         }
     }
     LaneTasks { lane, f, b }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lanes_share_gpus_where_their_blocks_overlap() {
+        let l = |tp, cp, pp, dp| Layout { tp, cp, pp, dp };
+        // Same grid: each lane meets only itself.
+        let same = sharing_lanes(l(2, 1, 2, 2), l(2, 1, 2, 2));
+        assert_eq!(
+            same,
+            vec![
+                ((0, 0), (0, 0)),
+                ((0, 1), (0, 1)),
+                ((1, 0), (1, 0)),
+                ((1, 1), (1, 1))
+            ]
+        );
+        // 8 GPUs: dp8 against pp2 dp4 (stage 1 on GPUs 4-7) and against tp4 dp2.
+        let pp = sharing_lanes(l(1, 1, 1, 8), l(1, 1, 2, 4));
+        assert_eq!(pp.len(), 8);
+        assert!(pp.contains(&((5, 0), (1, 1))), "{pp:?}");
+        let tp = sharing_lanes(l(1, 1, 1, 8), l(4, 1, 1, 2));
+        assert_eq!(tp.len(), 8);
+        assert!(tp.iter().all(|&((r, _), (q, _))| q == r / 4), "{tp:?}");
+    }
 }

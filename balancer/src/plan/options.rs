@@ -45,6 +45,8 @@ pub(crate) struct Totals {
     pub audio: (f64, f64),
     pub items: [f64; 3],
     pub largest: [(f64, f64); 3],
+    /// Each module's smallest item (tokens, squared length) over the batches.
+    pub smallest: [(f64, f64); 3],
 }
 
 /// The index of module `m` in [`Totals`]' per-module arrays.
@@ -62,6 +64,7 @@ impl Totals {
         let (mut l, mut v, mut a) = ((0.0, 0.0), (0.0, 0.0), (0.0, 0.0));
         let mut items = [0.0; 3];
         let mut largest = [(f64::INFINITY, f64::INFINITY); 3];
+        let mut smallest = [(f64::INFINITY, f64::INFINITY); 3];
         for rows in batches {
             let b = shape_of(rows);
             let llm = b
@@ -82,6 +85,27 @@ impl Totals {
                 .max_by(f64::total_cmp);
             let found = [llm, image.map(|t| (t, t * t)), clip.map(|t| (t, t * t))];
             for (o, f) in largest.iter_mut().zip(found) {
+                let f = f.unwrap_or((0.0, 0.0));
+                *o = (o.0.min(f.0), o.1.min(f.1));
+            }
+            let least = [
+                b.row_tokens
+                    .iter()
+                    .zip(&b.row_sq)
+                    .map(|(&t, &q)| (t as f64, q as f64))
+                    .min_by(|x, y| x.0.total_cmp(&y.0)),
+                b.image_tokens
+                    .iter()
+                    .map(|&t| (t as f64, (t * t) as f64))
+                    .min_by(|x, y| x.0.total_cmp(&y.0)),
+                b.clip_frames
+                    .iter()
+                    .map(|&f| f.div_ceil(2) as f64)
+                    .map(|t| (t, t * t))
+                    .min_by(|x, y| x.0.total_cmp(&y.0)),
+            ];
+            // A batch without the module's items runs no pipeline of it: no fill.
+            for (o, f) in smallest.iter_mut().zip(least) {
                 let f = f.unwrap_or((0.0, 0.0));
                 *o = (o.0.min(f.0), o.1.min(f.1));
             }
@@ -106,6 +130,7 @@ impl Totals {
             audio: a,
             items,
             largest: largest.map(|x| if x.0.is_finite() { x } else { (0.0, 0.0) }),
+            smallest: smallest.map(|x| if x.0.is_finite() { x } else { (0.0, 0.0) }),
         }
     }
 
@@ -120,6 +145,11 @@ impl Totals {
     /// Module `m`'s largest single item (tokens, squared length).
     pub fn largest(&self, m: Module) -> (f64, f64) {
         self.largest[slot(m)]
+    }
+
+    /// Module `m`'s smallest single item (tokens, squared length): 0 when it has none.
+    pub fn smallest(&self, m: Module) -> (f64, f64) {
+        self.smallest[slot(m)]
     }
 
     pub fn module(&self, m: Module) -> (f64, f64) {
@@ -368,6 +398,7 @@ mod tests {
             audio: (0.0, 0.0),
             items: [1024.0, 13.0, 2.0],
             largest: [(0.0, 0.0); 3],
+            smallest: [(0.0, 0.0); 3],
         };
         // 1,024 rows over 256 replicas: 4 each.
         assert_eq!(t.granularity(Module::Llm, 256), 1.0);
@@ -400,6 +431,13 @@ mod tests {
         assert_eq!(llm, (200.0, 200.0 * 200.0));
         assert_eq!(vision.0, 16.0);
         // No clip in either batch.
+        assert_eq!(audio, (0.0, 0.0));
+        // The smallest: the least of any batch (rows 100 in a; images 16 in a, 8 in
+        // b); a module with no item in some batch has no fill there: 0.
+        let [llm, vision, audio] =
+            [Module::Llm, Module::Vision, Module::Audio].map(|m| t.smallest(m));
+        assert_eq!(llm, (100.0, 100.0 * 100.0));
+        assert_eq!(vision, (8.0, 64.0));
         assert_eq!(audio, (0.0, 0.0));
     }
 }

@@ -11,7 +11,9 @@ use crate::dims::{ModelDims, Module};
 use crate::plan::cost::{Cost, StageCost};
 use crate::plan::dag::Dag;
 pub use crate::plan::lanes::PlanTimeline;
-use crate::plan::lanes::{LaneTasks, Load, items, one_f_one_b, stage_lane, window_max};
+use crate::plan::lanes::{
+    LaneTasks, Load, imbalance_gpu_s, items, one_f_one_b, sharing_lanes, stage_lane, window_max,
+};
 use crate::plan::layout::{Layout, Placement, Plan, Schedule};
 use crate::workload::{RowShape, shape_of};
 
@@ -407,15 +409,20 @@ impl Problem {
                     }
                 }
             }
-            // Colocated encoders take turns on the same GPUs: the second starts (and its
-            // backward ends) after the first.
-            if colocated && enc_lanes.len() == 2 {
-                for r2 in &enc_lanes[1] {
-                    for r1 in &enc_lanes[0] {
-                        let (last1, first2) = (&r1[r1.len() - 1], &r2[0]);
-                        set(&mut g, first2.f[0], last1.f[m - 1]);
-                        set(&mut g, last1.b[m - 1], first2.b[m - 1]);
-                    }
+            // Colocated encoders take turns on the GPUs they share: on every pair of
+            // stage lanes whose GPUs overlap, the second's forwards start after the
+            // first's, and the first's backwards (all after the LLM, from chunk 0) after
+            // the second's. Lanes on other GPUs run on.
+            if let (true, [first, second], Some(l1), Some(l2)) = (
+                colocated,
+                enc_lanes.as_slice(),
+                encoders.first().and_then(|&e| plan.layout(e)),
+                encoders.get(1).and_then(|&e| plan.layout(e)),
+            ) {
+                for (a, b) in sharing_lanes(l1, l2) {
+                    let (one, two) = (&first[a.0][a.1], &second[b.0][b.1]);
+                    set(&mut g, two.f[0], one.f[m - 1]);
+                    set(&mut g, one.b[0], two.b[m - 1]);
                 }
             }
         }
@@ -562,29 +569,12 @@ impl Problem {
         } else {
             memory.iter().map(|x| x.1).fold(0.0, f64::max)
         };
-        // Per module stage: each replica's wait for the busiest one.
-        let mut imbalance_gpu_s = 0.0;
-        let mut stages_of: Vec<Vec<Vec<&LaneTasks>>> = Vec::new();
-        for reps in &enc_lanes {
-            let pp = reps.first().map_or(0, Vec::len);
-            stages_of.push(
-                (0..pp)
-                    .map(|s| reps.iter().map(|r| &r[s]).collect())
-                    .collect(),
-            );
-        }
-        stages_of.push(
-            (0..llm.pp)
-                .map(|s| llm_lanes.iter().map(|r| &r[s]).collect())
-                .collect(),
-        );
-        for stage in stages_of.iter().flatten() {
-            let most = stage.iter().map(|t| tl.busy[t.lane]).fold(0.0, f64::max);
-            imbalance_gpu_s += stage
-                .iter()
-                .map(|t| (most - tl.busy[t.lane]) * g.lanes[t.lane].ranks as f64)
-                .sum::<f64>();
-        }
+        let modules: Vec<&[Vec<LaneTasks>]> = enc_lanes
+            .iter()
+            .map(Vec::as_slice)
+            .chain([llm_lanes.as_slice()])
+            .collect();
+        let imbalance_gpu_s = imbalance_gpu_s(&modules, &tl.busy, |l| g.lanes[l].ranks);
         let sim = StepSim {
             step_s: tl.makespan,
             bubble: 1.0 - used / (gpus * tl.makespan).max(1e-30),
