@@ -285,20 +285,38 @@ impl Cluster {
         }
     }
 
-    /// The link a collective uses whose group spans `span` consecutive GPUs with its
-    /// members `stride` apart (a DP group of a TP-4 grid: stride 4). Inside a node,
-    /// NVLink. Across nodes each member drives its own NIC: NCCL runs a ring channel per
-    /// NIC and reduces inside the node over NVLink, so a node's members move its share
-    /// together and the group's bus bandwidth is its members per node times one NIC's,
-    /// up to NVLink's (8 per node on NDR: ~360 GB/s, what nccl-tests' multi-node
-    /// all-reduce reaches; one per node: one NIC's 45 GB/s).
-    pub fn group_link(&self, span: usize, stride: usize) -> Link {
-        if span <= self.gpus_per_node {
+    /// The link a collective uses whose group spans `span` consecutive GPUs from GPU
+    /// `start`, its members `stride` apart (a DP group of a TP-4 grid: stride 4). Inside
+    /// a node, NVLink. Across nodes each member drives its own NIC: NCCL runs a ring
+    /// channel per NIC and reduces inside the node over NVLink, so a node's members move
+    /// its share together, and the ring runs at the fewest members any node holds times
+    /// one NIC's bandwidth, up to NVLink's (8 per node on NDR: ~360 GB/s, what
+    /// nccl-tests' multi-node all-reduce reaches; one per node: one NIC's 45 GB/s).
+    pub fn group_link(&self, start: usize, span: usize, stride: usize) -> Link {
+        let node = self.gpus_per_node.max(1);
+        let end = start + span; // one past the last GPU
+        if span == 0 || start / node == (end - 1) / node {
             return self.intra;
         }
-        let per_node = (self.gpus_per_node / stride.max(1)).max(1) as f64;
+        let stride = stride.max(1);
+        // Members in [lo, hi): those start + i * stride inside it.
+        let members = |lo: usize, hi: usize| {
+            let first = lo.max(start).saturating_sub(start).div_ceil(stride);
+            let last = (hi.min(end) - start).div_ceil(stride);
+            last.saturating_sub(first)
+        };
+        let head = members(start, (start / node + 1) * node);
+        let tail = members((end - 1) / node * node, end);
+        let mut fewest = head.min(tail);
+        if (end - 1) / node > start / node + 1 {
+            fewest = fewest.min(members(
+                (start / node + 1) * node,
+                (start / node + 2) * node,
+            ));
+        }
         Link {
-            bandwidth_gbs: (per_node * self.inter.bandwidth_gbs).min(self.intra.bandwidth_gbs),
+            bandwidth_gbs: (fewest.max(1) as f64 * self.inter.bandwidth_gbs)
+                .min(self.intra.bandwidth_gbs),
             latency_us: self.inter.latency_us,
         }
     }
@@ -324,14 +342,30 @@ mod tests {
         assert!(c.inter.all_reduce(1e9, 8) > c.intra.all_reduce(1e9, 8));
         // A collective across nodes: each member in a node drives its own NIC, up to
         // NVLink's bandwidth; inside a node, NVLink.
-        assert_eq!(c.group_link(8, 1), c.intra);
-        assert_eq!(c.group_link(16, 8).bandwidth_gbs, c.inter.bandwidth_gbs);
+        assert_eq!(c.group_link(0, 8, 1), c.intra);
+        assert_eq!(c.group_link(8, 8, 1), c.intra);
+        assert_eq!(c.group_link(0, 16, 8).bandwidth_gbs, c.inter.bandwidth_gbs);
         assert_eq!(
-            c.group_link(64, 4).bandwidth_gbs,
+            c.group_link(0, 64, 4).bandwidth_gbs,
             2.0 * c.inter.bandwidth_gbs
         );
-        assert_eq!(c.group_link(1024, 1).bandwidth_gbs, c.intra.bandwidth_gbs);
-        assert_eq!(c.group_link(1024, 1).latency_us, c.inter.latency_us);
+        assert_eq!(
+            c.group_link(0, 1024, 1).bandwidth_gbs,
+            c.intra.bandwidth_gbs
+        );
+        assert_eq!(c.group_link(0, 1024, 1).latency_us, c.inter.latency_us);
+        // Off the node boundary: GPUs 8-35 leave node 4 with 4 members.
+        assert_eq!(
+            c.group_link(8, 28, 1).bandwidth_gbs,
+            4.0 * c.inter.bandwidth_gbs
+        );
+        // GPUs 4-19 (stride 2): 2 members in node 0, 4 in node 1, 2 in node 2.
+        assert_eq!(
+            c.group_link(4, 16, 2).bandwidth_gbs,
+            2.0 * c.inter.bandwidth_gbs
+        );
+        // Inside one node even off its start.
+        assert_eq!(c.group_link(12, 4, 1), c.intra);
         assert_eq!(c.intra.all_reduce(1e9, 1), 0.0);
     }
 

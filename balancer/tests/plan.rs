@@ -435,14 +435,19 @@ fn overlapping_the_gradient_sync_hides_it_behind_the_passes() {
 /// The bound is at most the simulated step of every layout and microbatch count of a
 /// 16-GPU world (two nodes), with the sync overlapped or not, on a compute-bound
 /// cluster and on one whose links are so slow that every layout with data parallelism
-/// waits on its gradient sync; rows
-/// of unequal length so a pipeline's fill runs on short rows and its busiest stage on
-/// long ones.
+/// waits on its gradient sync; rows of unequal length and packing, so a pipeline's fill
+/// runs on short rows and its busiest stage on long ones.
 #[test]
 fn the_bound_holds_for_every_layout_of_two_nodes() {
+    // Single long samples and packed rows of short ones: the fewest tokens and the
+    // least attention sit in different rows.
     let rows: Vec<RowShape> = (0..16)
         .map(|i| RowShape {
-            samples: vec![256 + 128 * (i % 5)],
+            samples: if i % 2 == 0 {
+                vec![256 + 128 * (i % 5)]
+            } else {
+                vec![48; 6 + i as usize % 4]
+            },
             images: vec![],
             clips: vec![],
         })

@@ -264,7 +264,7 @@ fn explain(p: &Planned, alone: Option<&Found>, g: &Gap) -> Vec<String> {
     }
     out.push(split_reason(b));
     out.push(format!(
-        "work-conserving bound {} (the longest of: each module's work at its least wasteful layout that fits, spread over all {} GPUs, {}; that layout's critical path with its pipeline fill and drain, {}; its gradient sync on a lane of its own, {}; no bubble, no wait, no bridge); the plan is {:.2}x it: memory-forced layout work {}, gradient sync {}, imbalance {}, bridge {}, bubbles {}",
+        "work-conserving bound {} (the longest of: each module's work at its least wasteful layout that fits, spread over all {} GPUs, {}; the longest module's critical path at those layouts, pipeline fill and drain included, {}; the longest stage's gradient sync, on a lane of its own, {}; no bubble, no wait, no bridge); the plan is {:.2}x it: memory-forced layout work {}, gradient sync {}, imbalance {}, bridge {}, bubbles {}",
         secs(g.bound_s),
         p.gpus,
         secs(g.bound.work_s),

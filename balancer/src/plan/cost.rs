@@ -92,6 +92,9 @@ pub struct StageCost<'a> {
     /// evenly (Megatron's first-stage layer count: room for the encoders an LLM-centric
     /// layout puts there); `None`: `layers / pp` on every stage.
     pub first_stage_layers: Option<usize>,
+    /// The first GPU of the module's grid (disjoint placement puts the LLM after the
+    /// encoders): where a collective's group meets node boundaries.
+    pub first_gpu: usize,
 }
 
 impl StageCost<'_> {
@@ -108,6 +111,12 @@ impl StageCost<'_> {
             }
             _ => (l / pp) as f64,
         }
+    }
+
+    /// The first GPU of stage `stage` (the grid order is TP, CP, DP, PP).
+    fn stage_start(&self, stage: usize) -> usize {
+        let l = self.layout;
+        self.first_gpu + stage * l.tp * l.cp * l.dp
     }
 
     fn last(&self, stage: usize) -> bool {
@@ -169,7 +178,9 @@ impl StageCost<'_> {
         let tp = 2.0 * layers * c.intra.all_reduce(act, l.tp);
         // CP: each rank gathers the K and V of its TP head shard from the other CP ranks.
         let kv = 2.0 * tokens * (d.kv_heads * d.head_dim) as f64 * c.compute_bytes / l.tp as f64;
-        let cp = layers * c.group_link(l.tp * l.cp, l.tp).gather(kv, l.cp);
+        let cp = layers
+            * c.group_link(self.stage_start(stage), l.tp * l.cp, l.tp)
+                .gather(kv, l.cp);
         Pass {
             matmul,
             head,
@@ -241,7 +252,9 @@ impl StageCost<'_> {
         }
         let p = self.params(stage);
         // A stage's CP x DP group: PP is the grid's outermost dimension.
-        let link = self.cluster.group_link(l.tp * l.cp * l.dp, l.tp);
+        let link = self
+            .cluster
+            .group_link(self.stage_start(stage), l.tp * l.cp * l.dp, l.tp);
         if self.zero1 {
             let params = self.cluster.compute_bytes * p;
             (link.gather(4.0 * p, n), link.gather(params, n))
@@ -339,6 +352,7 @@ mod tests {
             checkpoint_stages: false,
             overlap_sync: false,
             first_stage_layers: None,
+            first_gpu: 0,
             sequence_parallel: true,
         };
         let (t, sq) = (4096.0, 4096.0 * 4096.0);
@@ -421,6 +435,7 @@ mod tests {
             checkpoint_stages: false,
             overlap_sync: false,
             first_stage_layers: None,
+            first_gpu: 0,
             sequence_parallel: true,
         };
         let extra = |stage| {
@@ -463,6 +478,7 @@ mod tests {
                 checkpoint_stages: false,
                 overlap_sync: false,
                 first_stage_layers: None,
+                first_gpu: 0,
                 sequence_parallel,
             }
             .forward(0, 4096.0, 4096.0)

@@ -89,11 +89,13 @@ impl Totals {
                 *o = (o.0.min(f.0), o.1.min(f.1));
             }
             let least = [
+                // Tokens and squared lengths each at their least (the row with the
+                // fewest tokens may hold one long sample, another many short ones).
                 b.row_tokens
                     .iter()
                     .zip(&b.row_sq)
                     .map(|(&t, &q)| (t as f64, q as f64))
-                    .min_by(|x, y| x.0.total_cmp(&y.0)),
+                    .reduce(|x, y| (x.0.min(y.0), x.1.min(y.1))),
                 b.image_tokens
                     .iter()
                     .map(|&t| (t as f64, (t * t) as f64))
@@ -243,6 +245,7 @@ impl Problem {
             overlap_sync: self.overlap_sync,
             sequence_parallel: self.sequence_parallel,
             first_stage_layers: None,
+            first_gpu: 0,
         })
     }
 

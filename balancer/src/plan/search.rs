@@ -425,7 +425,7 @@ pub(crate) fn encoder_counts(g: usize, node: usize) -> Vec<usize> {
     counts
 }
 
-fn first_stage_options(layers: usize, pp: usize) -> Vec<Option<usize>> {
+pub(crate) fn first_stage_options(layers: usize, pp: usize) -> Vec<Option<usize>> {
     let mut out = vec![None];
     if pp > 1 && layers.is_multiple_of(pp) {
         let even = layers / pp;

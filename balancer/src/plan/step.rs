@@ -73,6 +73,7 @@ impl Problem {
             plan.recompute_encoders
         };
         let mut sc = self.cost(m, layout, recompute, plan.zero1)?;
+        sc.first_gpu = plan.offset(m);
         if m == Module::Llm {
             sc.first_stage_layers = plan.llm_first_stage_layers;
         }
