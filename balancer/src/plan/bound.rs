@@ -210,12 +210,8 @@ impl Problem {
     /// The LLM's memory per GPU as `sc` runs it with `mbs` microbatches a replica, as
     /// [`Problem::options`] estimates it for an even split.
     fn llm_memory(&self, sc: &StageCost, mbs: usize, totals: &Totals) -> f64 {
-        let l = sc.layout;
-        let n = (l.dp * mbs) as f64;
-        let g = totals.granularity(Module::Llm, l.dp);
-        let peak = totals.granularity(Module::Llm, l.dp * mbs) / g;
-        let f = g / n;
-        let load = (totals.llm.0 * f, totals.llm.1 * f);
+        let dp = sc.layout.dp;
+        let (load, peak) = totals.dealt(Module::Llm, dp * mbs, dp, dp * mbs);
         self.estimate(sc, mbs, load, peak, &[], 0).mem
     }
 

@@ -61,79 +61,67 @@ fn slot(m: Module) -> usize {
 impl Totals {
     pub fn of(batches: &[Vec<RowShape>]) -> Totals {
         let n = batches.len().max(1) as f64;
-        let (mut l, mut v, mut a) = ((0.0, 0.0), (0.0, 0.0), (0.0, 0.0));
+        let mut sums = [(0.0, 0.0); 3];
         let mut items = [0.0; 3];
         let mut largest = [(f64::INFINITY, f64::INFINITY); 3];
         let mut smallest = [(f64::INFINITY, f64::INFINITY); 3];
+        let least = |o: &mut (f64, f64), f: (f64, f64)| *o = (o.0.min(f.0), o.1.min(f.1));
         for rows in batches {
             let b = shape_of(rows);
-            let llm = b
-                .row_tokens
-                .iter()
-                .zip(&b.row_sq)
-                .map(|(&t, &q)| (t as f64, q as f64))
-                .max_by(|x, y| x.0.total_cmp(&y.0));
-            let image = b
-                .image_tokens
-                .iter()
-                .map(|&t| t as f64)
-                .max_by(f64::total_cmp);
-            let clip = b
-                .clip_frames
-                .iter()
-                .map(|&f| f.div_ceil(2) as f64)
-                .max_by(f64::total_cmp);
-            let found = [llm, image.map(|t| (t, t * t)), clip.map(|t| (t, t * t))];
-            for (o, f) in largest.iter_mut().zip(found) {
-                let f = f.unwrap_or((0.0, 0.0));
-                *o = (o.0.min(f.0), o.1.min(f.1));
-            }
-            let least = [
-                // Tokens and squared lengths each at their least (the row with the
-                // fewest tokens may hold one long sample, another many short ones).
+            // Each module's items as (tokens, squared length); images and clips after
+            // the stem.
+            let media = |t: f64| (t, t * t);
+            let per: [Vec<(f64, f64)>; 3] = [
                 b.row_tokens
                     .iter()
                     .zip(&b.row_sq)
                     .map(|(&t, &q)| (t as f64, q as f64))
-                    .reduce(|x, y| (x.0.min(y.0), x.1.min(y.1))),
-                b.image_tokens
-                    .iter()
-                    .map(|&t| (t as f64, (t * t) as f64))
-                    .min_by(|x, y| x.0.total_cmp(&y.0)),
+                    .collect(),
+                b.image_tokens.iter().map(|&t| media(t as f64)).collect(),
                 b.clip_frames
                     .iter()
-                    .map(|&f| f.div_ceil(2) as f64)
-                    .map(|t| (t, t * t))
-                    .min_by(|x, y| x.0.total_cmp(&y.0)),
+                    .map(|&f| media(f.div_ceil(2) as f64))
+                    .collect(),
             ];
-            // A batch without the module's items runs no pipeline of it: no fill.
-            for (o, f) in smallest.iter_mut().zip(least) {
-                let f = f.unwrap_or((0.0, 0.0));
-                *o = (o.0.min(f.0), o.1.min(f.1));
-            }
-            items[0] += b.row_tokens.len() as f64 / n;
-            items[1] += b.image_tokens.len() as f64 / n;
-            items[2] += b.clip_frames.len() as f64 / n;
-            l.0 += b.row_tokens.iter().sum::<usize>() as f64 / n;
-            l.1 += b.row_sq.iter().sum::<u64>() as f64 / n;
-            for &t in &b.image_tokens {
-                v.0 += t as f64 / n;
-                v.1 += (t * t) as f64 / n;
-            }
-            for &f in &b.clip_frames {
-                let t = f.div_ceil(2) as f64;
-                a.0 += t / n;
-                a.1 += t * t / n;
+            for (k, its) in per.iter().enumerate() {
+                // A batch without the module's items has no largest item and runs no
+                // pipeline of it (no fill): 0.
+                let big = its.iter().copied().max_by(|x, y| x.0.total_cmp(&y.0));
+                least(&mut largest[k], big.unwrap_or((0.0, 0.0)));
+                // Tokens and squared lengths each at their least (the row with the
+                // fewest tokens may hold one long sample, another many short ones).
+                let small = its
+                    .iter()
+                    .copied()
+                    .reduce(|x, y| (x.0.min(y.0), x.1.min(y.1)));
+                least(&mut smallest[k], small.unwrap_or((0.0, 0.0)));
+                items[k] += its.len() as f64 / n;
+                for x in its {
+                    sums[k].0 += x.0 / n;
+                    sums[k].1 += x.1 / n;
+                }
             }
         }
+        let seen = |x: (f64, f64)| if x.0.is_finite() { x } else { (0.0, 0.0) };
         Totals {
-            llm: l,
-            vision: v,
-            audio: a,
+            llm: sums[0],
+            vision: sums[1],
+            audio: sums[2],
             items,
-            largest: largest.map(|x| if x.0.is_finite() { x } else { (0.0, 0.0) }),
-            smallest: smallest.map(|x| if x.0.is_finite() { x } else { (0.0, 0.0) }),
+            largest: largest.map(seen),
+            smallest: smallest.map(seen),
         }
+    }
+
+    /// Module `m` dealt out as whole items over `n` chunks in all, `slots` of which the
+    /// step waits on and `mem_slots` of which memory holds at once: the fullest chunk's
+    /// load (tokens, squared length) and the fullest held chunk against it.
+    pub fn dealt(&self, m: Module, n: usize, slots: usize, mem_slots: usize) -> ((f64, f64), f64) {
+        let g = self.granularity(m, slots);
+        let peak = self.granularity(m, mem_slots) / g;
+        let f = g / n.max(1) as f64;
+        let total = self.module(m);
+        ((total.0 * f, total.1 * f), peak)
     }
 
     /// The busiest of `slots` (replicas, or replicas x chunks) against the mean when
@@ -316,7 +304,6 @@ impl Problem {
         k: &Knobs,
     ) -> Vec<Opt> {
         let (t, rows) = (k.totals, k.rows);
-        let total = t.module(m);
         let mut out = Vec::new();
         for layout in layouts(self, m, g, rows) {
             let per_rep = rows / layout.dp;
@@ -337,7 +324,6 @@ impl Problem {
                     continue;
                 };
                 for &mb in &mbs {
-                    let n = (layout.dp * mb) as f64;
                     // Whole rows and items are dealt out: the step waits for the fullest
                     // LLM replica, for an overlapped encoder's fullest chunk, for a phased
                     // one's fullest replica; memory holds the fullest microbatches.
@@ -346,15 +332,13 @@ impl Problem {
                         (_, true) => (layout.dp * mb, layout.dp * mb),
                         (_, false) => (layout.dp, layout.dp),
                     };
-                    let g = t.granularity(m, slots);
-                    let peak = t.granularity(m, mem_slots) / g;
-                    let f = g / n;
+                    let (load, peak) = t.dealt(m, layout.dp * mb, slots, mem_slots);
                     let beyond = match (m, k.overlapped) {
                         (Module::Llm, _) => 0,
                         (_, true) => beyond,
                         (_, false) => usize::MAX,
                     };
-                    let e = self.estimate(&sc, mb, (total.0 * f, total.1 * f), peak, &[], beyond);
+                    let e = self.estimate(&sc, mb, load, peak, &[], beyond);
                     out.push(Opt {
                         layout,
                         microbatches: mb,

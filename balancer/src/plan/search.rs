@@ -490,9 +490,8 @@ fn baseline(
                     Some((ec, (tot.0 / n / spread, tot.1 / n / spread)))
                 })
                 .collect();
-            let g = t.granularity(Module::Llm, o.layout.dp);
-            let peak = t.granularity(Module::Llm, o.layout.dp * o.microbatches) / g;
-            let load = (t.llm.0 * g / n, t.llm.1 * g / n);
+            let (dp, mb) = (o.layout.dp, o.microbatches);
+            let (load, peak) = t.dealt(Module::Llm, dp * mb, dp, dp * mb);
             for first in first_stage_options(p.model.llm.layers, o.layout.pp) {
                 let sc = StageCost {
                     first_stage_layers: first,

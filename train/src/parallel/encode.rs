@@ -168,13 +168,8 @@ impl EncoderStage for VisionPart {
             VisionStageOutput::Hidden(h) => Out::Hidden(h),
             VisionStageOutput::Final(o) => Out::Final(o.last_hidden_state),
         };
-        let work = Encoded {
-            items,
-            rows: n_rows,
-            held: Held::Last(None),
-        };
         let trains = trainable(&part.encoder);
-        hand_on(g, out, cache, trains, work, |last, cache| {
+        hand_on(g, out, cache, trains, (items, n_rows), |last, cache| {
             let proj = last_stage_projector(part.projector.as_ref(), g)?;
             Ok(vision_project(&part.encoder, proj, last, cache)?) // (B * tpi, C)
         })
@@ -280,13 +275,8 @@ impl EncoderStage for AudioPart {
             AudioStageOutput::Hidden(h) => Out::Hidden(h),
             AudioStageOutput::Final(o) => Out::Final(o),
         };
-        let work = Encoded {
-            items,
-            rows: n_rows,
-            held: Held::Last(None),
-        };
         let trains = trainable(&part.encoder);
-        hand_on(g, out, cache, trains, work, |o, cache| {
+        hand_on(g, out, cache, trains, (items, n_rows), |o, cache| {
             let proj = last_stage_projector(part.projector.as_ref(), g)?;
             Ok(audio_project(
                 &part.encoder,
@@ -353,24 +343,20 @@ fn hand_on<F, B, C>(
     out: Out<F>,
     cache: C,
     trains: bool,
-    mut work: Encoded<B, C>,
+    (items, rows): (Vec<usize>, Vec<usize>),
     project: impl FnOnce(F, C) -> Result<(Tensor, Option<B>)>,
 ) -> Result<(Handed, Encoded<B, C>)> {
-    let handed = match out {
-        Out::Hidden(h) => {
-            work.held = Held::Middle(trains.then_some(cache));
-            Handed::Next(h)
-        }
+    let (handed, held) = match out {
+        Out::Hidden(h) => (Handed::Next(h), Held::Middle(trains.then_some(cache))),
         Out::Final(o) => {
             let (y, branch) = project(o, cache)?;
             let sender = g.coord.tp == 0 && g.coord.cp == 0;
             let mut embeds = Vec::new();
-            hand_over(&y, &work.items, &work.rows, sender, &mut embeds)?;
-            work.held = Held::Last(branch);
-            Handed::Embeds(embeds)
+            hand_over(&y, &items, &rows, sender, &mut embeds)?;
+            (Handed::Embeds(embeds), Held::Last(branch))
         }
     };
-    Ok((handed, work))
+    Ok((handed, Encoded { items, rows, held }))
 }
 
 /// The grad entering a stage's backward, with its cache: from the bridge through the
