@@ -39,10 +39,12 @@
 //! - **bubbles**: the rest of the idle time (pipeline fill and drain, waiting on other
 //!   modules).
 
+use std::collections::HashMap;
+
 use crate::cluster::{Cluster, RatePoint};
 use crate::dims::Module;
 use crate::plan::cost::StageCost;
-use crate::plan::layout::{Plan, Schedule};
+use crate::plan::layout::{Layout, Plan, Schedule};
 use crate::plan::options::{Knobs, Totals};
 use crate::plan::search::{encoder_counts, first_stage_options};
 use crate::plan::step::{Problem, StepSim};
@@ -137,12 +139,41 @@ fn module_counts(gpus: usize, node: usize) -> Vec<usize> {
     out
 }
 
+/// Lower bounds of a module's critical path by the size of its largest chunk (see
+/// [`Problem::path`]): rungs `(c, t)`, `c` ascending, where `t` bounds every chunking
+/// whose largest chunk holds at least the tokens of the rung before's `c` (or the
+/// largest item's); up to the chunk size past which the chunk's own chain through the
+/// stages sets the bound (`top`). `edges`: the longest fill and drain around a stage.
+struct Ladder {
+    rungs: Vec<(f64, f64)>,
+    edges: f64,
+}
+
+impl Ladder {
+    /// The bound over every chunking whose largest chunk holds at least `least` tokens;
+    /// `None` past the ladder's top, where it is the chain of a chunk of `least` tokens
+    /// (and at least the fill and drain).
+    fn from(&self, least: f64) -> Option<f64> {
+        self.rungs.iter().find(|r| r.0 >= least).map(|r| r.1)
+    }
+}
+
+/// The matmul rates a module's span is timed at (see [`Problem::path`]).
+struct Rates {
+    peak: Cluster,
+    envelope: Cluster,
+    fill: Cluster,
+}
+
 /// What the bound is built from: the batch loads (with each module's largest item), the
 /// GPU counts and encoder chunk counts to try.
 struct Inputs<'a> {
     knobs: Knobs<'a>,
     counts: Vec<usize>,
     chunks: Vec<usize>,
+    /// Each batch's loads on its own: a critical path is bounded batch by batch (the
+    /// least over chunk sizes of a mean is not the mean of the least).
+    each: Vec<Totals>,
 }
 
 impl Problem {
@@ -157,7 +188,9 @@ impl Problem {
             Module::Llm => &[1],
             _ => &inp.chunks,
         };
-        let flat = self.at_peak_rate();
+        let rates = self.rates();
+        // A span holds for any chunking: one per layout, recomputation and first stage.
+        let mut paths: HashMap<(Layout, bool, Option<usize>), Vec<Ladder>> = HashMap::new();
         let mut ways = Vec::new();
         for &g in &inp.counts {
             for &c in chunks {
@@ -181,7 +214,16 @@ impl Problem {
                             Some(_) => self.llm_memory(&sc, o.microbatches, k.totals),
                         };
                         if mem <= budget {
-                            ways.push(self.way(&sc, o.microbatches, k.totals, m, &flat));
+                            let ladders = paths
+                                .entry((o.layout, o.recompute, first))
+                                .or_insert_with(|| {
+                                    inp.each
+                                        .iter()
+                                        .map(|t| self.path(&sc, t, m, &rates))
+                                        .collect()
+                                });
+                            let each = (inp.each.as_slice(), ladders.as_slice());
+                            ways.push(self.way(&sc, o.microbatches, k.totals, m, each, &rates));
                         }
                     }
                 }
@@ -190,20 +232,47 @@ impl Problem {
         front(ways)
     }
 
-    /// The cluster at its peak matmul rate for every GEMM size.
-    fn at_peak_rate(&self) -> Cluster {
-        let peak = self
-            .cluster
-            .matmul
+    /// The rate curves the span is timed at (each at least the cluster's at every GEMM
+    /// size, so a pass timed at it is no longer than the cluster's): the peak for every
+    /// size (attention in the fill and drain); the running maximum (each chunk's passes:
+    /// a rate that never falls with GEMM size); and that raised where it grows faster
+    /// than the GEMM (the fill and drain's matmuls: a time that never falls with size).
+    /// Log-log interpolation keeps each property between the points.
+    fn rates(&self) -> Rates {
+        let pts = &self.cluster.matmul;
+        let peak = pts.iter().map(|p| p.tflops).fold(0.0, f64::max);
+        let mut best = 0.0f64;
+        let envelope: Vec<RatePoint> = pts
             .iter()
-            .map(|p| p.tflops)
-            .fold(0.0, f64::max);
-        Cluster {
-            matmul: vec![RatePoint {
-                flops: 1.0,
-                tflops: peak,
-            }],
-            ..self.cluster.clone()
+            .map(|p| {
+                best = best.max(p.tflops);
+                RatePoint {
+                    flops: p.flops,
+                    tflops: best,
+                }
+            })
+            .collect();
+        let mut fill = envelope.clone();
+        for i in (0..fill.len().saturating_sub(1)).rev() {
+            let (a, b) = (fill[i], fill[i + 1]);
+            fill[i].tflops = a.tflops.max(b.tflops * a.flops / b.flops);
+        }
+        Rates {
+            fill: Cluster {
+                matmul: fill,
+                ..self.cluster.clone()
+            },
+            peak: Cluster {
+                matmul: vec![RatePoint {
+                    flops: 1.0,
+                    tflops: peak,
+                }],
+                ..self.cluster.clone()
+            },
+            envelope: Cluster {
+                matmul: envelope,
+                ..self.cluster.clone()
+            },
         }
     }
 
@@ -215,67 +284,202 @@ impl Problem {
         self.estimate(sc, mbs, load, peak, &[], 0).mem
     }
 
-    /// Module `m` run alone as `sc` says, its batch load in `microbatches` chunks a
-    /// replica. The work is its passes and pipeline sends over the chunks. The span holds
-    /// for any chunking; it is the longest of
-    ///
-    /// - each stage's own time: the fullest replica's load (at least the mean, at least
-    ///   the largest item) as one chunk (the fewest fixed costs), after the fill (a chunk
-    ///   holds at least the smallest item, whose forward runs through every stage before
-    ///   this one first) and before the drain (the last backward here runs back through
-    ///   them; a frozen module's last forward runs on through the stages after it). Fill
-    ///   and drain are timed at the cluster's peak matmul rate, where a pass grows with
-    ///   its tokens (below the rate curve's first points a smaller GEMM can take longer);
-    /// - the largest item through every stage;
-    /// - each stage's gradient sync (reduce-scatter and all-gather, on a lane of its
-    ///   own): in a steady state of steps that lane carries one sync a step.
+    /// Module `m` run alone as `sc` says, its batch load (`totals`, the mean over the
+    /// batches) in `microbatches` chunks a replica: the work is its passes and pipeline
+    /// sends over those chunks; the span is the critical path of any such chunking (the
+    /// mean over the batches of each one's, from its loads and [`Problem::path`]'s
+    /// ladder in `each`: its largest chunk holds at least a replica's mean load over its
+    /// chunks) and the longest stage's gradient sync on a lane of its own (which in a
+    /// steady state of steps carries one sync a step).
     fn way(
         &self,
         sc: &StageCost,
         microbatches: usize,
         totals: &Totals,
         m: Module,
-        flat: &Cluster,
+        each: (&[Totals], &[Ladder]),
+        rates: &Rates,
     ) -> Way {
-        let (total, big, small) = (totals.module(m), totals.largest(m), totals.smallest(m));
+        let total = totals.module(m);
         let l = sc.layout;
-        let pass = |st: usize, t: f64, q: f64| {
-            sc.forward(st, t, q).total() + sc.backward(st, t, q).total()
-        };
         let n = (l.dp * microbatches) as f64;
         let (t, q) = (total.0 / n, total.1 / n);
+        let pass = |st: usize| sc.forward(st, t, q).total() + sc.backward(st, t, q).total();
         let sends = (l.pp - 1) as f64 * if sc.frozen { 1.0 } else { 2.0 };
-        let per_chunk = (0..l.pp).map(|st| pass(st, t, q)).sum::<f64>() + sends * sc.send(t);
-        let dp = l.dp as f64;
-        let mean = (total.0 / dp, total.1 / dp);
-        let at_peak = StageCost {
-            cluster: flat,
-            ..*sc
-        };
-        let fwd: Vec<f64> = (0..l.pp)
-            .map(|st| at_peak.forward(st, small.0, small.1).total())
-            .collect();
-        let bwd: Vec<f64> = (0..l.pp)
-            .map(|st| at_peak.backward(st, small.0, small.1).total())
-            .collect();
-        let busiest = (0..l.pp)
-            .map(|st| {
-                let fill: f64 = fwd[..st].iter().sum();
-                let drain: f64 = if sc.frozen {
-                    fwd[st + 1..].iter().sum()
-                } else {
-                    bwd[..st].iter().sum()
-                };
-                // The fullest replica holds at least the mean and the largest item.
-                fill + pass(st, mean.0, mean.1).max(pass(st, big.0, big.1)) + drain
-            })
-            .fold(0.0, f64::max);
-        let chain: f64 = (0..l.pp).map(|st| pass(st, big.0, big.1)).sum();
+        let per_chunk = (0..l.pp).map(pass).sum::<f64>() + sends * sc.send(t);
         Way {
             work: n * per_chunk * l.block() as f64,
-            path: busiest.max(chain),
+            path: each
+                .0
+                .iter()
+                .zip(each.1)
+                .map(|(b, ladder)| {
+                    let least = b.module(m).0 / n;
+                    ladder.from(least).unwrap_or_else(|| {
+                        self.chain(sc, rates, least, b.density(m)).max(ladder.edges)
+                    })
+                })
+                .sum::<f64>()
+                / each.0.len().max(1) as f64,
             sync: (0..l.pp).map(|st| sc.dp_sync(st)).fold(0.0, f64::max),
         }
+    }
+
+    /// A lower bound of module `m`'s critical path as `sc` runs it, whatever its
+    /// chunking. Let `c` be the tokens of its largest chunk (at least its largest item).
+    ///
+    /// - The chunk of `c` tokens runs forward through every stage and back.
+    /// - Each stage runs the fullest replica's load, at least the mean and at least the
+    ///   largest item, in chunks of at most `c` tokens: at least `load / c` chunks, each
+    ///   no faster per token than one of `c` tokens (the rates below never fall with
+    ///   GEMM size and every chunk pays its fixed costs). It does so after the fill (the
+    ///   first chunk's forward runs through every stage before this one first) and
+    ///   before the drain (the last chunk's backward runs back through them; a frozen
+    ///   module's last forward runs on through the stages after it). The first chunk
+    ///   holds at least the smallest item, and so does the last; where a replica holds
+    ///   two items or more, one of the two holds another item (see [`Totals::second`]).
+    ///   Fill and drain are timed where a pass grows with its tokens and squared length
+    ///   (see [`Problem::rates`]; below the rate curve's first points a smaller GEMM can
+    ///   take longer).
+    ///
+    /// The first grows with `c` and the second shrinks, so over `c` in `[c0, c1]` the path
+    /// is at least the longer of the first at `c0` and the second at `c1`. The ladder
+    /// holds that on a geometric ladder of `c` from the largest item up, each rung the
+    /// least of it over the rungs from there up: a plan of `k` chunks a replica has a
+    /// largest chunk of at least a replica's mean load over `k` ([`Problem::way`]). A
+    /// pipeline cannot both fill with one small chunk and run its load in one large one.
+    fn path(&self, sc: &StageCost, totals: &Totals, m: Module, rates: &Rates) -> Ladder {
+        let (total, big) = (totals.module(m), totals.largest(m));
+        let (small, second) = (totals.smallest(m), totals.second(m));
+        if total.0 <= 0.0 {
+            return Ladder {
+                rungs: vec![(f64::INFINITY, 0.0)],
+                edges: 0.0,
+            };
+        }
+        let l = sc.layout;
+        let at = |c| StageCost { cluster: c, ..*sc };
+        let (peak, env, fill) = (at(&rates.peak), at(&rates.envelope), at(&rates.fill));
+        // Each stage's forward and backward of a chunk of at least `(t, q)`: its matmuls
+        // at the fill curve, its attention (which a larger GEMM runs faster at the same
+        // squared length) at the peak.
+        let passes = |(t, q): (f64, f64)| -> [Vec<f64>; 2] {
+            let per: Vec<[f64; 2]> = (0..l.pp)
+                .map(|st| {
+                    let (lin, att) = (fill.linear_in_sq(st, t), peak.linear_in_sq(st, t));
+                    [0, 1].map(|k| lin[k].0 + att[k].1 * q)
+                })
+                .collect();
+            [0, 1].map(|k| per.iter().map(|p| p[k]).collect())
+        };
+        // Fill and drain around each stage: the first chunk's forward through the stages
+        // before, and the last one's backward back through them (a frozen module's
+        // forward on through the stages after).
+        let edge = |first: &[Vec<f64>; 2], last: &[Vec<f64>; 2]| -> Vec<f64> {
+            let (mut fill, mut drain) = (0.0, 0.0);
+            let mut out = vec![0.0; l.pp];
+            for st in 0..l.pp {
+                out[st] = fill + if sc.frozen { 0.0 } else { drain };
+                fill += first[0][st];
+                drain += last[1][st];
+            }
+            if sc.frozen {
+                let mut after = 0.0;
+                for st in (0..l.pp).rev() {
+                    out[st] += after;
+                    after += last[0][st];
+                }
+            }
+            out
+        };
+        let s1 = passes(small);
+        let one = edge(&s1, &s1);
+        let dp = l.dp as f64;
+        let mean = (total.0 / dp, total.1 / dp);
+        // A replica above the mean holds two items or more when the mean exceeds the
+        // largest item: its first and last chunks are two items apart (or one chunk of
+        // both), so one of them holds at least the second-least tokens, one the
+        // second-least squared length.
+        let two = if mean.0 > big.0 {
+            let (t1, q1, t2, q2) = (small.0, small.1, second.0, second.1);
+            let (s2, a, b) = (passes((t2, q2)), passes((t1, q2)), passes((t2, q1)));
+            let pairs = [edge(&s1, &s2), edge(&s2, &s1), edge(&a, &b), edge(&b, &a)];
+            (0..l.pp)
+                .map(|st| pairs.iter().map(|p| p[st]).fold(f64::INFINITY, f64::min))
+                .collect()
+        } else {
+            one.clone()
+        };
+        // Each stage's forward plus backward of a chunk of `c` tokens at the envelope
+        // rate, as `a + b * sq`.
+        let lin = |c: f64| -> Vec<(f64, f64)> {
+            (0..l.pp)
+                .map(|st| {
+                    let [f, b] = env.linear_in_sq(st, c);
+                    (f.0 + b.0, f.1 + b.1)
+                })
+                .collect()
+        };
+        // A load of (tokens, squared length) in chunks of at most `c` tokens: at least
+        // `tokens / c` chunks at the per-token and per-pair cost of one of `c` tokens.
+        let chunked = |(a, b): (f64, f64), load: (f64, f64), c: f64| load.0 / c * a + b * load.1;
+        // The busiest stage when no chunk holds more than `c` tokens: the step waits for
+        // every replica, so for one with at least the mean and for the largest item's.
+        let stages = |at: &[(f64, f64)], c: f64| {
+            (0..l.pp)
+                .map(|st| {
+                    (two[st] + chunked(at[st], mean, c)).max(one[st] + chunked(at[st], big, c))
+                })
+                .fold(0.0, f64::max)
+        };
+        // The chunk of `c` tokens through every stage (at least the least attention per
+        // token of any item).
+        let density = totals.density(m);
+        let chain =
+            |at: &[(f64, f64)], c: f64| at.iter().map(|p| p.0 + p.1 * c * density).sum::<f64>();
+        let rung = 2f64.powf(0.25);
+        // Up the ladder until the chain outgrows the stages: past there each rung is its
+        // chain, which only grows (the ladder's top; a bounded climb in any case).
+        let mut c = big.0.max(1.0);
+        let mut here = lin(c);
+        let mut rungs = Vec::new();
+        let edges = two.iter().copied().fold(0.0, f64::max);
+        let mut crossed = false;
+        for _ in 0..256 {
+            let next = c * rung;
+            let there = lin(next);
+            let (through, busy) = (chain(&here, c), stages(&there, next));
+            rungs.push((next, through.max(busy)));
+            (c, here) = (next, there);
+            if through >= busy {
+                crossed = true;
+                break;
+            }
+        }
+        if !crossed {
+            // Every larger chunk at once.
+            rungs.push((f64::INFINITY, chain(&here, c).max(edges)));
+        }
+        // Least over the rungs from each one up.
+        for k in (0..rungs.len().saturating_sub(1)).rev() {
+            rungs[k].1 = rungs[k].1.min(rungs[k + 1].1);
+        }
+        Ladder { rungs, edges }
+    }
+
+    /// A chunk of `c` tokens (at least `density` squared length a token, the least of
+    /// any item) through every stage of `sc` and back, at the envelope rate.
+    fn chain(&self, sc: &StageCost, rates: &Rates, c: f64, density: f64) -> f64 {
+        let env = StageCost {
+            cluster: &rates.envelope,
+            ..*sc
+        };
+        (0..sc.layout.pp)
+            .map(|st| {
+                let [f, b] = env.linear_in_sq(st, c);
+                f.0 + b.0 + (f.1 + b.1) * c * density
+            })
+            .sum()
     }
 
     /// The work-conserving bound of a step on `gpus` GPUs over `batches` and what sets
@@ -301,6 +505,10 @@ impl Problem {
             },
             counts: module_counts(gpus.max(1), self.cluster.gpus_per_node),
             chunks: enc_chunks,
+            each: batches
+                .iter()
+                .map(|b| Totals::of(std::slice::from_ref(b)))
+                .collect(),
         };
         let g = gpus.max(1) as f64;
         // Partial sums over the modules so far: (work, longest path and sync), kept to

@@ -196,10 +196,13 @@ impl StageCost<'_> {
     /// backward's own fixed cost, plus with recomputation a forward of everything but the
     /// head (or projector); the adjoint collectives of the forward's.
     pub fn backward(&self, stage: usize, tokens: f64, sq: f64) -> Cost {
+        self.backward_of(&self.pass(stage, tokens, sq))
+    }
+
+    fn backward_of(&self, p: &Pass) -> Cost {
         if self.frozen {
             return Cost::default();
         }
-        let p = self.pass(stage, tokens, sq);
         let again = if self.recompute { 1.0 } else { 0.0 };
         Cost {
             compute: 2.0 * p.matmul
@@ -208,6 +211,25 @@ impl StageCost<'_> {
                 + again * (p.forward().compute - p.head),
             comm: (1.0 + again) * p.comm,
         }
+    }
+
+    /// Seconds of [`StageCost::forward`] and of [`StageCost::backward`] of `tokens`
+    /// tokens on stage `stage`, each as `(a, b)`: `a + b * sq` for sequences whose squared
+    /// lengths sum to `sq` (a pass is linear in it at a given size).
+    pub fn linear_in_sq(&self, stage: usize, tokens: f64) -> [(f64, f64); 2] {
+        // Probed at one full sequence's squared length, where the difference is exact to
+        // rounding.
+        let probe = (tokens * tokens).max(1.0);
+        let (bare, full) = (
+            self.pass(stage, tokens, 0.0),
+            self.pass(stage, tokens, probe),
+        );
+        let (f0, f1) = (bare.forward().total(), full.forward().total());
+        let (b0, b1) = (
+            self.backward_of(&bare).total(),
+            self.backward_of(&full).total(),
+        );
+        [(f0, (f1 - f0) / probe), (b0, (b1 - b0) / probe)]
     }
 
     /// Sending one microbatch's boundary activations to the next stage (each TP rank its
@@ -407,6 +429,50 @@ mod tests {
     }
 
     /// An encoder's stem is charged on its first stage, its projector on its last.
+    #[test]
+    fn a_pass_is_linear_in_the_squared_length() {
+        let c = Cluster::preset("h100").unwrap();
+        let d = llama7b();
+        for (recompute, frozen, cp) in [(false, false, 1), (true, false, 2), (false, true, 4)] {
+            let sc = StageCost {
+                dims: &d,
+                layout: Layout {
+                    tp: 2,
+                    cp,
+                    pp: 2,
+                    dp: 4,
+                },
+                cluster: &c,
+                recompute,
+                zero1: true,
+                frozen,
+                checkpoint_stages: false,
+                overlap_sync: false,
+                first_stage_layers: None,
+                first_gpu: 0,
+                sequence_parallel: true,
+            };
+            for (stage, t) in [(0, 512.0), (1, 8192.0)] {
+                let [f, b] = sc.linear_in_sq(stage, t);
+                for sq in [0.0, t * 100.0, t * t] {
+                    let (fw, bw) = (
+                        sc.forward(stage, t, sq).total(),
+                        sc.backward(stage, t, sq).total(),
+                    );
+                    assert!(
+                        (f.0 + f.1 * sq - fw).abs() <= 1e-12 * fw.max(1e-9),
+                        "{f:?} {fw}"
+                    );
+                    assert!(
+                        (b.0 + b.1 * sq - bw).abs() <= 1e-12 * bw.max(1e-9),
+                        "{b:?} {bw}"
+                    );
+                }
+                assert!(f.1 > 0.0 && (b.1 > 0.0) != frozen);
+            }
+        }
+    }
+
     #[test]
     fn the_stem_runs_on_the_first_stage_and_the_projector_on_the_last() {
         let c = Cluster::preset("h100").unwrap();

@@ -47,6 +47,30 @@ pub(crate) struct Totals {
     pub largest: [(f64, f64); 3],
     /// Each module's smallest item (tokens, squared length) over the batches.
     pub smallest: [(f64, f64); 3],
+    /// Each module's second-least tokens and second-least squared length of any item in
+    /// one batch (each on its own; the least again in a batch of one item), the least
+    /// over the batches: a pipeline's first and last chunks are two items apart.
+    pub second: [(f64, f64); 3],
+    /// Each module's least squared length per token of any item: a chunk of whole items
+    /// holds at least this much attention per token.
+    pub density: [f64; 3],
+}
+
+/// The least and second-least of `values` (the least twice for one value; 0 for none).
+fn two_least(values: impl Iterator<Item = f64>) -> (f64, f64) {
+    let (mut a, mut b) = (f64::INFINITY, f64::INFINITY);
+    for v in values {
+        if v < a {
+            (a, b) = (v, a);
+        } else if v < b {
+            b = v;
+        }
+    }
+    match (a.is_finite(), b.is_finite()) {
+        (false, _) => (0.0, 0.0),
+        (true, false) => (a, a),
+        _ => (a, b),
+    }
 }
 
 /// The index of module `m` in [`Totals`]' per-module arrays.
@@ -65,6 +89,8 @@ impl Totals {
         let mut items = [0.0; 3];
         let mut largest = [(f64::INFINITY, f64::INFINITY); 3];
         let mut smallest = [(f64::INFINITY, f64::INFINITY); 3];
+        let mut second = [(f64::INFINITY, f64::INFINITY); 3];
+        let mut density = [f64::INFINITY; 3];
         let least = |o: &mut (f64, f64), f: (f64, f64)| *o = (o.0.min(f.0), o.1.min(f.1));
         for rows in batches {
             let b = shape_of(rows);
@@ -90,11 +116,15 @@ impl Totals {
                 least(&mut largest[k], big.unwrap_or((0.0, 0.0)));
                 // Tokens and squared lengths each at their least (the row with the
                 // fewest tokens may hold one long sample, another many short ones).
-                let small = its
-                    .iter()
-                    .copied()
-                    .reduce(|x, y| (x.0.min(y.0), x.1.min(y.1)));
-                least(&mut smallest[k], small.unwrap_or((0.0, 0.0)));
+                let (t, q) = (
+                    two_least(its.iter().map(|x| x.0)),
+                    two_least(its.iter().map(|x| x.1)),
+                );
+                least(&mut smallest[k], (t.0, q.0));
+                least(&mut second[k], (t.1, q.1));
+                for x in its.iter().filter(|x| x.0 > 0.0) {
+                    density[k] = density[k].min(x.1 / x.0);
+                }
                 items[k] += its.len() as f64 / n;
                 for x in its {
                     sums[k].0 += x.0 / n;
@@ -110,6 +140,8 @@ impl Totals {
             items,
             largest: largest.map(seen),
             smallest: smallest.map(seen),
+            second: second.map(seen),
+            density: density.map(|d| if d.is_finite() { d } else { 0.0 }),
         }
     }
 
@@ -140,6 +172,16 @@ impl Totals {
     /// Module `m`'s smallest single item (tokens, squared length): 0 when it has none.
     pub fn smallest(&self, m: Module) -> (f64, f64) {
         self.smallest[slot(m)]
+    }
+
+    /// Module `m`'s second-least item (see [`Totals::second`]): 0 when it has none.
+    pub fn second(&self, m: Module) -> (f64, f64) {
+        self.second[slot(m)]
+    }
+
+    /// Module `m`'s least squared length per token of any item: 0 when it has none.
+    pub fn density(&self, m: Module) -> f64 {
+        self.density[slot(m)]
     }
 
     pub fn module(&self, m: Module) -> (f64, f64) {
@@ -386,6 +428,8 @@ mod tests {
             items: [1024.0, 13.0, 2.0],
             largest: [(0.0, 0.0); 3],
             smallest: [(0.0, 0.0); 3],
+            second: [(0.0, 0.0); 3],
+            density: [0.0; 3],
         };
         // 1,024 rows over 256 replicas: 4 each.
         assert_eq!(t.granularity(Module::Llm, 256), 1.0);
@@ -425,6 +469,17 @@ mod tests {
             [Module::Llm, Module::Vision, Module::Audio].map(|m| t.smallest(m));
         assert_eq!(llm, (100.0, 100.0 * 100.0));
         assert_eq!(vision, (8.0, 64.0));
+        assert_eq!(audio, (0.0, 0.0));
+        // The least attention per token of any item: the 100-token row; the 8-token image.
+        let [llm, vision, audio] =
+            [Module::Llm, Module::Vision, Module::Audio].map(|m| t.density(m));
+        assert_eq!((llm, vision, audio), (100.0, 8.0, 0.0));
+        // The second-least of one batch, least over the batches: rows 300 in a (200 is
+        // b's only row: its least again); images 16 in a, 64 in b.
+        let [llm, vision, audio] =
+            [Module::Llm, Module::Vision, Module::Audio].map(|m| t.second(m));
+        assert_eq!(llm, (200.0, 200.0 * 200.0));
+        assert_eq!(vision, (16.0, 256.0));
         assert_eq!(audio, (0.0, 0.0));
     }
 }
