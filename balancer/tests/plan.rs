@@ -260,15 +260,17 @@ fn the_search_is_within_five_percent_of_brute_force_and_beats_the_baseline() {
         .unwrap_or_else(|| panic!("brute force runs: {} combinations", o.combinations));
     assert!(o.combinations <= space.brute_limit);
     assert!(
-        o.best.sim.step_s <= brute.sim.step_s * 1.05,
+        o.searched.sim.step_s <= brute.sim.step_s * 1.05,
         "search {} vs brute force {}",
-        o.best.sim.step_s,
+        o.searched.sim.step_s,
         brute.sim.step_s
     );
-    assert!(brute.sim.step_s <= o.best.sim.step_s + 1e-12);
+    assert!(brute.sim.step_s <= o.searched.sim.step_s + 1e-12);
+    // The plan to run is brute force's where it is faster.
+    assert!(o.best.sim.step_s <= brute.sim.step_s.min(o.searched.sim.step_s));
     eprintln!(
         "search {:.4} s vs brute force {:.4} s ({} combinations)",
-        o.best.sim.step_s, brute.sim.step_s, o.combinations
+        o.searched.sim.step_s, brute.sim.step_s, o.combinations
     );
     assert!(
         o.best.sim.step_s < o.baseline.sim.step_s,
@@ -293,17 +295,21 @@ fn the_search_is_within_five_percent_of_brute_force_and_beats_the_baseline() {
         .unwrap_or_else(|| panic!("brute force runs: {} combinations", ov.combinations));
     eprintln!(
         "overlapped: search {:.4} s ({:?}) vs brute force {:.4} s ({:?}, {} combinations)",
-        ov.best.sim.step_s, ov.best.plan, ov_brute.sim.step_s, ov_brute.plan, ov.combinations
+        ov.searched.sim.step_s,
+        ov.searched.plan,
+        ov_brute.sim.step_s,
+        ov_brute.plan,
+        ov.combinations
     );
     assert!(
-        ov.best.sim.step_s <= ov_brute.sim.step_s * 1.05,
+        ov.searched.sim.step_s <= ov_brute.sim.step_s * 1.05,
         "overlapped: search {} vs brute force {}",
-        ov.best.sim.step_s,
+        ov.searched.sim.step_s,
         ov_brute.sim.step_s
     );
     // The work-conserving bound is below every plan's step, and the gap's parts add up.
     let batches: Vec<Vec<RowShape>> = (0..space.batches).map(|k| w.batch(k)).collect();
-    for f in [&o.best, &o.baseline, &ov.best, &brute] {
+    for f in [&o.best, &o.searched, &o.baseline, &ov.best, &brute] {
         let g = p.gap(&f.plan, &batches, &f.sim);
         assert!(
             g.bound_s > 0.0 && g.bound_s <= f.sim.step_s,

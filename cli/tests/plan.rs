@@ -41,7 +41,11 @@ fn the_7b_reference_plans_on_64_gpus() {
     assert!(v["brute_force_step_time_s"].is_null(), "{v}");
     assert_eq!(v["check_simulated"].as_u64(), Some(40), "{v}");
     let checked = v["check_step_time_s"].as_f64().unwrap();
-    assert!(v["step_time_s"].as_f64().unwrap() <= 1.05 * checked, "{v}");
+    let searched = v["search_step_time_s"].as_f64().unwrap();
+    assert!(searched <= 1.05 * checked, "{v}");
+    // The plan written (and reported) is the faster of the two.
+    let step = v["step_time_s"].as_f64().unwrap();
+    assert!((step - searched.min(checked)).abs() <= 1e-12 * step, "{v}");
     // The work-conserving bound sits below the step, which its parts add up to.
     let (step, bound) = (
         v["step_time_s"].as_f64().unwrap(),
