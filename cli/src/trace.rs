@@ -108,6 +108,13 @@ fn summary(rows: &[Row]) -> Vec<String> {
 
 pub fn run(args: TraceArgs) -> ExitCode {
     let path = trace_file(&args.path);
+    if path.is_dir() {
+        eprintln!(
+            "braid trace: error: {}: a folder without trace/trace.json or trace.json (a run writes them with `--set log.trace=true`)",
+            path.display()
+        );
+        return ExitCode::from(2);
+    }
     let file = match read(&path) {
         Ok(f) => f,
         Err(e) => {

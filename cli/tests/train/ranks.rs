@@ -153,4 +153,9 @@ fn a_traced_run_is_summed_up_and_drawn_by_braid_trace() {
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     let o = run(&["trace", fixture().join("runs/ref").to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2), "an untraced run: {}", text(&o));
+    assert!(
+        text(&o).contains("a folder without trace/trace.json"),
+        "{}",
+        text(&o)
+    );
 }
