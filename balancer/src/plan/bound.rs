@@ -19,11 +19,15 @@
 //!   which in a steady state of steps carries one sync a step.
 //!
 //! So the bound is `min over layouts of max(sum of work / GPUs, each module's critical
-//! path, each module's sync)`, at most every plan's step (tests check it against the
-//! search's picks, the baseline, brute force, every layout of a two-node world, and
-//! layouts of a 2-row batch on 8 GPUs). A plan's step splits into the bound and five
-//! parts (seconds of the step, i.e. GPU-seconds over the GPUs); time the bound already
-//! holds (where a critical path or a sync sets it) is not counted again:
+//! path, each module's sync)`, at most the step of every plan `braid plan` makes: its
+//! LLM microbatch counts are the ones the search tries (powers of two up to the rows a
+//! replica, and that count; a count between two of them could pair the smaller's work
+//! with the larger's shorter path), and its encoders chunk by those. Tests check it
+//! against the search's picks, the baseline, brute force, every layout of a two-node
+//! world, layouts of a 2-row batch on 8 GPUs, and every chunking of small pipelines. A
+//! plan's step splits into the bound and five parts (seconds of the step, i.e.
+//! GPU-seconds over the GPUs); time the bound already holds (where a critical path or a
+//! sync sets it) is not counted again:
 //!
 //! - **memory-forced choices**: the plan's own busy work beyond the bound's (layouts the
 //!   plan takes because its modules share memory or GPUs, or to cut the gradient sync:
@@ -424,33 +428,40 @@ impl Problem {
         // `tokens / c` chunks at the per-token and per-pair cost of one of `c` tokens.
         let chunked = |(a, b): (f64, f64), load: (f64, f64), c: f64| load.0 / c * a + b * load.1;
         // The busiest stage when no chunk holds more than `c` tokens: the step waits for
-        // every replica, so for one with at least the mean and for the largest item's.
+        // every replica, so for the mean of them and for the largest item's; and for one
+        // with at least the mean tokens, which holds two items or more where `two` differs
+        // from `one` (its attention at least the least per token of any item, or all of it
+        // with one replica).
+        let density = totals.density(m);
+        let most = if l.dp == 1 {
+            mean
+        } else {
+            (mean.0, mean.0 * density)
+        };
         let stages = |at: &[(f64, f64)], c: f64| {
             (0..l.pp)
                 .map(|st| {
-                    (two[st] + chunked(at[st], mean, c)).max(one[st] + chunked(at[st], big, c))
+                    let at = at[st];
+                    (one[st] + chunked(at, mean, c).max(chunked(at, big, c)))
+                        .max(two[st] + chunked(at, most, c))
                 })
                 .fold(0.0, f64::max)
         };
-        // The chunk of `c` tokens through every stage (at least the least attention per
-        // token of any item).
-        let density = totals.density(m);
-        let chain =
-            |at: &[(f64, f64)], c: f64| at.iter().map(|p| p.0 + p.1 * c * density).sum::<f64>();
+        // The chunk of `c` tokens through every stage and back (at least the least
+        // attention per token of any item), timed where time never falls with size.
+        let chain = |c: f64| self.chain(sc, rates, c, density);
         let rung = 2f64.powf(0.25);
         // Up the ladder until the chain outgrows the stages: past there each rung is its
         // chain, which only grows (the ladder's top; a bounded climb in any case).
         let mut c = big.0.max(1.0);
-        let mut here = lin(c);
         let mut rungs = Vec::new();
         let edges = two.iter().copied().fold(0.0, f64::max);
         let mut crossed = false;
         for _ in 0..256 {
             let next = c * rung;
-            let there = lin(next);
-            let (through, busy) = (chain(&here, c), stages(&there, next));
+            let (through, busy) = (chain(c), stages(&lin(next), next));
             rungs.push((next, through.max(busy)));
-            (c, here) = (next, there);
+            c = next;
             if through >= busy {
                 crossed = true;
                 break;
@@ -458,7 +469,7 @@ impl Problem {
         }
         if !crossed {
             // Every larger chunk at once.
-            rungs.push((f64::INFINITY, chain(&here, c).max(edges)));
+            rungs.push((f64::INFINITY, chain(c).max(edges)));
         }
         // Least over the rungs from each one up.
         for k in (0..rungs.len().saturating_sub(1)).rev() {
@@ -468,10 +479,12 @@ impl Problem {
     }
 
     /// A chunk of `c` tokens (at least `density` squared length a token, the least of
-    /// any item) through every stage of `sc` and back, at the envelope rate.
+    /// any item) through every stage of `sc` and back, on the fill curve: its time never
+    /// falls with `c` (at the envelope a larger GEMM can finish sooner), so a chunk of at
+    /// least `c` tokens takes at least this.
     fn chain(&self, sc: &StageCost, rates: &Rates, c: f64, density: f64) -> f64 {
         let env = StageCost {
-            cluster: &rates.envelope,
+            cluster: &rates.fill,
             ..*sc
         };
         (0..sc.layout.pp)

@@ -149,13 +149,14 @@ impl Problem {
         // schedule every chunk's forward before the bridge (GPipe), in the overlapped one
         // 1F1B with the LLM downstream.
         let chunks = m;
-        // Per encoder: (R_dp, chunks) loads; the LLM-centric baseline's are (B_dp, M).
+        // Per encoder: (R_dp, chunks) loads; the LLM-centric baseline's are (B_dp x B_cp,
+        // M): each of a replica's CP ranks encodes whole items of its chunks.
         let mut enc_load: Vec<Vec<Vec<Load>>> = Vec::new();
         let mut enc_out: Vec<Vec<Vec<f64>>> = Vec::new(); // LLM tokens each replica sends
         for &e in &encoders {
             let its = items(&b, &self.model, e);
             let (reps, nchunks) = if plan.placement == Placement::LlmCentric {
-                (llm.dp, m)
+                (llm.dp * llm.cp, m)
             } else {
                 (dp_of(e), chunks)
             };
@@ -180,19 +181,35 @@ impl Problem {
             } else {
                 &a.clips
             };
+            let tc = if e == Module::Vision {
+                costs.vision
+            } else {
+                costs.audio
+            };
+            let cost_of = |k: usize| tc.of(its[k].1, its[k].1 * its[k].1);
             for (c, ks) in by_chunk.iter().enumerate() {
                 let to: Vec<usize> = match plan.placement {
-                    Placement::LlmCentric => ks.iter().map(|&k| a.rows[its[k].0].0).collect(),
+                    // Whole items over the row's replica's CP ranks, largest first onto
+                    // the least loaded (an item's tokens attend to each other: cutting one
+                    // over CP ranks would cost a K/V exchange).
+                    Placement::LlmCentric => {
+                        let mut fill = vec![0.0f64; reps];
+                        let mut order: Vec<usize> = (0..ks.len()).collect();
+                        order.sort_by(|&x, &y| cost_of(ks[y]).total_cmp(&cost_of(ks[x])));
+                        let mut to = vec![0; ks.len()];
+                        for j in order {
+                            let d = a.rows[its[ks[j]].0].0;
+                            let ranks = d * llm.cp..(d + 1) * llm.cp;
+                            let r = ranks
+                                .min_by(|&x, &y| fill[x].total_cmp(&fill[y]))
+                                .unwrap_or(d * llm.cp);
+                            fill[r] += cost_of(ks[j]);
+                            to[j] = r;
+                        }
+                        to
+                    }
                     _ if overlapped => {
-                        let tc = if e == Module::Vision {
-                            costs.vision
-                        } else {
-                            costs.audio
-                        };
-                        let cs: Vec<f64> = ks
-                            .iter()
-                            .map(|&k| tc.of(its[k].1, its[k].1 * its[k].1))
-                            .collect();
+                        let cs: Vec<f64> = ks.iter().map(|&k| cost_of(k)).collect();
                         lpt_after(&cs, &mut before)
                     }
                     _ => ks.iter().map(|&k| assigned[k]).collect(),
@@ -315,18 +332,22 @@ impl Problem {
                     };
                     t.comm += sc.send(x.tokens)
                         * f64::from(u8::from(if fwd { s > 0 } else { s + 1 < llm.pp }));
-                    if s == 0 {
-                        // A CP rank's share of the replica's items.
-                        let spread = llm.cp as f64;
-                        for (k, ec) in &centric {
-                            let y = enc_load[*k][d][i];
-                            let (tk, sq) = (y.tokens / spread, y.sq / spread);
-                            t = t.plus(if fwd {
-                                ec.forward(0, tk, sq)
-                            } else {
-                                ec.backward(0, tk, sq)
-                            });
-                        }
+                    if s == 0 && !centric.is_empty() {
+                        // The busiest of the replica's CP ranks, each with its whole items.
+                        let busiest = (d * llm.cp..(d + 1) * llm.cp)
+                            .map(|r| {
+                                centric.iter().fold(Cost::default(), |acc, (k, ec)| {
+                                    let y = enc_load[*k][r][i];
+                                    acc.plus(if fwd {
+                                        ec.forward(0, y.tokens, y.sq)
+                                    } else {
+                                        ec.backward(0, y.tokens, y.sq)
+                                    })
+                                })
+                            })
+                            .max_by(|x, y| x.total().total_cmp(&y.total()))
+                            .unwrap_or_default();
+                        t = t.plus(busiest);
                     }
                     t
                 };
@@ -525,8 +546,8 @@ impl Problem {
             let mut bytes = sc.memory(s, inflight, largest).total();
             if s == 0 {
                 for (k, ec) in &centric {
-                    let big =
-                        enc_load[*k].iter().map(|d| max_mb(d)).fold(0.0, f64::max) / llm.cp as f64;
+                    // The fullest CP rank's chunk.
+                    let big = enc_load[*k].iter().map(|d| max_mb(d)).fold(0.0, f64::max);
                     bytes += ec.memory(0, big * llm.pp.min(m) as f64, big).total();
                 }
             }
