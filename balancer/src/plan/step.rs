@@ -319,12 +319,12 @@ impl Problem {
             Vec::new()
         };
         let mut llm_lanes: Vec<Vec<LaneTasks>> = Vec::new();
-        for d in 0..llm.dp {
+        for (d, loads) in llm_load.iter().enumerate() {
             let mut stages = Vec::new();
             for s in 0..llm.pp {
                 let order = one_f_one_b(m, llm.pp - s, true);
                 let cost = |fwd: bool, i: usize| {
-                    let x = llm_load[d][i];
+                    let x = loads[i];
                     let mut t = if fwd {
                         sc.forward(s, x.tokens, x.sq)
                     } else {
