@@ -37,19 +37,9 @@ fn one_rate() -> Cluster {
 
 fn block(layers: usize, vocab: usize, tied: bool) -> ModuleDims {
     ModuleDims {
-        layers,
-        hidden: 1024,
-        heads: 1,
-        kv_heads: 1,
-        head_dim: 1024,
-        ffn: 4096,
-        mlp_mats: 3,
-        causal: true,
         vocab,
         tied,
-        extra_params: 0,
-        stem_flops_per_token: 0.0,
-        projector_flops_per_token: 0.0,
+        ..dims(layers, 1024, 1)
     }
 }
 
@@ -246,6 +236,22 @@ fn span(p: &Problem, plan: &Plan, totals: &Totals) -> f64 {
     span_of(p, &sc, plan.microbatches, totals).path
 }
 
+/// A 4-stage pipeline's span and simulated step at 1, 2, 4 and 8 chunks, each span at
+/// most its step: `(chunks, step, span)`.
+fn spans_within_steps(p: &Problem, rows: &[RowShape], totals: &Totals) -> Vec<(usize, f64, f64)> {
+    [1, 2, 4, 8]
+        .map(|mb| {
+            let plan = pipeline(4, 1, mb, false, None);
+            let (s, path) = (step(p, &plan, rows), span(p, &plan, totals));
+            assert!(
+                path <= s * (1.0 + 1e-9),
+                "{mb} chunks: span {path} > step {s}"
+            );
+            (mb, s, path)
+        })
+        .to_vec()
+}
+
 /// Where small GEMMs run far below the peak (8x over three decades of size), a pipeline
 /// cannot fill with one row and run its load at one large chunk's rate: the span takes
 /// the chunk size that does best at both. It stays at most every chunking's simulated
@@ -268,17 +274,10 @@ fn a_pipeline_s_chunks_are_small_to_fill_or_large_to_run_fast() {
     let p = llm_problem(block(8, 0, false), cluster);
     let rows = rows_of(&[1024; 8]);
     let totals = Totals::of(std::slice::from_ref(&rows));
-    let mut best = f64::INFINITY;
-    for mb in [1, 2, 4, 8] {
-        let plan = pipeline(4, 1, mb, false, None);
-        let s = step(&p, &plan, &rows);
-        let path = span(&p, &plan, &totals);
-        assert!(
-            path <= s * (1.0 + 1e-9),
-            "{mb} chunks: span {path} > step {s}"
-        );
-        best = best.min(s);
-    }
+    let best = spans_within_steps(&p, &rows, &totals)
+        .into_iter()
+        .map(|(_, s, _)| s)
+        .fold(f64::INFINITY, f64::min);
     // Any chunking: the least span (the way of 8 chunks a replica).
     let path = span(&p, &pipeline(4, 1, 8, false, None), &totals);
     assert!(
@@ -300,14 +299,8 @@ fn the_fill_and_the_drain_are_two_items() {
         second: totals.smallest,
         ..totals
     };
-    for mb in [1, 2, 4, 8] {
+    for (mb, _, path) in spans_within_steps(&p, &rows, &totals) {
         let plan = pipeline(4, 1, mb, false, None);
-        let s = step(&p, &plan, &rows);
-        let path = span(&p, &plan, &totals);
-        assert!(
-            path <= s * (1.0 + 1e-9),
-            "{mb} chunks: span {path} > step {s}"
-        );
         // With both ends the short row's, the span would be shorter (where the chunks
         // are small enough that the fill and drain, not one chunk's chain, set it).
         let short = span(&p, &plan, &one_item);
