@@ -19,6 +19,9 @@ pub(crate) struct Combo {
 /// estimate's memory takes mean loads, the simulator the fullest window of the batch).
 const PICK_ROUNDS: usize = 8;
 
+/// Rounds refining the winner's LLM option with encoder layouts not simulated yet.
+const REFINE_ROUNDS: usize = 2;
+
 /// The LLM option of a candidate (layout, microbatches, recomputation): it decides most
 /// of the step, and the estimate's error is larger than the gaps between encoder layouts.
 fn llm_key(plan: &Plan) -> (Layout, usize, bool) {
@@ -174,11 +177,18 @@ pub(crate) fn pick(
                 break;
             }
         }
-        if let Some(key) = tally.best.as_ref().map(|b| llm_key(&b.plan)) {
+        for _ in 0..REFINE_ROUNDS {
+            let Some(key) = tally.best.as_ref().map(|b| llm_key(&b.plan)) else {
+                break;
+            };
             let round = next_round(combos, &mut pending, &taken, k, |_, c| {
                 llm_key(&c.plan) == key
             });
+            if round.is_empty() {
+                break;
+            }
             simulate_round(p, batches, combos, &round, gpus, budget, &mut tally)?;
+            taken.extend(round);
         }
     }
     *simulated += tally.simulated;
