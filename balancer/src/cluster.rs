@@ -344,25 +344,26 @@ mod tests {
         // NVLink's bandwidth; inside a node, NVLink.
         assert_eq!(c.group_link(0, 8, 1), c.intra);
         assert_eq!(c.group_link(8, 8, 1), c.intra);
-        assert_eq!(c.group_link(0, 16, 8).bandwidth_gbs, c.inter.bandwidth_gbs);
-        assert_eq!(
-            c.group_link(0, 64, 4).bandwidth_gbs,
-            2.0 * c.inter.bandwidth_gbs
-        );
+        assert_eq!(c.group_link(0, 1024, 1).latency_us, c.inter.latency_us);
+        // (start, span, stride, fewest members on a node): a full node's group reaches
+        // NVLink's bandwidth; off the node boundary GPUs 8-35 leave node 4 with 4
+        // members; GPUs 4-19 at stride 2 hold 2 in node 0, 4 in node 1, 2 in node 2.
+        for (start, span, stride, members) in [
+            (0, 16, 8, 1.0),
+            (0, 64, 4, 2.0),
+            (8, 28, 1, 4.0),
+            (4, 16, 2, 2.0),
+        ] {
+            let bw = c.group_link(start, span, stride).bandwidth_gbs;
+            assert_eq!(
+                bw,
+                members * c.inter.bandwidth_gbs,
+                "{start} {span} {stride}"
+            );
+        }
         assert_eq!(
             c.group_link(0, 1024, 1).bandwidth_gbs,
             c.intra.bandwidth_gbs
-        );
-        assert_eq!(c.group_link(0, 1024, 1).latency_us, c.inter.latency_us);
-        // Off the node boundary: GPUs 8-35 leave node 4 with 4 members.
-        assert_eq!(
-            c.group_link(8, 28, 1).bandwidth_gbs,
-            4.0 * c.inter.bandwidth_gbs
-        );
-        // GPUs 4-19 (stride 2): 2 members in node 0, 4 in node 1, 2 in node 2.
-        assert_eq!(
-            c.group_link(4, 16, 2).bandwidth_gbs,
-            2.0 * c.inter.bandwidth_gbs
         );
         // Inside one node even off its start.
         assert_eq!(c.group_link(12, 4, 1), c.intra);

@@ -1,7 +1,7 @@
 //! Tests of the work-conserving bound: its spans against simulated steps.
 
 use super::*;
-use crate::cluster::Link;
+use crate::cluster::{Cluster, Link, RatePoint};
 use crate::dims::{ModelDims, ModuleDims};
 use crate::plan::layout::{Layout, Placement};
 

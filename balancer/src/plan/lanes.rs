@@ -2,6 +2,7 @@
 //! 1F1B order and its tasks, and the named timeline a plan's `--trace` writes.
 
 use crate::assign::BatchShape;
+use crate::balance::lpt;
 use crate::dims::{ModelDims, Module};
 use crate::plan::cost::Cost;
 use crate::plan::dag::Dag;
@@ -27,6 +28,32 @@ impl Load {
         self.tokens += t;
         self.sq += t * t;
     }
+}
+
+/// The LLM-centric baseline's encoder items of one chunk (`costs`, each on its row's
+/// replica `replica[i]` of `dp`) dealt whole over that replica's `cp` ranks, largest
+/// first onto the least loaded: an item's tokens attend to each other, so cutting one
+/// over CP ranks would cost a K/V exchange. Returns each item's rank, `replica * cp + j`.
+pub(crate) fn whole_items_per_cp_rank(
+    costs: &[f64],
+    replica: &[usize],
+    dp: usize,
+    cp: usize,
+) -> Vec<usize> {
+    let mut by_rep: Vec<Vec<usize>> = vec![Vec::new(); dp];
+    for (i, &d) in replica.iter().enumerate() {
+        if let Some(v) = by_rep.get_mut(d) {
+            v.push(i);
+        }
+    }
+    let mut to = vec![0; costs.len()];
+    for (d, mine) in by_rep.iter().enumerate() {
+        let cs: Vec<f64> = mine.iter().map(|&i| costs[i]).collect();
+        for (&i, j) in mine.iter().zip(lpt(&cs, cp)) {
+            to[i] = d * cp + j;
+        }
+    }
+    to
 }
 
 /// Each image's and clip's (row, encoder tokens, LLM tokens).
@@ -154,6 +181,13 @@ pub(crate) fn stage_lane(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn centric_items_stay_whole_on_their_replica_s_cp_ranks() {
+        // Replica 0: 5, 3, 2 over 2 CP ranks: 5 alone, 3 + 2 together; replica 1: one item.
+        let to = whole_items_per_cp_rank(&[3.0, 5.0, 1.0, 2.0], &[0, 0, 1, 0], 2, 2);
+        assert_eq!(to, vec![1, 0, 2, 1]);
+    }
 
     #[test]
     fn lanes_share_gpus_where_their_blocks_overlap() {

@@ -9,6 +9,7 @@ pub mod lanes;
 pub mod layout;
 mod options;
 mod pick;
+mod span;
 pub mod step;
 
 pub use cost::{Cost, Memory, StageCost};

@@ -12,7 +12,8 @@ use crate::plan::cost::{Cost, StageCost};
 use crate::plan::dag::Dag;
 pub use crate::plan::lanes::PlanTimeline;
 use crate::plan::lanes::{
-    LaneTasks, Load, imbalance_gpu_s, items, one_f_one_b, sharing_lanes, stage_lane, window_max,
+    LaneTasks, Load, imbalance_gpu_s, items, one_f_one_b, sharing_lanes, stage_lane,
+    whole_items_per_cp_rank, window_max,
 };
 use crate::plan::layout::{Layout, Placement, Plan, Schedule};
 use crate::workload::{RowShape, shape_of};
@@ -189,25 +190,12 @@ impl Problem {
             let cost_of = |k: usize| tc.of(its[k].1, its[k].1 * its[k].1);
             for (c, ks) in by_chunk.iter().enumerate() {
                 let to: Vec<usize> = match plan.placement {
-                    // Whole items over the row's replica's CP ranks, largest first onto
-                    // the least loaded (an item's tokens attend to each other: cutting one
-                    // over CP ranks would cost a K/V exchange).
-                    Placement::LlmCentric => {
-                        let mut fill = vec![0.0f64; reps];
-                        let mut order: Vec<usize> = (0..ks.len()).collect();
-                        order.sort_by(|&x, &y| cost_of(ks[y]).total_cmp(&cost_of(ks[x])));
-                        let mut to = vec![0; ks.len()];
-                        for j in order {
-                            let d = a.rows[its[ks[j]].0].0;
-                            let ranks = d * llm.cp..(d + 1) * llm.cp;
-                            let r = ranks
-                                .min_by(|&x, &y| fill[x].total_cmp(&fill[y]))
-                                .unwrap_or(d * llm.cp);
-                            fill[r] += cost_of(ks[j]);
-                            to[j] = r;
-                        }
-                        to
-                    }
+                    Placement::LlmCentric => whole_items_per_cp_rank(
+                        &ks.iter().map(|&k| cost_of(k)).collect::<Vec<_>>(),
+                        &ks.iter().map(|&k| a.rows[its[k].0].0).collect::<Vec<_>>(),
+                        llm.dp,
+                        llm.cp,
+                    ),
                     _ if overlapped => {
                         let cs: Vec<f64> = ks.iter().map(|&k| cost_of(k)).collect();
                         lpt_after(&cs, &mut before)
