@@ -18,17 +18,20 @@ for w in 7b 70b 120b-hires; do
 import json, sys
 w, n, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 v = json.load(open(path))
-def lay(m):
+def lay(m, chunks=1):
     l = v[m]
     if not l:
         return None
     parts = [f"{k}{l[k]}" for k in ("tp", "cp", "pp", "dp") if l[k] > 1 or k == "dp"]
+    if chunks > 1:
+        parts.insert(-1, f"v{chunks}")  # interleaved: chunks per stage
     return f"{m} " + " ".join(parts)
-mods = [x for x in (lay("llm"), lay("vision"), lay("audio")) if x]
+mods = [x for x in (lay("llm", v.get("llm_virtual_stages") or 1), lay("vision"), lay("audio")) if x]
 rec = " (enc. recompute)" if v["recompute_encoders"] else ""
 chosen = f"{v['placement']}/{v['schedule']}: {mods[0]}, {v['microbatches']} mb; {', '.join(mods[1:])}{rec}"
 b = v["baseline"]["llm"]
-base = f"{v['baseline_step_time_s']:.4g} (tp{b['tp']} cp{b['cp']} pp{b['pp']} dp{b['dp']}, {v['baseline']['microbatches']} mb)"
+bv = v["baseline"].get("llm_virtual_stages") or 1
+base = f"{v['baseline_step_time_s']:.4g} (tp{b['tp']} cp{b['cp']} pp{b['pp']}{f' v{bv}' if bv > 1 else ''} dp{b['dp']}, {v['baseline']['microbatches']} mb)"
 gap = ", ".join(f"{v['gap_' + k + '_s']:.3g}" for k in ("memory_forced", "grad_sync", "imbalance", "bridge", "bubbles"))
 alone = v["llm_alone_step_time_s"]
 print(f"| {w} | {n:,} | {chosen} | {v['step_time_s']:.4g} | {base} | {v['speedup']:.2f}x | {alone:.4g} | {v['speedup_ceiling']:.2f}x | {v['bound_step_time_s']:.4g} | {v['from_bound']:.2f}x | {gap} |")

@@ -6,6 +6,7 @@ pub mod assign;
 pub mod balance;
 pub mod cluster;
 pub mod dims;
+pub mod pipeline;
 pub mod plan;
 pub mod synthetic;
 pub mod workload;

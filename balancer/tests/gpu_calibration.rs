@@ -73,6 +73,7 @@ fn predict(b: &Block, cluster: &Cluster) -> (f64, f64) {
         overlap_sync: false,
         sequence_parallel: true,
         first_stage_layers: None,
+        chunks: 1,
         first_gpu: 0,
     };
     let tokens = (b.seqs * b.len) as f64;

@@ -3,77 +3,13 @@
 //! LLM-centric baseline on a space small enough to enumerate.
 #![allow(clippy::unwrap_used)]
 
-use braid_balancer::cluster::{Cluster, Link};
+use braid_balancer::cluster::Cluster;
 use braid_balancer::plan::search::{Space, search};
 use braid_balancer::workload::{MediaTokens, Mix, RowShape, Workload, generate};
-use braid_balancer::{Layout, ModelDims, ModuleDims, Placement, Plan, Problem, Schedule};
+use braid_balancer::{Layout, ModelDims, Placement, Plan, Problem, Schedule};
 
-fn block(layers: usize, hidden: usize, heads: usize, causal: bool, vocab: usize) -> ModuleDims {
-    ModuleDims {
-        layers,
-        hidden,
-        heads,
-        kv_heads: heads,
-        head_dim: hidden / heads,
-        ffn: 4 * hidden,
-        mlp_mats: if causal { 3 } else { 2 },
-        causal,
-        vocab,
-        tied: false,
-        extra_params: 0,
-        stem_flops_per_token: 0.0,
-        projector_flops_per_token: 0.0,
-    }
-}
-
-/// A cluster whose links are free: only compute takes time.
-fn free_links() -> Cluster {
-    let mut c = Cluster::preset("h100").unwrap();
-    c.intra = Link {
-        bandwidth_gbs: 1e12,
-        latency_us: 0.0,
-    };
-    c.inter = c.intra;
-    c.layer_overhead_us = 0.0;
-    c
-}
-
-fn llm_only(layers: usize) -> ModelDims {
-    ModelDims {
-        llm: block(layers, 1024, 16, true, 0),
-        vision: None,
-        audio: None,
-        vision_llm_ratio: 1.0,
-        audio_llm_ratio: 0.125,
-    }
-}
-
-/// A problem with no frozen modules, no loader time and the sync after the backward.
-fn problem(model: ModelDims, cluster: Cluster) -> Problem {
-    Problem {
-        model,
-        cluster,
-        frozen: vec![],
-        input_s: 0.0,
-        overlap_sync: false,
-        sequence_parallel: true,
-    }
-}
-
-fn plan(llm: Layout, m: usize) -> Plan {
-    Plan {
-        placement: Placement::Disjoint,
-        schedule: Schedule::Phased,
-        microbatches: m,
-        recompute: false,
-        recompute_encoders: false,
-        llm_first_stage_layers: None,
-        zero1: true,
-        llm,
-        vision: None,
-        audio: None,
-    }
-}
+mod common;
+use common::{block, free_links, llm_only, plan, problem};
 
 #[test]
 fn uniform_one_f_one_b_matches_the_closed_form() {
@@ -251,7 +187,7 @@ fn small() -> (Problem, Workload) {
 fn the_search_is_within_five_percent_of_brute_force_and_beats_the_baseline() {
     let (p, w) = small();
     let mut space = Space::new(16);
-    space.brute_limit = 100_000;
+    space.brute_limit = 200_000;
     space.batches = 2;
     space.recompute = vec![false];
     let o = search(&p, &w, &space).unwrap();

@@ -161,6 +161,7 @@ fn found_json(f: &Found) -> Value {
         "recompute": f.plan.recompute,
         "recompute_encoders": f.plan.recompute_encoders,
         "llm_first_stage_layers": f.plan.llm_first_stage_layers,
+        "llm_virtual_stages": f.plan.llm_virtual_stages,
         "bubble": f.sim.bubble,
         "idle": f.sim.idle,
         "peak_memory_gib": f.sim.peak_memory / GIB,
@@ -285,6 +286,10 @@ fn explain(p: &Planned, alone: Option<&Found>, g: &Gap) -> Vec<String> {
         base.plan
             .llm_first_stage_layers
             .map(|f| format!(", first stage {f} layers"))
+            .or_else(|| {
+                (base.plan.llm_virtual_stages > 1)
+                    .then(|| format!(", {} chunks per stage interleaved", base.plan.llm_virtual_stages))
+            })
             .unwrap_or_default(),
         base.plan.microbatches,
         if base.plan.microbatches == 1 { "" } else { "es" },
@@ -441,8 +446,12 @@ fn print_text(p: &Planned, alone: Option<&Found>, g: &Gap, a: &PlanArgs) {
             );
         }
     }
+    let interleaved = match b.plan.llm_virtual_stages {
+        v if v > 1 => format!(" (LLM interleaved: {v} chunks per stage)"),
+        _ => String::new(),
+    };
     println!(
-        "\n  placement {:?}, schedule {:?}, {} microbatches, recompute llm {} / encoders {}",
+        "\n  placement {:?}, schedule {:?}{interleaved}, {} microbatches, recompute llm {} / encoders {}",
         b.plan.placement,
         b.plan.schedule,
         b.plan.microbatches,

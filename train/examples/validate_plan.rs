@@ -47,6 +47,14 @@ const LAYOUTS: &[(&str, &[&str])] = &[
         &["parallel.world_size=4", "parallel.llm.pp=2"],
     ),
     (
+        "llm pp2 m4, interleaved v2",
+        &[
+            "parallel.world_size=4",
+            "parallel.llm.pp=2",
+            "parallel.llm.virtual_stages=2",
+        ],
+    ),
+    (
         "llm pp2 m4, recompute",
         &[
             "parallel.world_size=4",
@@ -150,6 +158,7 @@ fn plan_of(cfg: &RunConfig, dims: &braid_balancer::ModelDims) -> Plan {
         // The plan has one switch for both encoders; the layouts above set them alike.
         recompute_encoders: p.vision.recompute || p.audio.recompute,
         llm_first_stage_layers: None,
+        llm_virtual_stages: p.llm.virtual_stages,
         zero1: p.zero1,
         llm: l(&p.llm),
         vision: dims.vision.as_ref().map(|_| l(&p.vision)),

@@ -270,6 +270,17 @@ fn layouts_that_do_not_fit_the_model_or_world_name_the_key() {
     assert!(e.contains("parallel.vision.pp"), "{e}");
     let e = full(&["parallel.world_size=4", "parallel.audio.tp=4"]);
     assert!(e.contains("parallel.audio.tp"), "{e}");
+    for v in ["3", "4"] {
+        let e = full(&[
+            "parallel.world_size=4",
+            "parallel.llm.pp=2",
+            &format!("parallel.llm.virtual_stages={v}"),
+        ]);
+        assert!(
+            e.contains("parallel.llm.virtual_stages") && e.contains("model.llm.layers = 4"),
+            "{e}"
+        );
+    }
 }
 
 /// On a shared CPU every rank's loader reads the whole global batch beside the step, so

@@ -51,6 +51,7 @@ fn pipeline(pp: usize, dp: usize, m: usize, recompute: bool, first: Option<usize
         recompute,
         recompute_encoders: false,
         llm_first_stage_layers: first,
+        llm_virtual_stages: 1,
         zero1: true,
         llm: Layout {
             tp: 1,

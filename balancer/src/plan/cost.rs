@@ -92,6 +92,10 @@ pub struct StageCost<'a> {
     /// evenly (Megatron's first-stage layer count: room for the encoders an LLM-centric
     /// layout puts there); `None`: `layers / pp` on every stage.
     pub first_stage_layers: Option<usize>,
+    /// Model chunks per stage (the LLM's virtual pipeline stages, interleaved 1F1B):
+    /// chunk `k` of a stage holds `1 / chunks` of its blocks; the first stage's chunk 0
+    /// the stem (embedding), the last stage's last chunk the head. 1: one chunk.
+    pub chunks: usize,
     /// The first GPU of the module's grid (disjoint placement puts the LLM after the
     /// encoders): where a collective's group meets node boundaries.
     pub first_gpu: usize,
@@ -129,15 +133,38 @@ impl StageCost<'_> {
         self.pass(stage, tokens, sq).forward()
     }
 
+    /// Forward of model chunk `chunk` of stage `stage` (see [`StageCost::chunks`]).
+    pub fn forward_chunk(&self, stage: usize, chunk: usize, tokens: f64, sq: f64) -> Cost {
+        self.pass_of(stage, Some(chunk), tokens, sq).forward()
+    }
+
+    /// Backward of model chunk `chunk` of stage `stage`.
+    pub fn backward_chunk(&self, stage: usize, chunk: usize, tokens: f64, sq: f64) -> Cost {
+        self.backward_of(&self.pass_of(stage, Some(chunk), tokens, sq))
+    }
+
     /// The forward's parts, which the backward scales differently.
     fn pass(&self, stage: usize, tokens: f64, sq: f64) -> Pass {
+        self.pass_of(stage, None, tokens, sq)
+    }
+
+    /// A pass of the whole stage (`chunk = None`) or of one of its chunks.
+    fn pass_of(&self, stage: usize, chunk: Option<usize>, tokens: f64, sq: f64) -> Pass {
         if tokens <= 0.0 {
             return Pass::default();
         }
         let (d, l, c) = (self.dims, self.layout, self.cluster);
         let split = (l.tp * l.cp) as f64;
         let rows = tokens / l.cp as f64; // GEMM rows on one GPU
-        let layers = self.layers(stage);
+        let v = self.chunks.max(1);
+        let (stem_here, head_here) = match chunk {
+            None => (true, true),
+            Some(k) => (k == 0, k + 1 == v),
+        };
+        let layers = match chunk {
+            None => self.layers(stage),
+            Some(_) => self.layers(stage) / v as f64,
+        };
         // The representative GEMM: the MLP's up projection on this GPU's share.
         let gemm = 2.0 * rows * d.hidden as f64 * (d.ffn / l.tp).max(1) as f64;
         let rate = c.matmul_rate(gemm);
@@ -145,11 +172,11 @@ impl StageCost<'_> {
         // An encoder's stem and projector, charged like the blocks (over TP x CP): at
         // the scale of the reference models they are 1-7 % of an encoder's work, in a
         // tiny CPU model as much as its blocks.
-        if stage == 0 {
+        if stage == 0 && stem_here {
             linear += tokens * d.stem_flops_per_token / split;
         }
         let mut head = 0.0;
-        if self.last(stage) {
+        if self.last(stage) && head_here {
             let mut flops = tokens * d.projector_flops_per_token / split;
             let mut logits = 0.0;
             if d.vocab > 0 {
@@ -374,6 +401,7 @@ mod tests {
             checkpoint_stages: false,
             overlap_sync: false,
             first_stage_layers: None,
+            chunks: 1,
             first_gpu: 0,
             sequence_parallel: true,
         };
@@ -449,6 +477,7 @@ mod tests {
                 checkpoint_stages: false,
                 overlap_sync: false,
                 first_stage_layers: None,
+                chunks: 1,
                 first_gpu: 0,
                 sequence_parallel: true,
             };
@@ -501,6 +530,7 @@ mod tests {
             checkpoint_stages: false,
             overlap_sync: false,
             first_stage_layers: None,
+            chunks: 1,
             first_gpu: 0,
             sequence_parallel: true,
         };
@@ -544,6 +574,7 @@ mod tests {
                 checkpoint_stages: false,
                 overlap_sync: false,
                 first_stage_layers: None,
+                chunks: 1,
                 first_gpu: 0,
                 sequence_parallel,
             }

@@ -1,10 +1,12 @@
 //! The pieces a simulated step is built from: each module's work in a batch, a lane's
-//! 1F1B order and its tasks, and the named timeline a plan's `--trace` writes.
+//! 1F1B order and its tasks, the LLM's (interleaved) pipeline lanes, and the named
+//! timeline a plan's `--trace` writes.
 
 use crate::assign::BatchShape;
 use crate::balance::lpt;
 use crate::dims::{ModelDims, Module};
-use crate::plan::cost::Cost;
+use crate::pipeline::interleaved_1f1b;
+use crate::plan::cost::{Cost, StageCost};
 use crate::plan::dag::Dag;
 use crate::plan::layout::Layout;
 
@@ -131,23 +133,18 @@ pub(crate) fn imbalance_gpu_s(
 }
 
 /// 1F1B on a lane `depth` stages from the end of the pipeline: warm-up forwards, then
-/// alternating, then cool-down backwards. `(forward?, microbatch)`.
+/// alternating, then cool-down backwards (stage 0 of `depth` in
+/// [`crate::pipeline::interleaved_1f1b`]). `(forward?, microbatch)`.
 pub(crate) fn one_f_one_b(m: usize, depth: usize, backward: bool) -> Vec<(bool, usize)> {
-    if !backward {
-        return (0..m).map(|i| (true, i)).collect();
-    }
-    let warm = depth.saturating_sub(1).min(m);
-    let mut out: Vec<(bool, usize)> = (0..warm).map(|i| (true, i)).collect();
-    for i in 0..m - warm {
-        out.push((true, warm + i));
-        out.push((false, i));
-    }
-    out.extend((m - warm..m).map(|i| (false, i)));
-    out
+    crate::pipeline::interleaved_1f1b(0, depth, 1, m, backward)
+        .into_iter()
+        .map(|p| (p.forward, p.mb))
+        .collect()
 }
 
 /// Pushes a stage lane's tasks (deps filled later); `module` and `stage` name them as
-/// the trainer's timeline does ("llm fwd s0 mb3").
+/// the trainer's timeline does ("llm fwd s0 mb3"; "llm fwd s0 c1 mb3" for chunk 1 of
+/// `chunks`). `order` holds `(forward?, chunk * m + microbatch)`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn stage_lane(
     g: &mut Dag,
@@ -158,16 +155,24 @@ pub(crate) fn stage_lane(
     order: &[(bool, usize)],
     cost: impl Fn(bool, usize) -> Cost,
     m: usize,
+    chunks: usize,
 ) -> LaneTasks {
     let lane = g.lane(ranks, label);
-    let (mut f, mut b) = (vec![usize::MAX; m], vec![usize::MAX; m]);
+    let n = m * chunks.max(1);
+    let (mut f, mut b) = (vec![usize::MAX; n], vec![usize::MAX; n]);
     for &(fwd, i) in order {
         let id = g.push(lane, cost(fwd, i), &[]);
         g.name(id, || {
-            format!(
-                "{module} {} s{stage} mb{i}",
-                if fwd { "fwd" } else { "bwd" }
-            )
+            let what = if fwd { "fwd" } else { "bwd" };
+            if chunks > 1 {
+                format!(
+                    "{module} {what} s{stage} c{} mb{}",
+                    i / m.max(1),
+                    i % m.max(1)
+                )
+            } else {
+                format!("{module} {what} s{stage} mb{i}")
+            }
         });
         if fwd {
             f[i] = id;
@@ -176,6 +181,104 @@ pub(crate) fn stage_lane(
         }
     }
     LaneTasks { lane, f, b }
+}
+
+/// Links a pipeline's stage lanes: each pass waits for the same pass on the stage
+/// before (forward) or after (backward); with `m > 0` microbatches of several chunks
+/// (tasks `chunk * m + microbatch`), also round the ring: the first stage's chunk k + 1
+/// waits for the last stage's chunk k, and the last's backward of chunk k for the
+/// first's of k + 1.
+pub(crate) fn link_stages(g: &mut Dag, stages: &[LaneTasks], m: usize) {
+    let mut set = |t: usize, dep: usize| {
+        if t != usize::MAX && dep != usize::MAX {
+            g.wait(t, dep);
+        }
+    };
+    for s in 1..stages.len() {
+        for i in 0..stages[s].f.len() {
+            set(stages[s].f[i], stages[s - 1].f[i]);
+            set(stages[s - 1].b[i], stages[s].b[i]);
+        }
+    }
+    if let (Some(first), Some(last), true) = (stages.first(), stages.last(), m > 0) {
+        for i in m..first.f.len() {
+            set(first.f[i], last.f[i - m]);
+            set(last.b[i - m], first.b[i]);
+        }
+    }
+}
+
+/// The LLM's lanes, `[replica][stage]`, linked: each stage runs the interleaved 1F1B
+/// over its chunks (plain 1F1B with one), task `k * m + j` chunk k of microbatch j,
+/// `loads[replica][j]` each microbatch's load. The LLM-centric baseline's encoders
+/// (`centric`: encoder index and its cost, `enc_load[encoder][cp rank][microbatch]`)
+/// run inside stage 0's chunk 0.
+pub(crate) fn llm_pipeline_lanes(
+    g: &mut Dag,
+    sc: &StageCost,
+    llm: Layout,
+    loads: &[Vec<Load>],
+    centric: &[(usize, StageCost)],
+    enc_load: &[Vec<Vec<Load>>],
+) -> Vec<Vec<LaneTasks>> {
+    let v = sc.chunks.max(1);
+    let mut lanes = Vec::new();
+    for (d, loads) in loads.iter().enumerate() {
+        let m = loads.len();
+        let mut stages = Vec::new();
+        for s in 0..llm.pp {
+            let order: Vec<(bool, usize)> = interleaved_1f1b(s, llm.pp, v, m, true)
+                .into_iter()
+                .map(|p| (p.forward, p.chunk * m + p.mb))
+                .collect();
+            let cost = |fwd: bool, i: usize| {
+                let (k, j) = (i / m, i % m);
+                let x = loads[j];
+                let mut t = if fwd {
+                    sc.forward_chunk(s, k, x.tokens, x.sq)
+                } else {
+                    sc.backward_chunk(s, k, x.tokens, x.sq)
+                };
+                // Every chunk boundary but the model's ends sends (the ring wraps from
+                // the last stage to the first).
+                let (model_first, model_last) = (s == 0 && k == 0, s + 1 == llm.pp && k + 1 == v);
+                t.comm += sc.send(x.tokens)
+                    * f64::from(u8::from(if fwd { !model_first } else { !model_last }));
+                if model_first && !centric.is_empty() {
+                    // The busiest of the replica's CP ranks, each with its whole items.
+                    let busiest = (d * llm.cp..(d + 1) * llm.cp)
+                        .map(|r| {
+                            centric.iter().fold(Cost::default(), |acc, (ek, ec)| {
+                                let y = enc_load[*ek][r][j];
+                                acc.plus(if fwd {
+                                    ec.forward(0, y.tokens, y.sq)
+                                } else {
+                                    ec.backward(0, y.tokens, y.sq)
+                                })
+                            })
+                        })
+                        .max_by(|x, y| x.total().total_cmp(&y.total()))
+                        .unwrap_or_default();
+                    t = t.plus(busiest);
+                }
+                t
+            };
+            stages.push(stage_lane(
+                g,
+                llm.block(),
+                format!("llm r{d} s{s}"),
+                "llm",
+                s,
+                &order,
+                cost,
+                m,
+                v,
+            ));
+        }
+        link_stages(g, &stages, if v > 1 { loads.len() } else { 0 });
+        lanes.push(stages);
+    }
+    lanes
 }
 
 #[cfg(test)]

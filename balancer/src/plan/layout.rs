@@ -82,6 +82,10 @@ pub struct Plan {
     /// absent: an even split.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub llm_first_stage_layers: Option<usize>,
+    /// Model chunks per LLM pipeline stage, run in the interleaved 1F1B
+    /// ([`crate::pipeline`]; `parallel.llm.virtual_stages`); 1 (absent): plain 1F1B.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub llm_virtual_stages: usize,
     /// AdamW state sharded over each module's data-parallel ranks.
     pub zero1: bool,
     pub llm: Layout,
@@ -89,6 +93,14 @@ pub struct Plan {
     pub vision: Option<Layout>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub audio: Option<Layout>,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn is_one(v: &usize) -> bool {
+    *v == 1
 }
 
 impl Plan {

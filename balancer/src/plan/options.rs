@@ -16,6 +16,8 @@ pub(crate) struct Opt {
     pub layout: Layout,
     pub microbatches: usize,
     pub recompute: bool,
+    /// Model chunks per pipeline stage (the LLM's interleaved 1F1B; 1 elsewhere).
+    pub chunks: usize,
     /// Seconds of the pipeline, of the gradient sync after it, bytes on the fullest GPU.
     pub time: f64,
     pub sync: f64,
@@ -275,6 +277,7 @@ impl Problem {
             overlap_sync: self.overlap_sync,
             sequence_parallel: self.sequence_parallel,
             first_stage_layers: None,
+            chunks: 1,
             first_gpu: 0,
         })
     }
@@ -296,18 +299,28 @@ impl Problem {
         beyond: usize,
     ) -> PipeEst {
         let l = sc.layout;
+        let v = sc.chunks.max(1);
         let (mut sum, mut worst, mut sync, mut mem) = (0.0, 0.0f64, 0.0f64, 0.0f64);
         for s in 0..l.pp {
             let (f, b) = (
                 sc.forward(s, load.0, load.1).total(),
                 sc.backward(s, load.0, load.1).total(),
             );
-            let mut t = f + b + 2.0 * sc.send(load.0);
+            // Each of a microbatch's chunks sends its boundary on (the ring's ends
+            // aside, which this rounds up).
+            let mut t = f + b + 2.0 * v as f64 * sc.send(load.0);
             let mut stage_sync = sc.exposed_sync(s, b, f);
-            let held = (l.pp - s).saturating_add(beyond).min(mbs);
+            // Chunk activations held: 1F1B's `pp - s` (and `beyond`) microbatches, or
+            // the interleaved warm-up and one, each a `1 / v` of the stage's.
+            let held = if v > 1 {
+                let warm = 2 * (l.pp - s - 1) + (v - 1) * l.pp;
+                (warm + 1).min(v * mbs) as f64 / v as f64
+            } else {
+                (l.pp - s).saturating_add(beyond).min(mbs) as f64
+            };
             // A held chunk's working set is one chunk.
             let big = load.0 * peak;
-            let mut bytes = sc.memory(s, big * held as f64, big).total();
+            let mut bytes = sc.memory(s, big * held, big).total();
             if s == 0 {
                 for (ec, e) in extra {
                     let (ef, eb) = (
@@ -325,8 +338,10 @@ impl Problem {
             sync = sync.max(stage_sync);
             mem = mem.max(bytes);
         }
+        // 1F1B: every stage once, then a microbatch per slowest stage; interleaved, the
+        // fill and drain are `1 / v` as long.
         PipeEst {
-            time: sum + (mbs as f64 - 1.0) * worst,
+            time: (sum - worst) / v as f64 + mbs as f64 * worst,
             worst,
             sync,
             mem,
@@ -366,35 +381,59 @@ impl Problem {
                     continue;
                 };
                 for &mb in &mbs {
-                    // Whole rows and items are dealt out: the step waits for the fullest
-                    // LLM replica, for an overlapped encoder's fullest chunk, for a phased
-                    // one's fullest replica; memory holds the fullest microbatches.
-                    let (slots, mem_slots) = match (m, k.overlapped) {
-                        (Module::Llm, _) => (layout.dp, layout.dp * mb),
-                        (_, true) => (layout.dp * mb, layout.dp * mb),
-                        (_, false) => (layout.dp, layout.dp),
-                    };
-                    let (load, peak) = t.dealt(m, layout.dp * mb, slots, mem_slots);
-                    let beyond = match (m, k.overlapped) {
-                        (Module::Llm, _) => 0,
-                        (_, true) => beyond,
-                        (_, false) => usize::MAX,
-                    };
-                    let e = self.estimate(&sc, mb, load, peak, &[], beyond);
-                    out.push(Opt {
-                        layout,
-                        microbatches: mb,
-                        recompute: rc,
-                        time: e.time,
-                        sync: e.sync,
-                        mem: e.mem,
-                        worst: e.worst,
-                    });
+                    for v in llm_chunk_options(m, layout, mb, self, k.overlapped) {
+                        let sc = StageCost { chunks: v, ..sc };
+                        // Whole rows and items are dealt out: the step waits for the fullest
+                        // LLM replica, for an overlapped encoder's fullest chunk, for a phased
+                        // one's fullest replica; memory holds the fullest microbatches.
+                        let (slots, mem_slots) = match (m, k.overlapped) {
+                            (Module::Llm, _) => (layout.dp, layout.dp * mb),
+                            (_, true) => (layout.dp * mb, layout.dp * mb),
+                            (_, false) => (layout.dp, layout.dp),
+                        };
+                        let (load, peak) = t.dealt(m, layout.dp * mb, slots, mem_slots);
+                        let beyond = match (m, k.overlapped) {
+                            (Module::Llm, _) => 0,
+                            (_, true) => beyond,
+                            (_, false) => usize::MAX,
+                        };
+                        let e = self.estimate(&sc, mb, load, peak, &[], beyond);
+                        out.push(Opt {
+                            layout,
+                            microbatches: mb,
+                            recompute: rc,
+                            chunks: v,
+                            time: e.time,
+                            sync: e.sync,
+                            mem: e.mem,
+                            worst: e.worst,
+                        });
+                    }
                 }
             }
         }
         out
     }
+}
+
+/// Model chunks per stage the LLM may take at `layout` with `mbs` microbatches: 1, and
+/// under the phased schedule with two or more stages and at least as many microbatches
+/// as stages (fewer gain nothing), every count that splits a stage's blocks evenly
+/// (what `parallel.llm.virtual_stages` accepts). Encoders: 1.
+fn llm_chunk_options(
+    m: Module,
+    layout: Layout,
+    mbs: usize,
+    p: &Problem,
+    overlapped: bool,
+) -> Vec<usize> {
+    let mut out = vec![1];
+    if m != Module::Llm || overlapped || layout.pp < 2 || mbs < layout.pp {
+        return out;
+    }
+    let per_stage = p.model.llm.layers / layout.pp;
+    out.extend((2..=per_stage).filter(|v| per_stage.is_multiple_of(*v)));
+    out
 }
 
 /// Keeps the options no other option beats in pipeline time, sync time and memory at

@@ -264,6 +264,7 @@ mod tests {
                 recompute: false,
                 recompute_encoders: false,
                 llm_first_stage_layers: None,
+                llm_virtual_stages: 1,
                 zero1: true,
                 llm: l(dp),
                 vision: Some(l(v)),

@@ -95,6 +95,7 @@ fn plan_of(
         recompute: llm.recompute,
         recompute_encoders: enc.iter().any(|e| e.1.recompute),
         llm_first_stage_layers: None,
+        llm_virtual_stages: llm.chunks,
         zero1,
         llm: llm.layout,
         vision: get(Module::Vision),
@@ -233,7 +234,10 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
             .clone()
     };
     let same = |a: &Opt, b: &Opt| {
-        a.layout == b.layout && a.microbatches == b.microbatches && a.recompute == b.recompute
+        a.layout == b.layout
+            && a.microbatches == b.microbatches
+            && a.recompute == b.recompute
+            && a.chunks == b.chunks
     };
     for &placement in &space.placements {
         // Per placement: (GPUs of each encoder, GPUs of the LLM) splits to consider, and
@@ -485,6 +489,10 @@ fn baseline(
         let Some(sc) = p.cost(Module::Llm, o.layout, o.recompute, space.zero1) else {
             continue;
         };
+        let sc = StageCost {
+            chunks: o.chunks,
+            ..sc
+        };
         let n = (o.layout.dp * o.microbatches) as f64;
         let spread = o.layout.cp as f64;
         let enc_layout = |e: Module| Layout {
@@ -508,7 +516,14 @@ fn baseline(
                 .collect();
             let (dp, mb) = (o.layout.dp, o.microbatches);
             let (load, peak) = t.dealt(Module::Llm, dp * mb, dp, dp * mb);
-            for first in first_stage_options(p.model.llm.layers, o.layout.pp) {
+            // A shorter first stage, or interleaving (Megatron has both; Braid's
+            // trainer splits its chunks evenly, so not the two at once).
+            let firsts = if o.chunks > 1 {
+                vec![None]
+            } else {
+                first_stage_options(p.model.llm.layers, o.layout.pp)
+            };
+            for first in firsts {
                 let sc = StageCost {
                     first_stage_layers: first,
                     ..sc
@@ -524,6 +539,7 @@ fn baseline(
                             recompute: o.recompute,
                             recompute_encoders: rc,
                             llm_first_stage_layers: first,
+                            llm_virtual_stages: o.chunks,
                             zero1: space.zero1,
                             llm: o.layout,
                             vision: p.model.vision.as_ref().map(|_| enc_layout(Module::Vision)),

@@ -8,12 +8,13 @@ use crate::assign::{Assigner, Replicas, RoundRobin};
 use crate::balance::lpt_after;
 use crate::cluster::Cluster;
 use crate::dims::{ModelDims, Module};
+use crate::pipeline::{interleaved_1f1b, max_in_flight};
 use crate::plan::cost::{Cost, StageCost};
 use crate::plan::dag::Dag;
 pub use crate::plan::lanes::PlanTimeline;
 use crate::plan::lanes::{
-    LaneTasks, Load, imbalance_gpu_s, items, one_f_one_b, sharing_lanes, stage_lane,
-    whole_items_per_cp_rank, window_max,
+    LaneTasks, Load, imbalance_gpu_s, items, link_stages, llm_pipeline_lanes, one_f_one_b,
+    sharing_lanes, stage_lane, whole_items_per_cp_rank, window_max,
 };
 use crate::plan::layout::{Layout, Placement, Plan, Schedule};
 use crate::workload::{RowShape, shape_of};
@@ -77,6 +78,7 @@ impl Problem {
         sc.first_gpu = plan.offset(m);
         if m == Module::Llm {
             sc.first_stage_layers = plan.llm_first_stage_layers;
+            sc.chunks = plan.llm_virtual_stages.max(1);
         }
         Some(sc)
     }
@@ -271,6 +273,7 @@ impl Problem {
                             &order,
                             cost,
                             chunks,
+                            1,
                         ));
                     }
                     reps.push(stages);
@@ -306,65 +309,17 @@ impl Problem {
         } else {
             Vec::new()
         };
-        let mut llm_lanes: Vec<Vec<LaneTasks>> = Vec::new();
-        for (d, loads) in llm_load.iter().enumerate() {
-            let mut stages = Vec::new();
-            for s in 0..llm.pp {
-                let order = one_f_one_b(m, llm.pp - s, true);
-                let cost = |fwd: bool, i: usize| {
-                    let x = loads[i];
-                    let mut t = if fwd {
-                        sc.forward(s, x.tokens, x.sq)
-                    } else {
-                        sc.backward(s, x.tokens, x.sq)
-                    };
-                    t.comm += sc.send(x.tokens)
-                        * f64::from(u8::from(if fwd { s > 0 } else { s + 1 < llm.pp }));
-                    if s == 0 && !centric.is_empty() {
-                        // The busiest of the replica's CP ranks, each with its whole items.
-                        let busiest = (d * llm.cp..(d + 1) * llm.cp)
-                            .map(|r| {
-                                centric.iter().fold(Cost::default(), |acc, (k, ec)| {
-                                    let y = enc_load[*k][r][i];
-                                    acc.plus(if fwd {
-                                        ec.forward(0, y.tokens, y.sq)
-                                    } else {
-                                        ec.backward(0, y.tokens, y.sq)
-                                    })
-                                })
-                            })
-                            .max_by(|x, y| x.total().total_cmp(&y.total()))
-                            .unwrap_or_default();
-                        t = t.plus(busiest);
-                    }
-                    t
-                };
-                stages.push(stage_lane(
-                    &mut g,
-                    llm.block(),
-                    format!("llm r{d} s{s}"),
-                    "llm",
-                    s,
-                    &order,
-                    cost,
-                    m,
-                ));
-            }
-            llm_lanes.push(stages);
-        }
+        // The LLM's pipelines, their stages linked along and round the ring.
+        let v = sc.chunks.max(1);
+        let llm_lanes = llm_pipeline_lanes(&mut g, &sc, llm, &llm_load, &centric, &enc_load);
         // Dependencies along each pipeline.
         let set = |g: &mut Dag, t: usize, dep: usize| {
             if t != usize::MAX && dep != usize::MAX {
                 g.wait(t, dep);
             }
         };
-        for stages in enc_lanes.iter().flatten().chain(llm_lanes.iter()) {
-            for s in 1..stages.len() {
-                for i in 0..stages[s].f.len() {
-                    set(&mut g, stages[s].f[i], stages[s - 1].f[i]);
-                    set(&mut g, stages[s - 1].b[i], stages[s].b[i]);
-                }
-            }
+        for stages in enc_lanes.iter().flatten() {
+            link_stages(&mut g, stages, 0);
         }
         // The bridge between encoder last stages and LLM first stages.
         if !enc_lanes.is_empty() {
@@ -440,36 +395,47 @@ impl Problem {
         // backward and first forward do not hide (all of it without overlap).
         let mut dp_sync_s = 0.0f64;
         let mut sync_gpu_s = 0.0f64;
-        let mut sync = |g: &mut Dag, st: &LaneTasks, scs: &[&StageCost], s: usize| {
-            let pass = |ids: &[usize], last: bool| {
-                let id = if last { ids.last() } else { ids.first() };
-                id.filter(|&&i| i != usize::MAX)
-                    .map_or(0.0, |&i| g.tasks[i].cost.total())
+        let mut sync =
+            |g: &mut Dag, st: &LaneTasks, scs: &[&StageCost], s: usize, chunks: usize| {
+                // The windows the sync hides in: the last backward and the first forward of
+                // each of the lane's chunks (chunk k's grads are final after its own last
+                // backward, its weights needed at its own first forward): `ids` holds
+                // `chunk * per + microbatch`, `per = ids.len() / chunks`.
+                let pass = |ids: &[usize], last: bool| {
+                    let per = ids.len() / chunks;
+                    (0..chunks)
+                        .filter_map(|k| {
+                            let i = if last { (k + 1) * per } else { k * per + 1 };
+                            ids.get(i.checked_sub(1)?)
+                        })
+                        .filter(|&&i| i != usize::MAX)
+                        .map(|&i| g.tasks[i].cost.total())
+                        .sum::<f64>()
+                };
+                let (bwd, fwd) = (pass(&st.b, true), pass(&st.f, false));
+                let t: f64 = scs.iter().map(|sc| sc.exposed_sync(s, bwd, fwd)).sum();
+                dp_sync_s = dp_sync_s.max(t);
+                sync_gpu_s += t * g.lanes[st.lane].ranks as f64;
+                let lane = st.lane;
+                if t > 0.0 {
+                    let id = g.push(
+                        lane,
+                        Cost {
+                            compute: 0.0,
+                            comm: t,
+                        },
+                        &[],
+                    );
+                    g.name(id, || "grad sync".into());
+                }
             };
-            let (bwd, fwd) = (pass(&st.b, true), pass(&st.f, false));
-            let t: f64 = scs.iter().map(|sc| sc.exposed_sync(s, bwd, fwd)).sum();
-            dp_sync_s = dp_sync_s.max(t);
-            sync_gpu_s += t * g.lanes[st.lane].ranks as f64;
-            let lane = st.lane;
-            if t > 0.0 {
-                let id = g.push(
-                    lane,
-                    Cost {
-                        compute: 0.0,
-                        comm: t,
-                    },
-                    &[],
-                );
-                g.name(id, || "grad sync".into());
-            }
-        };
         for (k, &e) in encoders.iter().enumerate() {
             if let (Some(l), Some(reps)) = (plan.layout(e), enc_lanes.get(k))
                 && let Some(esc) = self.stage_cost(e, l, plan)
             {
                 for stages in reps {
                     for (s, st) in stages.iter().enumerate() {
-                        sync(&mut g, st, &[&esc], s);
+                        sync(&mut g, st, &[&esc], s, 1);
                     }
                 }
             }
@@ -481,7 +447,7 @@ impl Problem {
                 if s == 0 {
                     scs.extend(centric.iter().map(|(_, ec)| ec));
                 }
-                sync(&mut g, st, &scs, s);
+                sync(&mut g, st, &scs, s, v);
             }
         }
         // The loaders: one per rank, decoding the next batch while the step runs; on a
@@ -530,7 +496,9 @@ impl Problem {
         let mut llm_mem = 0.0f64;
         for s in 0..llm.pp {
             let largest = llm_load.iter().map(|d| max_mb(d)).fold(0.0, f64::max);
-            let inflight = largest * (llm.pp - s).min(m) as f64;
+            // Chunk activations held at once, each `1 / v` of the stage's.
+            let held = max_in_flight(&interleaved_1f1b(s, llm.pp, v, m, true));
+            let inflight = largest * held as f64 / v as f64;
             let mut bytes = sc.memory(s, inflight, largest).total();
             if s == 0 {
                 for (k, ec) in &centric {

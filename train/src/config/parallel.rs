@@ -48,6 +48,11 @@ pub struct ModuleLayout {
     /// the forward and the backward, which runs the block's forward again (about a
     /// third more compute for the blocks, their activations not held).
     pub recompute: bool,
+    /// Model chunks per pipeline stage (Megatron's virtual pipeline stages; the LLM
+    /// only): each stage holds `virtual_stages` slices of the layers, `pp` apart, and
+    /// runs the interleaved 1F1B, whose bubble is `1 / virtual_stages` of 1F1B's for as
+    /// many times the stage-to-stage sends. 1: plain 1F1B.
+    pub virtual_stages: usize,
 }
 
 impl Default for ModuleLayout {
@@ -58,6 +63,7 @@ impl Default for ModuleLayout {
             pp: 1,
             dp: 1,
             recompute: false,
+            virtual_stages: 1,
         }
     }
 }
@@ -202,10 +208,39 @@ impl ParallelConfig {
             ("vision", &self.vision),
             ("audio", &self.audio),
         ] {
-            for (axis, v) in [("tp", l.tp), ("cp", l.cp), ("pp", l.pp), ("dp", l.dp)] {
+            for (axis, v) in [
+                ("tp", l.tp),
+                ("cp", l.cp),
+                ("pp", l.pp),
+                ("dp", l.dp),
+                ("virtual_stages", l.virtual_stages),
+            ] {
                 if v == 0 {
                     return Err(invalid(format!("parallel.{name}.{axis}"), "must be >= 1"));
                 }
+            }
+            if name != "llm" && l.virtual_stages != 1 {
+                return Err(invalid(
+                    format!("parallel.{name}.virtual_stages"),
+                    "interleaved pipeline stages are for the LLM only: remove the key",
+                ));
+            }
+        }
+        if self.llm.virtual_stages > 1 {
+            if self.llm.pp < 2 {
+                return Err(invalid(
+                    "parallel.llm.virtual_stages",
+                    format!(
+                        "{} chunks per stage need at least two pipeline stages (parallel.llm.pp = {}): set virtual_stages = 1 or pp >= 2",
+                        self.llm.virtual_stages, self.llm.pp
+                    ),
+                ));
+            }
+            if self.schedule == braid_balancer::Schedule::Overlapped {
+                return Err(invalid(
+                    "parallel.llm.virtual_stages",
+                    "the interleaved pipeline runs under parallel.schedule = \"phased\" only: set virtual_stages = 1 or schedule = \"phased\"",
+                ));
             }
         }
         if !(self.timeout_s > 0.0 && self.timeout_s.is_finite()) {

@@ -88,6 +88,26 @@ fn typos_and_bad_values_name_the_key() {
         (&["parallel.timeout_s=0"][..], "parallel.timeout_s"),
         (&["parallel.device=\"cuda\""][..], "parallel.device"),
         (&["parallel.llm.tp=0"][..], "parallel.llm.tp"),
+        (
+            &["parallel.llm.virtual_stages=0"][..],
+            "parallel.llm.virtual_stages",
+        ),
+        (
+            &["parallel.llm.virtual_stages=2"][..],
+            "at least two pipeline stages",
+        ),
+        (
+            &[
+                "parallel.llm.pp=2",
+                "parallel.llm.virtual_stages=2",
+                "parallel.schedule=\"overlapped\"",
+            ][..],
+            "\"phased\" only",
+        ),
+        (
+            &["parallel.vision.virtual_stages=2"][..],
+            "parallel.vision.virtual_stages",
+        ),
         (&["checkpoint.keep=0"][..], "checkpoint.keep"),
         (
             &["train.batch_tokens=100"][..],

@@ -181,7 +181,7 @@ impl Chunks for LlmChunks<'_> {
             }
             LlmIn::Tokens(Some((rows, pos)))
         };
-        if let Some(out) = self.run.forward(j, input, trace)? {
+        if let Some(out) = self.run.forward(0, j, input, trace)? {
             mail.put(single(&self.role.fwd_out[j], "a stage's output")?, out)?;
         }
         Ok(())
@@ -195,7 +195,7 @@ impl Chunks for LlmChunks<'_> {
         } else {
             Some(mail.take(single(&self.role.bwd_in[j], "a stage's output grad")?)?)
         };
-        let dx = self.run.backward(j, dout, trace)?;
+        let dx = self.run.backward(0, j, dout, trace)?;
         let no_grad =
             || TrainError::Other(format!("llm stage {stage} microbatch {k}: no input grad"));
         if stage > 0 {

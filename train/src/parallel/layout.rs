@@ -37,6 +37,8 @@ pub struct Layouts {
     pub vision: Option<Grid>,
     pub audio: Option<Grid>,
     pub llm: Grid,
+    /// Model chunks per LLM pipeline stage (`parallel.llm.virtual_stages`; 1: 1F1B).
+    pub llm_chunks: usize,
 }
 
 fn dims(l: &ModuleLayout) -> GridDims {
@@ -96,6 +98,19 @@ impl Layouts {
             l.pp,
             "pp",
         )?;
+        let chunks = l.pp * l.virtual_stages;
+        if l.virtual_stages > 1 && (chunks > llm.layers || !llm.layers.is_multiple_of(chunks)) {
+            return Err(invalid(
+                "parallel.llm.virtual_stages",
+                format!(
+                    "pp * virtual_stages = {} * {} = {chunks} chunks must divide model.llm.layers = {} evenly: pick virtual_stages dividing {}",
+                    l.pp,
+                    l.virtual_stages,
+                    llm.layers,
+                    llm.layers / l.pp
+                ),
+            ));
+        }
 
         let encoders = [
             (
@@ -230,6 +245,7 @@ impl Layouts {
             vision,
             audio,
             llm,
+            llm_chunks: l.virtual_stages,
         })
     }
 

@@ -5,6 +5,7 @@
 //! phased loop ([`run_pipeline`]) and the overlapped executor each pass inputs in and
 //! take outputs out.
 
+use braid_balancer::pipeline::interleaved_1f1b;
 use braid_bridge::Routes;
 use braid_comm::Comm;
 use braid_dataloader::loader::Row;
@@ -14,7 +15,6 @@ use braid_nn::SeqInfo;
 
 use super::model::{LlmPart, device_of};
 use super::plan::{Microbatch, StepPlan};
-use super::schedule::{Op, one_f_one_b};
 use crate::data::rows_to_text;
 use crate::error::{Result, TrainError};
 use crate::trace::Tracer;
@@ -98,8 +98,11 @@ pub(crate) struct LlmStageRun<'a> {
     /// The loss normalizer: valid targets of the whole global batch.
     norm: usize,
     dev: Device,
+    /// What each (chunk, microbatch) keeps for its backward, at `chunk * n + j`.
     caches: Vec<Option<(StageCache, Option<Tensor>)>>,
-    tokens: Vec<usize>,
+    /// Each microbatch as this CP rank sees it, built by its first forward and kept for
+    /// the stage's other chunks.
+    batches: Vec<Option<LocalBatch>>,
     /// Loss sum this rank contributes (last stage, TP rank 0; 0 elsewhere).
     pub loss: f64,
 }
@@ -107,16 +110,17 @@ pub(crate) struct LlmStageRun<'a> {
 impl<'a> LlmStageRun<'a> {
     pub fn new(part: &'a mut LlmPart, rows: &'a [Row], plan: &'a StepPlan, norm: usize) -> Self {
         let mbs = plan.microbatches_of(part.groups.coord.dp);
-        let dev = device_of(&part.stage);
+        let dev = part.chunks.first().map_or(Device::Cpu, device_of);
         let n = mbs.len();
+        let v = part.chunks.len();
         LlmStageRun {
             part,
             rows,
             mbs,
             norm,
             dev,
-            caches: (0..n).map(|_| None).collect(),
-            tokens: vec![0; n],
+            caches: (0..v * n).map(|_| None).collect(),
+            batches: (0..n).map(|_| None).collect(),
             loss: 0.0,
         }
     }
@@ -130,6 +134,28 @@ impl<'a> LlmStageRun<'a> {
         (self.part.groups.coord.pp, self.part.groups.grid.dims.pp)
     }
 
+    /// Model chunks on this stage (`parallel.llm.virtual_stages`).
+    pub fn chunks(&self) -> usize {
+        self.part.chunks.len()
+    }
+
+    /// Whether chunk `k` of this stage ends the model (takes the loss).
+    fn ends_model(&self, k: usize) -> bool {
+        let (stage, stages) = self.stage();
+        stage + 1 == stages && k + 1 == self.chunks()
+    }
+
+    /// A pass's name on the timeline: "llm fwd s1 mb3", with the chunk where a stage
+    /// has several ("llm fwd s1 c0 mb3").
+    fn pass_name(&self, what: &str, k: usize, j: usize) -> String {
+        let (stage, mb) = (self.stage().0, self.mbs[j].mb);
+        if self.chunks() > 1 {
+            format!("llm {what} s{stage} c{k} mb{mb}")
+        } else {
+            format!("llm {what} s{stage} mb{mb}")
+        }
+    }
+
     /// The shape of the hidden states (and their grads) between stages of microbatch
     /// `j`: (T_local, C).
     pub fn hidden_shape(&self, j: usize) -> Result<Shape> {
@@ -138,20 +164,31 @@ impl<'a> LlmStageRun<'a> {
             .tokens
             .get(self.part.groups.coord.cp)
             .map_or(0, Vec::len);
-        Ok(Shape::new([t, self.part.stage.config.hidden]))
+        let hidden = self.part.chunks.first().map_or(0, |c| c.config.hidden);
+        Ok(Shape::new([t, hidden]))
     }
 
-    /// Microbatch `j`'s forward; returns the output for the next stage (`None` on the
-    /// last stage, which takes the loss and keeps its grad).
+    /// Microbatch `j`'s forward through chunk `k`; returns the output for the next
+    /// chunk (`None` where the model ends: the loss is taken and its grad kept).
     pub fn forward(
         &mut self,
+        k: usize,
         j: usize,
         input: LlmIn,
         trace: &mut Tracer,
     ) -> Result<Option<Tensor>> {
-        let (stage, stages) = self.stage();
-        let b = local_batch(self.rows, self.mbs[j], self.part.groups.coord.cp, self.dev)?;
-        self.tokens[j] = b.seq.num_tokens();
+        if self.batches[j].is_none() {
+            let b = local_batch(self.rows, self.mbs[j], self.part.groups.coord.cp, self.dev)?;
+            self.batches[j] = Some(b);
+        }
+        let b = self.batches[j]
+            .as_ref()
+            .ok_or_else(|| TrainError::Other(format!("microbatch {j} has no batch")))?;
+        let n = self.mbs.len();
+        let name = self.pass_name("fwd", k, j);
+        let chunk = self.part.chunks.get(k).ok_or_else(|| {
+            TrainError::Other(format!("llm chunk {k} of {}", self.part.chunks.len()))
+        })?;
         let t0 = trace.start();
         let (out, cache) = match input {
             LlmIn::Tokens(modality) => {
@@ -167,20 +204,19 @@ impl<'a> LlmStageRun<'a> {
                     host_ids: Some(&b.host_ids),
                     modality: modality.as_ref(),
                 };
-                self.part.stage.forward(input, &b.seq)?
+                chunk.forward(input, &b.seq)?
             }
-            LlmIn::Hidden(h) => self
-                .part
-                .stage
-                .forward(StageInput::Hidden(h.into_device(self.dev)?), &b.seq)?,
+            LlmIn::Hidden(h) => {
+                chunk.forward(StageInput::Hidden(h.into_device(self.dev)?), &b.seq)?
+            }
         };
-        trace.end(t0, format!("llm fwd s{stage} mb{}", self.mbs[j].mb), "llm")?;
-        if stage + 1 == stages {
+        trace.end(t0, name, "llm")?;
+        if self.ends_model(k) {
             let t0 = trace.start();
             let l = vocab_parallel_loss(
-                self.part.stage.tp_group().as_ref(),
+                chunk.tp_group().as_ref(),
                 &out,
-                self.part.stage.vocab_range().start,
+                chunk.vocab_range().start,
                 &b.targets,
                 Some(self.norm),
             )?;
@@ -188,48 +224,58 @@ impl<'a> LlmStageRun<'a> {
             if self.part.groups.coord.tp == 0 {
                 self.loss += l.loss_sum;
             }
-            self.caches[j] = Some((cache, Some(l.dlogits)));
+            self.caches[k * n + j] = Some((cache, Some(l.dlogits)));
             Ok(None)
         } else {
-            self.caches[j] = Some((cache, None));
+            self.caches[k * n + j] = Some((cache, None));
             Ok(Some(out))
         }
     }
 
-    /// Microbatch `j`'s backward, given the grad of its output (`None` on the last
-    /// stage, which has it from the loss); returns the grad of its input: the previous
-    /// stage's hidden states, or on the first stage the modality rows' grads (in the
-    /// order they came in; `None` without any).
+    /// Microbatch `j`'s backward through chunk `k`, given the grad of its output
+    /// (`None` where the model ends: the grad is the loss's); returns the grad of its
+    /// input: the previous chunk's hidden states, or on the model's first chunk the
+    /// modality rows' grads (in the order they came in; `None` without any).
     pub fn backward(
         &mut self,
+        k: usize,
         j: usize,
         dout: Option<Tensor>,
         trace: &mut Tracer,
     ) -> Result<Option<Tensor>> {
         let stage = self.stage().0;
-        let (cache, dlogits) = self.caches[j]
-            .take()
-            .ok_or_else(|| TrainError::Other(format!("microbatch {j} has no cache")))?;
+        let n = self.mbs.len();
+        let (cache, dlogits) = self.caches[k * n + j].take().ok_or_else(|| {
+            TrainError::Other(format!("llm chunk {k} microbatch {j} has no cache"))
+        })?;
         let dout = match (dlogits, dout) {
             (Some(d), _) => d,
             (None, Some(d)) => d.into_device(self.dev)?, // (T, C)
             (None, None) => {
                 return Err(TrainError::Other(format!(
-                    "llm stage {stage} microbatch {j}: no output grad"
+                    "llm stage {stage} chunk {k} microbatch {j}: no output grad"
                 )));
             }
         };
+        let name = self.pass_name("bwd", k, j);
         let t0 = trace.start();
-        let dx = self.part.stage.backward(cache, &dout)?;
-        trace.end(t0, format!("llm bwd s{stage} mb{}", self.mbs[j].mb), "llm")?;
+        let chunks = self.part.chunks.len();
+        let chunk = self
+            .part
+            .chunks
+            .get_mut(k)
+            .ok_or_else(|| TrainError::Other(format!("llm chunk {k} of {chunks}")))?;
+        let dx = chunk.backward(cache, &dout)?;
+        trace.end(t0, name, "llm")?;
         Ok(dx)
     }
 }
 
-/// The phased step: this rank's stage over its replica's microbatches in 1F1B order,
-/// every microbatch's modality rows taken from `received` (the whole step's, from one
-/// bridge exchange), their grads scattered into `dreceived`. Returns the loss sum this
-/// rank contributes.
+/// The phased step: this rank's stage over its replica's microbatches in 1F1B order
+/// (interleaved over its chunks where it has several: [`interleaved_1f1b`]), every
+/// microbatch's modality rows taken from `received` (the whole step's, from one bridge
+/// exchange), their grads scattered into `dreceived`. Returns the loss sum this rank
+/// contributes.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run_pipeline(
     part: &mut LlmPart,
@@ -246,15 +292,13 @@ pub(crate) fn run_pipeline(
     let rank = world.rank();
     let (stage, stages) = (g.coord.pp, g.grid.dims.pp);
     let first = stage == 0;
-    let prev = || {
+    // The stage a step `delta` away round the ring (the chunks go round it
+    // `virtual_stages` times: the last stage's chunk k feeds the first's k + 1).
+    let peer = |delta: isize| {
+        let to = (stage as isize + delta).rem_euclid(stages as isize);
         g.grid
-            .pp_neighbor(rank, -1)
-            .ok_or_else(|| TrainError::Other("no previous stage".into()))
-    };
-    let next = || {
-        g.grid
-            .pp_neighbor(rank, 1)
-            .ok_or_else(|| TrainError::Other("no next stage".into()))
+            .pp_neighbor(rank, to - stage as isize)
+            .ok_or_else(|| TrainError::Other(format!("no pipeline stage {to}")))
     };
     let mut run = LlmStageRun::new(part, rows, plan, norm);
     let dev = run.dev;
@@ -265,45 +309,44 @@ pub(crate) fn run_pipeline(
         vec![(Vec::new(), Vec::new()); run.mbs.len()]
     };
     let index = |v: &[u32]| Tensor::from_vec_u32(v.to_vec(), [v.len()], dev);
-    for op in one_f_one_b(stage, stages, run.mbs.len()) {
-        match op {
-            Op::Forward(j) => {
-                let input = if first {
-                    let (idx, pos) = &fill[j];
-                    LlmIn::Tokens(if idx.is_empty() {
-                        None
-                    } else {
-                        Some((ops::gather_rows(received, &index(idx)?)?, pos.clone())) // (M_mb, C)
-                    })
-                } else {
-                    let t0 = trace.start();
-                    let h = world.recv(&run.hidden_shape(j)?, prev()?)?; // (T, C)
-                    trace.end(t0, format!("recv act mb{}", run.mbs[j].mb), "comm")?;
-                    LlmIn::Hidden(h)
-                };
-                if let Some(out) = run.forward(j, input, trace)? {
-                    world.send(&out, next()?)?;
-                }
-            }
-            Op::Backward(j) => {
-                let dout = if stage + 1 == stages {
+    let v = run.chunks();
+    for pass in interleaved_1f1b(stage, stages, v, run.mbs.len(), true) {
+        let (k, j) = (pass.chunk, pass.mb);
+        let mb = run.mbs[j].mb;
+        if pass.forward {
+            let input = if first && k == 0 {
+                let (idx, pos) = &fill[j];
+                LlmIn::Tokens(if idx.is_empty() {
                     None
                 } else {
-                    let t0 = trace.start();
-                    let d = world.recv(&run.hidden_shape(j)?, next()?)?; // (T, C)
-                    trace.end(t0, format!("recv grad mb{}", run.mbs[j].mb), "comm")?;
-                    Some(d)
-                };
-                let dx = run.backward(j, dout, trace)?;
-                if !first {
-                    let dh =
-                        dx.ok_or_else(|| TrainError::Other("stage gave no input grad".into()))?;
-                    world.send(&dh, prev()?)?;
-                } else if let Some(dmod) = dx
-                    && !fill[j].0.is_empty()
-                {
-                    ops::scatter_rows(dreceived, &index(&fill[j].0)?, &dmod)?;
-                }
+                    Some((ops::gather_rows(received, &index(idx)?)?, pos.clone())) // (M_mb, C)
+                })
+            } else {
+                let t0 = trace.start();
+                let h = world.recv(&run.hidden_shape(j)?, peer(-1)?)?; // (T, C)
+                trace.end(t0, format!("recv act mb{mb}"), "comm")?;
+                LlmIn::Hidden(h)
+            };
+            if let Some(out) = run.forward(k, j, input, trace)? {
+                world.send(&out, peer(1)?)?;
+            }
+        } else {
+            let dout = if run.ends_model(k) {
+                None
+            } else {
+                let t0 = trace.start();
+                let d = world.recv(&run.hidden_shape(j)?, peer(1)?)?; // (T, C)
+                trace.end(t0, format!("recv grad mb{mb}"), "comm")?;
+                Some(d)
+            };
+            let dx = run.backward(k, j, dout, trace)?;
+            if !(first && k == 0) {
+                let dh = dx.ok_or_else(|| TrainError::Other("stage gave no input grad".into()))?;
+                world.send(&dh, peer(-1)?)?;
+            } else if let Some(dmod) = dx
+                && !fill[j].0.is_empty()
+            {
+                ops::scatter_rows(dreceived, &index(&fill[j].0)?, &dmod)?;
             }
         }
     }

@@ -64,7 +64,9 @@ pub fn build_direct(
     }
     if let (Some(dir), Some(l)) = (llm_hf, model.llm.as_mut()) {
         let files = WeightFiles::open_dir(dir)?;
-        l.stage.load_hf(&files)?;
+        for c in &mut l.chunks {
+            c.load_hf(&files)?;
+        }
     }
     model.add_prefixes();
     apply_freeze(&mut model, config, Freeze::from_names(&cfg.train.freeze)?)?;
@@ -114,7 +116,9 @@ fn apply_freeze(model: &mut RankModel, config: &MllmConfig, f: Freeze) -> Result
         }
     }
     if let (true, Some(l)) = (f.llm, model.llm.as_mut()) {
-        l.stage.freeze();
+        for c in &mut l.chunks {
+            c.freeze();
+        }
     }
     Ok(())
 }

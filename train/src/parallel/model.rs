@@ -108,11 +108,26 @@ pub struct AudioPart {
     pub groups: ModuleGroups,
 }
 
-/// One pipeline stage of the LLM.
+/// One pipeline stage of the LLM: its model chunks (one, or `parallel.llm.virtual_stages`
+/// slices of the layers `pp` chunks apart, in chunk order).
 #[derive(Debug)]
 pub struct LlmPart {
-    pub stage: LlmStage,
+    pub chunks: Vec<LlmStage>,
     pub groups: ModuleGroups,
+}
+
+impl LlmPart {
+    pub fn visit_params<'a>(&'a self, f: &mut dyn FnMut(&'a Param)) {
+        for c in &self.chunks {
+            c.visit_params(f);
+        }
+    }
+
+    pub fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
+        for c in &mut self.chunks {
+            c.visit_params_mut(f);
+        }
+    }
 }
 
 /// What one rank holds.
@@ -123,7 +138,8 @@ pub struct RankModel {
     pub llm: Option<LlmPart>,
 }
 
-/// The layers of stage `s` of `pp` over `layers` (validated: `pp` divides `layers`).
+/// The layers of stage `s` of `pp` over `layers` (validated: `pp` divides `layers`;
+/// with virtual stages, `s` is a chunk of `pp * virtual_stages`).
 pub fn stage_layers(layers: usize, pp: usize, s: usize) -> Range<usize> {
     let per = layers / pp.max(1);
     s * per..(s + 1) * per
@@ -278,14 +294,20 @@ impl RankModel {
         }
         let tied = cfg.llm.tie_embeddings;
         if let Some(groups) = ModuleGroups::new(world, layouts, ModuleKind::Llm, rank, tied)? {
-            let layers = stage_layers(cfg.llm.layers, groups.grid.dims.pp, groups.coord.pp);
-            let mut stage = LlmStage::new(&cfg.llm, layers, &inits.llm, Arc::clone(&groups.tp))?;
-            if groups.grid.dims.cp > 1 {
-                for b in &mut stage.blocks {
-                    b.self_attn.cp = Some(Arc::clone(&groups.cp));
+            // Chunk k of stage s is slice k pp + s of the pp * chunks equal slices.
+            let (pp, v) = (groups.grid.dims.pp, layouts.llm_chunks.max(1));
+            let mut chunks = Vec::with_capacity(v);
+            for k in 0..v {
+                let layers = stage_layers(cfg.llm.layers, pp * v, k * pp + groups.coord.pp);
+                let mut c = LlmStage::new(&cfg.llm, layers, &inits.llm, Arc::clone(&groups.tp))?;
+                if groups.grid.dims.cp > 1 {
+                    for b in &mut c.blocks {
+                        b.self_attn.cp = Some(Arc::clone(&groups.cp));
+                    }
                 }
+                chunks.push(c);
             }
-            model.llm = Some(LlmPart { stage, groups });
+            model.llm = Some(LlmPart { chunks, groups });
         }
         Ok(model)
     }
@@ -300,7 +322,9 @@ impl RankModel {
             prefix(&mut a.encoder, AUDIO);
         }
         if let Some(l) = &mut self.llm {
-            prefix(&mut l.stage, LLM);
+            for c in &mut l.chunks {
+                prefix(c, LLM);
+            }
         }
     }
 
@@ -313,7 +337,9 @@ impl RankModel {
             a.encoder.recompute = p.audio.recompute;
         }
         if let Some(l) = &mut self.llm {
-            l.stage.recompute = p.llm.recompute;
+            for c in &mut l.chunks {
+                c.recompute = p.llm.recompute;
+            }
         }
     }
 
@@ -375,7 +401,7 @@ impl Module for RankModel {
             }
         }
         if let Some(l) = &self.llm {
-            l.stage.visit_params(f);
+            l.visit_params(f);
         }
     }
     fn visit_params_mut(&mut self, f: &mut dyn FnMut(&mut Param)) {
@@ -392,7 +418,7 @@ impl Module for RankModel {
             }
         }
         if let Some(l) = &mut self.llm {
-            l.stage.visit_params_mut(f);
+            l.visit_params_mut(f);
         }
     }
 }

@@ -13,17 +13,20 @@ pub enum Op {
     Backward(usize),
 }
 
-/// The order of forwards and backwards of `n` microbatches on stage `stage` of `stages`.
+/// The order of forwards and backwards of `n` microbatches on stage `stage` of `stages`
+/// (the one-chunk case of [`braid_balancer::pipeline::interleaved_1f1b`], the order the
+/// planner simulates).
 pub fn one_f_one_b(stage: usize, stages: usize, n: usize) -> Vec<Op> {
-    let warmup = stages.saturating_sub(stage + 1).min(n);
-    let mut ops = Vec::with_capacity(2 * n);
-    ops.extend((0..warmup).map(Op::Forward));
-    for i in 0..n - warmup {
-        ops.push(Op::Forward(warmup + i));
-        ops.push(Op::Backward(i));
-    }
-    ops.extend((n - warmup..n).map(Op::Backward));
-    ops
+    braid_balancer::pipeline::interleaved_1f1b(stage, stages, 1, n, true)
+        .into_iter()
+        .map(|p| {
+            if p.forward {
+                Op::Forward(p.mb)
+            } else {
+                Op::Backward(p.mb)
+            }
+        })
+        .collect()
 }
 
 /// The most microbatches in flight (forward done, backward not yet) in `ops`.

@@ -37,7 +37,7 @@ fn parts(model: &RankModel) -> Vec<(&ModuleGroups, Vec<&Param>)> {
     }
     if let Some(l) = &model.llm {
         let mut ps = Vec::new();
-        l.stage.visit_params(&mut |p| ps.push(p));
+        l.visit_params(&mut |p| ps.push(p));
         out.push((&l.groups, ps));
     }
     out

@@ -51,6 +51,7 @@ fn module_layout(l: Option<braid_balancer::Layout>, recompute: bool) -> ModuleLa
         pp: l.pp,
         dp: l.dp,
         recompute,
+        virtual_stages: 1,
     }
 }
 
@@ -134,7 +135,10 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
     cfg.parallel.world_size = file.gpus;
     cfg.parallel.schedule = p.schedule;
     cfg.parallel.placement = placement;
-    cfg.parallel.llm = module_layout(Some(p.llm), p.recompute);
+    cfg.parallel.llm = ModuleLayout {
+        virtual_stages: p.llm_virtual_stages.max(1),
+        ..module_layout(Some(p.llm), p.recompute)
+    };
     cfg.parallel.vision = module_layout(p.vision, p.recompute_encoders);
     cfg.parallel.audio = module_layout(p.audio, p.recompute_encoders);
     cfg.parallel.zero1 = p.zero1;

@@ -405,6 +405,7 @@ mod tests {
                 recompute: true,
                 recompute_encoders: false,
                 llm_first_stage_layers: None,
+                llm_virtual_stages: 2,
                 zero1: false,
                 llm: braid_balancer::Layout {
                     tp: 2,
@@ -436,6 +437,8 @@ mod tests {
         assert_eq!(cfg.parallel.world_size, 4);
         assert_eq!(cfg.parallel.placement, crate::config::Placement::Colocated);
         assert_eq!((cfg.parallel.llm.tp, cfg.parallel.llm.pp), (2, 2));
+        // Interleaved: two chunks per LLM stage.
+        assert_eq!(cfg.parallel.llm.virtual_stages, 2);
         assert_eq!(cfg.parallel.vision.dp, 4);
         assert_eq!(cfg.parallel.audio.dp, 1);
         // Recomputation is the plan's, per module.

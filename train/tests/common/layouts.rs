@@ -122,6 +122,36 @@ pub const LAYOUTS: &[(&str, &[&str], bool)] = &[
         ],
         false,
     ),
+    // Interleaved 1F1B (two model chunks per stage, the tied embedding's two copies on
+    // stages 0 and 1): with TP and a partial microbatch group (3 over 2 stages), and
+    // colocated with CP and DP.
+    (
+        "llm-tp2-pp2-virtual2",
+        &[
+            "parallel.world_size=6",
+            "parallel.llm.tp=2",
+            "parallel.llm.pp=2",
+            "parallel.llm.virtual_stages=2",
+            "train.microbatches=3",
+        ],
+        false,
+    ),
+    (
+        "colocated-llm-cp2-pp2-dp2-virtual2",
+        &[
+            "parallel.world_size=8",
+            "parallel.placement=\"colocated\"",
+            "parallel.llm.cp=2",
+            "parallel.llm.pp=2",
+            "parallel.llm.dp=2",
+            "parallel.llm.virtual_stages=2",
+            "parallel.llm.recompute=true",
+            "parallel.vision.dp=8",
+            "parallel.audio.tp=2",
+            "parallel.audio.dp=4",
+        ],
+        false,
+    ),
     (
         "dp2-no-zero1",
         &[
