@@ -7,8 +7,9 @@
 //!   layouts covering TP, CP, PP and DP on every module, disjoint and colocated, uneven DP
 //!   sizes between modules, a frozen encoder, ZeRO-1 on and off, activation
 //!   recomputation (one rank, TP, CP + PP on the LLM and on both encoders);
-//! - a checkpoint written under one layout resumed under another (and on one rank) gives
-//!   the same losses as not stopping.
+//! - a checkpoint written under one layout resumed under another (an interleaved
+//!   pipeline, and one rank) gives the same losses as not stopping;
+//! - interleaved pipeline stages (`parallel.llm.virtual_stages`) among the layouts.
 
 // Helpers are plain functions, outside clippy's allow-unwrap-in-tests.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -198,10 +199,12 @@ fn a_checkpoint_resumes_under_another_layout() {
     let _ = std::fs::remove_dir_all(&copy);
     copy_dir(&dir, &copy);
 
+    // Resumed interleaved: each stage's two chunks load their layers by name.
     let second = [
         "parallel.world_size=6",
         "parallel.llm.cp=2",
         "parallel.llm.pp=2",
+        "parallel.llm.virtual_stages=2",
     ];
     train(config(&dir, &second), true, &mut Quiet).unwrap();
     let got: Vec<(f64, f64)> = read_metrics(&dir.join("metrics.jsonl"))
