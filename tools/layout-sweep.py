@@ -3,11 +3,14 @@
 
 Draws disjoint layouts (TP, CP, PP, DP per module, microbatches, encoder recomputation),
 trains each for 4 steps under `parallel.schedule = "phased"` and `"overlapped"` with the
-given `braid` binary, and prints the largest relative difference of each run's per-step
-losses from the one-rank run. A config the binary rejects (exit 2, a message naming the
-key) is printed as REJECT and drawn again; any other failure is FAIL.
+given `braid` binary, and where the LLM has pipeline stages also phased with interleaved
+stages (`parallel.llm.virtual_stages`, a count that splits a stage's layers), and prints
+the largest relative difference of each run's per-step losses from the one-rank run. A
+config the binary rejects (exit 2, a message naming the key) is printed as REJECT and
+drawn again; any other failure is FAIL. `--llm-layers N` trains every run (the one-rank
+one too) with an N-layer LLM, room for more stages and chunks than tiny's 4 layers.
 
-    tools/layout-sweep.py [--bin target/debug/braid] [--seed 1] [--layouts 14] [--max-world 14]
+    tools/layout-sweep.py [--bin target/debug/braid] [--seed 1] [--layouts 14] [--max-world 14] [--llm-layers 8]
 """
 import argparse
 import json
@@ -20,6 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+BASE = []  # --set's every run takes (--llm-layers)
+
+
 def train(binary, out, name, sets):
     run_dir = out / name
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -27,7 +33,7 @@ def train(binary, out, name, sets):
             "--set", f"run.dir={run_dir}", "--set", "train.steps=4",
             "--set", "optim.warmup_steps=1", "--set", "checkpoint.interval=0",
             "--set", "log.interval=1"]
-    for s in sets:
+    for s in BASE + sets:
         args += ["--set", s]
     p = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
     if p.returncode != 0:
@@ -51,7 +57,10 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--layouts", type=int, default=14)
     ap.add_argument("--max-world", type=int, default=14)
+    ap.add_argument("--llm-layers", type=int, default=4, help="tiny.toml's LLM has 4")
     a = ap.parse_args()
+    if a.llm_layers != 4:
+        BASE.append(f"model.llm.layers={a.llm_layers}")
     rng = random.Random(a.seed)
     out = Path(tempfile.mkdtemp(prefix="braid-sweep-"))
     one, err = train(a.bin, out, "one", [])
@@ -81,6 +90,16 @@ def main():
         tag = " ".join(s.replace("parallel.", "") for s in sets)
         phased, e1 = train(a.bin, out, "phased", sets)
         over, e2 = train(a.bin, out, "overlapped", sets + ['parallel.schedule="overlapped"'])
+        # Interleaved: V chunks per LLM stage, V splitting a stage's layers.
+        pp = mods["llm"]["pp"]
+        per_stage = a.llm_layers // pp if a.llm_layers % pp == 0 else 0
+        vs = [v for v in range(2, per_stage + 1) if per_stage % v == 0] if pp > 1 else []
+        inter = e3 = None
+        tried_inter = bool(vs) and phased is not None
+        if tried_inter:
+            v = rng.choice(vs)
+            tag += f" | virtual_stages={v}"
+            inter, e3 = train(a.bin, out, "interleaved", sets + [f"parallel.llm.virtual_stages={v}"])
         if phased is None or over is None:
             if e1 and e2 and e1[0] == 2 and e2[0] == 2:
                 print("REJECT", tag, e1[1], flush=True)
@@ -91,9 +110,14 @@ def main():
             continue
         done += 1
         d_over, d_phased = rel(over, one), rel(phased, one)
-        ok = d_over < 1e-4 and d_phased < 1e-4
+        # An interleaved run that failed counts as a difference (once, with the layout).
+        d_inter = rel(inter, one) if inter is not None else (float("inf") if tried_inter else 0.0)
+        ok = d_over < 1e-4 and d_phased < 1e-4 and d_inter < 1e-4
         failed += not ok
-        print(f"{'OK  ' if ok else 'DIFF'} overlapped {d_over:.1e} phased {d_phased:.1e} | {tag}",
+        extra = f" interleaved {d_inter:.1e}" if tried_inter else ""
+        if tried_inter and inter is None:
+            extra += f" (failed: {e3})"
+        print(f"{'OK  ' if ok else 'DIFF'} overlapped {d_over:.1e} phased {d_phased:.1e}{extra} | {tag}",
               flush=True)
     shutil.rmtree(out, ignore_errors=True)
     print(f"{done} layouts, {failed} failed or differed", flush=True)

@@ -157,3 +157,35 @@ fn the_search_interleaves_only_under_the_phased_schedule() {
     let plain: Plan = toml::from_str(&toml::to_string(&plan(pipeline(2), 2)).unwrap()).unwrap();
     assert_eq!(plain.llm_virtual_stages, 1);
 }
+
+/// A plan file's chunk count is checked like its layouts: at least one, two or more
+/// stages, a count that splits the layers, the phased schedule, no shorter first stage.
+#[test]
+fn a_plan_s_chunks_are_checked() {
+    let p = problem(llm_only(8), free_links());
+    let check = |plan: &Plan| plan.check(&p.model, &p.cluster, plan.gpus(), 8);
+    assert!(check(&interleaved(2, 2, 4)).is_ok());
+    assert!(check(&interleaved(2, 4, 4)).is_ok());
+    for (bad, needle) in [
+        (interleaved(2, 0, 4), ">= 1"),
+        (interleaved(2, 3, 4), "dividing"),
+        (interleaved(1, 2, 4), "pp >= 2"),
+        (
+            Plan {
+                schedule: Schedule::Overlapped,
+                ..interleaved(2, 2, 4)
+            },
+            "phased",
+        ),
+        (
+            Plan {
+                llm_first_stage_layers: Some(3),
+                ..interleaved(2, 2, 4)
+            },
+            "first_stage",
+        ),
+    ] {
+        let e = check(&bad).unwrap_err();
+        assert!(e.contains(needle), "{bad:?}: {e}");
+    }
+}

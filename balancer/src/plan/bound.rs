@@ -48,7 +48,7 @@ use std::collections::HashMap;
 use crate::dims::Module;
 use crate::plan::cost::StageCost;
 use crate::plan::layout::{Layout, Plan, Schedule};
-use crate::plan::options::{Knobs, Totals};
+use crate::plan::options::{Knobs, Totals, llm_chunk_counts};
 use crate::plan::search::{encoder_counts, first_stage_options};
 use crate::plan::span::{Ladder, Rates};
 use crate::plan::step::{Problem, StepSim};
@@ -167,8 +167,9 @@ impl Problem {
             _ => &inp.chunks,
         };
         let rates = self.rates();
-        // A span holds for any chunking: one per layout, recomputation and first stage.
-        let mut paths: HashMap<(Layout, bool, Option<usize>), Vec<Ladder>> = HashMap::new();
+        // A span holds for any chunking: one per layout, recomputation, first stage and
+        // model chunks a stage.
+        let mut paths: HashMap<(Layout, bool, Option<usize>, usize), Vec<Ladder>> = HashMap::new();
         let mut ways = Vec::new();
         for &g in &inp.counts {
             for &c in chunks {
@@ -182,9 +183,27 @@ impl Problem {
                         Module::Llm => first_stage_options(self.model.llm.layers, o.layout.pp),
                         _ => vec![None],
                     };
-                    for first in firsts {
+                    // An even split may run interleaved (with the chunk counts the search
+                    // may take): more chunks shorten the fill and drain and lengthen the
+                    // chain of sends round the ring.
+                    let split: Vec<(Option<usize>, usize)> = firsts
+                        .into_iter()
+                        .flat_map(|first| {
+                            let counts = match (m, first) {
+                                (Module::Llm, None) => llm_chunk_counts(
+                                    self.model.llm.layers,
+                                    o.layout.pp,
+                                    o.microbatches,
+                                ),
+                                _ => vec![1],
+                            };
+                            counts.into_iter().map(move |v| (first, v))
+                        })
+                        .collect();
+                    for (first, chunks) in split {
                         let sc = StageCost {
                             first_stage_layers: first,
+                            chunks,
                             ..sc
                         };
                         let mem = match first {
@@ -193,7 +212,7 @@ impl Problem {
                         };
                         if mem <= budget {
                             let ladders = paths
-                                .entry((o.layout, o.recompute, first))
+                                .entry((o.layout, o.recompute, first, chunks))
                                 .or_insert_with(|| {
                                     inp.each
                                         .iter()
@@ -239,7 +258,9 @@ impl Problem {
         let n = (l.dp * microbatches) as f64;
         let (t, q) = (total.0 / n, total.1 / n);
         let pass = |st: usize| sc.forward(st, t, q).total() + sc.backward(st, t, q).total();
-        let sends = (l.pp - 1) as f64 * if sc.frozen { 1.0 } else { 2.0 };
+        // A send at every stage (or, interleaved, chunk) boundary, each way.
+        let boundaries = (l.pp * sc.chunks.max(1)).saturating_sub(1) as f64;
+        let sends = boundaries * if sc.frozen { 1.0 } else { 2.0 };
         let per_chunk = (0..l.pp).map(pass).sum::<f64>() + sends * sc.send(t);
         Way {
             work: n * per_chunk * l.block() as f64,

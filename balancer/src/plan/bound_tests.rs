@@ -101,6 +101,58 @@ fn the_fill_takes_the_least_tokens_and_attention_of_any_row() {
     }
 }
 
+/// Memory forces a four-stage pipeline, whose interleaved 1F1B fills and drains in a
+/// `1 / V` of 1F1B's time: the bound's fill and drain must allow the most chunks the
+/// search may take (a reviewer's case: the bound kept 1F1B's `(m + 3)` slots against the
+/// interleaved step's `(m + 1.5)`).
+#[test]
+fn the_bound_allows_an_interleaved_fill_and_drain() {
+    let mut cluster = free_links(one_rate());
+    cluster.gpus_per_node = 1; // no TP to shard the weights instead
+    // Short rows: the weights, not the activations, set the memory (no CP layout fits).
+    let rows = vec![
+        RowShape {
+            samples: vec![64],
+            images: vec![],
+            clips: vec![],
+        };
+        8
+    ];
+    let plan = |v: usize| Plan {
+        llm_virtual_stages: v,
+        ..pipeline(4, 1, 8, false, None)
+    };
+    // Memory for the interleaved plan and no more: two stages of four blocks do not fit.
+    let peak = llm_problem(block(8, 0, false), cluster.clone())
+        .simulate(&plan(2), &rows)
+        .map_or(0.0, |s| s.peak_memory);
+    cluster.memory_gib = 1.001 * peak / crate::cluster::GIB / cluster.usable_memory;
+    let p = llm_problem(block(8, 0, false), cluster);
+    let two = p.simulate(
+        &Plan {
+            llm: Layout {
+                tp: 1,
+                cp: 2,
+                pp: 2,
+                dp: 1,
+            },
+            ..pipeline(2, 1, 8, false, None)
+        },
+        &rows,
+    );
+    assert!(two.is_ok_and(|s| s.peak_memory > p.cluster.usable_bytes()));
+    let Some(b) = p.work_bound(4, std::slice::from_ref(&rows), 8) else {
+        panic!("no layout fits");
+    };
+    for v in [1, 2] {
+        let s = step(&p, &plan(v), &rows);
+        assert!(
+            s >= b.step_s * (1.0 - 1e-9),
+            "v {v}: step {s} < bound {b:?}"
+        );
+    }
+}
+
 /// A shorter first stage holds and syncs less where a tied embedding outweighs a
 /// block: the bound tries the first-stage layer counts the baseline may take (a
 /// reviewer's case: the even split's sync bound was 0.252 s against 0.204 s).

@@ -182,6 +182,28 @@ impl Plan {
         if self.schedule == Schedule::Overlapped && self.placement != Placement::Disjoint {
             return Err("the overlapped schedule needs disjoint placement".into());
         }
+        let v = self.llm_virtual_stages;
+        if v == 0 {
+            return Err("llm_virtual_stages must be >= 1".into());
+        }
+        if v > 1 {
+            let chunks = self.llm.pp * v;
+            if self.llm.pp < 2 || !model.llm.layers.is_multiple_of(chunks) {
+                return Err(format!(
+                    "llm_virtual_stages = {v} with llm pp {}: needs pp >= 2 and pp * virtual stages dividing the LLM's {} layers",
+                    self.llm.pp, model.llm.layers
+                ));
+            }
+            if self.schedule == Schedule::Overlapped {
+                return Err("llm_virtual_stages > 1 runs under the phased schedule only".into());
+            }
+            if self.llm_first_stage_layers.is_some() {
+                return Err(
+                    "llm_virtual_stages > 1 splits the stages evenly: no llm_first_stage_layers"
+                        .into(),
+                );
+            }
+        }
         let rows = batch_rows / self.llm.dp;
         if rows == 0 || self.microbatches == 0 || self.microbatches > rows {
             return Err(format!(

@@ -328,7 +328,9 @@ impl Problem {
                         ec.backward(0, e.0, e.1).total(),
                     );
                     t += ef + eb;
-                    bytes += ec.memory(0, e.0 * l.pp.min(mbs) as f64, e.0).total();
+                    bytes += ec
+                        .memory(0, e.0 * chunk0_held(l.pp, v, mbs) as f64, e.0)
+                        .total();
                     // The encoders' grads sync on the same GPUs, after the LLM's.
                     stage_sync += ec.exposed_sync(0, eb, ef);
                 }
@@ -416,10 +418,18 @@ impl Problem {
     }
 }
 
+/// Microbatches whose first-chunk activations stage 0 of `pp` holds at once with `v`
+/// chunks a stage (where the LLM-centric baseline's encoders run): 1F1B's `pp`, the
+/// interleaved order's `2 pp` (its warm-up runs two groups through chunk 0), at most `m`.
+pub(crate) fn chunk0_held(pp: usize, v: usize, m: usize) -> usize {
+    if v > 1 { (2 * pp).min(m) } else { pp.min(m) }
+}
+
 /// Model chunks per stage the LLM may take at `layout` with `mbs` microbatches: 1, and
-/// under the phased schedule with two or more stages and at least as many microbatches
-/// as stages (fewer gain nothing), every count that splits a stage's blocks evenly
-/// (what `parallel.llm.virtual_stages` accepts). Encoders: 1.
+/// under the phased schedule with two or more stages and whole groups of microbatches (a
+/// multiple of the stages: a partial last group gains less than the estimate's `1 / v`
+/// of the bubble), every count that splits a stage's blocks evenly (what
+/// `parallel.llm.virtual_stages` accepts). Encoders: 1.
 fn llm_chunk_options(
     m: Module,
     layout: Layout,
@@ -427,11 +437,21 @@ fn llm_chunk_options(
     p: &Problem,
     overlapped: bool,
 ) -> Vec<usize> {
+    if m != Module::Llm || overlapped {
+        return vec![1];
+    }
+    llm_chunk_counts(p.model.llm.layers, layout.pp, mbs)
+}
+
+/// 1, and with `pp >= 2` stages and `mbs` a multiple of them every count of chunks that
+/// splits a stage's `layers / pp` blocks evenly: what the search may give the LLM (and
+/// so what the work-conserving bound must allow).
+pub(crate) fn llm_chunk_counts(layers: usize, pp: usize, mbs: usize) -> Vec<usize> {
     let mut out = vec![1];
-    if m != Module::Llm || overlapped || layout.pp < 2 || mbs < layout.pp {
+    if pp < 2 || mbs == 0 || !mbs.is_multiple_of(pp) || !layers.is_multiple_of(pp) {
         return out;
     }
-    let per_stage = p.model.llm.layers / layout.pp;
+    let per_stage = layers / pp;
     out.extend((2..=per_stage).filter(|v| per_stage.is_multiple_of(*v)));
     out
 }

@@ -22,10 +22,16 @@ const PICK_ROUNDS: usize = 8;
 /// Rounds refining the winner's LLM option with encoder layouts not simulated yet.
 const REFINE_ROUNDS: usize = 2;
 
-/// The LLM option of a candidate (layout, microbatches, recomputation): it decides most
-/// of the step, and the estimate's error is larger than the gaps between encoder layouts.
-fn llm_key(plan: &Plan) -> (Layout, usize, bool) {
-    (plan.llm, plan.microbatches, plan.recompute)
+/// The LLM option of a candidate (layout, microbatches, recomputation, chunks a stage):
+/// it decides most of the step, and the estimate's error is larger than the gaps between
+/// encoder layouts.
+fn llm_key(plan: &Plan) -> (Layout, usize, bool, usize) {
+    (
+        plan.llm,
+        plan.microbatches,
+        plan.recompute,
+        plan.llm_virtual_stages,
+    )
 }
 
 /// `a` and `b` differ only where the estimate cannot see it (an encoder off the

@@ -128,19 +128,23 @@ impl Problem {
         // Fill and drain around each stage: the first chunk's forward through the stages
         // before, and the last one's backward back through them (a frozen module's
         // forward on through the stages after).
+        // With `chunks` model chunks a stage (interleaved 1F1B) only the first chunk's
+        // slice of each stage lies before or after it: at least `1 / chunks` of the stage
+        // (the first chunk also holds the stem).
+        let v = sc.chunks.max(1) as f64;
         let edge = |first: &[Vec<f64>; 2], last: &[Vec<f64>; 2]| -> Vec<f64> {
             let (mut fill, mut drain) = (0.0, 0.0);
             let mut out = vec![0.0; l.pp];
             for st in 0..l.pp {
                 out[st] = fill + if sc.frozen { 0.0 } else { drain };
-                fill += first[0][st];
-                drain += last[1][st];
+                fill += first[0][st] / v;
+                drain += last[1][st] / v;
             }
             if sc.frozen {
                 let mut after = 0.0;
                 for st in (0..l.pp).rev() {
                     out[st] += after;
-                    after += last[0][st];
+                    after += last[0][st] / v;
                 }
             }
             out
@@ -228,19 +232,24 @@ impl Problem {
     }
 
     /// A chunk of `c` tokens (at least `density` squared length a token, the least of
-    /// any item) through every stage of `sc` and back, on the fill curve: its time never
-    /// falls with `c` (at the envelope a larger GEMM can finish sooner), so a chunk of at
-    /// least `c` tokens takes at least this.
+    /// any item) through every stage of `sc` and back, with the sends between its
+    /// stages, on the fill curve: its time never falls with `c` (at the envelope a larger
+    /// GEMM can finish sooner), so a chunk of at least `c` tokens takes at least this.
     pub(crate) fn chain(&self, sc: &StageCost, rates: &Rates, c: f64, density: f64) -> f64 {
         let env = StageCost {
             cluster: &rates.fill,
             ..*sc
         };
-        (0..sc.layout.pp)
+        let passes: f64 = (0..sc.layout.pp)
             .map(|st| {
                 let [f, b] = env.linear_in_sq(st, c);
                 f.0 + b.0 + (f.1 + b.1) * c * density
             })
-            .sum()
+            .sum();
+        // Its sends between chunks, each way (forward only when frozen): `pp - 1`
+        // boundaries, `chunks * pp - 1` round an interleaved ring.
+        let boundaries = (sc.chunks.max(1) * sc.layout.pp).saturating_sub(1) as f64;
+        let ways = if sc.frozen { 1.0 } else { 2.0 };
+        passes + boundaries * ways * env.send(c)
     }
 }

@@ -17,6 +17,7 @@ use crate::plan::lanes::{
     sharing_lanes, stage_lane, whole_items_per_cp_rank, window_max,
 };
 use crate::plan::layout::{Layout, Placement, Plan, Schedule};
+use crate::plan::options::chunk0_held;
 use crate::workload::{RowShape, shape_of};
 
 /// What is being planned.
@@ -504,7 +505,9 @@ impl Problem {
                 for (k, ec) in &centric {
                     // The fullest CP rank's chunk.
                     let big = enc_load[*k].iter().map(|d| max_mb(d)).fold(0.0, f64::max);
-                    bytes += ec.memory(0, big * llm.pp.min(m) as f64, big).total();
+                    bytes += ec
+                        .memory(0, big * chunk0_held(llm.pp, v, m) as f64, big)
+                        .total();
                 }
             }
             llm_mem = llm_mem.max(bytes);
