@@ -101,7 +101,7 @@ pub(crate) struct LlmStageRun<'a> {
     /// What each (chunk, microbatch) keeps for its backward, at `chunk * n + j`.
     caches: Vec<Option<(StageCache, Option<Tensor>)>>,
     /// Each microbatch as this CP rank sees it, built by its first forward and kept for
-    /// the stage's other chunks.
+    /// the stage's other chunks until its last backward (chunk 0's).
     batches: Vec<Option<LocalBatch>>,
     /// Loss sum this rank contributes (last stage, TP rank 0; 0 elsewhere).
     pub loss: f64,
@@ -267,6 +267,10 @@ impl<'a> LlmStageRun<'a> {
             .ok_or_else(|| TrainError::Other(format!("llm chunk {k} of {chunks}")))?;
         let dx = chunk.backward(cache, &dout)?;
         trace.end(t0, name, "llm")?;
+        if k == 0 {
+            // Chunk 0's backward is the microbatch's last pass on this stage.
+            self.batches[j] = None;
+        }
         Ok(dx)
     }
 }
@@ -313,6 +317,11 @@ pub(crate) fn run_pipeline(
     for pass in interleaved_1f1b(stage, stages, v, run.mbs.len(), true) {
         let (k, j) = (pass.chunk, pass.mb);
         let mb = run.mbs[j].mb;
+        // Message spans name the chunk where a stage has several, as the passes do.
+        let of = |what: &str| match v {
+            1 => format!("recv {what} mb{mb}"),
+            _ => format!("recv {what} c{k} mb{mb}"),
+        };
         if pass.forward {
             let input = if first && k == 0 {
                 let (idx, pos) = &fill[j];
@@ -324,7 +333,7 @@ pub(crate) fn run_pipeline(
             } else {
                 let t0 = trace.start();
                 let h = world.recv(&run.hidden_shape(j)?, peer(-1)?)?; // (T, C)
-                trace.end(t0, format!("recv act mb{mb}"), "comm")?;
+                trace.end(t0, of("act"), "comm")?;
                 LlmIn::Hidden(h)
             };
             if let Some(out) = run.forward(k, j, input, trace)? {
@@ -336,7 +345,7 @@ pub(crate) fn run_pipeline(
             } else {
                 let t0 = trace.start();
                 let d = world.recv(&run.hidden_shape(j)?, peer(1)?)?; // (T, C)
-                trace.end(t0, format!("recv grad mb{mb}"), "comm")?;
+                trace.end(t0, of("grad"), "comm")?;
                 Some(d)
             };
             let dx = run.backward(k, j, dout, trace)?;
