@@ -47,6 +47,31 @@ fn sequence(stages: usize, chunks: usize, n: usize, forward: bool) -> Vec<(usize
     out
 }
 
+/// Forwards stage `stage` of `stages` runs ahead of its first backward with `chunks`
+/// model chunks a stage (before the step's microbatches cap it): 1F1B's `stages - stage -
+/// 1`, the interleaved order's `2 (stages - stage - 1) + (chunks - 1) stages`. A stage
+/// holds at most this and one more chunk's activations.
+pub fn warmup(stage: usize, stages: usize, chunks: usize) -> usize {
+    let ahead = stages.saturating_sub(stage + 1);
+    if chunks <= 1 {
+        ahead
+    } else {
+        (2 * ahead).saturating_add((chunks - 1).saturating_mul(stages))
+    }
+}
+
+/// Whether `layers` split into `stages` stages of `chunks` equal model chunks each (what
+/// `parallel.llm.virtual_stages` and a plan's `llm_virtual_stages` need): one chunk
+/// wherever the stages split the layers; more only over two stages or more.
+pub fn chunks_split_evenly(layers: usize, stages: usize, chunks: usize) -> bool {
+    let n = stages * chunks;
+    chunks >= 1
+        && stages >= 1
+        && n <= layers
+        && layers.is_multiple_of(n)
+        && (chunks == 1 || stages >= 2)
+}
+
 /// Stage `stage` of `stages`' passes over `n` microbatches with `chunks` model chunks
 /// each (`chunks = 1`: plain 1F1B, `stages - stage - 1` forwards ahead). Forward-only
 /// (`backward = false`, a frozen module): every forward in sequence order.
@@ -71,13 +96,7 @@ pub fn interleaved_1f1b(
     }
     let bwd = sequence(stages, chunks, n, false);
     let total = fwd.len();
-    let ahead = stages.saturating_sub(stage + 1);
-    let warmup = if chunks == 1 {
-        ahead
-    } else {
-        2 * ahead + (chunks - 1) * stages
-    }
-    .min(total);
+    let warmup = warmup(stage, stages, chunks).min(total);
     let mut out = Vec::with_capacity(2 * total);
     out.extend(fwd[..warmup].iter().map(|&x| pass(true, x)));
     for i in 0..total - warmup {
@@ -243,6 +262,7 @@ mod tests {
                         } else {
                             2 * (p - s - 1) + (v - 1) * p
                         };
+                        assert_eq!(warmup(s, p, v), warm);
                         assert!(max_in_flight(&ops) <= (warm + 1).min(v * n));
                     }
                 }

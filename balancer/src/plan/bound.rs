@@ -259,8 +259,7 @@ impl Problem {
         let (t, q) = (total.0 / n, total.1 / n);
         let pass = |st: usize| sc.forward(st, t, q).total() + sc.backward(st, t, q).total();
         // A send at every stage (or, interleaved, chunk) boundary, each way.
-        let boundaries = (l.pp * sc.chunks.max(1)).saturating_sub(1) as f64;
-        let sends = boundaries * if sc.frozen { 1.0 } else { 2.0 };
+        let sends = sc.boundaries() * if sc.frozen { 1.0 } else { 2.0 };
         let per_chunk = (0..l.pp).map(pass).sum::<f64>() + sends * sc.send(t);
         Way {
             work: n * per_chunk * l.block() as f64,

@@ -259,6 +259,12 @@ impl StageCost<'_> {
         [(f0, (f1 - f0) / probe), (b0, (b1 - b0) / probe)]
     }
 
+    /// Boundaries a microbatch crosses one way: `pp - 1` between stages, `chunks pp - 1`
+    /// round an interleaved ring (each a [`StageCost::send`]).
+    pub fn boundaries(&self) -> f64 {
+        (self.layout.pp * self.chunks.max(1)).saturating_sub(1) as f64
+    }
+
     /// Sending one microbatch's boundary activations to the next stage (each TP rank its
     /// sequence shard).
     pub fn send(&self, tokens: f64) -> f64 {

@@ -187,8 +187,7 @@ impl Plan {
             return Err("llm_virtual_stages must be >= 1".into());
         }
         if v > 1 {
-            let chunks = self.llm.pp * v;
-            if self.llm.pp < 2 || !model.llm.layers.is_multiple_of(chunks) {
+            if !crate::pipeline::chunks_split_evenly(model.llm.layers, self.llm.pp, v) {
                 return Err(format!(
                     "llm_virtual_stages = {v} with llm pp {}: needs pp >= 2 and pp * virtual stages dividing the LLM's {} layers",
                     self.llm.pp, model.llm.layers

@@ -5,6 +5,7 @@
 //! stage), its gradient sync and its fullest GPU's memory.
 
 use crate::dims::Module;
+use crate::pipeline::{chunks_split_evenly, warmup};
 use crate::plan::cost::StageCost;
 use crate::plan::layout::Layout;
 use crate::plan::step::Problem;
@@ -313,8 +314,7 @@ impl Problem {
             // Chunk activations held: 1F1B's `pp - s` (and `beyond`) microbatches, or
             // the interleaved warm-up and one, each a `1 / v` of the stage's.
             let held = if v > 1 {
-                let warm = 2 * (l.pp - s - 1) + (v - 1) * l.pp;
-                (warm + 1).min(v * mbs) as f64 / v as f64
+                (warmup(s, l.pp, v) + 1).min(v * mbs) as f64 / v as f64
             } else {
                 (l.pp - s).saturating_add(beyond).min(mbs) as f64
             };
@@ -383,22 +383,22 @@ impl Problem {
                     continue;
                 };
                 for &mb in &mbs {
+                    // Whole rows and items are dealt out: the step waits for the fullest
+                    // LLM replica, for an overlapped encoder's fullest chunk, for a phased
+                    // one's fullest replica; memory holds the fullest microbatches.
+                    let (slots, mem_slots) = match (m, k.overlapped) {
+                        (Module::Llm, _) => (layout.dp, layout.dp * mb),
+                        (_, true) => (layout.dp * mb, layout.dp * mb),
+                        (_, false) => (layout.dp, layout.dp),
+                    };
+                    let (load, peak) = t.dealt(m, layout.dp * mb, slots, mem_slots);
+                    let beyond = match (m, k.overlapped) {
+                        (Module::Llm, _) => 0,
+                        (_, true) => beyond,
+                        (_, false) => usize::MAX,
+                    };
                     for v in llm_chunk_options(m, layout, mb, self, k.overlapped) {
                         let sc = StageCost { chunks: v, ..sc };
-                        // Whole rows and items are dealt out: the step waits for the fullest
-                        // LLM replica, for an overlapped encoder's fullest chunk, for a phased
-                        // one's fullest replica; memory holds the fullest microbatches.
-                        let (slots, mem_slots) = match (m, k.overlapped) {
-                            (Module::Llm, _) => (layout.dp, layout.dp * mb),
-                            (_, true) => (layout.dp * mb, layout.dp * mb),
-                            (_, false) => (layout.dp, layout.dp),
-                        };
-                        let (load, peak) = t.dealt(m, layout.dp * mb, slots, mem_slots);
-                        let beyond = match (m, k.overlapped) {
-                            (Module::Llm, _) => 0,
-                            (_, true) => beyond,
-                            (_, false) => usize::MAX,
-                        };
                         let e = self.estimate(&sc, mb, load, peak, &[], beyond);
                         out.push(Opt {
                             layout,
@@ -447,13 +447,12 @@ fn llm_chunk_options(
 /// splits a stage's `layers / pp` blocks evenly: what the search may give the LLM (and
 /// so what the work-conserving bound must allow).
 pub(crate) fn llm_chunk_counts(layers: usize, pp: usize, mbs: usize) -> Vec<usize> {
-    let mut out = vec![1];
-    if pp < 2 || mbs == 0 || !mbs.is_multiple_of(pp) || !layers.is_multiple_of(pp) {
-        return out;
+    if mbs == 0 || !mbs.is_multiple_of(pp.max(1)) {
+        return vec![1];
     }
-    let per_stage = layers / pp;
-    out.extend((2..=per_stage).filter(|v| per_stage.is_multiple_of(*v)));
-    out
+    (1..=layers / pp.max(1))
+        .filter(|&v| v == 1 || chunks_split_evenly(layers, pp, v))
+        .collect()
 }
 
 /// Keeps the options no other option beats in pipeline time, sync time and memory at

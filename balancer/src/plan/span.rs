@@ -248,8 +248,7 @@ impl Problem {
             .sum();
         // Its sends between chunks, each way (forward only when frozen): `pp - 1`
         // boundaries, `chunks * pp - 1` round an interleaved ring.
-        let boundaries = (sc.chunks.max(1) * sc.layout.pp).saturating_sub(1) as f64;
         let ways = if sc.frozen { 1.0 } else { 2.0 };
-        passes + boundaries * ways * env.send(c)
+        passes + sc.boundaries() * ways * env.send(c)
     }
 }

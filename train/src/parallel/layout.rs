@@ -99,7 +99,9 @@ impl Layouts {
             "pp",
         )?;
         let chunks = l.pp * l.virtual_stages;
-        if l.virtual_stages > 1 && (chunks > llm.layers || !llm.layers.is_multiple_of(chunks)) {
+        if l.virtual_stages > 1
+            && !braid_balancer::pipeline::chunks_split_evenly(llm.layers, l.pp, l.virtual_stages)
+        {
             return Err(invalid(
                 "parallel.llm.virtual_stages",
                 format!(
