@@ -6,7 +6,7 @@
 use braid_balancer::cluster::Cluster;
 use braid_balancer::plan::search::{Space, search};
 use braid_balancer::workload::{MediaTokens, Mix, RowShape, Workload, generate};
-use braid_balancer::{Layout, ModelDims, Placement, Plan, Problem, Schedule};
+use braid_balancer::{Layout, ModelDims, Module, Placement, Plan, Problem, Schedule};
 
 mod common;
 use common::{block, free_links, llm_only, plan, problem};
@@ -502,4 +502,36 @@ fn colocated_encoders_take_turns_on_their_gpus() {
         }
     }
     assert_eq!(checked, 12);
+}
+
+/// The bound names the layout each module takes in it, and those layouts account for
+/// exactly its work (their busy GPU-seconds over the GPUs) and its critical path (the
+/// longest of theirs); each fits the module alone in a GPU's memory.
+#[test]
+fn the_bound_names_each_modules_layout() {
+    let (p, w) = small();
+    let batches: Vec<_> = (0..2).map(|k| w.batch(k)).collect();
+    for gpus in [4, 16, 64] {
+        let b = p.work_bound(gpus, &batches, 4).unwrap();
+        let parts: Vec<_> = b.layouts().collect();
+        let names: Vec<_> = parts.iter().map(|x| x.module).collect();
+        assert_eq!(names, [Module::Llm, Module::Vision, Module::Audio], "{b:?}");
+        let work: f64 = parts.iter().map(|x| x.work_gpu_s).sum::<f64>() / gpus as f64;
+        assert!(
+            (work - b.work_s).abs() <= 1e-9 * b.work_s,
+            "{work} vs {b:?}"
+        );
+        let path = parts.iter().map(|x| x.path_s).fold(0.0, f64::max);
+        assert!(
+            (path - b.path_s).abs() <= 1e-9 * b.path_s,
+            "{path} vs {b:?}"
+        );
+        for x in &parts {
+            let l = x.layout;
+            assert!(l.gpus() >= 1 && l.gpus() <= gpus, "{gpus} GPUs: {x:?}");
+            assert!(x.virtual_stages >= 1, "{x:?}");
+            assert!(x.virtual_stages == 1 || x.module == Module::Llm, "{x:?}");
+            assert!(x.work_gpu_s > 0.0 && x.path_s > 0.0, "{x:?}");
+        }
+    }
 }

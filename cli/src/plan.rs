@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use braid_balancer::cluster::GIB;
-use braid_balancer::plan::bound::Gap;
+use braid_balancer::plan::bound::{BoundPart, Gap};
 use braid_balancer::plan::search::Found;
 use braid_balancer::{Layout, Module, Placement, Schedule};
 use braid_train::RunConfig;
@@ -187,6 +187,7 @@ fn to_json(p: &Planned, alone: Option<&Found>, g: &Gap, a: &PlanArgs) -> Value {
         "bound_work_s": g.bound.work_s,
         "bound_path_s": g.bound.path_s,
         "bound_sync_s": g.bound.sync_s,
+        "bound_layouts": bound_layouts_json(g),
         "gap_memory_forced_s": g.memory_forced_s,
         "gap_grad_sync_s": g.grad_sync_s,
         "gap_imbalance_s": g.imbalance_s,
@@ -216,6 +217,40 @@ fn to_json(p: &Planned, alone: Option<&Found>, g: &Gap, a: &PlanArgs) -> Value {
         m.extend(e);
     }
     v
+}
+
+/// Each module's layout in the bound, by module name.
+fn bound_layouts_json(g: &Gap) -> Value {
+    let mut out = serde_json::Map::new();
+    for b in g.bound.layouts() {
+        let l = b.layout;
+        out.insert(
+            b.module.name().to_string(),
+            json!({"tp": l.tp, "cp": l.cp, "pp": l.pp, "dp": l.dp, "gpus": l.gpus(),
+                   "virtual_stages": b.virtual_stages,
+                   "first_stage_layers": b.first_stage_layers,
+                   "recompute": b.recompute, "busy_gpu_s": b.work_gpu_s,
+                   "critical_path_s": b.path_s}),
+        );
+    }
+    Value::Object(out)
+}
+
+/// `llm tp2 cp1 pp8 v5 dp16 on 256 GPUs, recompute`: a module's layout in the bound.
+fn bound_layout_str(b: &BoundPart) -> String {
+    let l = b.layout;
+    let mut s = format!("{} tp{} cp{} pp{}", b.module.name(), l.tp, l.cp, l.pp);
+    if b.virtual_stages > 1 {
+        s += &format!(" v{}", b.virtual_stages);
+    }
+    s += &format!(" dp{} on {} GPUs", l.dp, l.gpus());
+    if let Some(f) = b.first_stage_layers {
+        s += &format!(", first stage {f} layers");
+    }
+    if b.recompute {
+        s += ", recompute";
+    }
+    s
 }
 
 fn layout_str(l: Layout) -> String {
@@ -280,6 +315,13 @@ fn explain(p: &Planned, alone: Option<&Found>, g: &Gap) -> Vec<String> {
         secs(g.bridge_s),
         secs(g.bubbles_s)
     ));
+    let parts: Vec<String> = g.bound.layouts().map(bound_layout_str).collect();
+    if !parts.is_empty() {
+        out.push(format!(
+            "the bound's layouts (each module alone on its own GPUs, so the memory the modules share in a plan binds none of them): {}",
+            parts.join("; ")
+        ));
+    }
     out.push(format!(
         "the LLM-centric layout (llm {}{}, {} microbatch{}) runs every encoder inside the LLM's first pipeline stage with the LLM's TP, its items spread over that stage's DP x CP ranks; its step takes {} against {} here ({:.2}x)",
         layout_str(base.plan.llm),

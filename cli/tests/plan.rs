@@ -69,6 +69,24 @@ fn the_7b_reference_plans_on_64_gpus() {
     .map(|k| v[format!("gap_{k}_s")].as_f64().unwrap())
     .sum();
     assert!((bound + parts - step).abs() < 1e-6 * step, "{v}");
+    // The bound names each module's layout: their busy GPU-seconds make its work term.
+    let busy: f64 = ["llm", "vision", "audio"]
+        .iter()
+        .map(|m| {
+            let l = &v["bound_layouts"][*m];
+            let n: u64 = ["tp", "cp", "pp", "dp"]
+                .iter()
+                .map(|k| l[*k].as_u64().unwrap())
+                .product();
+            assert!(
+                n >= 1 && l["gpus"].as_u64() == Some(n) && n <= 64,
+                "{m}: {l}"
+            );
+            l["busy_gpu_s"].as_f64().unwrap()
+        })
+        .sum();
+    let work = v["bound_work_s"].as_f64().unwrap();
+    assert!((busy / 64.0 - work).abs() <= 1e-9 * work, "{v}");
     // GPU clusters hide the gradient sync behind the passes by default.
     assert_eq!(v["overlap_grad_sync"].as_bool(), Some(true), "{v}");
     assert_eq!(v["sequence_parallel"].as_bool(), Some(true), "{v}");

@@ -30,8 +30,12 @@ impl GridDims {
         pp: 1,
     };
 
+    /// `tp * cp * dp * pp`, saturating (a hostile config's huge axes must not overflow
+    /// before the world-size check rejects them).
     pub fn size(&self) -> usize {
-        self.tp * self.cp * self.dp * self.pp
+        [self.cp, self.dp, self.pp]
+            .iter()
+            .fold(self.tp, |n, &k| n.saturating_mul(k))
     }
 }
 

@@ -81,12 +81,40 @@ impl Gap {
 
 /// One way to run a module alone: its busy GPU-seconds and the least time it can take:
 /// at least a lower bound of its critical path (`path`, whatever the chunking) and of its
-/// longest stage's gradient sync (`sync`, which the gap counts apart).
+/// longest stage's gradient sync (`sync`, which the gap counts apart). Summed over the
+/// modules, `parts` says which layout each module took.
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct Way {
     work: f64,
     path: f64,
     sync: f64,
+    parts: [Option<BoundPart>; 3],
+}
+
+/// The layout one module takes in the bound: the least wasteful that fits in a GPU's
+/// memory alone on its GPUs, as the bound's `min over layouts` chose it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BoundPart {
+    pub module: Module,
+    pub layout: Layout,
+    pub recompute: bool,
+    /// The LLM's shorter first stage, if the bound's layout has one.
+    pub first_stage_layers: Option<usize>,
+    /// The LLM's model chunks per stage (1: plain 1F1B).
+    pub virtual_stages: usize,
+    /// Its busy GPU-seconds (passes, their collectives and pipeline sends).
+    pub work_gpu_s: f64,
+    /// Its critical path's lower bound (s).
+    pub path_s: f64,
+}
+
+/// Where module `m`'s part sits in [`Way::parts`].
+fn part_slot(m: Module) -> usize {
+    match m {
+        Module::Llm => 0,
+        Module::Vision => 1,
+        Module::Audio => 2,
+    }
 }
 
 impl Way {
@@ -106,6 +134,16 @@ pub struct Bound {
     pub path_s: f64,
     /// The longest stage's gradient sync.
     pub sync_s: f64,
+    /// Each module's layout in the bound (LLM, vision, audio; `None` for a module the
+    /// model lacks).
+    pub parts: [Option<BoundPart>; 3],
+}
+
+impl Bound {
+    /// The modules' layouts in the bound, LLM first.
+    pub fn layouts(&self) -> impl Iterator<Item = &BoundPart> {
+        self.parts.iter().flatten()
+    }
 }
 
 /// The ways no other way beats in both work and span.
@@ -211,6 +249,15 @@ impl Problem {
                             Some(_) => self.llm_memory(&sc, o.microbatches, k.totals),
                         };
                         if mem <= budget {
+                            let part = BoundPart {
+                                module: m,
+                                layout: o.layout,
+                                recompute: o.recompute,
+                                first_stage_layers: first,
+                                virtual_stages: chunks,
+                                work_gpu_s: 0.0,
+                                path_s: 0.0,
+                            };
                             let ladders = paths
                                 .entry((o.layout, o.recompute, first, chunks))
                                 .or_insert_with(|| {
@@ -220,7 +267,13 @@ impl Problem {
                                         .collect()
                                 });
                             let each = (inp.each.as_slice(), ladders.as_slice());
-                            ways.push(self.way(&sc, o.microbatches, k.totals, m, each, &rates));
+                            let mut way = self.way(&sc, o.microbatches, k.totals, m, each, &rates);
+                            way.parts[part_slot(m)] = Some(BoundPart {
+                                work_gpu_s: way.work,
+                                path_s: way.path,
+                                ..part
+                            });
+                            ways.push(way);
                         }
                     }
                 }
@@ -276,6 +329,7 @@ impl Problem {
                 .sum::<f64>()
                 / each.0.len().max(1) as f64,
             sync: (0..l.pp).map(|st| sc.dp_sync(st)).fold(0.0, f64::max),
+            parts: [None; 3],
         }
     }
 
@@ -314,6 +368,7 @@ impl Problem {
             work: 0.0,
             path: 0.0,
             sync: 0.0,
+            parts: [None; 3],
         }];
         for m in [Module::Llm, Module::Vision, Module::Audio] {
             if self.model.module(m).is_none() {
@@ -326,10 +381,15 @@ impl Problem {
             best = front(
                 best.iter()
                     .flat_map(|a| {
-                        ways.iter().map(move |x| Way {
-                            work: a.work + x.work,
-                            path: a.path.max(x.path),
-                            sync: a.sync.max(x.sync),
+                        ways.iter().map(move |x| {
+                            let mut parts = a.parts;
+                            parts[part_slot(m)] = x.parts[part_slot(m)];
+                            Way {
+                                work: a.work + x.work,
+                                path: a.path.max(x.path),
+                                sync: a.sync.max(x.sync),
+                                parts,
+                            }
                         })
                     })
                     .collect(),
@@ -341,6 +401,7 @@ impl Problem {
                 work_s: w.work / g,
                 path_s: w.path,
                 sync_s: w.sync,
+                parts: w.parts,
             })
             .min_by(|a, b| a.step_s.total_cmp(&b.step_s))
     }

@@ -242,6 +242,7 @@ fn the_front_keeps_only_unbeaten_ways() {
         work,
         path,
         sync: 0.0,
+        parts: [None; 3],
     };
     let f = front(vec![
         w(3.0, 1.0),

@@ -26,7 +26,10 @@ impl Layout {
     };
 
     pub fn gpus(&self) -> usize {
-        self.tp * self.cp * self.pp * self.dp
+        // Saturating: a hostile plan file's sizes must not overflow before a check.
+        [self.cp, self.pp, self.dp]
+            .iter()
+            .fold(self.tp, |n, &k| n.saturating_mul(k))
     }
 
     /// GPUs of one pipeline stage of one replica (a TP × CP block).
@@ -116,7 +119,7 @@ impl Plan {
     pub fn gpus(&self) -> usize {
         let enc = [self.vision, self.audio].into_iter().flatten();
         match self.placement {
-            Placement::Disjoint => self.llm.gpus() + enc.map(|l| l.gpus()).sum::<usize>(),
+            Placement::Disjoint => enc.fold(self.llm.gpus(), |n, l| n.saturating_add(l.gpus())),
             Placement::Colocated => enc.map(|l| l.gpus()).fold(self.llm.gpus(), usize::max),
             Placement::LlmCentric => self.llm.gpus(),
         }

@@ -69,8 +69,12 @@ impl Default for ModuleLayout {
 }
 
 impl ModuleLayout {
+    /// `tp * cp * pp * dp`, saturating: a hostile config's huge sizes give a count no
+    /// world matches (and an error naming it), never an overflow.
     pub fn ranks(&self) -> usize {
-        self.tp * self.cp * self.pp * self.dp
+        [self.cp, self.pp, self.dp]
+            .iter()
+            .fold(self.tp, |n, &k| n.saturating_mul(k))
     }
 }
 

@@ -192,7 +192,7 @@ impl Layouts {
         } else {
             p.placement
         };
-        let mut offset = 0;
+        let mut offset = 0usize;
         let mut grid = |present: bool, l: &ModuleLayout| -> Result<Option<Grid>, ConfigError> {
             if !present {
                 return Ok(None);
@@ -201,7 +201,7 @@ impl Layouts {
                 Placement::Disjoint => offset,
                 Placement::Colocated => 0,
             };
-            offset += l.ranks();
+            offset = offset.saturating_add(l.ranks());
             Grid::new(dims(l), at)
                 .map(Some)
                 .map_err(|e| invalid("parallel", e.to_string()))
@@ -217,7 +217,10 @@ impl Layouts {
             .collect::<Vec<_>>();
         match placement {
             Placement::Disjoint => {
-                let need: usize = sizes.iter().filter(|s| s.0).map(|s| s.2).sum();
+                let need = sizes
+                    .iter()
+                    .filter(|s| s.0)
+                    .fold(0usize, |n, s| n.saturating_add(s.2));
                 if need != world {
                     return Err(invalid(
                         "parallel.world_size",

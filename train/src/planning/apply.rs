@@ -131,12 +131,17 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
             "parallel.plan = {spec:?}: the plan gives the LLM's first stage {f} layers, but braid train splits the layers evenly over the stages; remove llm_first_stage_layers"
         )));
     }
+    if p.llm_virtual_stages == 0 {
+        return Err(err(format!(
+            "parallel.plan = {spec:?}: llm_virtual_stages = 0, but a stage holds at least one model chunk; set it to 1 (plain 1F1B) or more"
+        )));
+    }
     let mut notes = Vec::new();
     cfg.parallel.world_size = file.gpus;
     cfg.parallel.schedule = p.schedule;
     cfg.parallel.placement = placement;
     cfg.parallel.llm = ModuleLayout {
-        virtual_stages: p.llm_virtual_stages.max(1),
+        virtual_stages: p.llm_virtual_stages,
         ..module_layout(Some(p.llm), p.recompute)
     };
     cfg.parallel.vision = module_layout(p.vision, p.recompute_encoders);

@@ -453,6 +453,69 @@ mod tests {
     }
 
     #[test]
+    fn a_hostile_plan_file_is_an_error_naming_what_is_wrong() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("plan.toml");
+        let layout = |dp| braid_balancer::Layout {
+            tp: 1,
+            cp: 1,
+            pp: 2,
+            dp,
+        };
+        let plan = Plan {
+            placement: Placement::Disjoint,
+            schedule: Schedule::Phased,
+            microbatches: 2,
+            recompute: false,
+            recompute_encoders: false,
+            llm_first_stage_layers: None,
+            llm_virtual_stages: 1,
+            zero1: true,
+            llm: layout(1),
+            vision: Some(layout(1)),
+            audio: Some(layout(1)),
+        };
+        let run = |plan: Plan| {
+            let file = PlanFile {
+                gpus: 6,
+                cluster: "h100".into(),
+                step_time_s: 1.0,
+                baseline_step_time_s: 2.0,
+                plan,
+            };
+            file.write(&path).unwrap();
+            let mut cfg = tiny(&[&format!("parallel.plan={}", path.display())]);
+            // Applying sets the config; the layouts are checked as the trainer does.
+            apply(&mut cfg)?;
+            cfg.validate()?;
+            let model = crate::assemble::model_config(&cfg)?;
+            crate::parallel::layout::Layouts::new(&cfg.parallel, &model)?;
+            Ok::<(), TrainError>(())
+        };
+        assert!(run(plan.clone()).is_ok());
+        // No model chunk on a stage: rejected, not read as 1.
+        let e = run(Plan {
+            llm_virtual_stages: 0,
+            ..plan.clone()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("llm_virtual_stages = 0"), "{e}");
+        // Sizes whose product overflows: an error naming the world size, not a wrapped
+        // count or a panic.
+        let e = run(Plan {
+            llm: layout(usize::MAX / 2),
+            ..plan
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("parallel.world_size") && e.contains("18446744073709551615"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn auto_plans_the_tiny_model_for_its_world() {
         let mix = "plan.mix={text_median=40.0,text_sigma=0.5,image_prob=0.8,audio_prob=0.3}";
         let mut cfg = tiny(&[
