@@ -267,11 +267,30 @@ pub fn write_plan(path: &Path, timeline: &braid_balancer::plan::step::PlanTimeli
     write_file(path, events)
 }
 
-/// Reads a trace file (a rank's, the merged one, or a plan's).
+/// Reads a trace file (a rank's, the merged one, or a plan's). Every span must start at
+/// a finite time and last a finite, non-negative time: a hostile or corrupt file is an
+/// error naming the span, not a picture stretched to 1e308 µs.
 pub fn read(path: &Path) -> Result<TraceFile> {
     let text = std::fs::read_to_string(path).map_err(io_err(path, "read"))?;
-    serde_json::from_str(&text)
-        .map_err(|e| TrainError::Other(format!("{}: not a Chrome trace: {e}", path.display())))
+    let file: TraceFile = serde_json::from_str(&text)
+        .map_err(|e| TrainError::Other(format!("{}: not a Chrome trace: {e}", path.display())))?;
+    // Beyond a year in µs: no step lasts that long.
+    const LIMIT_US: f64 = 3.2e13;
+    for (i, e) in file.trace_events.iter().enumerate() {
+        let dur = e.dur.unwrap_or(0.0);
+        let ok = e.ts.is_finite() && e.ts.abs() <= LIMIT_US && dur.is_finite();
+        if !ok || !(0.0..=LIMIT_US).contains(&dur) {
+            return Err(TrainError::Other(format!(
+                "{}: event {i} (`{}`, pid {}) starts at {} µs and lasts {} µs: a span needs a finite start and a duration from 0 to a year",
+                path.display(),
+                e.name,
+                e.pid,
+                e.ts,
+                dur
+            )));
+        }
+    }
+    Ok(file)
 }
 
 /// Merges the rank files of `dir` (ranks `0..world`) into `dir/trace.json`.

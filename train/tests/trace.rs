@@ -312,3 +312,28 @@ fn a_phased_encoder_stage_waits_on_the_comm_lane() {
         );
     }
 }
+
+/// A corrupt span (a negative, infinite or absurd time) is an error naming it.
+#[test]
+fn a_trace_with_an_impossible_span_is_an_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.json");
+    let span = |ts: &str, dur: &str| {
+        format!(
+            r#"{{"traceEvents": [{{"name": "ok", "ph": "X", "ts": 0, "dur": 5, "pid": 0, "tid": 0}},
+                {{"name": "bad", "ph": "X", "ts": {ts}, "dur": {dur}, "pid": 3, "tid": 1}}]}}"#
+        )
+    };
+    std::fs::write(&path, span("10", "20")).unwrap();
+    assert_eq!(read(&path).unwrap().trace_events.len(), 2);
+    for (ts, dur) in [
+        ("10", "-3"),
+        ("1e308", "1"),
+        ("0", "1e300"),
+        ("-1e300", "1"),
+    ] {
+        std::fs::write(&path, span(ts, dur)).unwrap();
+        let e = read(&path).unwrap_err().to_string();
+        assert!(e.contains("event 1 (`bad`, pid 3)"), "{ts} {dur}: {e}");
+    }
+}
