@@ -123,6 +123,36 @@ fn context_parallel_processes_match_threads_bit_for_bit() {
 }
 
 #[test]
+fn pipelined_overlapped_and_interleaved_processes_match_threads_bit_for_bit() {
+    // The overlapped schedule's point-to-point bridge and encoder 1F1B: vision in two
+    // stages on ranks 0-1, audio on 2, the LLM in two stages on 3-4.
+    threads_and_processes_agree(
+        "overlapped5",
+        5,
+        &[
+            "parallel.schedule=\"overlapped\"",
+            "model.vision.num_layers=2",
+            "model.llm.layers=2",
+            "parallel.vision.pp=2",
+            "parallel.llm.pp=2",
+        ],
+    );
+    // Interleaved 1F1B: two model chunks a stage round a ring of two (ranks 2-3), with
+    // 3 microbatches a replica (a partial group of stages).
+    threads_and_processes_agree(
+        "interleaved4",
+        4,
+        &[
+            "model.llm.layers=4",
+            "parallel.llm.pp=2",
+            "parallel.llm.virtual_stages=2",
+            "train.batch_rows=6",
+            "train.microbatches=3",
+        ],
+    );
+}
+
+#[test]
 fn colocated_processes_match_threads_bit_for_bit() {
     // Every module over all 4 ranks, each with its own layout.
     threads_and_processes_agree(
