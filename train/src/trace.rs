@@ -274,14 +274,16 @@ pub fn read(path: &Path) -> Result<TraceFile> {
     let text = std::fs::read_to_string(path).map_err(io_err(path, "read"))?;
     let file: TraceFile = serde_json::from_str(&text)
         .map_err(|e| TrainError::Other(format!("{}: not a Chrome trace: {e}", path.display())))?;
-    // Beyond a year in µs: no step lasts that long.
-    const LIMIT_US: f64 = 3.2e13;
+    // Runs stamp µs since the Unix epoch (~1.8e15 today), plans µs since the step's
+    // start: 1e17 µs is ~3,000 years either way. No span lasts more than a year.
+    const START_US: f64 = 1e17;
+    const YEAR_US: f64 = 3.2e13;
     for (i, e) in file.trace_events.iter().enumerate() {
         let dur = e.dur.unwrap_or(0.0);
-        let ok = e.ts.is_finite() && e.ts.abs() <= LIMIT_US && dur.is_finite();
-        if !ok || !(0.0..=LIMIT_US).contains(&dur) {
+        let start_ok = e.ts.is_finite() && e.ts.abs() <= START_US;
+        if !start_ok || !dur.is_finite() || !(0.0..=YEAR_US).contains(&dur) {
             return Err(TrainError::Other(format!(
-                "{}: event {i} (`{}`, pid {}) starts at {} µs and lasts {} µs: a span needs a finite start and a duration from 0 to a year",
+                "{}: event {i} (`{}`, pid {}) starts at {} µs and lasts {} µs: a span needs a start within 1e17 µs of 0 and a duration from 0 to a year",
                 path.display(),
                 e.name,
                 e.pid,
