@@ -257,3 +257,24 @@ fn a_timeline_draws_each_span_in_its_row_and_colour() {
         Err(PlotError::NoData { .. })
     ));
 }
+
+/// Thousands of rows (a 4,096-GPU plan's trace) fill the frame to its bottom: the last
+/// row's span is drawn next to the frame's lower edge, the first's at its top.
+#[test]
+fn a_timeline_of_many_rows_fills_the_frame() {
+    let dir = tmp();
+    let path = dir.path().join("many.png");
+    let n = 1666;
+    let chart = timeline::Timeline {
+        title: "timeline".into(),
+        rows: (0..n)
+            .map(|r| (format!("lane {r}"), vec![(0.0, 1.0, r % 2)]))
+            .collect(),
+        kinds: vec!["a".into(), "b".into()],
+    };
+    let (img, f) = chart.render(&path, 800, 2000).unwrap();
+    let x = ((f.left + f.right) / 2) as u32;
+    // The last row (kind 1) ends at the frame's bottom; the first (kind 0) starts at its top.
+    assert_eq!(*img.get_pixel(x, (f.bottom - 1) as u32), PALETTE[1]);
+    assert_eq!(*img.get_pixel(x, f.top as u32), PALETTE[0]);
+}

@@ -75,12 +75,24 @@ impl Chart for Timeline {
                 TEXT,
             );
         }
-        let n = self.rows.len().max(1) as i32;
-        let band = ((f.bottom - f.top) / n).max(1);
+        // Row r spans [y(r), y(r + 1)): the bands fill the frame however many rows there
+        // are (a 4,096-GPU plan's trace has thousands), padded, ruled and labelled only
+        // where they are tall enough for it.
+        let n = self.rows.len().max(1);
+        let y = |r: usize| f.top + ((f.bottom - f.top) as f64 * r as f64 / n as f64).round() as i32;
         let mut used = vec![false; self.kinds.len()];
+        let mut labelled: Option<i32> = None;
         for (r, (name, spans)) in self.rows.iter().enumerate() {
-            let y = f.top + band * r as i32;
-            draw_text(&mut img, 6, y + band / 2 - 3, name, 1, TEXT);
+            let (top, band) = (y(r), (y(r + 1) - y(r)).max(1));
+            let pad = match band {
+                10.. => 2,
+                4.. => 1,
+                _ => 0,
+            };
+            if labelled.is_none_or(|l| top - l >= 10) {
+                draw_text(&mut img, 6, top + band / 2 - 3, name, 1, TEXT);
+                labelled = Some(top);
+            }
             for &(a, b, kind) in spans.iter().filter(|s| s.0.is_finite() && s.1.is_finite()) {
                 let x0 = f.px(axis.frac((a - t0) * 1e3));
                 let x1 = f.px(axis.frac((b - t0) * 1e3));
@@ -88,16 +100,18 @@ impl Chart for Timeline {
                 fill_rect(
                     &mut img,
                     x0,
-                    y + 2,
+                    top + pad,
                     (x1 - x0).max(1),
-                    (band - 4).max(1),
+                    (band - 2 * pad).max(1),
                     colour,
                 );
                 if let Some(u) = used.get_mut(kind) {
                     *u = true;
                 }
             }
-            fill_rect(&mut img, f.left, y + band - 1, f.right - f.left, 1, GRID);
+            if band >= 6 {
+                fill_rect(&mut img, f.left, top + band - 1, f.right - f.left, 1, GRID);
+            }
         }
         fill_rect(&mut img, f.left, f.top, 1, f.bottom - f.top + 1, AXIS);
         fill_rect(&mut img, f.left, f.bottom, f.right - f.left + 1, 1, AXIS);
