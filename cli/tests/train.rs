@@ -583,6 +583,8 @@ mod demo_resume;
 mod devices;
 #[path = "train/memory.rs"]
 mod memory;
+#[path = "train/proc_failures.rs"]
+mod proc_failures;
 #[path = "train/procs.rs"]
 mod procs;
 #[path = "train/ranks.rs"]

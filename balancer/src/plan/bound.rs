@@ -48,7 +48,7 @@ use std::collections::HashMap;
 use crate::dims::Module;
 use crate::plan::cost::StageCost;
 use crate::plan::layout::{Layout, Plan, Schedule};
-use crate::plan::options::{Knobs, Totals, llm_chunk_counts};
+use crate::plan::options::{Knobs, Totals, llm_chunk_counts, slot};
 use crate::plan::search::{encoder_counts, first_stage_options};
 use crate::plan::span::{Ladder, Rates};
 use crate::plan::step::{Problem, StepSim};
@@ -106,15 +106,6 @@ pub struct BoundPart {
     pub work_gpu_s: f64,
     /// Its critical path's lower bound (s).
     pub path_s: f64,
-}
-
-/// Where module `m`'s part sits in [`Way::parts`].
-fn part_slot(m: Module) -> usize {
-    match m {
-        Module::Llm => 0,
-        Module::Vision => 1,
-        Module::Audio => 2,
-    }
 }
 
 impl Way {
@@ -238,10 +229,10 @@ impl Problem {
                             counts.into_iter().map(move |v| (first, v))
                         })
                         .collect();
-                    for (first, chunks) in split {
+                    for (first, v) in split {
                         let sc = StageCost {
                             first_stage_layers: first,
-                            chunks,
+                            chunks: v,
                             ..sc
                         };
                         let mem = match first {
@@ -249,17 +240,8 @@ impl Problem {
                             Some(_) => self.llm_memory(&sc, o.microbatches, k.totals),
                         };
                         if mem <= budget {
-                            let part = BoundPart {
-                                module: m,
-                                layout: o.layout,
-                                recompute: o.recompute,
-                                first_stage_layers: first,
-                                virtual_stages: chunks,
-                                work_gpu_s: 0.0,
-                                path_s: 0.0,
-                            };
                             let ladders = paths
-                                .entry((o.layout, o.recompute, first, chunks))
+                                .entry((o.layout, o.recompute, first, v))
                                 .or_insert_with(|| {
                                     inp.each
                                         .iter()
@@ -268,10 +250,14 @@ impl Problem {
                                 });
                             let each = (inp.each.as_slice(), ladders.as_slice());
                             let mut way = self.way(&sc, o.microbatches, k.totals, m, each, &rates);
-                            way.parts[part_slot(m)] = Some(BoundPart {
+                            way.parts[slot(m)] = Some(BoundPart {
+                                module: m,
+                                layout: o.layout,
+                                recompute: o.recompute,
+                                first_stage_layers: first,
+                                virtual_stages: v,
                                 work_gpu_s: way.work,
                                 path_s: way.path,
-                                ..part
                             });
                             ways.push(way);
                         }
@@ -383,7 +369,7 @@ impl Problem {
                     .flat_map(|a| {
                         ways.iter().map(move |x| {
                             let mut parts = a.parts;
-                            parts[part_slot(m)] = x.parts[part_slot(m)];
+                            parts[slot(m)] = x.parts[slot(m)];
                             Way {
                                 work: a.work + x.work,
                                 path: a.path.max(x.path),

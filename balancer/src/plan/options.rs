@@ -76,8 +76,8 @@ fn two_least(values: impl Iterator<Item = f64>) -> (f64, f64) {
     }
 }
 
-/// The index of module `m` in [`Totals`]' per-module arrays.
-fn slot(m: Module) -> usize {
+/// The index of module `m` in per-module arrays ([`Totals`]', the bound's layouts).
+pub(crate) fn slot(m: Module) -> usize {
     match m {
         Module::Llm => 0,
         Module::Vision => 1,

@@ -1,6 +1,7 @@
-//! `braid train` as one process per rank: through `braid launch` and through torchrun's
-//! variables set by hand, the same losses bit for bit as the same layout on threads; a
-//! rank that panics or is killed ends every process in time, and the launcher names it.
+//! `braid train` as one process per rank: through `braid launch`, torchrun (real, or its
+//! variables set by hand) and SLURM's variables, the same losses bit for bit as the same
+//! layout on threads, and checkpoints that move between process and thread worlds (the
+//! failing worlds: `proc_failures.rs`).
 
 use super::*;
 
@@ -259,195 +260,6 @@ fn real_torchrun_trains_like_threads_bit_for_bit() {
 }
 
 #[test]
-fn a_world_size_that_disagrees_with_the_launcher_is_named() {
-    reference();
-    let dir = fixture().join("runs/procs-bad-world");
-    let t = Instant::now();
-    let o = launch(
-        2,
-        &dir,
-        &[
-            "--set",
-            "parallel.world_size=4",
-            "--set",
-            "parallel.llm.dp=2",
-        ],
-    )
-    .output()
-    .unwrap();
-    assert!(!o.status.success());
-    let out = text(&o);
-    assert!(
-        out.contains("parallel.world_size") && out.contains("started 2 processes"),
-        "{out}"
-    );
-    assert!(out.contains("braid launch: rank"), "{out}");
-    assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
-}
-
-#[test]
-fn a_rank_that_panics_ends_every_process_and_the_launcher_names_it() {
-    reference();
-    let dir = fixture().join("runs/procs-panic");
-    let t = Instant::now();
-    // Vision, audio, then the LLM's three replicas on ranks 2-4; rank 3 panics.
-    let o = launch(
-        5,
-        &dir,
-        &[
-            "--set",
-            "parallel.llm.dp=3",
-            "--set",
-            "fault.panic_at=3",
-            "--set",
-            "fault.panic_rank=3",
-            "--set",
-            "parallel.timeout_s=600",
-        ],
-    )
-    .output()
-    .unwrap();
-    let took = t.elapsed();
-    let out = text(&o);
-    assert!(!o.status.success(), "{out}");
-    assert!(took < Duration::from_secs(60), "took {took:?}: {out}");
-    assert!(
-        out.contains("rank 3 panicked") && out.contains("fault injection"),
-        "{out}"
-    );
-    // The others stopped because rank 3 went away, and said so.
-    assert!(out.contains("rank 3 on 127.0.0.1"), "{out}");
-    assert!(out.contains("braid launch: rank 3 failed first"), "{out}");
-    assert_eq!(losses(&dir).len(), 2, "{out}");
-}
-
-/// The pid of the `braid train` process of world rank `rank` whose run dir is `dir`
-/// (found through /proc: its command line names the dir, its environment the rank).
-fn rank_pid(dir: &Path, rank: usize) -> Option<u32> {
-    let want_dir = format!("run.dir={}", dir.display());
-    let want_rank = format!("RANK={rank}");
-    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let cmd = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
-        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-        if !cmd.contains(&want_dir) || !cmd.contains(" train ") || cmd.contains(" launch ") {
-            continue;
-        }
-        let env = std::fs::read(entry.path().join("environ")).unwrap_or_default();
-        if env.split(|&b| b == 0).any(|kv| kv == want_rank.as_bytes()) {
-            return Some(pid);
-        }
-    }
-    None
-}
-
-/// Launches 5 processes (vision, audio, 3 LLM replicas), waits until `steps` steps are in
-/// metrics.jsonl, then sends `signal` to rank 3; returns the launcher's output, how long
-/// it took from the signal to the launcher's exit, and its exit code.
-fn launch_and_signal(
-    name: &str,
-    signal: &str,
-    steps: usize,
-    timeout_s: u32,
-) -> (String, Duration, Option<i32>) {
-    reference();
-    let dir = fixture().join(format!("runs/{name}"));
-    let timeout = format!("parallel.timeout_s={timeout_s}");
-    let child = launch(
-        5,
-        &dir,
-        &[
-            "--set",
-            "parallel.llm.dp=3",
-            "--set",
-            &timeout,
-            "--set",
-            "train.steps=400",
-        ],
-    )
-    .spawn()
-    .unwrap();
-    let t = Instant::now();
-    while !std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .is_ok_and(|m| m.lines().count() >= steps)
-    {
-        assert!(
-            t.elapsed() < Duration::from_secs(120),
-            "{name}: no progress"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let pid = rank_pid(&dir, 3).expect("rank 3's process");
-    let k = Command::new("kill")
-        .args([signal, &pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(k.success());
-    let t = Instant::now();
-    let o = child.wait_with_output().unwrap();
-    let took = t.elapsed();
-    if signal == "-STOP" {
-        let _ = Command::new("kill")
-            .args(["-9", &pid.to_string()])
-            .stderr(Stdio::null())
-            .status();
-    }
-    (text(&o), took, o.status.code())
-}
-
-#[test]
-fn a_rank_killed_with_sigkill_ends_every_process_naming_it() {
-    let (out, took, code) = launch_and_signal("procs-kill9", "-9", 3, 600);
-    assert_ne!(code, Some(0), "{out}");
-    assert!(took < Duration::from_secs(60), "took {took:?}: {out}");
-    assert!(
-        out.contains("braid launch: rank 3 failed first (killed by signal 9)"),
-        "{out}"
-    );
-    assert!(
-        out.contains("rank 3 on 127.0.0.1"),
-        "the other ranks name it: {out}"
-    );
-}
-
-#[test]
-fn a_stopped_rank_ends_every_process_after_the_timeout_naming_it() {
-    let (out, took, code) = launch_and_signal("procs-sigstop", "-STOP", 3, 5);
-    assert_ne!(code, Some(0), "{out}");
-    // The others time out after parallel.timeout_s = 5 s; the launcher then kills the
-    // stopped rank after its grace period (20 s in these tests).
-    assert!(took < Duration::from_secs(60), "took {took:?}: {out}");
-    assert!(out.contains("rank 3 on 127.0.0.1 sent nothing"), "{out}");
-    assert!(out.contains("failed first"), "{out}");
-}
-
-/// Starts `cmd`, sends SIGTERM to it (the launcher, which forwards it) once metrics.jsonl
-/// in `dir` has `after` steps, and returns its exit code and output.
-fn terminate_after(mut cmd: Command, dir: &Path, after: usize) -> (Option<i32>, String) {
-    let child = cmd.spawn().unwrap();
-    let t = Instant::now();
-    while !std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .is_ok_and(|m| m.lines().count() >= after)
-    {
-        assert!(
-            t.elapsed() < Duration::from_secs(120),
-            "no progress in {}",
-            dir.display()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let k = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(k.success());
-    let o = child.wait_with_output().unwrap();
-    (o.status.code(), text(&o))
-}
-
-#[test]
 fn a_checkpoint_of_4_processes_resumes_on_5_and_2_processes_and_on_threads() {
     let want = reference();
     let four = [
@@ -574,38 +386,26 @@ fn two_node_launch_and_slurm_variables_train_like_threads() {
     assert_eq!(logged(&dir), logged(&threads), "SLURM tasks vs threads");
 }
 
-/// A rank that cannot set its share up (here the vision ranks: their Hugging Face file is
-/// cut short) stops every process at once, and the others name it, instead of waiting in
-/// the first step's collectives until the timeout.
-#[test]
-fn a_rank_that_cannot_set_up_its_share_stops_every_process_at_once() {
-    reference();
-    let hf = fixture().join("runs/broken-vision");
-    let _ = std::fs::remove_dir_all(&hf);
-    std::fs::create_dir_all(&hf).unwrap();
-    let exported = fixture().join("runs/ref/hf/vision");
-    for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(exported.join(f), hf.join(f)).unwrap();
-    }
-    let weights = hf.join("model.safetensors");
-    let len = std::fs::metadata(&weights).unwrap().len();
-    let file = std::fs::OpenOptions::new()
-        .write(true)
-        .open(&weights)
-        .unwrap();
-    file.set_len(len / 2).unwrap();
-    let dir = fixture().join("runs/broken-setup");
-    let init = format!("model.vision={{ init = \"hf:{}\" }}", hf.display());
+/// Starts `cmd`, sends SIGTERM to it (the launcher, which forwards it) once metrics.jsonl
+/// in `dir` has `after` steps, and returns its exit code and output.
+pub(super) fn terminate_after(mut cmd: Command, dir: &Path, after: usize) -> (Option<i32>, String) {
+    let child = cmd.spawn().unwrap();
     let t = Instant::now();
-    let o = launch(4, &dir, &["--set", "parallel.llm.dp=2", "--set", &init])
-        .output()
+    while !std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .is_ok_and(|m| m.lines().count() >= after)
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "no progress in {}",
+            dir.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let k = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
         .unwrap();
-    let out = text(&o);
-    assert!(!o.status.success(), "{out}");
-    assert!(t.elapsed().as_secs() < 60, "took {:?}: {out}", t.elapsed());
-    assert!(out.contains("rank(s) [0] could not set up"), "{out}");
-    assert!(
-        out.contains("model.safetensors"),
-        "the vision rank says why: {out}"
-    );
+    assert!(k.success());
+    let o = child.wait_with_output().unwrap();
+    (o.status.code(), text(&o))
 }

@@ -2,6 +2,7 @@
 //! no model is checked; `parallel::layout` checks the layouts against the model (heads,
 //! layers, vocab) and the world.
 
+use braid_comm::grid::GridDims;
 use serde::{Deserialize, Serialize};
 
 use super::{ConfigError, invalid};
@@ -69,12 +70,20 @@ impl Default for ModuleLayout {
 }
 
 impl ModuleLayout {
-    /// `tp * cp * pp * dp`, saturating: a hostile config's huge sizes give a count no
-    /// world matches (and an error naming it), never an overflow.
+    /// The grid's axes.
+    pub fn grid_dims(&self) -> GridDims {
+        GridDims {
+            tp: self.tp,
+            cp: self.cp,
+            dp: self.dp,
+            pp: self.pp,
+        }
+    }
+
+    /// `tp * cp * pp * dp`, saturating ([`GridDims::size`]): a hostile config's huge
+    /// sizes give a count no world matches (and an error naming it), never an overflow.
     pub fn ranks(&self) -> usize {
-        [self.cp, self.pp, self.dp]
-            .iter()
-            .fold(self.tp, |n, &k| n.saturating_mul(k))
+        self.grid_dims().size()
     }
 }
 

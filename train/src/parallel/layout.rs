@@ -6,7 +6,7 @@
 //! over the whole world (each module its own layout on the same ranks). A world of one
 //! rank is colocated whatever the placement says.
 
-use braid_comm::grid::{Grid, GridDims};
+use braid_comm::grid::Grid;
 
 use crate::config::{ConfigError, ModuleLayout, ParallelConfig, Placement, invalid};
 use crate::mllm::MllmConfig;
@@ -39,15 +39,6 @@ pub struct Layouts {
     pub llm: Grid,
     /// Model chunks per LLM pipeline stage (`parallel.llm.virtual_stages`; 1: 1F1B).
     pub llm_chunks: usize,
-}
-
-fn dims(l: &ModuleLayout) -> GridDims {
-    GridDims {
-        tp: l.tp,
-        cp: l.cp,
-        dp: l.dp,
-        pp: l.pp,
-    }
 }
 
 /// `what` = `n` split `tp` ways, or an error naming `key` that says what to change.
@@ -202,7 +193,7 @@ impl Layouts {
                 Placement::Colocated => 0,
             };
             offset = offset.saturating_add(l.ranks());
-            Grid::new(dims(l), at)
+            Grid::new(l.grid_dims(), at)
                 .map(Some)
                 .map_err(|e| invalid("parallel", e.to_string()))
         };
