@@ -290,90 +290,6 @@ fn a_run_writes_metrics_checkpoints_eval_plot_and_export() {
     assert!(text(&o).contains("--resume"), "{}", text(&o));
 }
 
-/// Runs until the run completes, killing the first attempt after `kill_after` (if it is
-/// still running) and resuming after every death.
-fn run_with_kill(dir: &Path, kill_after: Duration, first_extra: &[&str]) -> usize {
-    let mut child = train(dir, first_extra).spawn().unwrap();
-    let t = Instant::now();
-    let mut deaths = 0;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            if status.success() {
-                return deaths;
-            }
-            deaths += 1;
-            assert!(deaths < 5, "too many failed attempts");
-            child = train(dir, &["--resume"]).spawn().unwrap();
-            continue;
-        }
-        if deaths == 0 && t.elapsed() >= kill_after {
-            child.kill().unwrap(); // SIGKILL
-            let _ = child.wait();
-            deaths += 1;
-            child = train(dir, &["--resume"]).spawn().unwrap();
-            continue;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
-#[test]
-fn resume_after_kill_9_anywhere_reproduces_the_losses_bit_for_bit() {
-    let Reference {
-        logged: ref_logged,
-        took,
-        ..
-    } = reference();
-    // Ten kill times spread over the reference run (a fixed pseudo-random sequence).
-    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
-    let mut killed = 0;
-    for trial in 0..10 {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let frac = (x % 1000) as f64 / 1000.0;
-        let at = took.mul_f64(0.1 + 0.85 * frac);
-        let dir = fixture().join(format!("runs/kill-{trial}"));
-        let _ = std::fs::remove_dir_all(&dir);
-        killed += run_with_kill(&dir, at, &[]);
-        assert_eq!(
-            &logged(&dir),
-            ref_logged,
-            "trial {trial}: killed after {at:?}"
-        );
-    }
-    assert!(
-        killed >= 5,
-        "only {killed} of 10 trials were killed mid-run"
-    );
-}
-
-#[test]
-fn a_crash_inside_a_checkpoint_write_resumes_from_the_previous_one() {
-    let ref_losses = &reference().losses;
-    let dir = fixture().join("runs/abort");
-    let _ = std::fs::remove_dir_all(&dir);
-    let o = train(&dir, &["--set", "fault.abort_during_checkpoint_at=6"])
-        .output()
-        .unwrap();
-    assert!(!o.status.success());
-    // Only complete checkpoints are visible; the torn one is a .tmp folder.
-    let names: Vec<String> = std::fs::read_dir(dir.join("checkpoints"))
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
-        .collect();
-    assert!(
-        names.contains(&".tmp-step-00000006".to_string()),
-        "{names:?}"
-    );
-    assert!(!names.contains(&"step-00000006".to_string()), "{names:?}");
-    let o = train(&dir, &["--resume"]).output().unwrap();
-    assert!(o.status.success(), "{}", text(&o));
-    assert!(text(&o).contains("step 4"), "{}", text(&o));
-    assert_eq!(&losses(&dir), ref_losses);
-    assert_eq!(logged(&dir), reference().logged);
-}
-
 #[test]
 fn non_finite_steps_are_skipped_then_stop_the_run() {
     let dir = fixture().join("runs/nan");
@@ -581,6 +497,8 @@ mod demo_resume;
 /// reference run).
 #[path = "train/devices.rs"]
 mod devices;
+#[path = "train/kill_resume.rs"]
+mod kill_resume;
 #[path = "train/memory.rs"]
 mod memory;
 #[path = "train/proc_failures.rs"]
