@@ -6,12 +6,16 @@ use std::path::PathBuf;
 
 use braid_balancer::cluster::GIB;
 use braid_balancer::plan::bound::{BoundPart, Gap};
+use braid_balancer::plan::closest_to_baseline;
 use braid_balancer::plan::search::Found;
-use braid_balancer::{Layout, Module, Placement, Schedule};
+use braid_balancer::{Layout, Module, Schedule};
 use braid_train::RunConfig;
 use braid_train::planning::{PlanFile, Planned, llm_alone, plan};
 use clap::Args;
 use serde_json::{Value, json};
+
+mod explain;
+use explain::explain;
 
 #[derive(Debug, Args)]
 pub struct PlanArgs {
@@ -104,6 +108,18 @@ fn plan_cmd(a: &PlanArgs) -> Result<(), String> {
     )
     .map_err(|e| e.to_string())?;
     let alone = llm_alone(&p).map_err(|e| e.to_string())?;
+    // Where the LLM-centric layout wins, what `braid train` can run nearest to it.
+    let closest = (p.outcome.baseline.sim.step_s < p.outcome.best.sim.step_s)
+        .then(|| {
+            let batches: Vec<_> = (0..p.batches).map(|b| p.workload.batch(b)).collect();
+            closest_to_baseline(
+                &p.problem,
+                &p.outcome.baseline.plan,
+                &batches,
+                p.problem.cluster.usable_bytes(),
+            )
+        })
+        .flatten();
     let o = &p.outcome;
     let file = PlanFile {
         gpus,
@@ -126,11 +142,17 @@ fn plan_cmd(a: &PlanArgs) -> Result<(), String> {
     if a.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&to_json(&p, alone.as_ref(), &gap(&p), a))
-                .map_err(|e| e.to_string())?
+            serde_json::to_string_pretty(&to_json(
+                &p,
+                alone.as_ref(),
+                closest.as_ref(),
+                &gap(&p),
+                a
+            ))
+            .map_err(|e| e.to_string())?
         );
     } else {
-        print_text(&p, alone.as_ref(), &gap(&p), a);
+        print_text(&p, alone.as_ref(), closest.as_ref(), &gap(&p), a);
     }
     Ok(())
 }
@@ -178,7 +200,13 @@ fn gap(p: &Planned) -> Gap {
     p.problem.gap(&b.plan, &batches, &b.sim)
 }
 
-fn to_json(p: &Planned, alone: Option<&Found>, g: &Gap, a: &PlanArgs) -> Value {
+fn to_json(
+    p: &Planned,
+    alone: Option<&Found>,
+    closest: Option<&Found>,
+    g: &Gap,
+    a: &PlanArgs,
+) -> Value {
     let o = &p.outcome;
     let mut v = found_json(&o.best);
     let extra = json!({
@@ -211,7 +239,13 @@ fn to_json(p: &Planned, alone: Option<&Found>, g: &Gap, a: &PlanArgs) -> Value {
         "llm_alone_step_time_s": alone.map(|f| f.sim.step_s),
         "speedup_ceiling": alone.map(|f| o.baseline.sim.step_s / f.sim.step_s),
         "plan_file": a.out.display().to_string(),
-        "explanation": explain(p, alone, g),
+        "closest_to_baseline": closest.map(|f| json!({
+            "plan": found_json(f),
+            "step_time_s": f.sim.step_s,
+            "peak_memory_gib": f.sim.peak_memory / GIB,
+            "fits": f.sim.peak_memory <= p.problem.cluster.usable_bytes(),
+        })),
+        "explanation": explain(p, alone, closest, g),
     });
     if let (Value::Object(m), Value::Object(e)) = (&mut v, extra) {
         m.extend(e);
@@ -257,177 +291,7 @@ fn layout_str(l: Layout) -> String {
     format!("tp{} cp{} pp{} dp{}", l.tp, l.cp, l.pp, l.dp)
 }
 
-/// What binds the chosen plan and why it beats the LLM-centric one (`g`: the pick's gap
-/// from the bound).
-fn explain(p: &Planned, alone: Option<&Found>, g: &Gap) -> Vec<String> {
-    let o = &p.outcome;
-    let (b, base) = (&o.best, &o.baseline);
-    let usable = p.problem.cluster.usable_bytes();
-    let mut out = Vec::new();
-    let step = b.sim.step_s.max(1e-12);
-    let shares: Vec<String> = b
-        .sim
-        .busy
-        .iter()
-        .map(|(m, s)| format!("{} {:.0}%", m.name(), 100.0 * s / step))
-        .collect();
-    let collectives = (b.sim.bubble - b.sim.idle).max(0.0);
-    out.push(format!(
-        "busy share of the step on each module's GPUs: {} (compute and its collectives; the collectives alone {:.0}%: TP, CP, PP sends and the exposed gradient sync {}); idle {:.0}% (pipeline bubbles, waits for the slowest replica and for the bridge {})",
-        shares.join(", "),
-        100.0 * collectives,
-        secs(b.sim.dp_sync_s),
-        100.0 * b.sim.idle,
-        secs(b.sim.bridge_s)
-    ));
-    let mem = b.sim.peak_memory / usable;
-    if mem > 0.85 {
-        out.push(format!(
-            "memory binds: the fullest GPU holds {} of {} usable, which rules out fewer pipeline stages or no recomputation",
-            bytes(b.sim.peak_memory),
-            bytes(usable)
-        ));
-    } else if b.sim.idle > 0.3 {
-        out.push(format!(
-            "bubbles bind: {:.0}% of GPU time is idle; more microbatches need more rows per replica",
-            100.0 * b.sim.idle
-        ));
-    } else if collectives > 0.25 && collectives > b.sim.idle {
-        out.push(format!(
-            "bandwidth binds: {:.0}% of GPU time is collectives (TP and CP exchanges inside the blocks, PP sends, the gradient sync); less TP or CP would cut them but needs more memory per GPU or leaves fewer rows per replica",
-            100.0 * collectives
-        ));
-    } else {
-        out.push("compute binds: the GPUs are busy most of the step".into());
-    }
-    out.push(split_reason(b));
-    out.push(format!(
-        "work-conserving bound {} (the longest of: each module's work at its least wasteful layout that fits, spread over all {} GPUs, {}; the longest module's critical path at those layouts, pipeline fill and drain included, {}; the longest stage's gradient sync, on a lane of its own, {}; no bubble, no wait, no bridge); the plan is {:.2}x it: memory-forced layout work {}, gradient sync {}, imbalance {}, bridge {}, bubbles {}",
-        secs(g.bound_s),
-        p.gpus,
-        secs(g.bound.work_s),
-        secs(g.bound.path_s),
-        secs(g.bound.sync_s),
-        step / g.bound_s.max(1e-12),
-        secs(g.memory_forced_s),
-        secs(g.grad_sync_s),
-        secs(g.imbalance_s),
-        secs(g.bridge_s),
-        secs(g.bubbles_s)
-    ));
-    let parts: Vec<String> = g.bound.layouts().map(bound_layout_str).collect();
-    if !parts.is_empty() {
-        out.push(format!(
-            "the bound's layouts (each module alone on its own GPUs, so the memory the modules share in a plan binds none of them): {}",
-            parts.join("; ")
-        ));
-    }
-    out.push(format!(
-        "the LLM-centric layout (llm {}{}, {} microbatch{}) runs every encoder inside the LLM's first pipeline stage with the LLM's TP, its items spread over that stage's DP x CP ranks; its step takes {} against {} here ({:.2}x)",
-        layout_str(base.plan.llm),
-        base.plan
-            .llm_first_stage_layers
-            .map(|f| format!(", first stage {f} layers"))
-            .or_else(|| {
-                (base.plan.llm_virtual_stages > 1)
-                    .then(|| format!(", {} chunks per stage interleaved", base.plan.llm_virtual_stages))
-            })
-            .unwrap_or_default(),
-        base.plan.microbatches,
-        if base.plan.microbatches == 1 { "" } else { "es" },
-        secs(base.sim.step_s),
-        secs(b.sim.step_s),
-        base.sim.step_s / step
-    ));
-    if let Some(al) = alone
-        && let Some(share) = gain_share(base.sim.step_s, step, al.sim.step_s)
-    {
-        let got = if share >= 0.005 {
-            format!("this plan gets {:.0}% of that gain", 100.0 * share)
-        } else {
-            "this plan gets none of it".to_string()
-        };
-        out.push(format!(
-            "the LLM alone (its best layout on {}, the encoders' work free) takes {}: no per-module layout can beat the LLM-centric one by more than {:.2}x on this workload; {got}",
-            if p.gpus == 1 {
-                "the one GPU".to_string()
-            } else {
-                format!("all {} GPUs", p.gpus)
-            },
-            secs(al.sim.step_s),
-            base.sim.step_s / al.sim.step_s,
-        ));
-    }
-    if base.sim.step_s < b.sim.step_s && b.sim.step_s <= 1.01 * base.sim.step_s {
-        out.push(format!(
-            "the LLM-centric layout is within 1% of this plan ({} against {}): here per-module layouts have nothing to gain over it, and the plan pays the bridge's copies ({})",
-            secs(base.sim.step_s),
-            secs(b.sim.step_s),
-            secs(b.sim.bridge_s)
-        ));
-    } else if base.sim.step_s < b.sim.step_s {
-        out.push(format!(
-            "the LLM-centric layout is faster here: the encoders' share is too small for grids of their own to repay what the phased step adds, the bridge ({}) and its two all-to-alls, at which every replica waits for the slowest{}",
-            secs(b.sim.bridge_s),
-            if base.plan.llm.pp == 1 {
-                format!(
-                    "; its LLM grid ({}) with colocated encoders at the same TP and DP comes closest in `braid train`",
-                    layout_str(base.plan.llm)
-                )
-            } else {
-                String::new()
-            }
-        ));
-    }
-    out
-}
-
-/// Why the GPUs are split among the modules as they are: each module's share of the
-/// busy GPU-seconds against its share of the GPUs.
-fn split_reason(b: &Found) -> String {
-    let work: Vec<(Module, f64, usize)> = b
-        .sim
-        .busy
-        .iter()
-        .filter_map(|&(m, busy)| {
-            let g = b.plan.layout(m)?.gpus();
-            Some((m, busy * g as f64, g))
-        })
-        .collect();
-    let total: f64 = work.iter().map(|w| w.1).sum::<f64>().max(1e-30);
-    let list = |f: &dyn Fn(&(Module, f64, usize)) -> String| {
-        work.iter().map(f).collect::<Vec<_>>().join(", ")
-    };
-    let work_shares = list(&|w| format!("{} {:.0}%", w.0.name(), 100.0 * w.1 / total));
-    match b.plan.placement {
-        Placement::Disjoint => {
-            let gpus: usize = work.iter().map(|w| w.2).sum::<usize>().max(1);
-            format!(
-                "why this split: disjoint GPUs sized to each module's work: {} of the GPUs for {} of the busy GPU-seconds",
-                list(&|w| format!(
-                    "{} {} ({:.0}%)",
-                    w.0.name(),
-                    w.2,
-                    100.0 * w.2 as f64 / gpus as f64
-                )),
-                work_shares
-            )
-        }
-        _ => format!(
-            "why this split: colocated, every module runs on all the GPUs in turn ({work_shares} of the busy GPU-seconds), so none waits on a GPU share that whole nodes and grids cannot size to its work"
-        ),
-    }
-}
-
-/// How much of the gain up to the ceiling a plan realizes: 1 at the LLM-alone step, 0 at
-/// the baseline's (negative when slower than the baseline); `None` when the baseline is
-/// already as fast as the LLM alone (the encoders cost it nothing).
-fn gain_share(baseline: f64, step: f64, alone: f64) -> Option<f64> {
-    let room = baseline - alone;
-    (room > 0.0).then(|| (baseline - step) / room)
-}
-
-fn print_text(p: &Planned, alone: Option<&Found>, g: &Gap, a: &PlanArgs) {
+fn print_text(p: &Planned, alone: Option<&Found>, closest: Option<&Found>, g: &Gap, a: &PlanArgs) {
     let o = &p.outcome;
     let c = &p.problem.cluster;
     let (tokens, images, clips) = p.workload.summary();
@@ -549,7 +413,7 @@ fn print_text(p: &Planned, alone: Option<&Found>, g: &Gap, a: &PlanArgs) {
         );
     }
     println!();
-    for line in explain(p, alone, g) {
+    for line in explain(p, alone, closest, g) {
         println!("  - {line}");
     }
     println!(

@@ -18,8 +18,13 @@ fn braid(args: &[&str]) -> Output {
 fn plan_json(config: &str, extra: &[&str], out: &Path) -> serde_json::Value {
     let mut args = vec!["plan", "--config", config, "--gpus", "64"];
     args.extend_from_slice(extra);
+    plan_json_with(&mut args, out)
+}
+
+/// `braid ARGS.. --json --out OUT`, which must succeed: its JSON object.
+fn plan_json_with<'a>(args: &mut Vec<&'a str>, out: &'a Path) -> serde_json::Value {
     args.extend(["--json", "--out", out.to_str().unwrap()]);
-    let res = braid(&args);
+    let res = braid(args);
     assert!(
         res.status.success(),
         "{}",
@@ -148,6 +153,31 @@ fn the_7b_reference_plans_on_64_gpus() {
             && s.contains("work-conserving bound")
             && s.contains("overlapped with the passes"),
         "{s}"
+    );
+}
+
+/// On 5 GPUs the LLM-centric layout beats every plan `braid train` runs, and the report
+/// says why from the nearest one it runs: that layout's LLM grid with the encoders
+/// colocated needs more memory than a GPU has.
+#[test]
+fn where_the_baseline_wins_the_report_says_what_the_nearest_runnable_plan_needs() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("plan.toml");
+    let mut args = vec!["plan", "--config", "configs/plan-7b.toml", "--gpus", "5"];
+    let v = plan_json_with(&mut args, &out);
+    assert!(v["speedup"].as_f64().unwrap() < 1.0, "{v}");
+    let near = &v["closest_to_baseline"];
+    assert_eq!(near["fits"].as_bool(), Some(false), "{v}");
+    assert_eq!(near["plan"]["placement"].as_str(), Some("colocated"), "{v}");
+    for k in ["tp", "cp", "pp", "dp"] {
+        assert_eq!(near["plan"]["llm"][k], v["baseline"]["llm"][k], "{k}: {v}");
+    }
+    // More than the h100's usable 90 % of 80 GiB.
+    assert!(near["peak_memory_gib"].as_f64().unwrap() > 72.0, "{v}");
+    let why = v["explanation"].to_string();
+    assert!(
+        why.contains("memory is why") && why.contains("tp1 cp1 pp1 dp5"),
+        "{why}"
     );
 }
 

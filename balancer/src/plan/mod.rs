@@ -16,5 +16,5 @@ pub use cost::{Cost, Memory, StageCost};
 pub use layout::{Layout, Placement, Plan, Schedule};
 pub use step::{Problem, StepSim};
 pub mod search;
-pub use pick::mean_sim;
+pub use pick::{closest_to_baseline, mean_sim};
 pub use search::{Found, Outcome, Space, search};

@@ -4,7 +4,7 @@
 use rayon::prelude::*;
 
 use crate::cluster::GIB;
-use crate::plan::layout::{Layout, Plan};
+use crate::plan::layout::{Layout, Placement, Plan, Schedule};
 use crate::plan::search::Found;
 use crate::plan::step::{Problem, StepSim};
 use crate::workload::RowShape;
@@ -245,6 +245,70 @@ pub fn mean_sim(p: &Problem, plan: &Plan, batches: &[Vec<RowShape>]) -> Result<S
         x.1 /= n;
     }
     Ok(a)
+}
+
+/// The plan `braid train` runs that comes closest to the LLM-centric `baseline`, whose
+/// encoders run inside the LLM's first stage one microbatch at a time (the trainer runs
+/// them phased): for a one-stage LLM, its grid, microbatches and recomputation with every
+/// encoder colocated at the baseline's TP over the LLM's DP x CP ranks. Of encoder
+/// recomputation on and off, the fastest that fits in `budget` bytes a GPU, else the one
+/// needing the least. `None` for a pipelined baseline (its encoders hold only the first
+/// stage's GPUs, which no colocated plan does), a model without encoders, or a grid the
+/// encoders cannot take.
+pub fn closest_to_baseline(
+    p: &Problem,
+    baseline: &Plan,
+    batches: &[Vec<RowShape>],
+    budget: f64,
+) -> Option<Found> {
+    let l = baseline.llm;
+    if l.pp != 1 || (baseline.vision.is_none() && baseline.audio.is_none()) {
+        return None;
+    }
+    let gpus = l.gpus();
+    if [baseline.vision, baseline.audio]
+        .iter()
+        .flatten()
+        .any(|e| e.tp == 0 || !gpus.is_multiple_of(e.tp))
+    {
+        return None;
+    }
+    let beside = |e: Option<Layout>| {
+        e.map(|e| Layout {
+            tp: e.tp,
+            cp: 1,
+            pp: 1,
+            dp: gpus / e.tp,
+        })
+    };
+    let tried: Vec<Found> = [false, true]
+        .into_iter()
+        .filter_map(|recompute_encoders| {
+            let plan = Plan {
+                placement: Placement::Colocated,
+                schedule: Schedule::Phased,
+                recompute_encoders,
+                llm_first_stage_layers: None,
+                llm_virtual_stages: 1,
+                vision: beside(baseline.vision),
+                audio: beside(baseline.audio),
+                ..baseline.clone()
+            };
+            let sim = mean_sim(p, &plan, batches).ok()?;
+            Some(Found { plan, sim })
+        })
+        .collect();
+    let fits = |f: &&Found| f.sim.peak_memory <= budget;
+    match tried
+        .iter()
+        .filter(fits)
+        .min_by(|a, b| a.sim.step_s.total_cmp(&b.sim.step_s))
+    {
+        Some(f) => Some(f.clone()),
+        None => tried
+            .into_iter()
+            .min_by(|a, b| a.sim.peak_memory.total_cmp(&b.sim.peak_memory)),
+    }
 }
 
 #[cfg(test)]
