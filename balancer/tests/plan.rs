@@ -5,12 +5,11 @@
 
 use braid_balancer::cluster::Cluster;
 use braid_balancer::plan::search::{Space, search};
-use braid_balancer::plan::{closest_to_baseline, mean_sim};
-use braid_balancer::workload::{MediaTokens, Mix, RowShape, Workload, generate};
-use braid_balancer::{Layout, ModelDims, Module, Placement, Plan, Problem, Schedule};
+use braid_balancer::workload::RowShape;
+use braid_balancer::{Layout, Module, Placement, Plan, Schedule};
 
 mod common;
-use common::{block, free_links, llm_only, plan, problem};
+use common::{free_links, llm_only, plan, problem, small};
 
 #[test]
 fn uniform_one_f_one_b_matches_the_closed_form() {
@@ -148,40 +147,6 @@ fn more_stages_and_recomputation_cut_memory_and_tp_costs_communication() {
     );
     assert!(tp8.step_s > base.step_s / 8.0, "TP is not free");
     assert!(tp8.step_s < base.step_s);
-}
-
-/// A small three-module model on 16 GPUs: brute force is feasible.
-fn small() -> (Problem, Workload) {
-    let model = ModelDims {
-        llm: block(8, 2048, 16, true, 32000),
-        vision: Some(block(12, 1024, 16, false, 0)),
-        audio: Some(block(8, 512, 8, false, 0)),
-        vision_llm_ratio: 0.25,
-        audio_llm_ratio: 0.125,
-    };
-    let mix = Mix {
-        text_median: 200.0,
-        text_sigma: 1.0,
-        image_prob: 0.7,
-        images_max: 4,
-        audio_prob: 0.3,
-        clips_max: 2,
-        clip_s: [5.0, 30.0],
-    };
-    let media = MediaTokens {
-        image_encoder: 1024,
-        image_llm: 256,
-        llm_per_frame: 0.125,
-    };
-    let rows = generate(&mix, media, 600, 4096, 3);
-    let mut cluster = Cluster::preset("h100").unwrap();
-    cluster.gpus_per_node = 4;
-    let w = Workload {
-        rows,
-        batch_rows: 32,
-        seq_len: 4096,
-    };
-    (problem(model, cluster), w)
 }
 
 #[test]
@@ -535,61 +500,4 @@ fn the_bound_names_each_modules_layout() {
             assert!(x.work_gpu_s > 0.0 && x.path_s > 0.0, "{x:?}");
         }
     }
-}
-
-#[test]
-fn the_nearest_runnable_plan_to_the_baseline_tiles_its_grid_with_colocated_encoders() {
-    let (p, w) = small();
-    let batches = vec![w.batch(0)];
-    let layout = |tp, cp, pp, dp| Layout { tp, cp, pp, dp };
-    let base = Plan {
-        placement: Placement::LlmCentric,
-        schedule: Schedule::Phased,
-        microbatches: 2,
-        recompute: false,
-        recompute_encoders: false,
-        llm_first_stage_layers: None,
-        llm_virtual_stages: 1,
-        zero1: true,
-        llm: layout(2, 2, 1, 4),
-        vision: Some(layout(2, 1, 1, 8)),
-        audio: Some(layout(1, 1, 1, 8)),
-    };
-    let near = closest_to_baseline(&p, &base, &batches, f64::INFINITY).unwrap();
-    assert_eq!(near.plan.placement, Placement::Colocated);
-    assert_eq!(near.plan.schedule, Schedule::Phased);
-    assert_eq!((near.plan.llm, near.plan.microbatches), (base.llm, 2));
-    // Every encoder over all 16 GPUs at the baseline's TP.
-    assert_eq!(near.plan.vision, Some(layout(2, 1, 1, 8)));
-    assert_eq!(near.plan.audio, Some(layout(1, 1, 1, 16)));
-    assert_eq!(near.plan.gpus(), 16);
-    // The faster of encoder recomputation on and off where memory is no limit, the
-    // smaller where nothing fits.
-    let sim = |rc: bool| {
-        let plan = Plan {
-            recompute_encoders: rc,
-            ..near.plan.clone()
-        };
-        mean_sim(&p, &plan, &batches).unwrap()
-    };
-    let (off, on) = (sim(false), sim(true));
-    assert!(on.peak_memory < off.peak_memory && on.step_s > off.step_s);
-    assert_eq!(near.sim.step_s, off.step_s);
-    let tight = closest_to_baseline(&p, &base, &batches, 0.0).unwrap();
-    assert!(tight.plan.recompute_encoders);
-    assert_eq!(tight.sim.peak_memory, on.peak_memory);
-    let between = closest_to_baseline(&p, &base, &batches, on.peak_memory).unwrap();
-    assert!(between.plan.recompute_encoders);
-    // No colocated plan holds encoders on the first stage's GPUs only, nor splits an
-    // encoder's TP unevenly over the grid.
-    let piped = Plan {
-        llm: layout(2, 2, 2, 2),
-        ..base.clone()
-    };
-    assert!(closest_to_baseline(&p, &piped, &batches, f64::INFINITY).is_none());
-    let uneven = Plan {
-        vision: Some(layout(3, 1, 1, 1)),
-        ..base
-    };
-    assert!(closest_to_baseline(&p, &uneven, &batches, f64::INFINITY).is_none());
 }

@@ -105,6 +105,7 @@ fn plan_cmd(a: &PlanArgs) -> Result<(), String> {
         a.cluster.as_deref(),
         a.data.as_deref(),
         schedule,
+        true,
     )
     .map_err(|e| e.to_string())?;
     let alone = llm_alone(&p).map_err(|e| e.to_string())?;
@@ -122,7 +123,7 @@ fn plan_cmd(a: &PlanArgs) -> Result<(), String> {
         .flatten();
     let o = &p.outcome;
     let file = PlanFile {
-        gpus,
+        gpus: p.gpus,
         cluster: p.cluster.clone(),
         step_time_s: o.best.sim.step_s,
         baseline_step_time_s: o.baseline.sim.step_s,
@@ -222,6 +223,7 @@ fn to_json(
         "gap_bridge_s": g.bridge_s,
         "gap_bubbles_s": g.bubbles_s,
         "gpus": p.gpus,
+        "asked_gpus": p.asked_gpus,
         "cluster": p.cluster,
         "overlap_grad_sync": p.problem.overlap_sync,
         "sequence_parallel": p.problem.sequence_parallel,
@@ -235,6 +237,7 @@ fn to_json(
         "combinations": o.combinations,
         "simulated": o.simulated,
         "baseline": found_json(&o.baseline),
+        "baseline_gpus": o.baseline.plan.gpus(),
         "baseline_kind": "llm-centric: every encoder in the LLM's first pipeline stage with its TP, items spread over that stage's DP x CP ranks",
         "llm_alone_step_time_s": alone.map(|f| f.sim.step_s),
         "speedup_ceiling": alone.map(|f| o.baseline.sim.step_s / f.sim.step_s),
@@ -287,6 +290,16 @@ fn bound_layout_str(b: &BoundPart) -> String {
     s
 }
 
+/// `, on 992 of 1000 GPUs`: a layout that leaves GPUs idle because none tiles them all
+/// (nothing when it uses every one).
+fn idle_note(used: usize, gpus: usize) -> String {
+    if used < gpus {
+        format!(", on {used} of {gpus} GPUs: none that fits tiles them all")
+    } else {
+        String::new()
+    }
+}
+
 fn layout_str(l: Layout) -> String {
     format!("tp{} cp{} pp{} dp{}", l.tp, l.cp, l.pp, l.dp)
 }
@@ -296,9 +309,17 @@ fn print_text(p: &Planned, alone: Option<&Found>, closest: Option<&Found>, g: &G
     let c = &p.problem.cluster;
     let (tokens, images, clips) = p.workload.summary();
     println!(
-        "braid plan: {} on {} GPUs ({}: {} per node, {:.0} GiB each)",
+        "braid plan: {} on {} GPUs{} ({}: {} per node, {:.0} GiB each)",
         a.config.display(),
         p.gpus,
+        if p.gpus < p.asked_gpus {
+            format!(
+                " of the {} asked (no layout that fits in memory tiles all {}, or this one is faster: launch {} ranks)",
+                p.asked_gpus, p.asked_gpus, p.gpus
+            )
+        } else {
+            String::new()
+        },
         p.cluster,
         c.gpus_per_node,
         c.memory_gib
@@ -371,9 +392,10 @@ fn print_text(p: &Planned, alone: Option<&Found>, closest: Option<&Found>, g: &G
         bytes(b.sim.peak_memory)
     );
     println!(
-        "  LLM-centric      {:>10}   (llm {}, encoders in stage 0)",
+        "  LLM-centric      {:>10}   (llm {}, encoders in stage 0{})",
         secs(o.baseline.sim.step_s),
-        layout_str(o.baseline.plan.llm)
+        layout_str(o.baseline.plan.llm),
+        idle_note(o.baseline.plan.gpus(), p.gpus)
     );
     println!(
         "  speedup          {:>8.2}x",
@@ -381,9 +403,10 @@ fn print_text(p: &Planned, alone: Option<&Found>, closest: Option<&Found>, g: &G
     );
     if let Some(al) = alone {
         println!(
-            "  LLM alone        {:>10}   (encoders free: the ceiling is {:.2}x)",
+            "  LLM alone        {:>10}   (encoders free: the ceiling is {:.2}x{})",
             secs(al.sim.step_s),
-            o.baseline.sim.step_s / al.sim.step_s
+            o.baseline.sim.step_s / al.sim.step_s,
+            idle_note(al.plan.gpus(), p.gpus)
         );
     }
     // Where brute force or the check found a faster plan than the search, that one is

@@ -301,10 +301,18 @@ fn planning_on_a_cpu_times_the_loader_on_the_data() {
     cpu.shared_compute = true;
     let path = dir.join("cpu.toml");
     std::fs::write(&path, cpu.to_toml().unwrap()).unwrap();
-    let p = plan(&cfg, 2, Some(path.to_str().unwrap()), Some(&data), None).unwrap();
+    let p = plan(
+        &cfg,
+        2,
+        Some(path.to_str().unwrap()),
+        Some(&data),
+        None,
+        true,
+    )
+    .unwrap();
     let input_s = p.problem.input_s;
     assert!(input_s > 0.0 && input_s.is_finite(), "{input_s}");
-    let g = plan(&cfg, 2, Some("h100"), Some(&data), None).unwrap();
+    let g = plan(&cfg, 2, Some("h100"), Some(&data), None, true).unwrap();
     assert_eq!(g.problem.input_s, 0.0);
     let missing = dir.join("no-such-data");
     let e = loader_seconds(&cfg, &missing, 1).unwrap_err().to_string();

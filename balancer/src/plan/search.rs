@@ -431,9 +431,6 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
     })
 }
 
-/// The first-stage layer counts the baseline tries on `pp` stages of `layers` blocks: an
-/// even split (`None`), and 1-3 steps shorter first stages whose remaining blocks still
-/// split evenly over the other stages (as Megatron requires).
 /// The GPU counts the disjoint search gives an encoder on `g` GPUs: powers of two, and 3 x
 /// powers of two in whole nodes, at most half the GPUs (ascending).
 pub(crate) fn encoder_counts(g: usize, node: usize) -> Vec<usize> {
@@ -445,6 +442,9 @@ pub(crate) fn encoder_counts(g: usize, node: usize) -> Vec<usize> {
     counts
 }
 
+/// The first-stage layer counts the baseline tries on `pp` stages of `layers` blocks: an
+/// even split (`None`), and 1-3 steps shorter first stages whose remaining blocks still
+/// split evenly over the other stages (as Megatron requires).
 pub(crate) fn first_stage_options(layers: usize, pp: usize) -> Vec<Option<usize>> {
     let mut out = vec![None];
     if pp > 1 && layers.is_multiple_of(pp) {
@@ -459,10 +459,20 @@ pub(crate) fn first_stage_options(layers: usize, pp: usize) -> Vec<Option<usize>
     out
 }
 
+/// The best LLM-centric plan for `workload` alone (what [`search`] compares against).
+pub fn llm_centric(problem: &Problem, workload: &Workload, space: &Space) -> Result<Found, String> {
+    let batches: Vec<Vec<RowShape>> = (0..space.batches.max(1))
+        .map(|k| workload.batch(k))
+        .collect();
+    baseline(problem, &batches, &Totals::of(&batches), space, &mut 0)
+}
+
 /// The best LLM-centric plan (the strongest such baseline): the LLM's layouts, each
 /// encoder inside stage 0 with the LLM's TP (or the largest its heads allow), its items
 /// spread over the stage's DP x CP ranks, that stage optionally shorter than the others
-/// ([`first_stage_options`]), with and without recomputation.
+/// ([`first_stage_options`]), with and without recomputation. On all `space.gpus` GPUs,
+/// or where no such layout tiles them (1,000 GPUs for a model whose stages need 32), on
+/// the most of them one fits on, the rest idle, as a Megatron job would run.
 fn baseline(
     p: &Problem,
     batches: &[Vec<RowShape>],
@@ -470,8 +480,57 @@ fn baseline(
     space: &Space,
     simulated: &mut usize,
 ) -> Result<Found, String> {
-    let rows = batches[0].len();
     let g = space.gpus;
+    let budget = p.cluster.usable_bytes();
+    let mut least = f64::INFINITY;
+    // Counts whose estimates fit but whose simulations do not are simulated a few at most.
+    let mut tries = 4;
+    for n in (g.div_ceil(2).max(1)..=g).rev() {
+        let mut combos = baseline_combos(p, batches, t, space, n);
+        if combos.is_empty() {
+            continue;
+        }
+        match pick(
+            p,
+            batches,
+            &mut combos,
+            space.top_k,
+            None,
+            budget,
+            simulated,
+        )? {
+            Ok(found) => return Ok(found),
+            Err(l) => least = least.min(l),
+        }
+        tries -= 1;
+        if tries == 0 {
+            break;
+        }
+    }
+    Err(format!(
+        "no LLM-centric layout fits {} to {g} GPUs ({})",
+        g.div_ceil(2).max(1),
+        if least.is_finite() {
+            format!(
+                "the least memory simulated: {:.1} GiB of {:.1}",
+                least / GIB,
+                budget / GIB
+            )
+        } else {
+            format!("every layout's estimate exceeds {:.1} GiB", budget / GIB)
+        }
+    ))
+}
+
+/// The LLM-centric candidates on `g` GPUs whose estimates fit in memory.
+fn baseline_combos(
+    p: &Problem,
+    batches: &[Vec<RowShape>],
+    t: &Totals,
+    space: &Space,
+    g: usize,
+) -> Vec<Combo> {
+    let rows = batches[0].len();
     let budget = p.cluster.usable_bytes();
     let encoders: Vec<Module> = [Module::Vision, Module::Audio]
         .into_iter()
@@ -550,20 +609,5 @@ fn baseline(
             }
         }
     }
-    let best = pick(
-        p,
-        batches,
-        &mut combos,
-        space.top_k,
-        None,
-        budget,
-        simulated,
-    )?;
-    best.map_err(|least| {
-        format!(
-            "no LLM-centric layout fits {g} GPUs (the least memory simulated: {:.1} GiB of {:.1})",
-            least / GIB,
-            budget / GIB
-        )
-    })
+    combos
 }

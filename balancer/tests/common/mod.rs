@@ -2,6 +2,7 @@
 #![allow(dead_code, clippy::unwrap_used)]
 
 use braid_balancer::cluster::{Cluster, Link};
+use braid_balancer::workload::{MediaTokens, Mix, Workload, generate};
 use braid_balancer::{Layout, ModelDims, ModuleDims, Placement, Plan, Problem, Schedule};
 
 pub fn block(layers: usize, hidden: usize, heads: usize, causal: bool, vocab: usize) -> ModuleDims {
@@ -70,4 +71,38 @@ pub fn plan(llm: Layout, m: usize) -> Plan {
         vision: None,
         audio: None,
     }
+}
+
+/// A small three-module model on 16 GPUs: brute force is feasible.
+pub fn small() -> (Problem, Workload) {
+    let model = ModelDims {
+        llm: block(8, 2048, 16, true, 32000),
+        vision: Some(block(12, 1024, 16, false, 0)),
+        audio: Some(block(8, 512, 8, false, 0)),
+        vision_llm_ratio: 0.25,
+        audio_llm_ratio: 0.125,
+    };
+    let mix = Mix {
+        text_median: 200.0,
+        text_sigma: 1.0,
+        image_prob: 0.7,
+        images_max: 4,
+        audio_prob: 0.3,
+        clips_max: 2,
+        clip_s: [5.0, 30.0],
+    };
+    let media = MediaTokens {
+        image_encoder: 1024,
+        image_llm: 256,
+        llm_per_frame: 0.125,
+    };
+    let rows = generate(&mix, media, 600, 4096, 3);
+    let mut cluster = Cluster::preset("h100").unwrap();
+    cluster.gpus_per_node = 4;
+    let w = Workload {
+        rows,
+        batch_rows: 32,
+        seq_len: 4096,
+    };
+    (problem(model, cluster), w)
 }

@@ -6,7 +6,7 @@ use braid_balancer::plan::search::Found;
 use braid_balancer::{Module, Placement};
 use braid_train::planning::Planned;
 
-use super::{bound_layout_str, bytes, layout_str, secs};
+use super::{bound_layout_str, bytes, idle_note, layout_str, secs};
 
 /// What binds the chosen plan and why it beats the LLM-centric one (`g`: the pick's gap
 /// from the bound).
@@ -79,7 +79,7 @@ pub(super) fn explain(
         ));
     }
     out.push(format!(
-        "the LLM-centric layout (llm {}{}, {} microbatch{}) runs every encoder inside the LLM's first pipeline stage with the LLM's TP, its items spread over that stage's DP x CP ranks; its step takes {} against {} here ({:.2}x)",
+        "the LLM-centric layout (llm {}{}, {} microbatch{}{}) runs every encoder inside the LLM's first pipeline stage with the LLM's TP, its items spread over that stage's DP x CP ranks; its step takes {} against {} here ({:.2}x)",
         layout_str(base.plan.llm),
         base.plan
             .llm_first_stage_layers
@@ -91,6 +91,7 @@ pub(super) fn explain(
             .unwrap_or_default(),
         base.plan.microbatches,
         if base.plan.microbatches == 1 { "" } else { "es" },
+        idle_note(base.plan.gpus(), p.gpus),
         secs(base.sim.step_s),
         secs(b.sim.step_s),
         base.sim.step_s / step
@@ -105,10 +106,10 @@ pub(super) fn explain(
         };
         out.push(format!(
             "the LLM alone (its best layout on {}, the encoders' work free) takes {}: no per-module layout can beat the LLM-centric one by more than {:.2}x on this workload; {got}",
-            if p.gpus == 1 {
-                "the one GPU".to_string()
-            } else {
-                format!("all {} GPUs", p.gpus)
+            match (al.plan.gpus(), p.gpus) {
+                (_, 1) => "the one GPU".to_string(),
+                (n, g) if n < g => format!("{n} of the {g} GPUs, the most one tiles"),
+                (_, g) => format!("all {g} GPUs"),
             },
             secs(al.sim.step_s),
             base.sim.step_s / al.sim.step_s,

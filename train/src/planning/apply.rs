@@ -103,7 +103,7 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
         // The run's own packed rows when they exist, else the [plan.mix].
         let own = cfg.data.path.join(braid_dataloader::dataset::DATASET_JSON);
         let data = own.exists().then_some(cfg.data.path.as_path());
-        let p = plan(cfg, gpus, None, data, None)?;
+        let p = plan(cfg, gpus, None, data, None, false)?;
         let f = PlanFile {
             gpus,
             cluster: p.cluster,

@@ -6,7 +6,7 @@
 use std::path::Path;
 
 use braid_balancer::cluster::Cluster;
-use braid_balancer::plan::search::{Found, Outcome, Space, search};
+use braid_balancer::plan::search::{Found, Outcome, Space, llm_centric, search};
 use braid_balancer::workload::{MediaTokens, Mix, RowShape, Workload, generate};
 use braid_balancer::{ModelDims, Module, ModuleDims, Placement, Problem, Schedule};
 use braid_dataloader::dataset::DatasetInfo;
@@ -251,19 +251,24 @@ pub struct Planned {
     pub problem: Problem,
     pub workload: Workload,
     pub outcome: Outcome,
+    /// GPUs the plan runs on: those asked for, or fewer where no layout tiles them all
+    /// ([`plan`]).
     pub gpus: usize,
+    pub asked_gpus: usize,
     pub cluster: String,
     /// Sampled batches each candidate was simulated on.
     pub batches: usize,
 }
 
-/// Searches a plan for `cfg` on `gpus` GPUs.
+/// Searches a plan for `cfg` on `gpus` GPUs, or with `fewer_gpus` on fewer of them where
+/// no layout tiles them all and that is faster (a launched world cannot shrink: `false`).
 pub fn plan(
     cfg: &RunConfig,
     gpus: usize,
     cluster: Option<&str>,
     data: Option<&Path>,
     schedule: Option<Schedule>,
+    fewer_gpus: bool,
 ) -> Result<Planned> {
     if gpus == 0 {
         return Err(err("--gpus must be at least 1".into()));
@@ -307,12 +312,39 @@ pub fn plan(
     if space.schedule == Schedule::Overlapped {
         space.placements = vec![Placement::Disjoint];
     }
-    let outcome = search(&problem, &workload, &space).map_err(err)?;
+    // Where no layout tiles all the GPUs (1,000 for a model whose stages need 32 each), the
+    // LLM-centric baseline runs on fewer, the rest idle, as a Megatron job would; so may
+    // the plan: searched on the baseline's count too, the faster taken (its plan file
+    // says how many ranks to launch).
+    let fewer = |n: usize| {
+        let mut on = space.clone();
+        on.gpus = n;
+        search(&problem, &workload, &on)
+    };
+    let outcome = match search(&problem, &workload, &space) {
+        Ok(o) if !fewer_gpus => o,
+        Err(e) if !fewer_gpus => return Err(err(e)),
+        Ok(o) if o.baseline.plan.gpus() < gpus => match fewer(o.baseline.plan.gpus()) {
+            Ok(f) if f.best.sim.step_s < o.best.sim.step_s => f,
+            _ => o,
+        },
+        Ok(o) => o,
+        Err(e) => {
+            let n = llm_centric(&problem, &workload, &space).map_or(gpus, |b| b.plan.gpus());
+            if n == gpus {
+                return Err(err(e));
+            }
+            // The error names the GPUs asked for, not the count tried after them.
+            fewer(n).map_err(|_| err(e))?
+        }
+    };
+    let used = outcome.best.plan.gpus();
     Ok(Planned {
         problem,
         workload,
         outcome,
-        gpus,
+        gpus: used,
+        asked_gpus: gpus,
         cluster: cluster_name,
         batches: space.batches,
     })
@@ -371,8 +403,19 @@ pub fn llm_alone(p: &Planned) -> Result<Option<Found>> {
     let mut space = Space::new(p.gpus);
     space.batches = p.batches;
     space.placements = vec![Placement::Colocated];
-    let outcome = search(&problem, &p.workload, &space).map_err(err)?;
-    Ok(Some(outcome.best))
+    // Where no layout of the LLM alone tiles every GPU, its best on as many of them as
+    // one fits on (the LLM-centric search without encoders), as the baseline is taken.
+    match search(&problem, &p.workload, &space) {
+        Ok(o) => Ok(Some(o.best)),
+        Err(_) => {
+            let base = llm_centric(&problem, &p.workload, &space).map_err(err)?;
+            space.gpus = base.plan.gpus();
+            Ok(Some(match search(&problem, &p.workload, &space) {
+                Ok(o) if o.best.sim.step_s < base.sim.step_s => o.best,
+                _ => base,
+            }))
+        }
+    }
 }
 
 #[cfg(test)]
