@@ -46,10 +46,11 @@
 use std::collections::HashMap;
 
 use crate::dims::Module;
+use crate::plan::baseline::first_stage_options;
 use crate::plan::cost::StageCost;
 use crate::plan::layout::{Layout, Plan, Schedule};
 use crate::plan::options::{Knobs, Totals, llm_chunk_counts, slot};
-use crate::plan::search::{encoder_counts, first_stage_options};
+use crate::plan::search::encoder_counts;
 use crate::plan::span::{Ladder, Rates};
 use crate::plan::step::{Problem, StepSim};
 use crate::workload::RowShape;

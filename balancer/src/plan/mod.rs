@@ -1,6 +1,7 @@
 //! Planning: the cost model ([`cost`]), the event-driven step simulator ([`dag`],
 //! [`step`]), candidate layouts ([`layout`]) and the search over them ([`search`]).
 
+pub mod baseline;
 pub mod bound;
 pub mod check;
 pub mod cost;

@@ -1,0 +1,192 @@
+//! `parallel.plan` files and `"auto"`: what a plan sets, what it refuses, and a search on the tiny config.
+use super::*;
+use braid_balancer::Plan;
+
+/// configs/tiny.toml's model and batch, with a synthetic mix to plan on.
+fn tiny(sets: &[&str]) -> RunConfig {
+    let text =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../configs/tiny.toml"))
+            .unwrap();
+    let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+    RunConfig::from_toml(&text, "tiny.toml", &sets).unwrap()
+}
+
+#[test]
+fn a_plan_file_sets_the_world_layouts_and_microbatches() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("plan.toml");
+    let file = PlanFile {
+        gpus: 4,
+        cluster: "h100".into(),
+        step_time_s: 1.0,
+        baseline_step_time_s: 2.0,
+        plan: Plan {
+            placement: Placement::Colocated,
+            schedule: Schedule::Phased,
+            microbatches: 2,
+            recompute: true,
+            recompute_encoders: false,
+            llm_first_stage_layers: None,
+            llm_virtual_stages: 2,
+            zero1: false,
+            llm: braid_balancer::Layout {
+                tp: 2,
+                cp: 1,
+                pp: 2,
+                dp: 1,
+            },
+            vision: Some(braid_balancer::Layout {
+                tp: 1,
+                cp: 1,
+                pp: 1,
+                dp: 4,
+            }),
+            audio: None,
+        },
+    };
+    file.write(&path).unwrap();
+    assert_eq!(PlanFile::read(&path).unwrap(), file);
+    let mut cfg = tiny(&[&format!("parallel.plan={}", path.display())]);
+    let applied = apply(&mut cfg).unwrap();
+    let notes = &applied.notes;
+    assert!(notes.iter().any(|n| n.contains("4 GPUs")), "{notes:?}");
+    // The run's summary will set the plan's prediction beside its measured steps.
+    let predicted = applied.predicted.unwrap();
+    assert_eq!(
+        (predicted.step_s, predicted.cluster.as_str()),
+        (file.step_time_s, file.cluster.as_str())
+    );
+    assert_eq!(cfg.parallel.world_size, 4);
+    assert_eq!(cfg.parallel.placement, crate::config::Placement::Colocated);
+    assert_eq!((cfg.parallel.llm.tp, cfg.parallel.llm.pp), (2, 2));
+    // Interleaved: two chunks per LLM stage.
+    assert_eq!(cfg.parallel.llm.virtual_stages, 2);
+    assert_eq!(cfg.parallel.vision.dp, 4);
+    assert_eq!(cfg.parallel.audio.dp, 1);
+    // Recomputation is the plan's, per module.
+    assert!(cfg.parallel.llm.recompute);
+    assert!(!cfg.parallel.vision.recompute && !cfg.parallel.audio.recompute);
+    assert_eq!(cfg.train.microbatches, 2);
+    assert!(!cfg.parallel.zero1);
+    // A missing file names the key.
+    let mut bad = tiny(&["parallel.plan=/nonexistent/plan.toml"]);
+    let e = apply(&mut bad).unwrap_err().to_string();
+    assert!(e.contains("parallel.plan"), "{e}");
+}
+
+#[test]
+fn a_hostile_plan_file_is_an_error_naming_what_is_wrong() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("plan.toml");
+    let layout = |dp| braid_balancer::Layout {
+        tp: 1,
+        cp: 1,
+        pp: 2,
+        dp,
+    };
+    let plan = Plan {
+        placement: Placement::Disjoint,
+        schedule: Schedule::Phased,
+        microbatches: 2,
+        recompute: false,
+        recompute_encoders: false,
+        llm_first_stage_layers: None,
+        llm_virtual_stages: 1,
+        zero1: true,
+        llm: layout(1),
+        vision: Some(layout(1)),
+        audio: Some(layout(1)),
+    };
+    let run = |plan: Plan| {
+        let file = PlanFile {
+            gpus: 6,
+            cluster: "h100".into(),
+            step_time_s: 1.0,
+            baseline_step_time_s: 2.0,
+            plan,
+        };
+        file.write(&path).unwrap();
+        let mut cfg = tiny(&[&format!("parallel.plan={}", path.display())]);
+        // Applying sets the config; the layouts are checked as the trainer does.
+        apply(&mut cfg)?;
+        cfg.validate()?;
+        let model = crate::assemble::model_config(&cfg)?;
+        crate::parallel::layout::Layouts::new(&cfg.parallel, &model)?;
+        Ok::<(), TrainError>(())
+    };
+    assert!(run(plan.clone()).is_ok());
+    // No model chunk on a stage: rejected, not read as 1.
+    let e = run(Plan {
+        llm_virtual_stages: 0,
+        ..plan.clone()
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("llm_virtual_stages = 0"), "{e}");
+    // Sizes whose product overflows: an error naming the world size, not a wrapped
+    // count or a panic.
+    let e = run(Plan {
+        llm: layout(usize::MAX / 2),
+        ..plan
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("parallel.world_size") && e.contains("18446744073709551615"),
+        "{e}"
+    );
+}
+
+#[test]
+fn auto_plans_the_tiny_model_for_its_world() {
+    let mix = "plan.mix={text_median=40.0,text_sigma=0.5,image_prob=0.8,audio_prob=0.3}";
+    let mut cfg = tiny(&[
+        "parallel.plan=auto",
+        "parallel.world_size=4",
+        mix,
+        "plan.seq_len=256",
+    ]);
+    apply(&mut cfg).unwrap();
+    assert_eq!(cfg.parallel.world_size, 4);
+    let l = &cfg.parallel.llm;
+    let ranks = l.tp * l.cp * l.pp * l.dp;
+    match cfg.parallel.placement {
+        crate::config::Placement::Colocated => assert_eq!(ranks, 4),
+        crate::config::Placement::Disjoint => assert!(ranks < 4),
+    }
+    // Without a mix or data, planning says what it needs.
+    let mut none = tiny(&["parallel.plan=auto", "parallel.world_size=4"]);
+    let e = apply(&mut none).unwrap_err().to_string();
+    assert!(e.contains("[plan.mix]"), "{e}");
+}
+
+#[test]
+fn the_dims_of_the_tiny_model() {
+    let cfg = tiny(&[]);
+    let m = crate::assemble::model_config(&cfg).unwrap();
+    let d = model_dims(&m);
+    assert_eq!(d.llm.layers, 4);
+    assert_eq!(d.llm.heads, 4);
+    assert_eq!(d.vision.as_ref().unwrap().head_dim, 8);
+    assert_eq!(d.audio_llm_ratio, 1.0 / 8.0);
+    assert_eq!(media_tokens(&m, &d).image_encoder, 16);
+    // Outside the blocks, per encoder token: the patch embedding 3*8*8 -> 32 and the
+    // projector 32 -> 64 -> 64; Whisper's convs 80 -> 32 on 2 frames and 32 -> 32
+    // (kernel 3), the projector 4*32 -> 64 -> 64 per 4 tokens. In this tiny model
+    // they rival the blocks (2 * 2 * (4*32*32 + 2*32*64) = 32,768 per token).
+    let (v, a) = (d.vision.as_ref().unwrap(), d.audio.as_ref().unwrap());
+    assert_eq!(v.layers as f64 * v.layer_flops_per_token(), 32_768.0);
+    assert_eq!(v.stem_flops_per_token, 2.0 * 192.0 * 32.0);
+    assert_eq!(
+        v.projector_flops_per_token,
+        2.0 * (32.0 * 64.0 + 64.0 * 64.0)
+    );
+    assert_eq!(
+        a.stem_flops_per_token,
+        2.0 * (2.0 * 3.0 * 80.0 * 32.0 + 3.0 * 32.0 * 32.0)
+    );
+    assert_eq!(
+        a.projector_flops_per_token,
+        2.0 * (128.0 * 64.0 + 64.0 * 64.0) / 4.0
+    );
+}
