@@ -222,7 +222,13 @@ fn the_search_is_within_five_percent_of_brute_force_and_beats_the_baseline() {
             (g.step_s() - f.sim.step_s).abs() <= 1e-9 * f.sim.step_s,
             "{g:?}"
         );
-        for part in [g.grad_sync_s, g.imbalance_s, g.bridge_s, g.bubbles_s] {
+        for part in [
+            g.memory_forced_s,
+            g.grad_sync_s,
+            g.imbalance_s,
+            g.bridge_s,
+            g.bubbles_s,
+        ] {
             assert!(part >= 0.0, "{g:?}");
         }
     }
@@ -389,6 +395,20 @@ fn the_bound_holds_for_every_layout_of_two_nodes() {
                                 sim.step_s >= b.step_s * (1.0 - 1e-9),
                                 "{name}, overlap {overlap}, {l:?}, {m} mb: step {} < bound {b:?}",
                                 sim.step_s
+                            );
+                            // The gap's parts add up to the step and none is negative.
+                            let g = p.gap(&plan(l, m), std::slice::from_ref(&rows), &sim);
+                            assert!((g.step_s() - sim.step_s).abs() <= 1e-9 * sim.step_s);
+                            let parts = [
+                                g.memory_forced_s,
+                                g.grad_sync_s,
+                                g.imbalance_s,
+                                g.bridge_s,
+                                g.bubbles_s,
+                            ];
+                            assert!(
+                                parts.iter().all(|&x| x >= -1e-12),
+                                "{name}, overlap {overlap}, {l:?}, {m} mb: {g:?}"
                             );
                         }
                     }

@@ -10,7 +10,7 @@ use braid_balancer::plan::closest_to_baseline;
 use braid_balancer::plan::search::Found;
 use braid_balancer::{Layout, Module, Schedule};
 use braid_train::RunConfig;
-use braid_train::planning::{PlanFile, Planned, llm_alone, plan};
+use braid_train::planning::{PlanFile, PlanSchedule, Planned, llm_alone, plan};
 use clap::Args;
 use serde_json::{Value, json};
 
@@ -31,7 +31,8 @@ pub struct PlanArgs {
     /// Packed shards whose rows the batches are drawn from (default: the [plan.mix]).
     #[arg(long)]
     data: Option<PathBuf>,
-    /// `phased` (what braid train runs; default) or `overlapped` (1F1B across modules).
+    /// `best` (both searched, the faster plan written; default: plan.schedule), `phased`
+    /// (braid train's default) or `overlapped` (1F1B across modules, disjoint GPUs).
     #[arg(long)]
     schedule: Option<String>,
     /// Where to write the plan file.
@@ -95,9 +96,14 @@ fn plan_cmd(a: &PlanArgs) -> Result<(), String> {
         .ok_or("say how many GPUs: --gpus N (or plan.gpus in the config)")?;
     let schedule = match a.schedule.as_deref() {
         None => None,
-        Some("phased") => Some(Schedule::Phased),
-        Some("overlapped") => Some(Schedule::Overlapped),
-        Some(s) => return Err(format!("--schedule {s:?}: expected phased or overlapped")),
+        Some("best") => Some(PlanSchedule::Best),
+        Some("phased") => Some(PlanSchedule::Phased),
+        Some("overlapped") => Some(PlanSchedule::Overlapped),
+        Some(s) => {
+            return Err(format!(
+                "--schedule {s:?}: expected best, phased or overlapped"
+            ));
+        }
     };
     let p = plan(
         &cfg,
@@ -224,6 +230,11 @@ fn to_json(
         "gap_bubbles_s": g.bubbles_s,
         "gpus": p.gpus,
         "asked_gpus": p.asked_gpus,
+        "schedule_step_times_s": p
+            .schedule_steps
+            .iter()
+            .map(|(s, t)| (schedule_name(*s).to_string(), json!(t)))
+            .collect::<serde_json::Map<String, Value>>(),
         "cluster": p.cluster,
         "overlap_grad_sync": p.problem.overlap_sync,
         "sequence_parallel": p.problem.sequence_parallel,
@@ -300,6 +311,13 @@ fn idle_note(used: usize, gpus: usize) -> String {
     }
 }
 
+fn schedule_name(s: Schedule) -> &'static str {
+    match s {
+        Schedule::Phased => "phased",
+        Schedule::Overlapped => "overlapped",
+    }
+}
+
 fn layout_str(l: Layout) -> String {
     format!("tp{} cp{} pp{} dp{}", l.tp, l.cp, l.pp, l.dp)
 }
@@ -353,6 +371,17 @@ fn print_text(p: &Planned, alone: Option<&Found>, closest: Option<&Found>, g: &G
             "repeating the norms on every rank"
         }
     );
+    if p.schedule_steps.len() > 1 {
+        let each: Vec<String> = p
+            .schedule_steps
+            .iter()
+            .map(|(s, t)| format!("{} {}", schedule_name(*s), secs(*t)))
+            .collect();
+        println!(
+            "  schedules  {} (plan.schedule = \"best\": the faster written)",
+            each.join(", ")
+        );
+    }
     let b = &o.best;
     println!(
         "\n  {:<7} {:<22} {:>6} {:>11} {:>12} {:>12}",

@@ -182,32 +182,49 @@ fn where_the_baseline_wins_the_report_says_what_the_nearest_runnable_plan_needs(
 }
 
 /// No layout of the 120B tiles 100 GPUs (its stages need 16 each and more): the
-/// baseline runs on 96 of them, as a Megatron job would, and so does the plan where that
-/// is faster, its file saying to launch 96 ranks.
+/// baseline runs on 96 of them, as a Megatron job would, and so does the phased plan,
+/// its file saying to launch 96 ranks; by default both schedules are searched, and the
+/// overlapped one tiles all 100 and is faster still.
 #[test]
 fn where_no_layout_tiles_the_gpus_the_plan_says_how_many_to_launch() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("plan.toml");
-    let mut args = vec![
+    let base = [
         "plan",
         "--config",
         "configs/plan-120b-hires.toml",
         "--gpus",
         "100",
     ];
+    let mut args = [&base[..], &["--schedule", "phased"]].concat();
     let v = plan_json_with(&mut args, &out);
     assert_eq!(v["asked_gpus"].as_u64(), Some(100), "{v}");
     assert_eq!(v["baseline_gpus"].as_u64(), Some(96), "{v}");
-    // Colocated on 96 beats every plan that tiles all 100 (disjoint splits).
+    // Colocated on 96 beats every phased plan that tiles all 100 (disjoint splits).
     assert_eq!(v["gpus"].as_u64(), Some(96), "{v}");
     assert_eq!(v["placement"].as_str(), Some("colocated"), "{v}");
     assert!(v["speedup"].as_f64().unwrap() > 1.0, "{v}");
     let file = std::fs::read_to_string(&out).unwrap();
     assert!(file.contains("gpus = 96\n"), "{file}");
     let text_out = dir.path().join("text.toml");
-    let res = braid(&[&args[..5], &["--out", text_out.to_str().unwrap()]].concat());
+    let res = braid(&[&args[..7], &["--out", text_out.to_str().unwrap()]].concat());
     let text = String::from_utf8_lossy(&res.stdout);
     assert!(text.contains("on 96 GPUs of the 100 asked"), "{text}");
+    let phased = v["step_time_s"].as_f64().unwrap();
+
+    // Both schedules (the default): the faster plan, and each one's step reported.
+    let best = plan_json_with(&mut base.to_vec(), &out);
+    let steps = &best["schedule_step_times_s"];
+    let overlapped = steps["overlapped"].as_f64().unwrap();
+    let phased_here = steps["phased"].as_f64().unwrap();
+    assert_eq!(
+        best["step_time_s"].as_f64(),
+        Some(overlapped.min(phased_here)),
+        "{best}"
+    );
+    assert!(overlapped < phased, "{best}");
+    assert_eq!(best["schedule"].as_str(), Some("overlapped"), "{best}");
+    assert_eq!(best["gpus"].as_u64(), Some(100), "{best}");
 }
 
 /// The overlapped schedule (1F1B across modules on disjoint GPUs) plans the 70B

@@ -420,14 +420,31 @@ impl Problem {
         // The plan's busy work beyond the bound's, taken as what is left so that the
         // parts add up to the step (lanes of colocated modules that overlap on shared
         // GPUs would otherwise count twice).
+        let mut memory_forced_s = sim.step_s - bound_s - grad_sync_s - idle;
+        let mut rest = [
+            idle - imbalance_s - bridge_s,
+            bridge_s,
+            imbalance_s,
+            grad_sync_s,
+        ];
+        // Below zero where the bound's layouts (the least step, not the least work: a
+        // path-bound one) do more work than the plan's: then the time the bound holds
+        // beyond its work (its path, its sync) covers some of the plan's waiting and
+        // syncing twice, and that much less of it is the plan's own (bubbles first).
+        for w in &mut rest {
+            let take = (-memory_forced_s).clamp(0.0, *w);
+            *w -= take;
+            memory_forced_s += take;
+        }
+        let [bubbles_s, bridge_s, imbalance_s, grad_sync_s] = rest;
         Gap {
             bound_s,
             bound: b,
-            memory_forced_s: sim.step_s - bound_s - grad_sync_s - idle,
+            memory_forced_s,
             grad_sync_s,
             imbalance_s,
             bridge_s,
-            bubbles_s: idle - imbalance_s - bridge_s,
+            bubbles_s,
         }
     }
 }

@@ -35,10 +35,11 @@ pub struct PlanSection {
     /// Sampled batches each candidate's simulated step is averaged over.
     #[serde(default = "default_batches")]
     pub batches: usize,
-    /// `phased` or `overlapped` (1F1B across modules, disjoint placement only); `braid
-    /// train` runs either (`parallel.schedule`, which a plan file sets).
-    #[serde(default = "default_schedule")]
-    pub schedule: Schedule,
+    /// `best` (both searched, the faster plan taken), `phased` or `overlapped` (1F1B
+    /// across modules, disjoint placement only); `braid train` runs either
+    /// (`parallel.schedule`, which a plan file sets).
+    #[serde(default)]
+    pub schedule: PlanSchedule,
     /// The synthetic sample distribution used without `--data`.
     #[serde(default)]
     pub mix: Option<Mix>,
@@ -67,8 +68,25 @@ fn default_cluster() -> String {
 fn default_batches() -> usize {
     3
 }
-fn default_schedule() -> Schedule {
-    Schedule::Phased
+/// The schedules `braid plan` searches.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PlanSchedule {
+    /// Both, the faster plan taken.
+    #[default]
+    Best,
+    Phased,
+    Overlapped,
+}
+
+impl PlanSchedule {
+    fn schedules(self) -> Vec<Schedule> {
+        match self {
+            PlanSchedule::Best => vec![Schedule::Phased, Schedule::Overlapped],
+            PlanSchedule::Phased => vec![Schedule::Phased],
+            PlanSchedule::Overlapped => vec![Schedule::Overlapped],
+        }
+    }
 }
 
 impl Default for PlanSection {
@@ -78,7 +96,7 @@ impl Default for PlanSection {
             gpus: None,
             seq_len: None,
             batches: default_batches(),
-            schedule: default_schedule(),
+            schedule: PlanSchedule::default(),
             mix: None,
             overlap_grad_sync: None,
             sequence_parallel: None,
@@ -255,6 +273,8 @@ pub struct Planned {
     /// ([`plan`]).
     pub gpus: usize,
     pub asked_gpus: usize,
+    /// Each schedule searched, and its best plan's step (the fastest is the outcome's).
+    pub schedule_steps: Vec<(Schedule, f64)>,
     pub cluster: String,
     /// Sampled batches each candidate was simulated on.
     pub batches: usize,
@@ -267,7 +287,7 @@ pub fn plan(
     gpus: usize,
     cluster: Option<&str>,
     data: Option<&Path>,
-    schedule: Option<Schedule>,
+    schedule: Option<PlanSchedule>,
     fewer_gpus: bool,
 ) -> Result<Planned> {
     if gpus == 0 {
@@ -307,11 +327,11 @@ pub fn plan(
     let workload = workload(cfg, &model, data)?;
     let mut space = Space::new(gpus);
     space.batches = sec.batches.max(1);
-    space.schedule = schedule.unwrap_or(sec.schedule);
     space.check = sec.check;
-    if space.schedule == Schedule::Overlapped {
-        space.placements = vec![Placement::Disjoint];
-    }
+    let schedules = schedule.unwrap_or(sec.schedule).schedules();
+    let search = |problem: &Problem, workload: &Workload, space: &Space| {
+        search_schedules(problem, workload, space, &schedules)
+    };
     // Where no layout tiles all the GPUs (1,000 for a model whose stages need 32 each), the
     // LLM-centric baseline runs on fewer, the rest idle, as a Megatron job would; so may
     // the plan: searched on the baseline's count too, the faster taken (its plan file
@@ -321,11 +341,11 @@ pub fn plan(
         on.gpus = n;
         search(&problem, &workload, &on)
     };
-    let outcome = match search(&problem, &workload, &space) {
+    let (outcome, schedule_steps) = match search(&problem, &workload, &space) {
         Ok(o) if !fewer_gpus => o,
         Err(e) if !fewer_gpus => return Err(err(e)),
-        Ok(o) if o.baseline.plan.gpus() < gpus => match fewer(o.baseline.plan.gpus()) {
-            Ok(f) if f.best.sim.step_s < o.best.sim.step_s => f,
+        Ok(o) if o.0.baseline.plan.gpus() < gpus => match fewer(o.0.baseline.plan.gpus()) {
+            Ok(f) if f.0.best.sim.step_s < o.0.best.sim.step_s => f,
             _ => o,
         },
         Ok(o) => o,
@@ -345,10 +365,57 @@ pub fn plan(
         outcome,
         gpus: used,
         asked_gpus: gpus,
+        schedule_steps,
         cluster: cluster_name,
         batches: space.batches,
     })
 }
+
+/// [`search`] under each of `schedules` (the overlapped one on disjoint placement), the
+/// outcome whose plan is fastest; its counts and time are those of all the searches.
+fn search_schedules(
+    problem: &Problem,
+    workload: &Workload,
+    space: &Space,
+    schedules: &[Schedule],
+) -> std::result::Result<Searched, String> {
+    let mut steps = Vec::new();
+    let mut best: Option<Outcome> = None;
+    let mut first_err = None;
+    let (mut combinations, mut simulated, mut search_s) = (0, 0, 0.0);
+    for &s in schedules {
+        let mut on = space.clone();
+        on.schedule = s;
+        if s == Schedule::Overlapped {
+            on.placements = vec![Placement::Disjoint];
+        }
+        match search(problem, workload, &on) {
+            Ok(o) => {
+                steps.push((s, o.best.sim.step_s));
+                combinations += o.combinations;
+                simulated += o.simulated;
+                search_s += o.search_s;
+                if best
+                    .as_ref()
+                    .is_none_or(|b| o.best.sim.step_s < b.best.sim.step_s)
+                {
+                    best = Some(o);
+                }
+            }
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    let mut o = best.ok_or_else(|| first_err.unwrap_or_else(|| "no schedule to search".into()))?;
+    o.combinations = combinations;
+    o.simulated = simulated;
+    o.search_s = search_s;
+    Ok((o, steps))
+}
+
+/// A search's outcome, and each schedule's best step in it.
+type Searched = (Outcome, Vec<(Schedule, f64)>);
 
 /// Global batches [`loader_seconds`] times after its warm-up batch when planning.
 pub const LOADER_PROBE_BATCHES: usize = 4;
