@@ -147,7 +147,7 @@ fn written_by_pack(name: &str, has_dataset: bool) -> bool {
 /// only with `overwrite`. A folder without `dataset.json` holds no dataset: the leftovers of a
 /// killed or failed pack (shards, staging, rejects) are removed and the job goes on. A folder
 /// holding any file the pack does not write is refused: nothing of the user's is deleted.
-fn prepare_output(out: &Path, overwrite: bool) -> Result<(), PackJobError> {
+pub fn prepare_output(out: &Path, overwrite: bool) -> Result<(), PackJobError> {
     if !out.exists() {
         return std::fs::create_dir_all(out).map_err(|e| out_err(out, e));
     }
