@@ -139,18 +139,15 @@ fn written_by_pack(name: &str, has_dataset: bool) -> bool {
         || name == DATASET_JSON
         || name == REJECTS_JSONL
         || name.starts_with(".staging")
+        || name == PACK_LOCK
         || name.starts_with(".dataset.json")
         || (name.starts_with("shard-") && (name.ends_with(".parquet") || name.ends_with(".tmp")))
 }
 
-/// Prepares `output`: created if missing; an existing dataset (a `dataset.json`) is replaced
-/// only with `overwrite`. A folder without `dataset.json` holds no dataset: the leftovers of a
-/// killed or failed pack (shards, staging, rejects) are removed and the job goes on. A folder
-/// holding any file the pack does not write is refused: nothing of the user's is deleted.
-pub fn prepare_output(out: &Path, overwrite: bool) -> Result<(), PackJobError> {
-    if !out.exists() {
-        return std::fs::create_dir_all(out).map_err(|e| out_err(out, e));
-    }
+/// The entries of an existing output folder `out`, or an error naming the files in it
+/// that `braid pack` does not write (the folder is the user's: nothing may be deleted or
+/// added there). Reads only.
+pub fn check_output(out: &Path) -> Result<Vec<std::path::PathBuf>, PackJobError> {
     let mut entries = Vec::new();
     for e in std::fs::read_dir(out).map_err(|e| out_err(out, e))? {
         entries.push(e.map_err(|e| out_err(out, e))?.path());
@@ -184,6 +181,18 @@ pub fn prepare_output(out: &Path, overwrite: bool) -> Result<(), PackJobError> {
             ),
         ));
     }
+    Ok(entries)
+}
+
+/// Prepares `output`: created if missing; an existing dataset (a `dataset.json`) is replaced
+/// only with `overwrite`. A folder without `dataset.json` holds no dataset: the leftovers of a
+/// killed or failed pack (shards, staging, rejects) are removed and the job goes on. A folder
+/// holding any file the pack does not write is refused: nothing of the user's is deleted.
+pub fn prepare_output(out: &Path, overwrite: bool) -> Result<(), PackJobError> {
+    if !out.exists() {
+        return std::fs::create_dir_all(out).map_err(|e| out_err(out, e));
+    }
+    let entries = check_output(out)?;
     if out.join(DATASET_JSON).exists() && !overwrite {
         return Err(out_err(
             out,
@@ -191,10 +200,18 @@ pub fn prepare_output(out: &Path, overwrite: bool) -> Result<(), PackJobError> {
         ));
     }
     for p in entries {
+        // The lock of a pack on first use (`PACK_LOCK`) stays: another starter holds it.
+        if p.file_name().and_then(|n| n.to_str()) == Some(PACK_LOCK) {
+            continue;
+        }
         std::fs::remove_file(&p).map_err(|e| out_err(&p, e))?;
     }
     Ok(())
 }
+
+/// The lock file a pack on first use holds in its output folder while it packs, so that
+/// runs (or ranks) starting at once on the same unpacked dataset pack it once.
+pub const PACK_LOCK: &str = ".pack.lock";
 
 /// Runs the job; `progress` is called after every chunk.
 pub fn run_pack(

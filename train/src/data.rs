@@ -111,61 +111,24 @@ pub fn rows_to_text(rows: &[&Row]) -> Result<PackedText> {
     Ok(PackedText { ids, seq, targets })
 }
 
-/// A fresh folder beside `path` for this process to pack into.
-fn staging_dir(path: &Path) -> Result<std::path::PathBuf> {
-    let name = path
-        .file_name()
-        .map_or_else(|| "dataset".into(), |n| n.to_string_lossy().to_string());
-    // Unique per call: threads of one process may start on the same dataset too.
-    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let staging = path.with_file_name(format!(".{name}.packing-{}-{call}", std::process::id()));
-    let fail = |e: std::io::Error| TrainError::Data(format!("{}: {e}", staging.display()));
-    if staging.exists() {
-        std::fs::remove_dir_all(&staging).map_err(fail)?;
+/// Takes the exclusive lock of packing `path` (created if missing), waiting while another
+/// process or thread holds it.
+fn lock_dataset(path: &Path) -> Result<std::fs::File> {
+    let lock = path.join(braid_dataloader::job::PACK_LOCK);
+    let fail = |e: std::io::Error| TrainError::Data(format!("{}: {e}", lock.display()));
+    // A folder of the user's own files gets no lock file either: refused untouched.
+    if path.exists() {
+        braid_dataloader::job::check_output(path).map_err(|e| TrainError::Data(e.to_string()))?;
     }
-    if let Some(parent) = staging.parent() {
-        std::fs::create_dir_all(parent).map_err(fail)?;
-    }
-    Ok(staging)
-}
-
-/// Renames the packed `staging` folder to `path`: true when this one is in place, false
-/// when another starter's complete dataset got there first. The leftovers of a killed
-/// pack at `path` are cleared first (a folder holding anything else is an error).
-fn place(staging: &Path, path: &Path) -> Result<bool> {
-    let done = || path.join("dataset.json").is_file();
-    for _ in 0..2 {
-        match std::fs::rename(staging, path) {
-            Ok(()) => return Ok(true),
-            Err(_) if done() => return Ok(false),
-            Err(e) if !path.exists() => {
-                return Err(TrainError::Data(format!(
-                    "moving the packed dataset {} to {}: {e}",
-                    staging.display(),
-                    path.display()
-                )));
-            }
-            Err(_) => {
-                // No dataset there: a killed pack's shards, or an empty folder.
-                match braid_dataloader::job::prepare_output(path, false) {
-                    Ok(()) => {
-                        let _ = std::fs::remove_dir(path);
-                    }
-                    Err(_) if done() => return Ok(false),
-                    Err(e) => return Err(TrainError::Data(e.to_string())),
-                }
-            }
-        }
-    }
-    if done() {
-        return Ok(false);
-    }
-    Err(TrainError::Data(format!(
-        "{}: could not move the packed dataset {} there",
-        path.display(),
-        staging.display()
-    )))
+    std::fs::create_dir_all(path).map_err(fail)?;
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock)
+        .map_err(fail)?;
+    file.lock().map_err(fail)?;
+    Ok(file)
 }
 
 /// Splits `n` rows into `parts` contiguous groups whose sizes differ by at most one.
@@ -264,48 +227,28 @@ pub fn ensure_dataset(
         .input
         .format
         .unwrap_or(braid_dataloader::read::Format::Jsonl);
-    // A folder already at `path` is checked first, so that one holding the user's files
-    // fails before the packing, not after.
-    if path.exists() {
-        match braid_dataloader::job::prepare_output(path, false) {
-            Ok(()) => {}
-            Err(_) if path.join("dataset.json").is_file() => {
-                let info = DatasetInfo::read(path).map_err(|e| TrainError::Data(e.to_string()))?;
-                return Ok((info, Prepared::Existing));
-            }
-            Err(e) => return Err(TrainError::Data(e.to_string())),
-        }
+    // Packed in place under a lock held in the folder (released by the OS if this
+    // process dies): runs, or every rank of a launched job, may start on the same
+    // unpacked dataset at once; one packs, the others wait and read what it wrote (a
+    // dataset is there once its `dataset.json` is, which the pack writes last).
+    let _lock = lock_dataset(path)?;
+    if path.join("dataset.json").is_file() {
+        let info = DatasetInfo::read(path).map_err(|e| TrainError::Data(e.to_string()))?;
+        return Ok((info, Prepared::Existing));
     }
     log(&format!(
         "packing {} into {}",
         input.display(),
         path.display()
     ));
-    // Packed into a private folder beside `path`, then renamed into place: several runs,
-    // or every rank of a launched job, may start on the same unpacked dataset at once,
-    // and none may read the shards another is still writing (or clearing).
-    let staging = staging_dir(path)?;
     let job = PackJob {
         input,
         format,
-        output: staging.clone(),
+        output: path.to_path_buf(),
         config,
         overwrite: false,
     };
-    let packed = run_pack(&job, &mut |_| {}).map_err(|e| TrainError::Data(e.to_string()));
-    let info = match packed.and_then(|info| place(&staging, path).map(|won| (info, won))) {
-        Ok((info, true)) => info,
-        Ok((_, false)) => {
-            // Another starter's identical dataset is in place first.
-            let _ = std::fs::remove_dir_all(&staging);
-            let info = DatasetInfo::read(path).map_err(|e| TrainError::Data(e.to_string()))?;
-            return Ok((info, Prepared::Existing));
-        }
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&staging);
-            return Err(e);
-        }
-    };
+    let info = run_pack(&job, &mut |_| {}).map_err(|e| TrainError::Data(e.to_string()))?;
     log(&format!(
         "  {} samples in {} packs (fill {:.1} %), {} rejected",
         info.packed_samples,

@@ -1,6 +1,7 @@
 //! A dataset made on first use (`data.build`): runs that start on it at once each get the
-//! whole dataset, never another's half-written shards; a killed pack's leftovers are
-//! cleared, and a folder holding the user's own files is refused untouched.
+//! whole dataset, never another's half-written shards, also over a killed pack's
+//! leftovers and through a symlinked folder; a folder holding the user's own files is
+//! refused untouched.
 #![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
@@ -41,42 +42,64 @@ fn make(dir: &Path) -> braid_train::error::Result<(u64, Prepared)> {
     Ok((info.packed_samples, how))
 }
 
-/// Names in `dir` other than the input's.
-fn leftovers(dir: &Path) -> Vec<String> {
-    std::fs::read_dir(dir)
+/// What a packed folder holds besides a dataset's own files (shards, `dataset.json`,
+/// rejects, the tokenizer's copies, the lock).
+fn strays(packed: &Path) -> Vec<String> {
+    std::fs::read_dir(packed)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
-        .filter(|n| n.contains("packing"))
+        .filter(|n| {
+            !(n.starts_with("shard-") && n.ends_with(".parquet")
+                || n == "dataset.json"
+                || n == "rejects.jsonl"
+                || n == ".pack.lock"
+                || n.starts_with("tokenizer"))
+        })
         .collect()
 }
 
-#[test]
-fn runs_starting_at_once_each_get_the_whole_dataset() {
-    let dir = input("race");
+/// Six starters at once on `dir`'s dataset: each gets the whole of it, and one packed it.
+fn race(dir: &Path) -> u64 {
     let got: Vec<(u64, Prepared)> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..6).map(|_| s.spawn(|| make(&dir).unwrap())).collect();
+        let hs: Vec<_> = (0..6).map(|_| s.spawn(|| make(dir).unwrap())).collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
     let samples = got[0].0;
     assert!(samples > 0);
     assert!(got.iter().all(|g| g.0 == samples), "{got:?}");
-    // At least one packed it; the rest packed too or found it in place.
-    assert!(got.iter().any(|g| g.1 == Prepared::Packed), "{got:?}");
-    assert!(leftovers(&dir).is_empty(), "{:?}", leftovers(&dir));
-    // What is in place reads back whole: the next start finds it.
-    assert_eq!(make(&dir).unwrap(), (samples, Prepared::Existing));
+    let packed = got.iter().filter(|g| g.1 == Prepared::Packed).count();
+    assert_eq!(packed, 1, "{got:?}");
+    samples
 }
 
 #[test]
-fn a_killed_packs_leftovers_are_cleared_and_the_users_files_kept() {
+fn runs_starting_at_once_each_get_the_whole_dataset() {
+    let dir = input("race");
+    let samples = race(&dir);
+    assert!(strays(&dir.join("packed")).is_empty());
+    // What is in place reads back whole: the next start finds it.
+    assert_eq!(make(&dir).unwrap(), (samples, Prepared::Existing));
+
+    // The same over a killed pack's leftovers.
     let dir = input("left");
     let packed = dir.join("packed");
     std::fs::create_dir_all(&packed).unwrap();
     std::fs::write(packed.join("shard-00000.parquet"), b"torn").unwrap();
     std::fs::write(packed.join(".staging.bin"), b"torn").unwrap();
+    assert_eq!(race(&dir), samples);
+    assert!(strays(&packed).is_empty(), "{:?}", strays(&packed));
+}
+
+#[test]
+fn a_symlinked_folder_is_packed_where_it_points_and_the_users_files_are_kept() {
+    let dir = input("link");
+    let target = dir.join("elsewhere");
+    std::fs::create_dir_all(&target).unwrap();
+    std::os::unix::fs::symlink(&target, dir.join("packed")).unwrap();
     let (samples, how) = make(&dir).unwrap();
     assert!(samples > 0 && how == Prepared::Packed);
-    assert!(leftovers(&dir).is_empty(), "{:?}", leftovers(&dir));
+    assert!(target.join("dataset.json").is_file());
+    assert!(dir.join("packed").is_symlink());
 
     let dir = input("mine");
     let packed = dir.join("packed");
@@ -85,6 +108,6 @@ fn a_killed_packs_leftovers_are_cleared_and_the_users_files_kept() {
     let e = make(&dir).unwrap_err().to_string();
     assert!(e.contains("notes.txt"), "{e}");
     assert_eq!(std::fs::read(packed.join("notes.txt")).unwrap(), b"mine");
-    assert!(!packed.join("dataset.json").exists());
-    assert!(leftovers(&dir).is_empty(), "{:?}", leftovers(&dir));
+    // Nothing added either.
+    assert_eq!(std::fs::read_dir(&packed).unwrap().count(), 1);
 }
