@@ -332,8 +332,14 @@ fn print_text(p: &Planned, alone: Option<&Found>, closest: Option<&Found>, g: &G
         p.gpus,
         if p.gpus < p.asked_gpus {
             format!(
-                " of the {} asked (no layout that fits in memory tiles all {}, or this one is faster: launch {} ranks)",
-                p.asked_gpus, p.asked_gpus, p.gpus
+                " of the {} asked ({}: launch {} ranks)",
+                p.asked_gpus,
+                if p.fits_all {
+                    format!("faster than the best plan on all {}", p.asked_gpus)
+                } else {
+                    format!("no layout that fits in memory tiles all {}", p.asked_gpus)
+                },
+                p.gpus
             )
         } else {
             String::new()

@@ -55,7 +55,9 @@ pub(crate) fn baseline(
     let mut least = f64::INFINITY;
     // Counts whose estimates fit but whose simulations do not are simulated a few at most.
     let mut tries = 4;
+    let mut lowest = g;
     for n in (g.div_ceil(2).max(1)..=g).rev() {
+        lowest = n;
         let mut combos = baseline_combos(p, batches, t, space, n);
         if combos.is_empty() {
             continue;
@@ -77,19 +79,23 @@ pub(crate) fn baseline(
             break;
         }
     }
-    Err(format!(
-        "no LLM-centric layout fits {} to {g} GPUs ({})",
-        g.div_ceil(2).max(1),
-        if least.is_finite() {
-            format!(
-                "the least memory simulated: {:.1} GiB of {:.1}",
-                least / GIB,
-                budget / GIB
-            )
-        } else {
-            format!("every layout's estimate exceeds {:.1} GiB", budget / GIB)
-        }
-    ))
+    let counts = if lowest == g {
+        format!("{g} GPUs")
+    } else {
+        format!("{lowest} to {g} GPUs")
+    };
+    Err(if least.is_finite() {
+        format!(
+            "no LLM-centric layout fits {counts}: the least memory simulated is {:.1} GiB of {:.1} usable",
+            least / GIB,
+            budget / GIB
+        )
+    } else {
+        format!(
+            "no LLM-centric layout on {counts} fits in {:.1} GiB a GPU by its estimate (or none tiles them)",
+            budget / GIB
+        )
+    })
 }
 
 /// The LLM-centric candidates on `g` GPUs whose estimates fit in memory.

@@ -432,7 +432,7 @@ impl Problem {
         // beyond its work (its path, its sync) covers some of the plan's waiting and
         // syncing twice, and that much less of it is the plan's own (bubbles first).
         for w in &mut rest {
-            let take = (-memory_forced_s).clamp(0.0, *w);
+            let take = (-memory_forced_s).max(0.0).min(w.max(0.0));
             *w -= take;
             memory_forced_s += take;
         }

@@ -3,7 +3,7 @@
 
 use braid_balancer::plan::bound::Gap;
 use braid_balancer::plan::search::Found;
-use braid_balancer::{Module, Placement};
+use braid_balancer::{Module, Placement, Schedule};
 use braid_train::planning::Planned;
 
 use super::{bound_layout_str, bytes, idle_note, layout_str, secs};
@@ -142,10 +142,14 @@ fn baseline_wins(b: &Found, closest: Option<&Found>, usable: f64) -> String {
             },
         )
     };
-    let phased = format!(
-        "the phased step adds the bridge ({}) and its two all-to-alls, at which every replica waits for the slowest",
-        secs(b.sim.bridge_s)
-    );
+    // The bridge of a phased step: the nearest plan's where there is one, else the pick's
+    // (when it is phased).
+    let bridge = |f: &Found| {
+        format!(
+            "the phased step adds the bridge ({}) and its two all-to-alls, at which every replica waits for the slowest",
+            secs(f.sim.bridge_s)
+        )
+    };
     match closest {
         Some(f) if f.sim.peak_memory > usable => format!(
             "the LLM-centric layout is faster here, and memory is why: {}, needs {} a GPU of the {} usable, since the phased step holds every microbatch's encoder inputs and outputs at once where the LLM-centric one holds one microbatch's",
@@ -154,13 +158,16 @@ fn baseline_wins(b: &Found, closest: Option<&Found>, usable: f64) -> String {
             bytes(usable)
         ),
         Some(f) => format!(
-            "the LLM-centric layout is faster here: {}, takes {}: {phased}",
+            "the LLM-centric layout is faster here: {}, takes {}: {}",
             nearest(f),
-            secs(f.sim.step_s)
+            secs(f.sim.step_s),
+            bridge(f)
         ),
-        None => format!(
-            "the LLM-centric layout is faster here: its encoders share the first pipeline stage's GPUs one microbatch at a time, which `braid train` does not run, and {phased}"
+        None if b.plan.schedule == Schedule::Phased => format!(
+            "the LLM-centric layout is faster here: its encoders share the first pipeline stage's GPUs one microbatch at a time, which `braid train` does not run, and {}",
+            bridge(b)
         ),
+        None => "the LLM-centric layout is faster here: its encoders share the first pipeline stage's GPUs one microbatch at a time, which `braid train` does not run, and the overlapped plans' disjoint GPUs split the work only as coarsely as whole grids allow".to_string(),
     }
 }
 

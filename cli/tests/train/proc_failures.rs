@@ -32,6 +32,32 @@ fn a_world_size_that_disagrees_with_the_launcher_is_named() {
     assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
 }
 
+/// A plan file for 4 GPUs under 2 launched processes: rank 0 names both counts before any
+/// work, and the other rank stops with its message at once.
+#[test]
+fn a_plan_for_another_world_than_the_launched_one_is_named() {
+    reference();
+    let dir = fixture().join("runs/procs-bad-plan");
+    let plan = fixture().join("plan-4.toml");
+    std::fs::write(
+        &plan,
+        "gpus = 4\ncluster = \"h100\"\nstep_time_s = 1.0\nbaseline_step_time_s = 1.0\n[plan]\nplacement = \"colocated\"\nschedule = \"phased\"\nmicrobatches = 1\nrecompute = false\nrecompute_encoders = false\nzero1 = false\n[plan.llm]\ntp = 1\ncp = 1\npp = 1\ndp = 4\n",
+    )
+    .unwrap();
+    let t = Instant::now();
+    let set = format!("parallel.plan={}", plan.display());
+    let o = launch(2, &dir, &["--set", &set]).output().unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let out = text(&o);
+    assert!(
+        out.contains("parallel.plan")
+            && out.contains("planned for 4 GPUs")
+            && out.contains("started 2 processes"),
+        "{out}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+}
+
 #[test]
 fn a_rank_that_panics_ends_every_process_and_the_launcher_names_it() {
     reference();

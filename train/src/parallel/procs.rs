@@ -77,6 +77,25 @@ impl Processes {
 }
 
 /// Sets the run up as rank `env.rank` of the world and trains it.
+/// A plan file sets the world size, and a launched world cannot take another: an error
+/// naming both where they differ (rank 0 checks; the others stop with its message).
+fn planned_world(cfg: &RunConfig, env: &LaunchEnv) -> Result<()> {
+    let Some(spec) = cfg.parallel.plan.as_deref().filter(|s| *s != "auto") else {
+        return Ok(());
+    };
+    let planned = crate::planning::PlanFile::read(std::path::Path::new(spec))?.gpus;
+    if planned == env.world_size {
+        return Ok(());
+    }
+    Err(TrainError::Config(crate::config::invalid(
+        "parallel.plan",
+        format!(
+            "{spec} was planned for {planned} GPUs, but {} started {} processes: launch {planned}, or plan for {}",
+            env.launcher, env.world_size, env.world_size
+        ),
+    )))
+}
+
 pub fn train(
     mut p: Processes,
     cfg: RunConfig,
@@ -104,7 +123,9 @@ pub fn train(
     const STATUS: &str = "setup/rank-0";
     const SEEN: &str = "setup/seen";
     let mut trainer = if env.rank == 0 {
-        match Trainer::new_rank(cfg, resume, obs, true, false) {
+        match planned_world(&cfg, &env)
+            .and_then(|()| Trainer::new_rank(cfg, resume, obs, true, false))
+        {
             Ok(t) => {
                 p.store.set(STATUS, b"ok").map_err(store_err)?;
                 t

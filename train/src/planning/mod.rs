@@ -273,6 +273,9 @@ pub struct Planned {
     /// ([`plan`]).
     pub gpus: usize,
     pub asked_gpus: usize,
+    /// Whether some plan runs on all the GPUs asked for (where `gpus` is fewer, one on
+    /// fewer is faster; else none fits them all).
+    pub fits_all: bool,
     /// Each schedule searched, and its best plan's step (the fastest is the outcome's).
     pub schedule_steps: Vec<(Schedule, f64)>,
     pub cluster: String,
@@ -341,7 +344,9 @@ pub fn plan(
         on.gpus = n;
         search(&problem, &workload, &on)
     };
-    let (outcome, schedule_steps) = match search(&problem, &workload, &space) {
+    let on_all = search(&problem, &workload, &space);
+    let fits_all = on_all.is_ok();
+    let (outcome, schedule_steps) = match on_all {
         Ok(o) if !fewer_gpus => o,
         Err(e) if !fewer_gpus => return Err(err(e)),
         Ok(o) if o.0.baseline.plan.gpus() < gpus => match fewer(o.0.baseline.plan.gpus()) {
@@ -365,6 +370,7 @@ pub fn plan(
         outcome,
         gpus: used,
         asked_gpus: gpus,
+        fits_all,
         schedule_steps,
         cluster: cluster_name,
         batches: space.batches,
