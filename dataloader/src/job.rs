@@ -157,7 +157,10 @@ pub fn check_output(out: &Path) -> Result<Vec<std::path::PathBuf>, PackJobError>
         .iter()
         .filter(|p| {
             let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
-            !(p.is_file() && written_by_pack(name, has_dataset))
+            // A pack's file, or one gone since the listing (a pack on first use that holds
+            // the lock cleared it).
+            !(written_by_pack(name, has_dataset)
+                && (p.is_file() || std::fs::symlink_metadata(p).is_err()))
         })
         .map(|p| p.display().to_string())
         .collect();

@@ -117,8 +117,12 @@ fn lock_dataset(path: &Path) -> Result<std::fs::File> {
     let lock = path.join(braid_dataloader::job::PACK_LOCK);
     let fail = |e: std::io::Error| TrainError::Data(format!("{}: {e}", lock.display()));
     // A folder of the user's own files gets no lock file either: refused untouched.
-    if path.exists() {
-        braid_dataloader::job::check_output(path).map_err(|e| TrainError::Data(e.to_string()))?;
+    if path.exists()
+        && let Err(e) = braid_dataloader::job::check_output(path)
+        // A dataset completed by another starter meanwhile brings its tokenizer's files.
+        && !path.join("dataset.json").is_file()
+    {
+        return Err(TrainError::Data(e.to_string()));
     }
     std::fs::create_dir_all(path).map_err(fail)?;
     let file = std::fs::OpenOptions::new()
