@@ -42,6 +42,8 @@ fn four_tp_processes_each_hold_under_40_percent_of_one_process() {
     let one = fixture().join("runs/mem-one");
     let o = train(&one, &sets).output().unwrap();
     let out = text(&o);
+    // A 101M-parameter run folder (its export, its checkpoint) is 1.5 GiB: not kept.
+    let _ = std::fs::remove_dir_all(&one);
     assert!(o.status.success(), "one process: {out}");
     assert!(out.contains("101.37M params"), "{out}");
     let whole = out.lines().find_map(peak_mib).expect("the summary's peak");
@@ -59,6 +61,7 @@ fn four_tp_processes_each_hold_under_40_percent_of_one_process() {
     ]);
     let o = launch(4, &four, &layout).output().unwrap();
     let out = text(&o);
+    let _ = std::fs::remove_dir_all(&four);
     assert!(o.status.success(), "four processes: {out}");
     let mut peaks = Vec::new();
     for rank in 0..4 {
