@@ -42,9 +42,10 @@ fn four_tp_processes_each_hold_under_40_percent_of_one_process() {
     let one = fixture().join("runs/mem-one");
     let o = train(&one, &sets).output().unwrap();
     let out = text(&o);
-    // A 101M-parameter run folder (its export, its checkpoint) is 1.5 GiB: not kept.
-    let _ = std::fs::remove_dir_all(&one);
     assert!(o.status.success(), "one process: {out}");
+    // A 101M-parameter run folder (its export, its checkpoint) is 1.5 GiB: not kept.
+    let a = losses(&one);
+    let _ = std::fs::remove_dir_all(&one);
     assert!(out.contains("101.37M params"), "{out}");
     let whole = out.lines().find_map(peak_mib).expect("the summary's peak");
     let four = fixture().join("runs/mem-four");
@@ -61,8 +62,9 @@ fn four_tp_processes_each_hold_under_40_percent_of_one_process() {
     ]);
     let o = launch(4, &four, &layout).output().unwrap();
     let out = text(&o);
-    let _ = std::fs::remove_dir_all(&four);
     assert!(o.status.success(), "four processes: {out}");
+    let b = losses(&four);
+    let _ = std::fs::remove_dir_all(&four);
     let mut peaks = Vec::new();
     for rank in 0..4 {
         let tag = format!("[rank {rank}]");
@@ -81,7 +83,6 @@ fn four_tp_processes_each_hold_under_40_percent_of_one_process() {
             100.0 * p / whole
         );
     }
-    let (a, b) = (losses(&one), losses(&four));
     assert_eq!((a.len(), b.len()), (2, 2));
     for (x, y) in a.iter().zip(&b) {
         let (lx, ly) = (f64::from_bits(x.1), f64::from_bits(y.1));
