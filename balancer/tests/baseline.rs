@@ -2,7 +2,8 @@
 //! runs to it, and the baseline on fewer GPUs where none of its layouts tiles them all.
 #![allow(clippy::unwrap_used)]
 
-use braid_balancer::plan::search::{Space, llm_centric, search};
+use braid_balancer::plan::baseline::llm_centric;
+use braid_balancer::plan::search::{Space, search};
 use braid_balancer::plan::{closest_to_baseline, mean_sim};
 use braid_balancer::{Layout, Placement, Plan, Schedule};
 

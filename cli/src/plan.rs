@@ -8,7 +8,7 @@ use braid_balancer::cluster::GIB;
 use braid_balancer::plan::bound::{BoundPart, Gap};
 use braid_balancer::plan::closest_to_baseline;
 use braid_balancer::plan::search::Found;
-use braid_balancer::{Layout, Module, Schedule};
+use braid_balancer::{Layout, Module};
 use braid_train::RunConfig;
 use braid_train::planning::{PlanFile, PlanSchedule, Planned, llm_alone, plan};
 use clap::Args;
@@ -233,7 +233,7 @@ fn to_json(
         "schedule_step_times_s": p
             .schedule_steps
             .iter()
-            .map(|(s, t)| (schedule_name(*s).to_string(), json!(t)))
+            .map(|(s, t)| (s.name().to_string(), json!(t)))
             .collect::<serde_json::Map<String, Value>>(),
         "cluster": p.cluster,
         "overlap_grad_sync": p.problem.overlap_sync,
@@ -311,13 +311,6 @@ fn idle_note(used: usize, gpus: usize) -> String {
     }
 }
 
-fn schedule_name(s: Schedule) -> &'static str {
-    match s {
-        Schedule::Phased => "phased",
-        Schedule::Overlapped => "overlapped",
-    }
-}
-
 fn layout_str(l: Layout) -> String {
     format!("tp{} cp{} pp{} dp{}", l.tp, l.cp, l.pp, l.dp)
 }
@@ -381,7 +374,7 @@ fn print_text(p: &Planned, alone: Option<&Found>, closest: Option<&Found>, g: &G
         let each: Vec<String> = p
             .schedule_steps
             .iter()
-            .map(|(s, t)| format!("{} {}", schedule_name(*s), secs(*t)))
+            .map(|(s, t)| format!("{} {}", s.name(), secs(*t)))
             .collect();
         println!(
             "  schedules  {} (plan.schedule = \"best\": the faster written)",

@@ -3,20 +3,17 @@
 use super::*;
 use crate::dims::tests::llama_7b as llama7b;
 
-#[test]
-fn splitting_cuts_time_and_memory_and_costs_communication() {
-    let c = Cluster::preset("h100").unwrap();
-    let d = llama7b();
-    let at = |tp, pp, recompute| StageCost {
-        dims: &d,
-        layout: Layout {
-            tp,
-            cp: 1,
-            pp,
-            dp: 8,
-        },
-        cluster: &c,
-        recompute,
+fn layout(tp: usize, cp: usize, pp: usize, dp: usize) -> Layout {
+    Layout { tp, cp, pp, dp }
+}
+
+/// A stage of `d` under `layout` on `c`, with the settings the tests vary from.
+fn stage<'a>(d: &'a ModuleDims, c: &'a Cluster, layout: Layout) -> StageCost<'a> {
+    StageCost {
+        dims: d,
+        layout,
+        cluster: c,
+        recompute: false,
         zero1: true,
         frozen: false,
         checkpoint_stages: false,
@@ -25,6 +22,16 @@ fn splitting_cuts_time_and_memory_and_costs_communication() {
         chunks: 1,
         first_gpu: 0,
         sequence_parallel: true,
+    }
+}
+
+#[test]
+fn splitting_cuts_time_and_memory_and_costs_communication() {
+    let c = Cluster::preset("h100").unwrap();
+    let d = llama7b();
+    let at = |tp, pp, recompute| StageCost {
+        recompute,
+        ..stage(&d, &c, layout(tp, 1, pp, 8))
     };
     let (t, sq) = (4096.0, 4096.0 * 4096.0);
     let one = at(1, 1, false).forward(0, t, sq);
@@ -84,23 +91,9 @@ fn a_pass_is_linear_in_the_squared_length() {
     let d = llama7b();
     for (recompute, frozen, cp) in [(false, false, 1), (true, false, 2), (false, true, 4)] {
         let sc = StageCost {
-            dims: &d,
-            layout: Layout {
-                tp: 2,
-                cp,
-                pp: 2,
-                dp: 4,
-            },
-            cluster: &c,
             recompute,
-            zero1: true,
             frozen,
-            checkpoint_stages: false,
-            overlap_sync: false,
-            first_stage_layers: None,
-            chunks: 1,
-            first_gpu: 0,
-            sequence_parallel: true,
+            ..stage(&d, &c, layout(2, cp, 2, 4))
         };
         for (stage, t) in [(0, 512.0), (1, 8192.0)] {
             let [f, b] = sc.linear_in_sq(stage, t);
@@ -136,25 +129,7 @@ fn the_stem_runs_on_the_first_stage_and_the_projector_on_the_last() {
         projector_flops_per_token: 3e9,
         ..plain.clone()
     };
-    let at = |d| StageCost {
-        dims: d,
-        layout: Layout {
-            tp: 1,
-            cp: 1,
-            pp: 4,
-            dp: 1,
-        },
-        cluster: &c,
-        recompute: false,
-        zero1: true,
-        frozen: false,
-        checkpoint_stages: false,
-        overlap_sync: false,
-        first_stage_layers: None,
-        chunks: 1,
-        first_gpu: 0,
-        sequence_parallel: true,
-    };
+    let at = |d| stage(d, &c, layout(1, 1, 4, 1));
     let extra = |stage| {
         let (t, sq) = (1024.0, 1024.0 * 1024.0);
         at(&with).forward(stage, t, sq).compute - at(&plain).forward(stage, t, sq).compute
@@ -181,23 +156,8 @@ fn tp_without_sequence_parallelism_repeats_the_norms() {
     let d = llama7b();
     let at = |tp, sequence_parallel, c: &Cluster| {
         StageCost {
-            dims: &d,
-            layout: Layout {
-                tp,
-                cp: 1,
-                pp: 1,
-                dp: 1,
-            },
-            cluster: c,
-            recompute: false,
-            zero1: true,
-            frozen: false,
-            checkpoint_stages: false,
-            overlap_sync: false,
-            first_stage_layers: None,
-            chunks: 1,
-            first_gpu: 0,
             sequence_parallel,
+            ..stage(&d, c, layout(tp, 1, 1, 1))
         }
         .forward(0, 4096.0, 4096.0)
         .compute

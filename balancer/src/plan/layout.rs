@@ -69,6 +69,16 @@ pub enum Schedule {
     Overlapped,
 }
 
+impl Schedule {
+    /// Its name in configs and plan files (serde's).
+    pub fn name(self) -> &'static str {
+        match self {
+            Schedule::Phased => "phased",
+            Schedule::Overlapped => "overlapped",
+        }
+    }
+}
+
 /// A full candidate.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -12,8 +12,7 @@ use std::time::Instant;
 
 use crate::cluster::GIB;
 use crate::dims::Module;
-use crate::plan::baseline::baseline;
-pub use crate::plan::baseline::llm_centric;
+use crate::plan::baseline::baseline as llm_baseline;
 use crate::plan::layout::{Placement, Plan, Schedule};
 use crate::plan::options::{Knobs, Opt, Totals, pareto};
 use crate::plan::pick::{Combo, pick};
@@ -204,6 +203,17 @@ fn fastest<'a>(opts: impl IntoIterator<Item = &'a Opt>, budget: f64) -> Option<O
 
 /// Searches `space` for `problem` on `workload`.
 pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<Outcome, String> {
+    search_beside(problem, workload, space, None)
+}
+
+/// [`search`], with the LLM-centric `baseline` already found for the same GPUs and
+/// batches (another schedule's search: the baseline does not depend on the schedule).
+pub fn search_beside(
+    problem: &Problem,
+    workload: &Workload,
+    space: &Space,
+    baseline: Option<&Found>,
+) -> Result<Outcome, String> {
     let t0 = Instant::now();
     let batches: Vec<Vec<RowShape>> = (0..space.batches.max(1))
         .map(|k| workload.batch(k))
@@ -376,7 +386,10 @@ pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<O
     if debug {
         eprintln!("simulated the best at {:.2} s", t0.elapsed().as_secs_f64());
     }
-    let baseline = baseline(problem, &batches, &t, space, &mut simulated)?;
+    let baseline = match baseline {
+        Some(b) => b.clone(),
+        None => llm_baseline(problem, &batches, &t, space, &mut simulated)?,
+    };
     if debug {
         eprintln!("baseline at {:.2} s", t0.elapsed().as_secs_f64());
     }

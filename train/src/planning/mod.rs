@@ -6,7 +6,8 @@
 use std::path::Path;
 
 use braid_balancer::cluster::Cluster;
-use braid_balancer::plan::search::{Found, Outcome, Space, llm_centric, search};
+use braid_balancer::plan::baseline::llm_centric;
+use braid_balancer::plan::search::{Found, Outcome, Space, search, search_beside};
 use braid_balancer::workload::{MediaTokens, Mix, RowShape, Workload, generate};
 use braid_balancer::{ModelDims, Module, ModuleDims, Placement, Problem, Schedule};
 use braid_dataloader::dataset::DatasetInfo;
@@ -378,7 +379,8 @@ pub fn plan(
 }
 
 /// [`search`] under each of `schedules` (the overlapped one on disjoint placement), the
-/// outcome whose plan is fastest; its counts and time are those of all the searches.
+/// outcome whose plan is fastest (the baseline searched once); its counts and time are
+/// those of all the searches.
 fn search_schedules(
     problem: &Problem,
     workload: &Workload,
@@ -395,7 +397,9 @@ fn search_schedules(
         if s == Schedule::Overlapped {
             on.placements = vec![Placement::Disjoint];
         }
-        match search(problem, workload, &on) {
+        // The baseline is the same under every schedule: searched once.
+        let baseline = best.as_ref().map(|b| &b.baseline);
+        match search_beside(problem, workload, &on, baseline) {
             Ok(o) => {
                 steps.push((s, o.best.sim.step_s));
                 combinations += o.combinations;
