@@ -155,6 +155,52 @@ impl Assigner for PerMicrobatch {
     }
 }
 
+/// The LLM-centric placement's assignment (encoders inside the LLM's first pipeline
+/// stage): rows as the wrapped assigner places them, then each image (and clip) to one
+/// of the encoder replicas of its row's LLM replica (`encoder dp / llm dp` of them,
+/// numbered replica by replica), each (replica, microbatch)'s items balanced on their
+/// own, since each microbatch's are encoded inside that microbatch's forward.
+#[derive(Debug)]
+pub struct Centric<A: Assigner>(pub A, pub Balanced);
+
+impl<A: Assigner> Assigner for Centric<A> {
+    fn assign(&self, b: &BatchShape, r: &Replicas) -> Assignment {
+        let mut a = self.0.assign(b, r);
+        let c = self.1.costs(b);
+        // (LLM replica, microbatch) of each image or clip, by its row.
+        let group_of = |per_row: &[usize]| -> Vec<(usize, usize)> {
+            per_row
+                .iter()
+                .enumerate()
+                .flat_map(|(row, &n)| std::iter::repeat_n(a.rows[row], n))
+                .collect()
+        };
+        let place = |costs: &[f64], groups: &[(usize, usize)], dp: usize| -> Vec<usize> {
+            let per = (dp / r.llm_dp.max(1)).max(1);
+            let mut out = vec![0; costs.len()];
+            let mut keys: Vec<(usize, usize)> = groups.to_vec();
+            keys.sort_unstable();
+            keys.dedup();
+            let mut before = vec![vec![0.0; per]; r.llm_dp.max(1)];
+            for key in keys {
+                let members: Vec<usize> = (0..costs.len()).filter(|&i| groups[i] == key).collect();
+                let sub: Vec<f64> = members.iter().map(|&i| costs[i]).collect();
+                let Some(loads) = before.get_mut(key.0) else {
+                    continue;
+                };
+                for (&i, bin) in members.iter().zip(lpt_after(&sub, loads)) {
+                    out[i] = key.0 * per + bin;
+                }
+            }
+            out
+        };
+        let (images, clips) = (group_of(&b.row_images), group_of(&b.row_clips));
+        a.images = place(&c.images, &images, r.vision_dp);
+        a.clips = place(&c.clips, &clips, r.audio_dp);
+        a
+    }
+}
+
 /// [`lpt`] of the items of each group (`group[i]`, ascending) on its own, ties between
 /// bins broken by the load of the groups before (so that groups of fewer items than
 /// bins do not all land on the first bins).

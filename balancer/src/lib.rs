@@ -12,7 +12,7 @@ pub mod synthetic;
 pub mod workload;
 
 pub use assign::{AssignError, Assigner, Assignment, BatchShape, Replicas, RoundRobin};
-pub use balance::{Balanced, Imbalance, PerMicrobatch, TokenCost};
+pub use balance::{Balanced, Centric, Imbalance, PerMicrobatch, TokenCost};
 pub use cluster::Cluster;
 pub use dims::{ModelDims, Module, ModuleDims};
 pub use plan::{Layout, Placement, Plan, Problem, Schedule, StepSim};

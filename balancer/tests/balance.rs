@@ -134,3 +134,66 @@ fn small_chunks_spread_over_the_replicas() {
         vec![0, 1, 1]
     );
 }
+
+/// The LLM-centric placement's assignment: every image and clip on an encoder replica of
+/// its row's LLM replica (they run inside that replica's first stage), and each
+/// (replica, microbatch)'s items spread so that no replica of the group carries more
+/// than the mean plus the largest item.
+#[test]
+fn centric_assignment_keeps_items_in_their_row_s_replica() {
+    use braid_balancer::Centric;
+    for (seed, llm_dp, per_vision, per_audio) in
+        [(8, 2, 4, 2), (9, 4, 2, 1), (10, 1, 8, 8), (11, 3, 2, 2)]
+    {
+        let b = llava_like(96, 0.3, 4096, seed);
+        let r = Replicas {
+            llm_dp,
+            microbatches: 3,
+            vision_dp: llm_dp * per_vision,
+            audio_dp: llm_dp * per_audio,
+        };
+        let c = costs();
+        let a = Centric(c, c).assign(&b, &r);
+        a.validate(&b, &r).expect("a valid assignment");
+        assert_eq!(
+            a.rows,
+            c.assign(&b, &r).rows,
+            "rows are placed as the inner assigner does"
+        );
+        let costs = c.costs(&b);
+        for (per_row, to, item_costs, per) in [
+            (&b.row_images, &a.images, &costs.images, per_vision),
+            (&b.row_clips, &a.clips, &costs.clips, per_audio),
+        ] {
+            let row_of: Vec<usize> = per_row
+                .iter()
+                .enumerate()
+                .flat_map(|(row, &n)| std::iter::repeat_n(row, n))
+                .collect();
+            assert_eq!(row_of.len(), to.len());
+            let mut load = vec![vec![vec![0.0; per]; r.microbatches]; llm_dp];
+            let mut largest = vec![vec![0.0f64; r.microbatches]; llm_dp];
+            for (i, &rep) in to.iter().enumerate() {
+                let (d, mb) = a.rows[row_of[i]];
+                assert_eq!(
+                    rep / per,
+                    d,
+                    "item {i} of replica {d}'s row went to encoder replica {rep}"
+                );
+                load[d][mb][rep % per] += item_costs[i];
+                largest[d][mb] = largest[d][mb].max(item_costs[i]);
+            }
+            for d in 0..llm_dp {
+                for mb in 0..r.microbatches {
+                    let l = &load[d][mb];
+                    let mean = l.iter().sum::<f64>() / per as f64;
+                    let max = l.iter().copied().fold(0.0, f64::max);
+                    assert!(
+                        max <= mean + largest[d][mb] + 1e-6,
+                        "replica {d} mb {mb}: {l:?}"
+                    );
+                }
+            }
+        }
+    }
+}

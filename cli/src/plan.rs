@@ -43,6 +43,11 @@ pub struct PlanArgs {
     /// spans named like a run's `log.trace` (`braid trace FILE --png` draws it).
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
+    /// Also write the LLM-centric baseline's plan file here (Megatron's layout: the
+    /// encoders inside the LLM's first pipeline stage, which `braid train` runs as
+    /// `parallel.placement = "centric"`), to run and measure it beside the pick.
+    #[arg(long, value_name = "FILE")]
+    baseline_out: Option<PathBuf>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -135,7 +140,33 @@ fn plan_cmd(a: &PlanArgs) -> Result<(), String> {
         baseline_step_time_s: o.baseline.sim.step_s,
         plan: o.best.plan.clone(),
     };
+    let baseline_file = match &a.baseline_out {
+        Some(path) => {
+            let b = &o.baseline.plan;
+            if let Some(f) = b.llm_first_stage_layers {
+                return Err(format!(
+                    "--baseline-out {}: the LLM-centric baseline gives the LLM's first stage {f} of {} layers, and braid train splits them evenly; nothing written",
+                    path.display(),
+                    p.problem.model.llm.layers
+                ));
+            }
+            Some((
+                path,
+                PlanFile {
+                    gpus: b.gpus(),
+                    cluster: p.cluster.clone(),
+                    step_time_s: o.baseline.sim.step_s,
+                    baseline_step_time_s: o.baseline.sim.step_s,
+                    plan: b.clone(),
+                },
+            ))
+        }
+        None => None,
+    };
     file.write(&a.out).map_err(|e| e.to_string())?;
+    if let Some((path, f)) = &baseline_file {
+        f.write(path).map_err(|e| e.to_string())?;
+    }
     if let Some(path) = &a.trace {
         let (_, timeline) = p
             .problem
@@ -253,6 +284,7 @@ fn to_json(
         "llm_alone_step_time_s": alone.map(|f| f.sim.step_s),
         "speedup_ceiling": alone.map(|f| o.baseline.sim.step_s / f.sim.step_s),
         "plan_file": a.out.display().to_string(),
+        "baseline_plan_file": a.baseline_out.as_ref().map(|p| p.display().to_string()),
         "closest_to_baseline": closest.map(|f| json!({
             "plan": found_json(f),
             "step_time_s": f.sim.step_s,
@@ -472,4 +504,11 @@ fn print_text(p: &Planned, alone: Option<&Found>, closest: Option<&Found>, g: &G
         a.out.display(),
         a.out.display()
     );
+    if let Some(path) = &a.baseline_out {
+        println!(
+            "  wrote {} (the LLM-centric baseline: --set parallel.plan={})",
+            path.display(),
+            path.display()
+        );
+    }
 }

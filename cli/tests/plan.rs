@@ -163,8 +163,32 @@ fn the_7b_reference_plans_on_64_gpus() {
 fn where_the_baseline_wins_the_report_says_what_the_nearest_runnable_plan_needs() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("plan.toml");
-    let mut args = vec!["plan", "--config", "configs/plan-7b.toml", "--gpus", "5"];
+    let base = dir.path().join("baseline.toml");
+    let mut args = vec![
+        "plan",
+        "--config",
+        "configs/plan-7b.toml",
+        "--gpus",
+        "5",
+        "--baseline-out",
+        base.to_str().unwrap(),
+    ];
     let v = plan_json_with(&mut args, &out);
+    // The baseline's own plan file, for `braid train`'s "centric" placement.
+    let file = braid_train::planning::PlanFile::read(&base).unwrap();
+    assert_eq!(file.plan.placement, braid_balancer::Placement::LlmCentric);
+    assert_eq!(file.gpus, 5);
+    assert_eq!(
+        file.step_time_s,
+        v["baseline_step_time_s"].as_f64().unwrap(),
+        "{v}"
+    );
+    assert!(
+        v["explanation"]
+            .to_string()
+            .contains("`braid train` runs the LLM-centric layout too"),
+        "{v}"
+    );
     assert!(v["speedup"].as_f64().unwrap() < 1.0, "{v}");
     let near = &v["closest_to_baseline"];
     assert_eq!(near["fits"].as_bool(), Some(false), "{v}");

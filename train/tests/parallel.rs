@@ -9,7 +9,8 @@
 //!   recomputation (one rank, TP, CP + PP on the LLM and on both encoders);
 //! - a checkpoint written under one layout resumed under another (an interleaved
 //!   pipeline, and one rank) gives the same losses as not stopping;
-//! - interleaved pipeline stages (`parallel.llm.virtual_stages`) among the layouts.
+//! - interleaved pipeline stages (`parallel.llm.virtual_stages`) among the layouts;
+//! - the overlapped schedule's layouts and the LLM-centric placement's the same way.
 
 // Helpers are plain functions, outside clippy's allow-unwrap-in-tests.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -33,7 +34,7 @@ use braid_train::trainer::train;
 use braid_train::{Quiet, Trainer};
 
 mod common;
-use common::layouts::{LAYOUTS, OVERLAPPED};
+use common::layouts::{CENTRIC, LAYOUTS, OVERLAPPED};
 use common::{config, first_batch, fixture, losses, run_dir};
 
 fn reference(frozen_vision: bool) -> &'static [(f64, f64)] {
@@ -86,6 +87,14 @@ fn twenty_steps_of_every_overlapped_layout_match_one_rank() {
     }
 }
 
+#[test]
+fn twenty_steps_of_every_centric_layout_match_one_rank() {
+    for (name, sets, frozen) in CENTRIC {
+        let got = losses(name, sets);
+        assert_same_losses(name, &got, reference(*frozen));
+    }
+}
+
 /// The one-rank gradient of the first batch, by parameter name.
 fn one_rank_grads(t: &mut Trainer, rows: &[Row], microbatches: usize) -> HashMap<String, Vec<f32>> {
     let refs: Vec<&Row> = rows.iter().collect();
@@ -119,7 +128,7 @@ fn first_step_gradients_of_every_layout_match_one_rank() {
     let want = one_rank_grads(&mut t, &rows, base.train.microbatches);
     assert!(want.len() > 40, "{} trainable tensors", want.len());
 
-    for (name, sets, frozen) in LAYOUTS.iter().chain(OVERLAPPED) {
+    for (name, sets, frozen) in LAYOUTS.iter().chain(OVERLAPPED).chain(CENTRIC) {
         if *frozen {
             continue;
         }
@@ -284,6 +293,68 @@ fn layouts_that_do_not_fit_the_model_or_world_name_the_key() {
             "{e}"
         );
     }
+    // "centric": the encoders tile the LLM's first stage, whole and inside its TP.
+    let centric = |extra: &[&str]| {
+        let mut sets = vec![
+            "parallel.placement=\"centric\"",
+            "parallel.world_size=8",
+            "parallel.llm.tp=2",
+            "parallel.llm.pp=2",
+            "parallel.llm.dp=2",
+            "parallel.vision.dp=4",
+            "parallel.audio.dp=4",
+        ];
+        sets.extend_from_slice(extra);
+        full(&sets)
+    };
+    for (extra, key, says) in [
+        (
+            &["parallel.vision.dp=2"][..],
+            "parallel.vision.dp",
+            "set dp = 4",
+        ),
+        (
+            &["parallel.vision.cp=2", "parallel.vision.dp=2"],
+            "parallel.vision.cp",
+            "set cp = 1",
+        ),
+        (
+            &["parallel.audio.pp=2", "parallel.audio.dp=2"],
+            "parallel.audio.pp",
+            "set pp = 1",
+        ),
+        (&["parallel.llm.dp=1"], "parallel.llm", "whole world of 8"),
+        (
+            &["parallel.llm.first_stage_layers=4"],
+            "parallel.llm.first_stage_layers",
+            "leaves 0",
+        ),
+        (
+            &["parallel.llm.first_stage_layers=0"],
+            "parallel.llm.first_stage_layers",
+            "leaves 4",
+        ),
+    ] {
+        let e = centric(extra);
+        assert!(e.contains(key) && e.contains(says), "{extra:?}: {e}");
+    }
+    let e = full(&[
+        "parallel.placement=\"centric\"",
+        "parallel.world_size=4",
+        "parallel.llm.pp=2",
+        "parallel.llm.dp=2",
+        "parallel.vision.tp=2",
+        "parallel.audio.dp=2",
+    ]);
+    assert!(
+        e.contains("parallel.vision.tp") && e.contains("divides the LLM's (1)"),
+        "{e}"
+    );
+    let e = full(&["parallel.world_size=3", "parallel.llm.first_stage_layers=2"]);
+    assert!(
+        e.contains("parallel.llm.first_stage_layers") && e.contains("one pipeline stage"),
+        "{e}"
+    );
 }
 
 /// On a shared CPU every rank's loader reads the whole global batch beside the step, so

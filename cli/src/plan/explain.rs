@@ -124,6 +124,9 @@ pub(super) fn explain(
         ));
     } else if base.sim.step_s < b.sim.step_s {
         out.push(baseline_wins(b, closest, usable));
+        if base.plan.llm_first_stage_layers.is_none() {
+            out.push("`braid train` runs the LLM-centric layout too (parallel.placement = \"centric\": the encoders inside the LLM's first stage, microbatch by microbatch): `--baseline-out FILE` writes its plan file".into());
+        }
     }
     out
 }
@@ -164,10 +167,10 @@ fn baseline_wins(b: &Found, closest: Option<&Found>, usable: f64) -> String {
             bridge(f)
         ),
         None if b.plan.schedule == Schedule::Phased => format!(
-            "the LLM-centric layout is faster here: its encoders share the first pipeline stage's GPUs one microbatch at a time, which `braid train` does not run, and {}",
+            "the LLM-centric layout is faster here: its encoders share the first pipeline stage's GPUs one microbatch at a time, and {}",
             bridge(b)
         ),
-        None => "the LLM-centric layout is faster here: its encoders share the first pipeline stage's GPUs one microbatch at a time, which `braid train` does not run, and the overlapped plans' disjoint GPUs split the work only as coarsely as whole grids allow".to_string(),
+        None => "the LLM-centric layout is faster here: its encoders share the first pipeline stage's GPUs one microbatch at a time, and the overlapped plans' disjoint GPUs split the work only as coarsely as whole grids allow".to_string(),
     }
 }
 

@@ -171,6 +171,29 @@ fn colocated_processes_match_threads_bit_for_bit() {
 }
 
 #[test]
+fn centric_processes_match_threads_bit_for_bit() {
+    // Megatron's layout: the encoders inside the LLM's first stage (here every rank:
+    // TP 2 x DP 2), vision at the LLM's TP and audio at TP 1, each microbatch's
+    // embeddings exchanged among its replica's processes, some to the encoding rank
+    // itself.
+    threads_and_processes_agree(
+        "centric4",
+        4,
+        &[
+            "parallel.placement=\"centric\"",
+            "parallel.llm.tp=2",
+            "model.llm.kv_heads=2",
+            "model.llm.vocab=262",
+            "parallel.llm.dp=2",
+            "parallel.vision.tp=2",
+            "parallel.vision.dp=2",
+            "parallel.audio.dp=4",
+            "train.microbatches=2",
+        ],
+    );
+}
+
+#[test]
 fn torchrun_variables_set_by_hand_train_like_threads() {
     reference();
     // The LLM in two pipeline stages (of one layer each) on ranks 2-3.

@@ -23,6 +23,11 @@ pub enum Placement {
     Disjoint,
     /// Modules share ranks, each with its own layout.
     Colocated,
+    /// Megatron's LLM-centric layout: the encoders live on the LLM's first pipeline
+    /// stage and run each microbatch's images and clips inside that stage's forward
+    /// (their backward inside its backward), each with a TP that divides the LLM's and
+    /// no CP or PP of its own, a replica per `llm.tp / tp` ranks of the stage.
+    Centric,
 }
 
 /// How each step's rows, images and clips are spread over the replicas.
@@ -54,6 +59,12 @@ pub struct ModuleLayout {
     /// runs the interleaved 1F1B, whose bubble is `1 / virtual_stages` of 1F1B's for as
     /// many times the stage-to-stage sends. 1: plain 1F1B.
     pub virtual_stages: usize,
+    /// Layers of the first pipeline stage where it holds fewer than the others, the rest
+    /// split evenly over the other stages (Megatron's first-stage layer count: room for
+    /// the encoders the "centric" placement puts there; the LLM only, without virtual
+    /// stages). None: every stage `layers / pp`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_stage_layers: Option<usize>,
 }
 
 impl Default for ModuleLayout {
@@ -65,6 +76,7 @@ impl Default for ModuleLayout {
             dp: 1,
             recompute: false,
             virtual_stages: 1,
+            first_stage_layers: None,
         }
     }
 }
@@ -208,6 +220,15 @@ impl ParallelConfig {
             return Err(invalid("parallel.world_size", "must be >= 1"));
         }
         if self.schedule == braid_balancer::Schedule::Overlapped
+            && self.placement == Placement::Centric
+            && self.world_size > 1
+        {
+            return Err(invalid(
+                "parallel.schedule",
+                "\"overlapped\" runs each module on its own ranks; \"centric\" runs the encoders inside the LLM's first stage, microbatch by microbatch, under the phased schedule: set parallel.schedule = \"phased\" or parallel.placement = \"disjoint\"",
+            ));
+        }
+        if self.schedule == braid_balancer::Schedule::Overlapped
             && self.placement == Placement::Colocated
             && self.world_size > 1
         {
@@ -231,6 +252,12 @@ impl ParallelConfig {
                 if v == 0 {
                     return Err(invalid(format!("parallel.{name}.{axis}"), "must be >= 1"));
                 }
+            }
+            if name != "llm" && l.first_stage_layers.is_some() {
+                return Err(invalid(
+                    format!("parallel.{name}.first_stage_layers"),
+                    "a shorter first stage is for the LLM only: remove the key",
+                ));
             }
             if name != "llm" && l.virtual_stages != 1 {
                 return Err(invalid(

@@ -19,20 +19,21 @@ use braid_dataloader::loader::{MediaFilter, Row, WantedMedia};
 use braid_kernels::{Device, Tensor};
 use braid_nn::Module;
 
+use super::centric::CentricEncoders;
 use super::encode_phased::{backward, encode};
 use super::layout::Layouts;
-use super::llm_stage::run_pipeline;
+use super::llm_stage::{Modality, run_pipeline};
 use super::model::{RankModel, ShardSource};
 use super::overlapped::run_overlapped;
 use super::plan::{ItemKind, StepPlan, TokenSplit, batch_shape, media_items};
 use super::sync::{ShardPlan, all_reduce_grads, broadcast_updates, local_sq_norm};
 use crate::config::{AssignPolicy, Placement, RunConfig};
-use crate::error::Result;
+use crate::error::{Result, TrainError};
 use crate::mllm::{Freeze, MllmConfig};
 use crate::optim::AdamW;
 use crate::trace::Tracer;
 use braid_balancer::{
-    Assigner, Balanced, Imbalance, PerMicrobatch, Replicas, RoundRobin, TokenCost,
+    Assigner, Balanced, Centric, Imbalance, PerMicrobatch, Replicas, RoundRobin, TokenCost,
 };
 
 /// What one forward/backward over the global batch measured (the same on every rank).
@@ -97,6 +98,7 @@ impl Engine {
         let overlapped = cfg.parallel.schedule == Schedule::Overlapped
             && layouts.placement == Placement::Disjoint
             && layouts.world > 1;
+        let placement = layouts.placement;
         let plan = ShardPlan::new(&model, zero1);
         let optim = AdamW::new_owned(cfg.optim.clone(), &model, &|p| plan.owns(&p.name), zero1)?;
         Ok(Engine {
@@ -104,7 +106,7 @@ impl Engine {
             world,
             layouts,
             costs: balanced(&mconfig),
-            assigner: assigner(cfg.parallel.assign, &mconfig, overlapped),
+            assigner: assigner(cfg.parallel.assign, &mconfig, overlapped, placement),
             assign_policy: cfg.parallel.assign,
             mconfig,
             model,
@@ -127,7 +129,12 @@ impl Engine {
     /// runs the step's own assignment on the batch's shapes, so it agrees with
     /// [`Engine::forward_backward`] by construction.
     pub fn media_filter(&self) -> MediaFilter {
-        let assigner = assigner(self.assign_policy, &self.mconfig, self.overlapped);
+        let assigner = assigner(
+            self.assign_policy,
+            &self.mconfig,
+            self.overlapped,
+            self.layouts.placement,
+        );
         let replicas = self.replicas();
         let first_stage_dp =
             |g: &super::model::ModuleGroups| (g.coord.pp == 0).then_some(g.coord.dp);
@@ -233,6 +240,37 @@ impl Engine {
         norm: usize,
     ) -> Result<f64> {
         let c = self.mconfig.llm.hidden;
+        if self.layouts.placement == Placement::Centric {
+            // The encoders inside the LLM's first stage, microbatch by microbatch.
+            let RankModel { vision, audio, llm } = &mut self.model;
+            let world = self.world.as_ref();
+            let Some(l) = llm.as_mut() else {
+                return Err(TrainError::Other(format!(
+                    "rank {}: \"centric\" placement puts the LLM on every rank",
+                    self.rank
+                )));
+            };
+            let mut enc = CentricEncoders::new(
+                vision.as_mut(),
+                audio.as_mut(),
+                world,
+                rows,
+                plan,
+                routes,
+                c,
+            );
+            let modality = Modality::Centric(&mut enc);
+            return run_pipeline(
+                l,
+                world,
+                rows,
+                plan,
+                routes,
+                modality,
+                norm,
+                &mut self.trace,
+            );
+        }
         // Encoders, then the bridge to the LLM's first stage.
         let mut produced: Vec<(usize, Tensor)> = Vec::new();
         let world = self.world.as_ref();
@@ -263,8 +301,7 @@ impl Engine {
                 rows,
                 plan,
                 routes,
-                &received,
-                &mut dreceived,
+                Modality::Received(&received, &mut dreceived),
                 norm,
                 trace,
             )?,
@@ -319,11 +356,21 @@ impl Engine {
 
 /// The assigner of `parallel.assign`: under the overlapped schedule the balanced one
 /// evens out each microbatch's media over the encoder replicas (each is a chunk there).
-fn assigner(policy: AssignPolicy, m: &MllmConfig, overlapped: bool) -> Box<dyn Assigner> {
-    match policy {
-        AssignPolicy::Balanced if overlapped => Box::new(PerMicrobatch(balanced(m))),
-        AssignPolicy::Balanced => Box::new(balanced(m)),
-        AssignPolicy::RoundRobin => Box::new(RoundRobin),
+/// Under "centric" placement the rows go as the policy says and every image and clip to
+/// an encoder replica of its row's LLM replica (they run inside its first stage).
+fn assigner(
+    policy: AssignPolicy,
+    m: &MllmConfig,
+    overlapped: bool,
+    placement: Placement,
+) -> Box<dyn Assigner> {
+    let b = balanced(m);
+    match (policy, placement) {
+        (AssignPolicy::Balanced, Placement::Centric) => Box::new(Centric(b, b)),
+        (AssignPolicy::RoundRobin, Placement::Centric) => Box::new(Centric(RoundRobin, b)),
+        (AssignPolicy::Balanced, _) if overlapped => Box::new(PerMicrobatch(b)),
+        (AssignPolicy::Balanced, _) => Box::new(b),
+        (AssignPolicy::RoundRobin, _) => Box::new(RoundRobin),
     }
 }
 

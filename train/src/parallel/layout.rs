@@ -3,8 +3,10 @@
 //!
 //! Disjoint placement lays the grids side by side in data-flow order (vision, audio,
 //! LLM), so their sizes must add up to the world; colocated placement puts every grid
-//! over the whole world (each module its own layout on the same ranks). A world of one
-//! rank is colocated whatever the placement says.
+//! over the whole world (each module its own layout on the same ranks); centric
+//! placement puts each encoder's grid over the LLM's first pipeline stage (the LLM's
+//! ranks `0..tp * cp * dp`, PP being the slowest axis). A world of one rank is
+//! colocated whatever the placement says.
 
 use braid_comm::grid::Grid;
 
@@ -39,6 +41,9 @@ pub struct Layouts {
     pub llm: Grid,
     /// Model chunks per LLM pipeline stage (`parallel.llm.virtual_stages`; 1: 1F1B).
     pub llm_chunks: usize,
+    /// Layers of the LLM's first stage where it is shorter than the others
+    /// (`parallel.llm.first_stage_layers`).
+    pub llm_first_stage_layers: Option<usize>,
 }
 
 /// `what` = `n` split `tp` ways, or an error naming `key` that says what to change.
@@ -47,6 +52,75 @@ fn divisible(key: &str, what: &str, n: usize, by: usize, axis: &str) -> Result<(
         return Err(invalid(
             key,
             format!("{axis} = {by} does not divide {what} = {n}: pick a {axis} that divides {n}"),
+        ));
+    }
+    Ok(())
+}
+
+/// A shorter first LLM stage: `f` layers there, the rest split evenly over the other
+/// stages, each keeping at least one, without virtual stages.
+fn check_first_stage(f: usize, layers: usize, l: &ModuleLayout) -> Result<(), ConfigError> {
+    let key = "parallel.llm.first_stage_layers";
+    if l.pp < 2 {
+        return Err(invalid(
+            key,
+            format!(
+                "{f}, but the LLM has one pipeline stage (parallel.llm.pp = {}): remove the key or set pp >= 2",
+                l.pp
+            ),
+        ));
+    }
+    if l.virtual_stages > 1 {
+        return Err(invalid(
+            key,
+            "a shorter first stage and virtual stages do not go together: remove one of the keys",
+        ));
+    }
+    let rest = layers.saturating_sub(f);
+    if f == 0 || rest < l.pp - 1 || !rest.is_multiple_of(l.pp - 1) {
+        return Err(invalid(
+            key,
+            format!(
+                "{f} of model.llm.layers = {layers} leaves {rest} for the other {} stages: pick a count from 1 that leaves them an equal share of at least one layer each",
+                l.pp - 1
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Under "centric" placement an encoder lives on the LLM's first pipeline stage: its TP
+/// divides the LLM's, it has no CP or PP of its own, and its replicas tile the stage's
+/// `tp * cp * dp` ranks (`llm.tp / tp` ranks of a CP rank of an LLM replica each, so a
+/// replica's items stay inside the LLM replica whose rows hold them).
+fn centric_encoder(key: &str, e: &ModuleLayout, llm: &ModuleLayout) -> Result<(), ConfigError> {
+    if !llm.tp.is_multiple_of(e.tp) {
+        return Err(invalid(
+            format!("parallel.{key}.tp"),
+            format!(
+                "{}, but under \"centric\" placement an encoder's TP divides the LLM's ({}): pick one that divides {}",
+                e.tp, llm.tp, llm.tp
+            ),
+        ));
+    }
+    for (axis, v) in [("cp", e.cp), ("pp", e.pp)] {
+        if v != 1 {
+            return Err(invalid(
+                format!("parallel.{key}.{axis}"),
+                format!(
+                    "{v}, but under \"centric\" placement an encoder runs whole inside the LLM's first stage: set {axis} = 1"
+                ),
+            ));
+        }
+    }
+    let dp = (llm.tp / e.tp) * llm.cp * llm.dp;
+    if e.dp != dp {
+        return Err(invalid(
+            format!("parallel.{key}.dp"),
+            format!(
+                "{}, but under \"centric\" placement the {key} encoder has a replica on every {} of the LLM's first-stage ranks (tp * cp * dp = {} * {} * {}): set dp = {dp}",
+                e.dp, e.tp, llm.tp, llm.cp, llm.dp
+            ),
         ));
     }
     Ok(())
@@ -82,13 +156,16 @@ impl Layouts {
                 ),
             ));
         }
-        divisible(
-            "parallel.llm.pp",
-            "model.llm.layers",
-            llm.layers,
-            l.pp,
-            "pp",
-        )?;
+        match l.first_stage_layers {
+            Some(f) => check_first_stage(f, llm.layers, l)?,
+            None => divisible(
+                "parallel.llm.pp",
+                "model.llm.layers",
+                llm.layers,
+                l.pp,
+                "pp",
+            )?,
+        }
         let chunks = l.pp * l.virtual_stages;
         if l.virtual_stages > 1
             && !braid_balancer::pipeline::chunks_split_evenly(llm.layers, l.pp, l.virtual_stages)
@@ -190,7 +267,7 @@ impl Layouts {
             }
             let at = match placement {
                 Placement::Disjoint => offset,
-                Placement::Colocated => 0,
+                Placement::Colocated | Placement::Centric => 0,
             };
             offset = offset.saturating_add(l.ranks());
             Grid::new(l.grid_dims(), at)
@@ -222,6 +299,25 @@ impl Layouts {
                     ));
                 }
             }
+            Placement::Centric => {
+                if l.ranks() != world {
+                    return Err(invalid(
+                        "parallel.llm",
+                        format!(
+                            "tp * cp * pp * dp = {}, but under \"centric\" placement the LLM spans the whole world of {world} ranks",
+                            l.ranks()
+                        ),
+                    ));
+                }
+                for (present, key, e) in [
+                    (has_vision, "vision", &p.vision),
+                    (has_audio, "audio", &p.audio),
+                ] {
+                    if present {
+                        centric_encoder(key, e, l)?;
+                    }
+                }
+            }
             Placement::Colocated => {
                 for (present, key, n) in sizes {
                     if present && n != world {
@@ -242,6 +338,7 @@ impl Layouts {
             audio,
             llm,
             llm_chunks: l.virtual_stages,
+            llm_first_stage_layers: l.first_stage_layers,
         })
     }
 

@@ -13,6 +13,7 @@ use braid_kernels::{Device, Shape, Tensor, ops};
 use braid_llm::{ModalityEmbeds, StageCache, StageInput, vocab_parallel_loss};
 use braid_nn::SeqInfo;
 
+use super::centric::CentricEncoders;
 use super::model::{LlmPart, device_of};
 use super::plan::{Microbatch, StepPlan};
 use crate::data::rows_to_text;
@@ -275,10 +276,18 @@ impl<'a> LlmStageRun<'a> {
     }
 }
 
+/// Where the first stage's modality rows come from.
+pub(crate) enum Modality<'r, 'e> {
+    /// The whole step's, from one bridge exchange before the LLM (`(M_r, C)`), their
+    /// grads scattered into the second (same shape) for one exchange after it.
+    Received(&'r Tensor, &'r mut Tensor),
+    /// Encoded microbatch by microbatch on this stage ("centric" placement).
+    Centric(&'r mut CentricEncoders<'e>),
+}
+
 /// The phased step: this rank's stage over its replica's microbatches in 1F1B order
 /// (interleaved over its chunks where it has several: [`interleaved_1f1b`]), every
-/// microbatch's modality rows taken from `received` (the whole step's, from one bridge
-/// exchange), their grads scattered into `dreceived`. Returns the loss sum this rank
+/// microbatch's modality rows taken from `modality`. Returns the loss sum this rank
 /// contributes.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run_pipeline(
@@ -287,8 +296,7 @@ pub(crate) fn run_pipeline(
     rows: &[Row],
     plan: &StepPlan,
     routes: &Routes,
-    received: &Tensor,
-    dreceived: &mut Tensor,
+    mut modality: Modality<'_, '_>,
     norm: usize,
     trace: &mut Tracer,
 ) -> Result<f64> {
@@ -307,11 +315,14 @@ pub(crate) fn run_pipeline(
     let mut run = LlmStageRun::new(part, rows, plan, norm);
     let dev = run.dev;
     // Stage 0: which received rows fill which local placeholder of each microbatch.
-    let fill = if first {
-        placeholders(plan, &run.mbs, g.coord.cp, &routes.received(rank))?
-    } else {
-        vec![(Vec::new(), Vec::new()); run.mbs.len()]
+    let fill = match &modality {
+        Modality::Received(..) if first => {
+            placeholders(plan, &run.mbs, g.coord.cp, &routes.received(rank))?
+        }
+        _ => vec![(Vec::new(), Vec::new()); run.mbs.len()],
     };
+    // Centric: which microbatches' first forward took modality rows.
+    let mut took = vec![false; run.mbs.len()];
     let index = |v: &[u32]| Tensor::from_vec_u32(v.to_vec(), [v.len()], dev);
     let v = run.chunks();
     for pass in interleaved_1f1b(stage, stages, v, run.mbs.len(), true) {
@@ -325,10 +336,16 @@ pub(crate) fn run_pipeline(
         if pass.forward {
             let input = if first && k == 0 {
                 let (idx, pos) = &fill[j];
-                LlmIn::Tokens(if idx.is_empty() {
-                    None
-                } else {
-                    Some((ops::gather_rows(received, &index(idx)?)?, pos.clone())) // (M_mb, C)
+                LlmIn::Tokens(match &mut modality {
+                    Modality::Centric(enc) => {
+                        let rows = enc.forward(run.mbs[j], g.coord.cp, trace)?;
+                        took[j] = rows.is_some();
+                        rows
+                    }
+                    Modality::Received(..) if idx.is_empty() => None,
+                    Modality::Received(received, _) => {
+                        Some((ops::gather_rows(received, &index(idx)?)?, pos.clone())) // (M_mb, C)
+                    }
                 })
             } else {
                 let t0 = trace.start();
@@ -352,12 +369,25 @@ pub(crate) fn run_pipeline(
             if !(first && k == 0) {
                 let dh = dx.ok_or_else(|| TrainError::Other("stage gave no input grad".into()))?;
                 world.send(&dh, peer(-1)?)?;
-            } else if let Some(dmod) = dx
-                && !fill[j].0.is_empty()
-            {
-                ops::scatter_rows(dreceived, &index(&fill[j].0)?, &dmod)?;
+            } else {
+                match &mut modality {
+                    Modality::Centric(enc) => {
+                        let dmod = if took[j] { dx } else { None };
+                        enc.backward(mb, dmod, trace)?;
+                    }
+                    Modality::Received(_, dreceived) => {
+                        if let Some(dmod) = dx
+                            && !fill[j].0.is_empty()
+                        {
+                            ops::scatter_rows(dreceived, &index(&fill[j].0)?, &dmod)?;
+                        }
+                    }
+                }
             }
         }
+    }
+    if let Modality::Centric(enc) = &modality {
+        enc.finish()?;
     }
     Ok(run.loss)
 }

@@ -14,6 +14,7 @@
 //! - [`load`]: a rank's shard made without the full model (one process per rank);
 //! - [`run`]: `braid train` with several ranks as threads.
 
+mod centric;
 mod chunks;
 pub mod ckpt;
 mod encode;

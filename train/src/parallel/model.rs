@@ -145,6 +145,21 @@ pub fn stage_layers(layers: usize, pp: usize, s: usize) -> Range<usize> {
     s * per..(s + 1) * per
 }
 
+/// The layers of LLM stage `s` of `pp` whose first stage holds `first` (validated: the
+/// rest split evenly over the others), or [`stage_layers`]'s even split without one.
+pub fn llm_stage_layers(layers: usize, pp: usize, s: usize, first: Option<usize>) -> Range<usize> {
+    match first {
+        Some(f) if pp > 1 => {
+            let per = layers.saturating_sub(f) / (pp - 1);
+            match s {
+                0 => 0..f,
+                _ => f + (s - 1) * per..f + s * per,
+            }
+        }
+        _ => stage_layers(layers, pp, s),
+    }
+}
+
 /// The device a module's parameters live on (the CPU for a module without any).
 pub fn device_of<M: Module + ?Sized>(m: &M) -> Device {
     let mut device = None;
@@ -298,7 +313,16 @@ impl RankModel {
             let (pp, v) = (groups.grid.dims.pp, layouts.llm_chunks.max(1));
             let mut chunks = Vec::with_capacity(v);
             for k in 0..v {
-                let layers = stage_layers(cfg.llm.layers, pp * v, k * pp + groups.coord.pp);
+                let layers = if v > 1 {
+                    stage_layers(cfg.llm.layers, pp * v, k * pp + groups.coord.pp)
+                } else {
+                    llm_stage_layers(
+                        cfg.llm.layers,
+                        pp,
+                        groups.coord.pp,
+                        layouts.llm_first_stage_layers,
+                    )
+                };
                 let mut c = LlmStage::new(&cfg.llm, layers, &inits.llm, Arc::clone(&groups.tp))?;
                 if groups.grid.dims.cp > 1 {
                     for b in &mut c.blocks {

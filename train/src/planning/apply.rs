@@ -52,6 +52,7 @@ fn module_layout(l: Option<braid_balancer::Layout>, recompute: bool) -> ModuleLa
         dp: l.dp,
         recompute,
         virtual_stages: 1,
+        first_stage_layers: None,
     }
 }
 
@@ -120,17 +121,8 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
     let placement = match p.placement {
         Placement::Disjoint => crate::config::Placement::Disjoint,
         Placement::Colocated => crate::config::Placement::Colocated,
-        Placement::LlmCentric => {
-            return Err(err(format!(
-                "parallel.plan = {spec:?}: an LLM-centric plan is the baseline, not something braid train runs"
-            )));
-        }
+        Placement::LlmCentric => crate::config::Placement::Centric,
     };
-    if let Some(f) = p.llm_first_stage_layers {
-        return Err(err(format!(
-            "parallel.plan = {spec:?}: the plan gives the LLM's first stage {f} layers, but braid train splits the layers evenly over the stages; remove llm_first_stage_layers"
-        )));
-    }
     if p.llm_virtual_stages == 0 {
         return Err(err(format!(
             "parallel.plan = {spec:?}: llm_virtual_stages = 0, but a stage holds at least one model chunk; set it to 1 (plain 1F1B) or more"
@@ -142,10 +134,36 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
     cfg.parallel.placement = placement;
     cfg.parallel.llm = ModuleLayout {
         virtual_stages: p.llm_virtual_stages,
+        first_stage_layers: p.llm_first_stage_layers,
         ..module_layout(Some(p.llm), p.recompute)
     };
     cfg.parallel.vision = module_layout(p.vision, p.recompute_encoders);
     cfg.parallel.audio = module_layout(p.audio, p.recompute_encoders);
+    if p.placement == Placement::LlmCentric {
+        // The encoders on the LLM's first stage at their own TP: a replica on every
+        // `tp` of the stage's ranks (the planner counts one per CP rank of a replica).
+        let llm = cfg.parallel.llm;
+        for (key, e, present) in [
+            ("vision", &mut cfg.parallel.vision, p.vision.is_some()),
+            ("audio", &mut cfg.parallel.audio, p.audio.is_some()),
+        ] {
+            if !present {
+                continue;
+            }
+            if e.tp == 0 || !llm.tp.is_multiple_of(e.tp) {
+                return Err(err(format!(
+                    "parallel.plan = {spec:?}: the LLM-centric plan gives the {key} encoder TP {} inside the LLM's TP {}, which it does not divide",
+                    e.tp, llm.tp
+                )));
+            }
+            *e = ModuleLayout {
+                cp: 1,
+                pp: 1,
+                dp: llm.tp / e.tp * llm.cp * llm.dp,
+                ..*e
+            };
+        }
+    }
     cfg.parallel.zero1 = p.zero1;
     cfg.train.microbatches = p.microbatches;
     if reuse {

@@ -151,7 +151,9 @@ fn auto_plans_the_tiny_model_for_its_world() {
     let l = &cfg.parallel.llm;
     let ranks = l.tp * l.cp * l.pp * l.dp;
     match cfg.parallel.placement {
-        crate::config::Placement::Colocated => assert_eq!(ranks, 4),
+        crate::config::Placement::Colocated | crate::config::Placement::Centric => {
+            assert_eq!(ranks, 4)
+        }
         crate::config::Placement::Disjoint => assert!(ranks < 4),
     }
     // Without a mix or data, planning says what it needs.
@@ -189,4 +191,30 @@ fn the_dims_of_the_tiny_model() {
         a.projector_flops_per_token,
         2.0 * (128.0 * 64.0 + 64.0 * 64.0) / 4.0
     );
+}
+
+/// An LLM-centric plan file (what `braid plan --baseline-out` writes) sets the "centric"
+/// placement with each encoder's replicas derived from its TP and the LLM's grid, and the
+/// LLM's shorter first stage.
+#[test]
+fn an_llm_centric_plan_file_sets_the_centric_placement() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("baseline.toml");
+    std::fs::write(
+        &path,
+        "gpus = 8\ncluster = \"h100\"\nstep_time_s = 1.0\nbaseline_step_time_s = 1.0\n[plan]\nplacement = \"llm_centric\"\nschedule = \"phased\"\nmicrobatches = 4\nrecompute = false\nrecompute_encoders = true\nzero1 = true\nllm_first_stage_layers = 1\n[plan.llm]\ntp = 2\ncp = 1\npp = 2\ndp = 2\n[plan.vision]\ntp = 1\ncp = 1\npp = 1\ndp = 2\n[plan.audio]\ntp = 2\ncp = 1\npp = 1\ndp = 2\n",
+    )
+    .unwrap();
+    let mut cfg = tiny(&[&format!("parallel.plan={}", path.display())]);
+    apply(&mut cfg).unwrap();
+    let p = &cfg.parallel;
+    assert_eq!(p.placement, crate::config::Placement::Centric);
+    assert_eq!(p.llm.first_stage_layers, Some(1));
+    assert_eq!(
+        (p.vision.tp, p.vision.dp, p.vision.cp, p.vision.pp),
+        (1, 4, 1, 1)
+    );
+    assert!(p.vision.recompute);
+    assert_eq!((p.audio.tp, p.audio.dp), (2, 2));
+    assert_eq!(cfg.train.microbatches, 4);
 }

@@ -239,3 +239,91 @@ pub const OVERLAPPED: &[(&str, &[&str], bool)] = &[
         false,
     ),
 ];
+
+/// Megatron's LLM-centric layout (`parallel.placement = "centric"`): the encoders on the
+/// LLM's first pipeline stage, encoding each microbatch's items inside its forward there.
+/// Checked like [`LAYOUTS`]: LLM TP with an encoder at a smaller TP, PP with more
+/// microbatches than stages (the encoders on one rank), CP and DP (items spread over a
+/// replica's CP ranks), an interleaved pipeline, a shorter first stage (Megatron's
+/// first-stage layer count), a frozen encoder, and recomputation.
+pub const CENTRIC: &[(&str, &[&str], bool)] = &[
+    (
+        "centric-llm-tp2-dp2-vision-tp2-audio-tp1",
+        &[
+            "parallel.placement=\"centric\"",
+            "parallel.world_size=4",
+            "parallel.llm.tp=2",
+            "parallel.llm.dp=2",
+            "parallel.vision.tp=2",
+            "parallel.vision.dp=2",
+            "parallel.audio.dp=4",
+        ],
+        false,
+    ),
+    (
+        "centric-llm-pp2-mb3",
+        &[
+            "parallel.placement=\"centric\"",
+            "parallel.world_size=2",
+            "parallel.llm.pp=2",
+            "train.microbatches=3",
+        ],
+        false,
+    ),
+    (
+        "centric-llm-cp2-pp2-dp2-recompute",
+        &[
+            "parallel.placement=\"centric\"",
+            "parallel.world_size=8",
+            "parallel.llm.cp=2",
+            "parallel.llm.pp=2",
+            "parallel.llm.dp=2",
+            "parallel.vision.dp=4",
+            "parallel.vision.recompute=true",
+            "parallel.audio.dp=4",
+            "parallel.audio.recompute=true",
+        ],
+        false,
+    ),
+    (
+        "centric-llm-tp2-pp2-virtual2-mb3",
+        &[
+            "parallel.placement=\"centric\"",
+            "parallel.world_size=4",
+            "parallel.llm.tp=2",
+            "parallel.llm.pp=2",
+            "parallel.llm.virtual_stages=2",
+            "parallel.vision.dp=2",
+            "parallel.audio.tp=2",
+            "train.microbatches=3",
+        ],
+        false,
+    ),
+    (
+        "centric-llm-pp3-first-stage-2-of-4-layers",
+        &[
+            "parallel.placement=\"centric\"",
+            "parallel.world_size=6",
+            "parallel.llm.pp=3",
+            "parallel.llm.tp=2",
+            "parallel.llm.first_stage_layers=2",
+            "parallel.vision.tp=2",
+            "parallel.audio.dp=2",
+            "train.microbatches=3",
+        ],
+        false,
+    ),
+    (
+        "centric-frozen-vision-llm-pp2-dp3",
+        &[
+            "parallel.placement=\"centric\"",
+            "parallel.world_size=6",
+            "parallel.llm.pp=2",
+            "parallel.llm.dp=3",
+            "parallel.vision.dp=3",
+            "parallel.audio.dp=3",
+            r#"train.freeze=["vision"]"#,
+        ],
+        true,
+    ),
+];
