@@ -204,47 +204,52 @@ impl Cluster {
         toml::to_string(self).map_err(|e| format!("cluster {}: {e}", self.name))
     }
 
-    /// Every field in range; the message names the key.
+    /// Every field in range and finite (a NaN fails every test below); the message names
+    /// the key.
     pub fn validate(&self) -> Result<(), String> {
+        // Finite and above zero / at least zero: written so that NaN fails them.
+        let pos = |x: f64| x > 0.0 && x.is_finite();
+        let nonneg = |x: f64| x >= 0.0 && x.is_finite();
         if self.gpus_per_node == 0 {
             return Err("gpus_per_node must be at least 1".into());
         }
-        if self.memory_gib <= 0.0 || !(0.0..=1.0).contains(&self.usable_memory) {
+        let fraction = |x: f64| x > 0.0 && x <= 1.0;
+        if !(pos(self.memory_gib) && fraction(self.usable_memory)) {
             return Err("memory_gib must be > 0 and usable_memory in (0, 1]".into());
         }
         if self.matmul.is_empty() {
             return Err("matmul needs at least one { flops, tflops } point".into());
         }
-        if self.matmul.windows(2).any(|w| w[0].flops >= w[1].flops)
-            || self
-                .matmul
-                .iter()
-                .any(|p| p.flops <= 0.0 || p.tflops <= 0.0)
+        let ascending =
+            |w: &[RatePoint]| w[0].flops.partial_cmp(&w[1].flops) == Some(std::cmp::Ordering::Less);
+        if self.matmul.windows(2).any(|w| !ascending(w))
+            || self.matmul.iter().any(|p| !pos(p.flops) || !pos(p.tflops))
         {
-            return Err("matmul points must be positive and ascending in flops".into());
+            return Err("matmul points must be positive, finite and ascending in flops".into());
         }
         for (key, l) in [("intra", self.intra), ("inter", self.inter)] {
-            if l.bandwidth_gbs <= 0.0 || l.latency_us < 0.0 {
+            if !pos(l.bandwidth_gbs) || !nonneg(l.latency_us) {
                 return Err(format!(
-                    "{key}.bandwidth_gbs must be > 0 and latency_us >= 0"
+                    "{key}.bandwidth_gbs must be > 0 and latency_us >= 0 (both finite)"
                 ));
             }
         }
-        if self.layer_overhead_us < 0.0
-            || self.elementwise_ns < 0.0
-            || self.backward_overhead_us.is_some_and(|x| x < 0.0)
+        if !nonneg(self.layer_overhead_us)
+            || !nonneg(self.elementwise_ns)
+            || self.backward_overhead_us.is_some_and(|x| !nonneg(x))
         {
             return Err(
-                "layer_overhead_us, backward_overhead_us and elementwise_ns must be >= 0".into(),
+                "layer_overhead_us, backward_overhead_us and elementwise_ns must be finite and >= 0"
+                    .into(),
             );
         }
-        if self.compute_bytes <= 0.0 || !(0.0..=1.0).contains(&self.replicated_elementwise) {
+        if !pos(self.compute_bytes) || !(0.0..=1.0).contains(&self.replicated_elementwise) {
             return Err("compute_bytes must be > 0 and replicated_elementwise in [0, 1]".into());
         }
-        if self.attention_backward <= 0.0 {
+        if !pos(self.attention_backward) {
             return Err("attention_backward must be > 0".into());
         }
-        if !(0.0..=1.0).contains(&self.attention_efficiency) || self.attention_efficiency == 0.0 {
+        if !fraction(self.attention_efficiency) {
             return Err("attention_efficiency must be in (0, 1]".into());
         }
         Ok(())
@@ -325,6 +330,31 @@ impl Cluster {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A hand-edited cluster file with NaN, infinity or zero where a rate or a size goes
+    /// is refused naming the key (NaN once passed `x <= 0.0` and hung `braid plan`).
+    #[test]
+    fn nan_infinite_and_zero_fields_are_refused() {
+        type Edit = (&'static str, fn(&mut Cluster));
+        let edits: [Edit; 8] = [
+            ("intra.bandwidth_gbs", |c| c.intra.bandwidth_gbs = f64::NAN),
+            ("inter.bandwidth_gbs", |c| {
+                c.inter.latency_us = f64::INFINITY
+            }),
+            ("elementwise_ns", |c| c.elementwise_ns = f64::NAN),
+            ("memory_gib", |c| c.memory_gib = f64::NAN),
+            ("usable_memory", |c| c.usable_memory = 0.0),
+            ("matmul", |c| c.matmul[0].tflops = f64::INFINITY),
+            ("matmul", |c| c.matmul[1].flops = f64::NAN),
+            ("attention_backward", |c| c.attention_backward = f64::NAN),
+        ];
+        for (key, edit) in edits {
+            let mut c = Cluster::preset("h100").unwrap();
+            edit(&mut c);
+            let e = c.validate().unwrap_err();
+            assert!(e.contains(key), "{key}: {e}");
+        }
+    }
 
     #[test]
     fn presets_validate_and_interpolate() {

@@ -96,11 +96,30 @@ fn describe(status: ExitStatus) -> String {
     }
 }
 
+/// The longest grace period `--grace-s` takes (a day): waits are `Instant`s, which
+/// overflow long before an infinite one.
+const MAX_GRACE_S: f64 = 86_400.0;
+
 pub fn run(args: LaunchArgs) -> ExitCode {
     if args.nproc_per_node == 0 || args.nnodes == 0 || args.node_rank >= args.nnodes {
         eprintln!(
             "braid launch: need --nproc-per-node >= 1 and --node-rank < --nnodes (got {}, {} of {})",
             args.nproc_per_node, args.node_rank, args.nnodes
+        );
+        return ExitCode::from(2);
+    }
+    // Checked before any rank starts: nothing may fail once they run unsupervised.
+    let Some(world) = args.nproc_per_node.checked_mul(args.nnodes) else {
+        eprintln!(
+            "braid launch: --nproc-per-node {} x --nnodes {} ranks overflow",
+            args.nproc_per_node, args.nnodes
+        );
+        return ExitCode::from(2);
+    };
+    if !(0.0..=MAX_GRACE_S).contains(&args.grace_s) {
+        eprintln!(
+            "braid launch: --grace-s {}: must be from 0 to {MAX_GRACE_S} seconds",
+            args.grace_s
         );
         return ExitCode::from(2);
     }
@@ -111,7 +130,6 @@ pub fn run(args: LaunchArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let world = args.nproc_per_node * args.nnodes;
     let signal = register_signals();
     let mut children: Vec<(usize, Child)> = Vec::new();
     let mut relays = Vec::new();
@@ -154,7 +172,7 @@ pub fn run(args: LaunchArgs) -> ExitCode {
     let outcome = supervise(
         &mut children,
         &signal,
-        Duration::from_secs_f64(args.grace_s.max(0.0)),
+        Duration::from_secs_f64(args.grace_s),
     );
     for r in relays {
         let _ = r.join();

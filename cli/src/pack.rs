@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 
 use braid_dataloader::config::{DataConfig, MediaStorage};
 use braid_dataloader::dataset::DatasetInfo;
-use braid_dataloader::job::{PackJob, PackProgress, run_pack};
+use braid_dataloader::job::{PackJob, PackProgress};
+use braid_dataloader::job_output::run_pack_locked;
 use braid_dataloader::read::{Format, infer_format};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -149,7 +150,7 @@ pub fn run(args: PackArgs) -> u8 {
             last_log = Instant::now();
         }
     };
-    let result = run_pack(&job, &mut on_progress);
+    let result = run_pack_locked(&job, &mut on_progress);
     bar.finish_and_clear();
     match result {
         Ok(info) => {

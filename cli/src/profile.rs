@@ -376,10 +376,10 @@ fn host_name() -> String {
 /// Writes `text` to `path` through a temporary file and a rename, so a reader never sees
 /// half a file.
 fn write_atomic(path: &Path, text: &str) -> Res<()> {
-    let tmp = path.with_extension("toml.tmp");
-    std::fs::write(&tmp, text)
-        .and_then(|()| std::fs::rename(&tmp, path))
-        .map_err(|e| format!("writing {}: {e}", path.display()))
+    braid_nn::hf::write_atomic(path, |tmp| {
+        std::fs::write(tmp, text).map_err(|e| braid_nn::Error::io(tmp, "write", e))
+    })
+    .map_err(|e| format!("writing {}: {e}", path.display()))
 }
 
 fn profile(a: &ProfileArgs) -> Res<()> {

@@ -144,4 +144,34 @@ fn nothing_valid_and_usage_errors() {
     let o = braid(&["inspect", tmp.path().to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(1));
     assert!(text(&o).contains("no dataset.json"), "{}", text(&o));
+    // 100,000 decoding threads for five lines once ran past ten minutes.
+    let t = std::time::Instant::now();
+    let o = braid(&[
+        "pack",
+        "--input",
+        i,
+        "--format",
+        "jsonl",
+        "--output",
+        o_,
+        "--threads",
+        "100000",
+    ]);
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("shards.threads") && text(&o).contains("at most 1024"),
+        "{}",
+        text(&o)
+    );
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(10),
+        "{:?}",
+        t.elapsed()
+    );
+    // An input with no records says so, not that its "0 samples were rejected".
+    let empty = tmp.path().join("empty.jsonl");
+    std::fs::write(&empty, "\n  \n").unwrap();
+    let o = braid(&["pack", "--input", empty.to_str().unwrap(), "--output", o_]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("holds no records"), "{}", text(&o));
 }

@@ -455,6 +455,28 @@ fn generate_reads_a_checkpoint_and_an_image_or_clip() {
     let o = run(&["generate", "--checkpoint", "/nonexistent", "--prompt", "x"]);
     assert_eq!(o.status.code(), Some(1));
     assert!(text(&o).contains("/nonexistent"), "{}", text(&o));
+    // More tokens than the model has positions: refused at once, saying how many fit.
+    let t = std::time::Instant::now();
+    let o = run(&[
+        "generate",
+        "--checkpoint",
+        run_dir.to_str().unwrap(),
+        "--prompt",
+        "x",
+        "--max-new-tokens",
+        "100000",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("max_position_embeddings") && text(&o).contains("at most"),
+        "{}",
+        text(&o)
+    );
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(30),
+        "{:?}",
+        t.elapsed()
+    );
 }
 
 #[test]

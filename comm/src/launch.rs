@@ -124,10 +124,14 @@ fn store_port(
     launcher: Launcher,
     name: &'static str,
 ) -> Result<u16, LaunchEnvError> {
-    let parse = |key: &str, v: String| {
-        v.trim()
-            .parse::<u16>()
-            .map_err(|_| err(name, format!("{key}={v:?} is not a port number")))
+    // Port 0 would bind an ephemeral port that no other rank can know.
+    let parse = |key: &str, v: String| match v.trim().parse::<u16>() {
+        Ok(0) => Err(err(
+            name,
+            format!("{key}=0: every rank must dial the same port; pick one from 1 to 65535"),
+        )),
+        Ok(p) => Ok(p),
+        Err(_) => Err(err(name, format!("{key}={v:?} is not a port number"))),
     };
     if let Some(p) = var("BRAID_STORE_PORT") {
         return parse("BRAID_STORE_PORT", p);

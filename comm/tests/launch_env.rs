@@ -144,6 +144,15 @@ fn bad_or_missing_variables_are_named() {
                 ("RANK", "0"),
                 ("WORLD_SIZE", "2"),
                 ("MASTER_ADDR", "h"),
+                ("MASTER_PORT", "0"),
+            ],
+            "MASTER_PORT=0: every rank must dial the same port",
+        ),
+        (
+            vec![
+                ("RANK", "0"),
+                ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "h"),
                 ("LOCAL_RANK", "3"),
                 ("LOCAL_WORLD_SIZE", "2"),
             ],

@@ -238,6 +238,10 @@ pub enum MediaStorage {
     Original,
 }
 
+/// The most decoding threads `braid pack` starts (`shards.threads`, `--threads`): past the
+/// cores they only add memory, and each batch of work grows with them.
+pub const MAX_PACK_THREADS: usize = 1024;
+
 /// `[shards]`: the output files.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -325,6 +329,15 @@ impl DataConfig {
             return Err(invalid(
                 "shards.max_shard_mib/row_group_mib",
                 "must be >= 1",
+            ));
+        }
+        if s.threads > MAX_PACK_THREADS {
+            return Err(invalid(
+                "shards.threads",
+                format!(
+                    "{}: at most {MAX_PACK_THREADS} decoding threads (0: one per core)",
+                    s.threads
+                ),
             ));
         }
         if !(1..=22).contains(&s.zstd_level) {

@@ -41,7 +41,7 @@ pub enum PackJobError {
     Shard(#[from] ShardError),
     #[error(transparent)]
     Dataset(#[from] DatasetError),
-    #[error("nothing valid to pack: all {samples} input samples were rejected (see {rejects})")]
+    #[error("{}", nothing_valid(*.samples, .rejects))]
     NothingValid { samples: u64, rejects: String },
     #[error("{}", too_many_rejects(.rejected, .samples, .max_ratio, .by_kind, .rejects))]
     TooManyRejects {
@@ -52,6 +52,14 @@ pub enum PackJobError {
         by_kind: BTreeMap<String, u64>,
         rejects: String,
     },
+}
+
+fn nothing_valid(samples: u64, rejects: &str) -> String {
+    if samples == 0 {
+        "nothing to pack: the input holds no records (an empty file, folder or archive)".into()
+    } else {
+        format!("nothing valid to pack: all {samples} input samples were rejected (see {rejects})")
+    }
 }
 
 fn too_many_rejects(
@@ -160,7 +168,9 @@ pub fn check_output(out: &Path) -> Result<Vec<std::path::PathBuf>, PackJobError>
             // A pack's file, or one gone since the listing (a pack on first use that holds
             // the lock cleared it).
             !(written_by_pack(name, has_dataset)
-                && (p.is_file() || std::fs::symlink_metadata(p).is_err()))
+                && (p.is_file()
+                    || (name == crate::job_output::STAGING_DIR && p.is_dir())
+                    || std::fs::symlink_metadata(p).is_err()))
         })
         .map(|p| p.display().to_string())
         .collect();
@@ -207,7 +217,12 @@ pub fn prepare_output(out: &Path, overwrite: bool) -> Result<(), PackJobError> {
         if p.file_name().and_then(|n| n.to_str()) == Some(PACK_LOCK) {
             continue;
         }
-        std::fs::remove_file(&p).map_err(|e| out_err(&p, e))?;
+        if p.is_dir() {
+            // An `--overwrite` pack's staging folder, left by a killed run.
+            std::fs::remove_dir_all(&p).map_err(|e| out_err(&p, e))?;
+        } else {
+            std::fs::remove_file(&p).map_err(|e| out_err(&p, e))?;
+        }
     }
     Ok(())
 }

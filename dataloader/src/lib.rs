@@ -5,6 +5,7 @@ pub mod cost;
 pub mod dataset;
 pub mod demo;
 pub mod job;
+pub mod job_output;
 pub mod loader;
 pub mod media;
 pub mod pack;

@@ -162,6 +162,22 @@ fn empty_silent_short_and_nan_inputs_are_rejected_with_a_reason() {
     let e = decode_audio(&wav(Fmt::F32, 16_000, 1, &x), "nan.wav", &cfg()).unwrap_err();
     assert_eq!(e.kind(), "non_finite", "{e}");
 
+    // Finite but huge float samples would overflow the log-mel (every step holding the
+    // clip NaN); loud but plausible ones (integer-scaled floats) still decode.
+    let mut loud = sine(440.0, 16_000, 4000, 0.5);
+    loud[2000] = 1e30;
+    let e = decode_audio(&wav(Fmt::F32, 16_000, 1, &loud), "loud.wav", &cfg()).unwrap_err();
+    assert_eq!(e.kind(), "too_loud", "{e}");
+    assert!(
+        e.to_string().contains("loud.wav") && e.to_string().contains("1e30"),
+        "{e}"
+    );
+    let scaled: Vec<f32> = sine(440.0, 16_000, 4000, 0.5)
+        .iter()
+        .map(|v| v * 32768.0)
+        .collect();
+    decode_audio(&wav(Fmt::F32, 16_000, 1, &scaled), "scaled.wav", &cfg()).unwrap();
+
     let mut small = cfg();
     small.max_bytes = 1000;
     let e = decode_audio(&wav(Fmt::I16, 16_000, 1, &x), "big.wav", &small).unwrap_err();

@@ -320,3 +320,46 @@ fn zero_size_is_rejected() {
         Err(ImageError::Resize { .. })
     ));
 }
+
+/// A strip under `max_pixels` but far longer than wide (1 x 60,000,000 once took 8 GB to
+/// resize, its first pass keeping every row) is refused from its header, before any pixel
+/// buffer, naming its size; the longest strips within the limit decode.
+#[test]
+fn strips_longer_than_200_times_their_width_are_refused_from_the_header() {
+    let cfg = ImageConfig::siglip(32);
+    for (w, h, refused) in [
+        (1, 60_000_000, true),
+        (60_000_000, 1, true),
+        (2, 401, true),
+        (401, 2, true),
+        (1, 200, false),
+        (2, 400, false),
+    ] {
+        let img = DynamicImage::ImageRgb8(pattern_rgb(16, 16));
+        let mut png = encode(&img, ImageFormat::Png);
+        set_png_dims(&mut png, w, h);
+        let (res, largest) = largest_alloc_during(|| decode_image(&png, "strip", &cfg));
+        match res {
+            Err(ImageError::TooElongated { w: ew, h: eh, .. }) => {
+                assert!(refused, "{w}x{h} was refused");
+                assert_eq!((ew, eh), (w, h));
+                assert!(
+                    largest < 1 << 20,
+                    "{w}x{h}: allocated {largest} bytes at once"
+                );
+            }
+            // Within the ratio the header passes; the patched file's pixels then fail to
+            // decode (they were written for 16 x 16), which is not this check.
+            Err(e) => assert!(!refused, "{w}x{h}: {e}"),
+            Ok(_) => assert!(!refused, "{w}x{h} decoded"),
+        }
+    }
+    let e = ImageError::TooElongated {
+        name: "a.png".into(),
+        format: "PNG",
+        w: 1,
+        h: 60_000_000,
+    };
+    assert_eq!(e.kind(), "too_elongated");
+    assert!(e.to_string().contains("1x60000000"), "{e}");
+}

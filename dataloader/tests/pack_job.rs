@@ -300,3 +300,59 @@ fn original_media_mode_and_overflow_and_nothing_valid() {
     assert!(err.contains("not a braid dataset"), "{err}");
     assert!(tmp.path().join("foreign.txt").exists());
 }
+
+/// `--overwrite` replaces a dataset only with a whole new one: a pack that fails (here,
+/// nothing valid) leaves the old dataset as it was, verified; one that succeeds replaces
+/// it, verified, with no staging left. A folder another pack holds is refused at once,
+/// naming the reason, and packs once it is free.
+#[test]
+fn overwrite_replaces_only_on_success_and_a_held_folder_is_refused() {
+    use braid_dataloader::job_output::{STAGING_DIR, lock_output, run_pack_locked};
+    let tmp = tempfile::tempdir().unwrap();
+    let (manifest, _) = jsonl_good(&tmp.path().join("data"), 12);
+    let (other, _) = jsonl_good(&tmp.path().join("data2"), 20);
+    let out = tmp.path().join("out");
+    let job = PackJob {
+        input: manifest,
+        format: Format::Jsonl,
+        output: out.clone(),
+        config: test_config(),
+        overwrite: true,
+    };
+    let first = run_pack_locked(&job, &mut |_| {}).unwrap();
+    first.verify_checksums(&out).unwrap();
+
+    let bad = tmp.path().join("bad.jsonl");
+    fs::write(&bad, "{oops\n").unwrap();
+    let failing = PackJob {
+        input: bad,
+        ..job.clone()
+    };
+    let err = run_pack_locked(&failing, &mut |_| {}).unwrap_err();
+    assert!(matches!(err, PackJobError::NothingValid { .. }), "{err}");
+    let (kept, _) = DatasetInfo::open(&out).unwrap();
+    assert_eq!(kept.shards, first.shards, "the old dataset is untouched");
+    kept.verify_checksums(&out).unwrap();
+    assert!(!out.join(STAGING_DIR).exists());
+
+    let replacing = PackJob {
+        input: other,
+        ..job.clone()
+    };
+    let second = run_pack_locked(&replacing, &mut |_| {}).unwrap();
+    let (now, _) = DatasetInfo::open(&out).unwrap();
+    assert_eq!(now.shards, second.shards);
+    assert_ne!(now.shards, first.shards);
+    assert_eq!(now.samples, 20);
+    now.verify_checksums(&out).unwrap();
+    assert!(!out.join(STAGING_DIR).exists());
+
+    let held = lock_output(&out, false).unwrap();
+    let err = run_pack_locked(&job, &mut |_| {}).unwrap_err().to_string();
+    assert!(
+        err.contains("another `braid pack`") && err.contains("out"),
+        "{err}"
+    );
+    drop(held);
+    run_pack_locked(&job, &mut |_| {}).unwrap();
+}

@@ -320,3 +320,30 @@ fn format_inferred_from_names_and_folders() {
     fs::create_dir_all(&empty).unwrap();
     assert!(infer_format(&empty).unwrap_err().contains("--format"));
 }
+
+/// A UTF-8 byte-order mark (Python's `utf-8-sig`, Windows tools) is skipped: the first
+/// record reads like the others, in JSONL and in a LLaVA array.
+#[test]
+fn a_byte_order_mark_is_skipped() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let rec = |id: &str| {
+        format!(
+            r#"{{"id": "{id}", "messages": [{{"role": "user", "content": "hi"}}, {{"role": "assistant", "content": "ok"}}]}}"#
+        )
+    };
+    let mut body = vec![0xEF, 0xBB, 0xBF];
+    body.extend_from_slice(format!("{}\n{}\n", rec("a"), rec("b")).as_bytes());
+    fs::write(dir.join("bom.jsonl"), &body).unwrap();
+    let (good, bad) = read_all(&dir.join("bom.jsonl"), &ReadConfig::new(Format::Jsonl));
+    assert!(bad.is_empty(), "{bad:?}");
+    assert_eq!(ids(&good), ["a", "b"]);
+
+    let ok = r#"{"id": "c", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "ok"}]}"#;
+    let mut body = vec![0xEF, 0xBB, 0xBF];
+    body.extend_from_slice(format!("[{ok}]").as_bytes());
+    fs::write(dir.join("bom.json"), &body).unwrap();
+    let (good, bad) = read_all(&dir.join("bom.json"), &ReadConfig::new(Format::Llava));
+    assert!(bad.is_empty(), "{bad:?}");
+    assert_eq!(ids(&good), ["c"]);
+}

@@ -384,19 +384,68 @@ pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
     serde_json::from_str(&text).map_err(|e| Error::weights(path, "", format!("invalid JSON: {e}")))
 }
 
-/// Writes `bytes` to `path` atomically: a temporary file in the same directory, synced,
-/// then renamed over `path`, so a crash leaves either the old file or the new one.
+/// Writes `path` atomically: `write` fills a temporary file in the same directory, which
+/// is synced, then renamed over `path`, so a crash leaves either the old file or the new
+/// one, and a failure removes the temporary file. A symlink is written through (its
+/// target replaced, the link kept); an existing path that is not a regular file (a
+/// device, a folder) is refused rather than replaced.
 pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let file_name = path
+    let target = atomic_target(path)?;
+    let file_name = target
         .file_name()
         .ok_or_else(|| Error::weights(path, "", "not a file path"))?
         .to_string_lossy();
-    let tmp = path.with_file_name(format!(".{file_name}.tmp"));
-    write(&tmp)?;
-    File::open(&tmp)
-        .and_then(|f| f.sync_all())
-        .map_err(|e| Error::io(&tmp, "sync", e))?;
-    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, "rename into place", e))
+    // Unique per call: threads of one process may write the same file at once.
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = target.with_file_name(format!(".{file_name}.{}-{n}.tmp", std::process::id()));
+    let result = write(&tmp)
+        .and_then(|()| {
+            File::open(&tmp)
+                .and_then(|f| f.sync_all())
+                .map_err(|e| Error::io(&tmp, "sync", e))
+        })
+        .and_then(|()| {
+            std::fs::rename(&tmp, &target).map_err(|e| Error::io(path, "rename into place", e))
+        });
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Where [`write_atomic`] writes for `path`: `path` itself, or the file a symlink at
+/// `path` points to (followed to its end); an error where something other than a regular
+/// file is there.
+fn atomic_target(path: &Path) -> Result<std::path::PathBuf> {
+    let mut at = path.to_path_buf();
+    // A link chain ends within a few hops; a loop is the OS's ELOOP below.
+    for _ in 0..40 {
+        match std::fs::symlink_metadata(&at) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(at),
+            Err(e) => return Err(Error::io(&at, "inspect", e)),
+            Ok(m) if m.file_type().is_symlink() => {
+                let to = std::fs::read_link(&at).map_err(|e| Error::io(&at, "read link", e))?;
+                at = match at.parent() {
+                    Some(dir) if to.is_relative() => dir.join(to),
+                    _ => to,
+                };
+            }
+            Ok(m) if m.is_file() => return Ok(at),
+            Ok(_) => {
+                return Err(Error::weights(
+                    path,
+                    "",
+                    "exists and is not a regular file (a device, a folder): refusing to replace it",
+                ));
+            }
+        }
+    }
+    Err(Error::weights(
+        path,
+        "",
+        "too many levels of symbolic links",
+    ))
 }
 
 /// Writes a JSON value to `path` atomically (pretty-printed).

@@ -240,3 +240,44 @@ fn load_shard_reads_the_slice_cut_shard_cuts() -> TestResult {
     assert!(e.contains("[8, 6]") && e.contains("[6, 8]"), "{e}");
     Ok(())
 }
+
+/// Atomic writes go through a symlink (the link kept, its target replaced), refuse to
+/// replace what is not a regular file (a folder here; a device the same way), and leave
+/// no temporary file behind when the write fails.
+#[test]
+fn atomic_writes_follow_links_refuse_non_files_and_clean_up() -> TestResult {
+    use braid_nn::hf::write_atomic;
+    let d = tmpdir("atomic");
+    let real = d.join("real.json");
+    std::fs::write(&real, "old")?;
+    let link = d.join("link.json");
+    std::os::unix::fs::symlink("real.json", &link)?;
+    write_json(&link, &serde_json::json!({"a": 1}))?;
+    assert!(std::fs::symlink_metadata(&link)?.file_type().is_symlink());
+    assert!(std::fs::read_to_string(&real)?.contains("\"a\": 1"));
+
+    let folder = d.join("folder.json");
+    std::fs::create_dir(&folder)?;
+    let e = write_json(&folder, &1).unwrap_err().to_string();
+    assert!(e.contains("not a regular file"), "{e}");
+    assert!(folder.is_dir());
+
+    let e = write_atomic(&d.join("fails.json"), |tmp| {
+        std::fs::write(tmp, "partial").map_err(|e| braid_nn::Error::io(tmp, "write", e))?;
+        Err(braid_nn::Error::io(
+            tmp,
+            "write",
+            std::io::Error::other("disk full"),
+        ))
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("disk full"), "{e}");
+    let left: Vec<_> = std::fs::read_dir(&d)?
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+    std::fs::remove_dir_all(&d)?;
+    Ok(())
+}

@@ -114,25 +114,8 @@ pub fn rows_to_text(rows: &[&Row]) -> Result<PackedText> {
 /// Takes the exclusive lock of packing `path` (created if missing), waiting while another
 /// process or thread holds it.
 fn lock_dataset(path: &Path) -> Result<std::fs::File> {
-    let lock = path.join(braid_dataloader::job::PACK_LOCK);
-    let fail = |e: std::io::Error| TrainError::Data(format!("{}: {e}", lock.display()));
-    // A folder of the user's own files gets no lock file either: refused untouched.
-    if path.exists()
-        && let Err(e) = braid_dataloader::job::check_output(path)
-        // A dataset completed by another starter meanwhile brings its tokenizer's files.
-        && !path.join("dataset.json").is_file()
-    {
-        return Err(TrainError::Data(e.to_string()));
-    }
-    std::fs::create_dir_all(path).map_err(fail)?;
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&lock)
-        .map_err(fail)?;
-    file.lock().map_err(fail)?;
-    Ok(file)
+    braid_dataloader::job_output::lock_output(path, true)
+        .map_err(|e| TrainError::Data(e.to_string()))
 }
 
 /// Splits `n` rows into `parts` contiguous groups whose sizes differ by at most one.

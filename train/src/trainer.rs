@@ -99,6 +99,38 @@ pub struct Trainer {
     pub stop: StopFlag,
     /// The tokenizer's files, carried into every checkpoint and the export.
     pub(crate) tokenizer_files: TokenizerFiles,
+    /// The run folder's lock (rank 0's process), held while this trainer lives: a second
+    /// run started on the same `run.dir` is refused instead of interleaving its metrics
+    /// and checkpoints with this one's.
+    _run_lock: Option<std::fs::File>,
+}
+
+/// The lock file a run holds in its folder (`<run.dir>/.run.lock`).
+pub const RUN_LOCK: &str = ".run.lock";
+
+/// Takes `run_dir`'s lock (creating the folder), or fails naming it when another run
+/// holds it. The OS drops the lock with the process, so a killed run leaves none.
+fn lock_run_dir(run_dir: &std::path::Path) -> Result<std::fs::File> {
+    let path = run_dir.join(RUN_LOCK);
+    std::fs::create_dir_all(run_dir).map_err(crate::error::io_err(run_dir, "create"))?;
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(crate::error::io_err(&path, "open"))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(invalid(
+            "run.dir",
+            format!(
+                "{}: another braid train is running in this folder: wait for it, or set another run.dir",
+                run_dir.display()
+            ),
+        )
+        .into()),
+        Err(std::fs::TryLockError::Error(e)) => Err(crate::error::io_err(&path, "lock")(e)),
+    }
 }
 
 impl Trainer {
@@ -129,6 +161,11 @@ impl Trainer {
         cfg.validate()?;
         let device = cfg.parallel.kernel_device();
         let run_dir = cfg.run.dir.clone();
+        let run_lock = if writes {
+            Some(lock_run_dir(&run_dir)?)
+        } else {
+            None
+        };
         let ckpt_root = run_dir.join("checkpoints");
         checkpoint::remove_partial(&ckpt_root)?;
         let latest = checkpoint::latest(&ckpt_root)?;
@@ -169,6 +206,27 @@ impl Trainer {
             }
         };
         check_against_dataset(&mconfig, &data, "data.path")?;
+        if writes && d.verify {
+            let t0 = std::time::Instant::now();
+            data.verify_checksums(&d.path).map_err(|e| {
+                invalid(
+                    "data.path",
+                    format!("{e} (set data.verify = false to train on it anyway)"),
+                )
+            })?;
+            let bytes: u64 = data
+                .shards
+                .iter()
+                .filter_map(|s| std::fs::metadata(d.path.join(&s.file)).ok())
+                .map(|m| m.len())
+                .sum();
+            obs.log(&format!(
+                "data: {} shards ({:.1} MB) match dataset.json's SHA-256 ({:.1} s; data.verify = false skips this)",
+                data.shards.len(),
+                bytes as f64 / 1e6,
+                t0.elapsed().as_secs_f64()
+            ));
+        }
         let tokenizer_files = crate::tokenizer::collect(&d.path, &data, &mut |l| obs.log(l))?;
         let batch_rows = cfg.batch_rows(data.max_seq_len as usize);
         if cfg.train.microbatches > batch_rows {
@@ -322,6 +380,7 @@ impl Trainer {
             predicted: applied.predicted,
             stop: StopFlag::new(),
             tokenizer_files,
+            _run_lock: run_lock,
         })
     }
 

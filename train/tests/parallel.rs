@@ -433,3 +433,59 @@ fn planning_on_a_cpu_times_the_loader_on_the_data() {
         "{e}"
     );
 }
+
+/// A second run on a `run.dir` another live run holds is refused, naming the folder,
+/// and the folder is free again once the first run is gone.
+#[test]
+fn a_second_run_in_the_same_folder_is_refused_while_the_first_lives() {
+    let dir = run_dir("run-lock");
+    let _ = std::fs::remove_dir_all(&dir);
+    let first = Trainer::new(config(&dir, &[]), false, &mut Quiet).unwrap();
+    let e = Trainer::new(config(&dir, &[]), false, &mut Quiet)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("run.dir") && e.contains("another braid train is running"),
+        "{e}"
+    );
+    drop(first);
+    Trainer::new(config(&dir, &[]), false, &mut Quiet).unwrap();
+}
+
+/// A shard whose bytes no longer match `dataset.json` (a flipped byte here) stops the run
+/// before training, naming the shard and the way around; `data.verify = false` trains on.
+#[test]
+fn a_damaged_shard_is_refused_before_training() {
+    let damaged = fixture().join("packed-damaged");
+    let _ = std::fs::remove_dir_all(&damaged);
+    copy_dir(&fixture().join("packed"), &damaged);
+    let shard = std::fs::read_dir(&damaged)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "parquet"))
+        .unwrap();
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x5a;
+    std::fs::write(&shard, bytes).unwrap();
+    let dir = run_dir("damaged");
+    let _ = std::fs::remove_dir_all(&dir);
+    let path = format!("data.path={:?}", damaged.display().to_string());
+    let e = Trainer::new(config(&dir, &[&path]), false, &mut Quiet)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("checksum mismatch") && e.contains("shard-") && e.contains("data.verify"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    Trainer::new(
+        config(&dir, &[&path, "data.verify=false"]),
+        false,
+        &mut Quiet,
+    )
+    .unwrap();
+}

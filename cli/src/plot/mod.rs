@@ -3,11 +3,9 @@
 // Until `braid inspect` and `braid train` call it.
 #![allow(dead_code)]
 
-use std::ffi::OsString;
 use std::fs;
-use std::io::{Cursor, Write};
+use std::io::Cursor;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use image::{ImageFormat, Rgb, RgbImage};
 
@@ -496,7 +494,6 @@ fn draw_line(img: &mut RgbImage, (x0, y0): (i32, i32), (x1, y1): (i32, i32), c: 
 /// Saves to a temporary name next to `path`, then renames over it, so a reader never sees
 /// half a PNG.
 fn save_png_atomic(img: &RgbImage, path: &Path) -> Result<(), PlotError> {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
     let owned = || path.to_path_buf();
     let mut bytes = Vec::new();
     img.write_to(&mut Cursor::new(&mut bytes), ImageFormat::Png)
@@ -504,37 +501,18 @@ fn save_png_atomic(img: &RgbImage, path: &Path) -> Result<(), PlotError> {
             path: owned(),
             source,
         })?;
-    let name = path
-        .file_name()
-        .ok_or_else(|| PlotError::BadPath { path: owned() })?;
-    let mut tmp_name = OsString::from(".");
-    tmp_name.push(name);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    tmp_name.push(format!(".{}-{n}.tmp", std::process::id()));
-    let tmp = path.with_file_name(tmp_name);
-    let write = || -> std::io::Result<()> {
-        let mut file = fs::File::create(&tmp)?;
-        file.write_all(&bytes)?;
-        file.sync_all()
-    };
-    let result = write()
-        .map_err(|source| PlotError::Io {
-            path: owned(),
-            op: "write",
-            source,
-        })
-        .and_then(|()| {
-            fs::rename(&tmp, path).map_err(|source| PlotError::Io {
-                path: owned(),
-                op: "rename the temporary file into place",
-                source,
-            })
-        });
-    if result.is_err() {
-        // Best effort: the error that matters is already in `result`.
-        let _ = fs::remove_file(&tmp);
+    if path.file_name().is_none() {
+        return Err(PlotError::BadPath { path: owned() });
     }
-    result
+    // Written through a symlink, never over a device; the temporary file removed on error.
+    braid_nn::hf::write_atomic(path, |tmp| {
+        fs::write(tmp, &bytes).map_err(|e| braid_nn::Error::io(tmp, "write", e))
+    })
+    .map_err(|e| PlotError::Io {
+        path: owned(),
+        op: "write",
+        source: std::io::Error::other(e.to_string()),
+    })
 }
 
 #[cfg(test)]

@@ -198,6 +198,15 @@ pub enum ImageError {
         format: &'static str,
         what: &'static str,
     },
+    #[error(
+        "{name}: {format} header says {w}x{h}, one side over {MAX_ASPECT} times the other; not decoded (resizing such a strip needs memory in proportion to its long side)"
+    )]
+    TooElongated {
+        name: String,
+        format: &'static str,
+        w: u32,
+        h: u32,
+    },
     #[error("{name}: resizing {w}x{h} to {size}x{size} failed: {reason}")]
     Resize {
         name: String,
@@ -220,6 +229,7 @@ impl ImageError {
             ImageError::UnsupportedFormat { .. } => "unsupported_format",
             ImageError::ZeroSize { .. } => "zero_size",
             ImageError::TooManyPixels { .. } => "too_many_pixels",
+            ImageError::TooElongated { .. } => "too_elongated",
             ImageError::Decode { .. } => "corrupt",
             ImageError::Truncated { .. } => "truncated",
             ImageError::Resize { .. } => "resize",
@@ -304,8 +314,21 @@ fn open_decoder<'a>(
             max: max_pixels,
         });
     }
+    if u64::from(w.max(h)) > MAX_ASPECT * u64::from(w.min(h)) {
+        return Err(ImageError::TooElongated {
+            name: name.into(),
+            format,
+            w,
+            h,
+        });
+    }
     Ok((decoder, format, w, h))
 }
+
+/// The most one side of an image may exceed the other by (Qwen2-VL's processor refuses
+/// the same): the resize's first pass keeps every row of the long side, so a 1 x 60M strip
+/// under `max_pixels` would need gigabytes.
+pub const MAX_ASPECT: u64 = 200;
 
 fn decode_err(name: &str, format: &'static str, source: image::ImageError) -> ImageError {
     ImageError::Decode {

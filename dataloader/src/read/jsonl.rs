@@ -376,6 +376,33 @@ pub(crate) fn read_line_bounded(
 
 /// Opens one JSONL manifest. Media paths resolve against the media roots, then the manifest's
 /// folder.
+/// Skips a UTF-8 byte-order mark at the start of a text file (Windows tools and Python's
+/// `utf-8-sig` write one), which would otherwise make the first record malformed JSON.
+pub(crate) fn skip_bom<R: BufRead>(r: &mut R) -> std::io::Result<()> {
+    const BOM: [u8; 3] = [0xEF, 0xBB, 0xBF];
+    let mut seen = 0;
+    // The mark may straddle the buffer's first fill only on a tiny or odd reader.
+    while seen < BOM.len() {
+        let buf = r.fill_buf()?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let n = buf.len().min(BOM.len() - seen);
+        if buf[..n] != BOM[seen..seen + n] {
+            if seen > 0 {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    "a partial UTF-8 byte-order mark",
+                ));
+            }
+            return Ok(());
+        }
+        r.consume(n);
+        seen += n;
+    }
+    Ok(())
+}
+
 pub(crate) fn open(
     path: &Path,
     media_roots: &[std::path::PathBuf],
@@ -388,9 +415,11 @@ pub(crate) fn open(
         .unwrap_or(Path::new("."));
     let root =
         DatasetRoot::with_media_roots(dir, media_roots).map_err(|e| ReadError::open(dir, e))?;
+    let mut reader = BufReader::with_capacity(1 << 16, file);
+    skip_bom(&mut reader).map_err(|e| ReadError::open(path, e))?;
     Ok(Box::new(JsonlReader {
         name: path.display().to_string(),
-        reader: BufReader::with_capacity(1 << 16, file),
+        reader,
         root,
         line: 0,
         buf: Vec::new(),

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use super::jsonl::{kind_of, parse_object};
+use super::jsonl::{kind_of, parse_object, skip_bom};
 use super::paths::DatasetRoot;
 use super::sample::{Media, MediaBytes, RawMessage, RawPart, RawSample, Reject, Role};
 use super::{ReadError, SampleIter};
@@ -41,6 +41,7 @@ pub(crate) fn open(
     let root = DatasetRoot::with_media_roots(root_dir, media_roots)
         .map_err(|e| ReadError::open(root_dir, e))?;
     let mut reader = BufReader::with_capacity(1 << 16, file);
+    skip_bom(&mut reader).map_err(|e| ReadError::open(path, e))?;
     match skip_ws(&mut reader).map_err(|e| ReadError::open(path, e))? {
         Some(b'[') => reader.consume(1),
         Some(b) => {

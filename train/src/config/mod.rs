@@ -107,6 +107,12 @@ pub struct DataSection {
     pub prefetch: usize,
     #[serde(default = "yes")]
     pub shuffle: bool,
+    /// Check every shard's SHA-256 against `dataset.json` before training (rank 0), so a
+    /// damaged or swapped shard is an error naming it rather than silently trained on;
+    /// false trusts the files (hashing reads the whole dataset once: about a minute per
+    /// 100 GB).
+    #[serde(default = "yes")]
+    pub verify: bool,
 }
 
 fn default_workers() -> usize {

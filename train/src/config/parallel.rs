@@ -283,10 +283,15 @@ impl ParallelConfig {
                 ));
             }
         }
-        if !(self.timeout_s > 0.0 && self.timeout_s.is_finite()) {
+        // Bounded both ways: a wait is a `Duration`, and a timeout below a millisecond
+        // fails every collective.
+        if !(1e-3..=1e7).contains(&self.timeout_s) {
             return Err(invalid(
                 "parallel.timeout_s",
-                "must be a positive number of seconds",
+                format!(
+                    "{}: must be from 0.001 to 10,000,000 seconds (about 115 days)",
+                    self.timeout_s
+                ),
             ));
         }
         if !(self.bucket_mb > 0.0 && self.bucket_mb.is_finite()) {

@@ -157,10 +157,13 @@ pub fn train(
             .map_err(store_err)?;
         let _ = p.store.add(SEEN, 1);
         if v != b"ok" {
-            return Err(TrainError::Other(format!(
-                "rank 0 failed to set the run up: {}",
-                String::from_utf8_lossy(&v)
-            )));
+            // Rank 0's failure, not this rank's: a launcher names rank 0 (exit code 3 here).
+            return Err(TrainError::Comm(braid_comm::CommError::Poisoned {
+                op: "setting the run up",
+                rank: env.rank,
+                by: 0,
+                why: String::from_utf8_lossy(&v).into_owned(),
+            }));
         }
         Trainer::new_rank(cfg, resume, obs, false, false)?
     };

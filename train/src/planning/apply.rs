@@ -32,14 +32,14 @@ impl PlanFile {
     /// Writes atomically (a temporary file, then a rename).
     pub fn write(&self, path: &Path) -> Result<()> {
         let text = toml::to_string(self).map_err(|e| err(format!("plan file: {e}")))?;
-        let tmp = path.with_extension("toml.tmp");
         let body = format!(
             "# Written by `braid plan`; use it with parallel.plan = {:?}.\n{text}",
             path.display()
         );
-        std::fs::write(&tmp, body)
-            .and_then(|()| std::fs::rename(&tmp, path))
-            .map_err(|e| err(format!("writing {}: {e}", path.display())))
+        braid_nn::hf::write_atomic(path, |tmp| {
+            std::fs::write(tmp, &body).map_err(|e| braid_nn::Error::io(tmp, "write", e))
+        })
+        .map_err(|e| err(format!("writing {}: {e}", path.display())))
     }
 }
 

@@ -284,6 +284,10 @@ pub struct Planned {
     pub batches: usize,
 }
 
+/// The most GPUs a plan is made for (2^20): the search and the bound walk every divisor
+/// of the count, and no job of this kind is larger.
+pub const MAX_GPUS: usize = 1 << 20;
+
 /// Searches a plan for `cfg` on `gpus` GPUs, or with `fewer_gpus` on fewer of them where
 /// no layout tiles them all and that is faster (a launched world cannot shrink: `false`).
 pub fn plan(
@@ -296,6 +300,11 @@ pub fn plan(
 ) -> Result<Planned> {
     if gpus == 0 {
         return Err(err("--gpus must be at least 1".into()));
+    }
+    if gpus > MAX_GPUS {
+        return Err(err(format!(
+            "--gpus {gpus}: braid plan plans at most {MAX_GPUS} GPUs (its searches walk the divisors of the count)"
+        )));
     }
     let model = crate::assemble::model_config(cfg)?;
     let sec = cfg.plan.clone().unwrap_or_default();

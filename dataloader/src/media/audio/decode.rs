@@ -12,7 +12,9 @@ use symphonia::core::formats::{FormatOptions, TrackType};
 use symphonia::core::io::{MediaSourceStream, MediaSourceStreamOptions};
 use symphonia::core::meta::MetadataOptions;
 
-use super::{AudioConfig, AudioError, Decoded, MAX_CHANNELS, OnLong, SOURCE_RATE_RANGE};
+use super::{
+    AudioConfig, AudioError, Decoded, MAX_AMPLITUDE, MAX_CHANNELS, OnLong, SOURCE_RATE_RANGE,
+};
 
 /// Human-readable symphonia error.
 fn sym_reason(e: &SymError) -> String {
@@ -229,6 +231,13 @@ pub(super) fn decode_mono(
     }
     if mono.iter().any(|x| !x.is_finite()) {
         return Err(AudioError::NonFinite { name: name.into() });
+    }
+    let peak = mono.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    if peak > MAX_AMPLITUDE {
+        return Err(AudioError::TooLoud {
+            name: name.into(),
+            peak,
+        });
     }
     Ok(Decoded { mono, rate })
 }

@@ -35,6 +35,10 @@ use decode::decode_mono;
 pub const SOURCE_RATE_RANGE: std::ops::RangeInclusive<u32> = 1_000..=768_000;
 /// Most channels a source may have (7.1.4 and similar layouts fit; 1000 channels do not).
 pub const MAX_CHANNELS: usize = 32;
+/// The largest sample magnitude accepted (float audio lies within [-1, 1], integer PCM is
+/// scaled into it): a window's power stays far below f32's range, where samples near 1e18
+/// and up would overflow the log-mel to infinity and every step holding the clip to NaN.
+pub const MAX_AMPLITUDE: f32 = 1e6;
 /// A reduced rate ratio with a larger input side than this would make the FFT resampler's
 /// plan huge (a 44 101 Hz file has no common factor with 16 000): use the sinc resampler.
 const MAX_FFT_RATIO_SIDE: usize = 2048;
@@ -175,6 +179,10 @@ pub enum AudioError {
     },
     #[error("{name}: non-finite sample value (NaN or infinity) in the stream")]
     NonFinite { name: String },
+    #[error(
+        "{name}: samples reach {peak:e}, over {MAX_AMPLITUDE:e} where float audio lies within [-1, 1]: its log-mel frames would overflow f32"
+    )]
+    TooLoud { name: String, peak: f32 },
     #[error("{name}: resampling {from} Hz -> {to} Hz failed: {reason}")]
     Resample {
         name: String,
@@ -199,6 +207,7 @@ impl AudioError {
             AudioError::NoSamples { .. } => "no_samples",
             AudioError::TooShort { .. } => "too_short",
             AudioError::NonFinite { .. } => "non_finite",
+            AudioError::TooLoud { .. } => "too_loud",
             AudioError::Resample { .. } => "resample",
         }
     }
