@@ -322,9 +322,26 @@ impl StoreClient {
         })
     }
 
+    /// An IO error of a call: a read that timed out says so, and who serves the store.
     fn io(&self, what: &str) -> impl FnOnce(std::io::Error) -> StoreError + use<> {
         let (addr, what) = (self.addr.clone(), what.to_string());
-        move |source| StoreError::Io { addr, what, source }
+        let waited = self
+            .stream
+            .read_timeout()
+            .ok()
+            .flatten()
+            .map_or(0.0, |d| d.as_secs_f64());
+        move |source| {
+            match source.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => StoreError::Timeout {
+                addr,
+                key: what,
+                waited_s: waited,
+                hint: "the store did not answer: rank 0, which serves it, is stopped, overloaded or cut off".into(),
+            },
+            _ => StoreError::Io { addr, what, source },
+        }
+        }
     }
 
     /// Sends one request and reads its reply: (status, field).

@@ -102,34 +102,76 @@ pub struct Trainer {
     /// The run folder's lock (rank 0's process), held while this trainer lives: a second
     /// run started on the same `run.dir` is refused instead of interleaving its metrics
     /// and checkpoints with this one's.
-    _run_lock: Option<std::fs::File>,
+    _run_lock: Option<RunLock>,
 }
 
 /// The lock file a run holds in its folder (`<run.dir>/.run.lock`).
 pub const RUN_LOCK: &str = ".run.lock";
 
-/// Takes `run_dir`'s lock (creating the folder), or fails naming it when another run
-/// holds it. The OS drops the lock with the process, so a killed run leaves none.
-fn lock_run_dir(run_dir: &std::path::Path) -> Result<std::fs::File> {
-    let path = run_dir.join(RUN_LOCK);
-    std::fs::create_dir_all(run_dir).map_err(crate::error::io_err(run_dir, "create"))?;
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(crate::error::io_err(&path, "open"))?;
-    match file.try_lock() {
-        Ok(()) => Ok(file),
-        Err(std::fs::TryLockError::WouldBlock) => Err(invalid(
-            "run.dir",
-            format!(
-                "{}: another braid train is running in this folder: wait for it, or set another run.dir",
-                run_dir.display()
-            ),
-        )
-        .into()),
-        Err(std::fs::TryLockError::Error(e)) => Err(crate::error::io_err(&path, "lock")(e)),
+/// A run folder's lock, held while its trainer lives. Until [`RunLock::keep`], dropping
+/// it (a start that failed) removes what taking it made: the lock file, and the folder
+/// where it made that too and nothing else is in it.
+#[derive(Debug)]
+pub(crate) struct RunLock {
+    _file: std::fs::File,
+    dir: std::path::PathBuf,
+    made_dir: bool,
+    kept: bool,
+}
+
+impl RunLock {
+    /// Takes `run_dir`'s lock (creating the folder), or fails naming it when another run
+    /// holds it. The OS drops the lock with the process, so a killed run leaves none.
+    fn take(run_dir: &std::path::Path) -> Result<RunLock> {
+        let path = run_dir.join(RUN_LOCK);
+        let made_dir = !run_dir.exists();
+        std::fs::create_dir_all(run_dir).map_err(crate::error::io_err(run_dir, "create"))?;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(crate::error::io_err(&path, "open"))?;
+        let mut lock = RunLock {
+            _file: file,
+            dir: run_dir.to_path_buf(),
+            made_dir,
+            kept: false,
+        };
+        match lock._file.try_lock() {
+            Ok(()) => Ok(lock),
+            Err(std::fs::TryLockError::WouldBlock) => {
+                // Another run's folder and lock: nothing of it to clean up.
+                lock.kept = true;
+                Err(invalid(
+                    "run.dir",
+                    format!(
+                        "{}: another braid train is running in this folder: wait for it, or set another run.dir",
+                        run_dir.display()
+                    ),
+                )
+                .into())
+            }
+            Err(std::fs::TryLockError::Error(e)) => Err(crate::error::io_err(&path, "lock")(e)),
+        }
+    }
+
+    /// The run started: the lock file stays with the run folder.
+    fn keep(mut self) -> RunLock {
+        self.kept = true;
+        self
+    }
+}
+
+impl Drop for RunLock {
+    fn drop(&mut self) {
+        if !self.kept {
+            let _ = std::fs::remove_file(self.dir.join(RUN_LOCK));
+            if self.made_dir {
+                // Only if empty: remove_dir refuses a folder with anything in it.
+                let _ = std::fs::remove_dir(&self.dir);
+            }
+        }
     }
 }
 
@@ -162,7 +204,7 @@ impl Trainer {
         let device = cfg.parallel.kernel_device();
         let run_dir = cfg.run.dir.clone();
         let run_lock = if writes {
-            Some(lock_run_dir(&run_dir)?)
+            Some(RunLock::take(&run_dir)?)
         } else {
             None
         };
@@ -380,7 +422,7 @@ impl Trainer {
             predicted: applied.predicted,
             stop: StopFlag::new(),
             tokenizer_files,
-            _run_lock: run_lock,
+            _run_lock: run_lock.map(RunLock::keep),
         })
     }
 
