@@ -199,9 +199,9 @@ pub enum ImageError {
         what: &'static str,
     },
     #[error(
-        "{name}: {format} header says {w}x{h}, one side over {MAX_ASPECT} times the other; not decoded (resizing such a strip needs memory in proportion to its long side)"
+        "{name}: {format} header says {w}x{h}, a side over {MAX_SIDE} pixels (JPEG's own limit); not decoded (resizing needs memory in proportion to the long side)"
     )]
-    TooElongated {
+    SideTooLong {
         name: String,
         format: &'static str,
         w: u32,
@@ -229,7 +229,7 @@ impl ImageError {
             ImageError::UnsupportedFormat { .. } => "unsupported_format",
             ImageError::ZeroSize { .. } => "zero_size",
             ImageError::TooManyPixels { .. } => "too_many_pixels",
-            ImageError::TooElongated { .. } => "too_elongated",
+            ImageError::SideTooLong { .. } => "side_too_long",
             ImageError::Decode { .. } => "corrupt",
             ImageError::Truncated { .. } => "truncated",
             ImageError::Resize { .. } => "resize",
@@ -314,8 +314,8 @@ fn open_decoder<'a>(
             max: max_pixels,
         });
     }
-    if u64::from(w.max(h)) > MAX_ASPECT * u64::from(w.min(h)) {
-        return Err(ImageError::TooElongated {
+    if w.max(h) > MAX_SIDE {
+        return Err(ImageError::SideTooLong {
             name: name.into(),
             format,
             w,
@@ -325,10 +325,10 @@ fn open_decoder<'a>(
     Ok((decoder, format, w, h))
 }
 
-/// The most one side of an image may exceed the other by (Qwen2-VL's processor refuses
-/// the same): the resize's first pass keeps every row of the long side, so a 1 x 60M strip
-/// under `max_pixels` would need gigabytes.
-pub const MAX_ASPECT: u64 = 200;
+/// The longest side an image may have (JPEG's own limit): the resize's first pass keeps
+/// every row of the long side, so a 1 x 60M strip under `max_pixels` needed 8 GB; at
+/// most 65,535 rows it stays under `size x 65,535 x 3` bytes.
+pub const MAX_SIDE: u32 = 65_535;
 
 fn decode_err(name: &str, format: &'static str, source: image::ImageError) -> ImageError {
     ImageError::Decode {
