@@ -169,6 +169,36 @@ fn wds_dropping_the_reader_early_is_fine() {
     drop(it); // the producer thread stops at its next send
 }
 
+/// Zero blocks inside a shard end a tar reader early: the samples after them are not
+/// read, and a reject says so instead of their vanishing; trailing zero padding alone
+/// (as `tar` writes) says nothing.
+#[test]
+fn wds_data_after_the_end_marker_is_a_reject() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut b = tar::Builder::new(Vec::new());
+    for i in 0..6 {
+        member(&mut b, &format!("k{i:03}.txt"), b"caption");
+    }
+    let full = b.into_inner().unwrap();
+    let padded = tmp.path().join("padded.tar");
+    let mut bytes = full.clone();
+    bytes.extend(std::iter::repeat_n(0u8, 20 * 512));
+    fs::write(&padded, &bytes).unwrap();
+    let (good, bad) = read_all(&padded, &ReadConfig::new(Format::Wds));
+    assert_eq!(good.len(), 6);
+    assert!(bad.is_empty(), "{bad:?}");
+
+    // Each member is a 512-byte header and one 512-byte block of data: k003 starts at 3072.
+    let mut zeroed = full[..3072].to_vec();
+    zeroed.extend([0u8; 1024]);
+    zeroed.extend(&full[3072..]);
+    let path = tmp.path().join("zeroed.tar");
+    fs::write(&path, &zeroed).unwrap();
+    let (good, bad) = read_all(&path, &ReadConfig::new(Format::Wds));
+    assert_eq!(ids(&good), ["k000", "k001", "k002"]);
+    expect_reject(&bad, "zeroed.tar", "data follows the end-of-archive marker");
+}
+
 /// Garbage and every truncation of a small shard: never a panic, never a fatal error.
 #[test]
 fn wds_truncations_and_garbage_never_panic() {

@@ -239,6 +239,20 @@ fn read_shard(
     if let Some(g) = group.take() {
         send(finish(g, &name, &mut seen))?;
     }
+    // Reading stops at the end-of-archive marker (zero blocks). Only padding may follow:
+    // data there is members lost to zeroed blocks or a concatenated tar, said in a reject.
+    let mut rest = archive.into_inner();
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        match rest.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) if buf[..n].iter().all(|&b| b == 0) => continue,
+            Ok(_) => {
+                let why = "data follows the end-of-archive marker (zero blocks): the members after it are not read (zeroed blocks inside the shard, or tars joined with `cat`: use `tar --concatenate`)";
+                return send(Err(Reject::new(None, name, why)));
+            }
+        }
+    }
     Ok(())
 }
 
