@@ -145,8 +145,10 @@ impl DatasetInfo {
     }
 
     /// Recomputes every shard's SHA-256; the error names the first shard that differs.
-    pub fn verify_checksums(&self, dir: &Path) -> Result<(), DatasetError> {
+    /// Returns the bytes hashed.
+    pub fn verify_checksums(&self, dir: &Path) -> Result<u64, DatasetError> {
         use sha2::{Digest, Sha256};
+        let mut bytes = 0;
         for s in &self.shards {
             let path = dir.join(&s.file);
             let bad = |reason: String| DatasetError::Invalid {
@@ -155,7 +157,7 @@ impl DatasetInfo {
             };
             let mut f = std::fs::File::open(&path).map_err(|e| bad(e.to_string()))?;
             let mut h = Sha256::new();
-            std::io::copy(&mut f, &mut h).map_err(|e| bad(e.to_string()))?;
+            bytes += std::io::copy(&mut f, &mut h).map_err(|e| bad(e.to_string()))?;
             let got = crate::shard::hex(&h.finalize());
             if got != s.sha256 {
                 return Err(bad(format!(
@@ -164,6 +166,6 @@ impl DatasetInfo {
                 )));
             }
         }
-        Ok(())
+        Ok(bytes)
     }
 }

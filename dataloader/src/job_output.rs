@@ -36,27 +36,34 @@ pub fn lock_output(out: &Path, wait: bool) -> Result<File, PackJobError> {
         return Err(e);
     }
     std::fs::create_dir_all(out).map_err(|e| out_err(out, e))?;
+    lock_file(&lock, wait)
+        .map_err(|e| out_err(&lock, e))?
+        .ok_or_else(|| {
+            out_err(
+                out,
+                "another `braid pack` (or a `braid train` packing on first use) is writing this folder: wait for it to finish or choose another --output",
+            )
+        })
+}
+
+/// An exclusive `flock` on the file at `path` (created if missing, never truncated):
+/// waited for where `wait`, else `None` while another holder has it. The OS drops the lock
+/// with the process, so a killed holder leaves none.
+pub fn lock_file(path: &Path, wait: bool) -> std::io::Result<Option<File>> {
     let file = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
-        .open(&lock)
-        .map_err(|e| out_err(&lock, e))?;
+        .open(path)?;
     if wait {
-        file.lock().map_err(|e| out_err(&lock, e))?;
-    } else {
-        match file.try_lock() {
-            Ok(()) => {}
-            Err(std::fs::TryLockError::WouldBlock) => {
-                return Err(out_err(
-                    out,
-                    "another `braid pack` (or a `braid train` packing on first use) is writing this folder: wait for it to finish or choose another --output",
-                ));
-            }
-            Err(std::fs::TryLockError::Error(e)) => return Err(out_err(&lock, e)),
-        }
+        file.lock()?;
+        return Ok(Some(file));
     }
-    Ok(file)
+    match file.try_lock() {
+        Ok(()) => Ok(Some(file)),
+        Err(std::fs::TryLockError::WouldBlock) => Ok(None),
+        Err(std::fs::TryLockError::Error(e)) => Err(e),
+    }
 }
 
 /// Runs `job` under its output's lock (refusing a folder another pack holds). Replacing

@@ -118,6 +118,30 @@ fn lock_dataset(path: &Path) -> Result<std::fs::File> {
         .map_err(|e| TrainError::Data(e.to_string()))
 }
 
+/// Checks every shard of the dataset at `dir` against `info`'s SHA-256 (`data.verify`):
+/// a damaged or swapped shard is an error naming it; `log` gets what was checked and how
+/// long it took.
+pub fn verify_shards(
+    info: &braid_dataloader::dataset::DatasetInfo,
+    dir: &Path,
+    log: &mut dyn FnMut(&str),
+) -> Result<()> {
+    let t0 = std::time::Instant::now();
+    let bytes = info.verify_checksums(dir).map_err(|e| {
+        crate::config::invalid(
+            "data.path",
+            format!("{e} (set data.verify = false to train on it anyway)"),
+        )
+    })?;
+    log(&format!(
+        "data: {} shards ({:.1} MB) match dataset.json's SHA-256 ({:.1} s; data.verify = false skips this)",
+        info.shards.len(),
+        bytes as f64 / 1e6,
+        t0.elapsed().as_secs_f64()
+    ));
+    Ok(())
+}
+
 /// Splits `n` rows into `parts` contiguous groups whose sizes differ by at most one.
 pub fn split_even(n: usize, parts: usize) -> Vec<std::ops::Range<usize>> {
     let parts = parts.clamp(1, n.max(1));

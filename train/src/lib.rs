@@ -22,6 +22,7 @@ pub mod optim;
 pub mod parallel;
 pub mod planning;
 pub mod resume;
+pub mod run_lock;
 pub mod stop;
 pub mod straggler;
 pub mod summary;

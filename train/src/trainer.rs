@@ -22,6 +22,7 @@ use crate::mllm::{Freeze, Mllm, MllmBatch, MllmConfig};
 use crate::optim::{AdamW, clip_factor, grad_norm, scale_grads};
 use crate::parallel::layout::Layouts;
 use crate::resume::check_resumable;
+use crate::run_lock::RunLock;
 use crate::stop::StopFlag;
 pub(crate) use crate::summary::LossTrail;
 pub use crate::summary::RunSummary;
@@ -105,76 +106,6 @@ pub struct Trainer {
     _run_lock: Option<RunLock>,
 }
 
-/// The lock file a run holds in its folder (`<run.dir>/.run.lock`).
-pub const RUN_LOCK: &str = ".run.lock";
-
-/// A run folder's lock, held while its trainer lives. Until [`RunLock::keep`], dropping
-/// it (a start that failed) removes what taking it made: the lock file, and the folder
-/// where it made that too and nothing else is in it.
-#[derive(Debug)]
-pub(crate) struct RunLock {
-    _file: std::fs::File,
-    dir: std::path::PathBuf,
-    made_dir: bool,
-    kept: bool,
-}
-
-impl RunLock {
-    /// Takes `run_dir`'s lock (creating the folder), or fails naming it when another run
-    /// holds it. The OS drops the lock with the process, so a killed run leaves none.
-    fn take(run_dir: &std::path::Path) -> Result<RunLock> {
-        let path = run_dir.join(RUN_LOCK);
-        let made_dir = !run_dir.exists();
-        std::fs::create_dir_all(run_dir).map_err(crate::error::io_err(run_dir, "create"))?;
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .map_err(crate::error::io_err(&path, "open"))?;
-        let mut lock = RunLock {
-            _file: file,
-            dir: run_dir.to_path_buf(),
-            made_dir,
-            kept: false,
-        };
-        match lock._file.try_lock() {
-            Ok(()) => Ok(lock),
-            Err(std::fs::TryLockError::WouldBlock) => {
-                // Another run's folder and lock: nothing of it to clean up.
-                lock.kept = true;
-                Err(invalid(
-                    "run.dir",
-                    format!(
-                        "{}: another braid train is running in this folder: wait for it, or set another run.dir",
-                        run_dir.display()
-                    ),
-                )
-                .into())
-            }
-            Err(std::fs::TryLockError::Error(e)) => Err(crate::error::io_err(&path, "lock")(e)),
-        }
-    }
-
-    /// The run started: the lock file stays with the run folder.
-    fn keep(mut self) -> RunLock {
-        self.kept = true;
-        self
-    }
-}
-
-impl Drop for RunLock {
-    fn drop(&mut self) {
-        if !self.kept {
-            let _ = std::fs::remove_file(self.dir.join(RUN_LOCK));
-            if self.made_dir {
-                // Only if empty: remove_dir refuses a folder with anything in it.
-                let _ = std::fs::remove_dir(&self.dir);
-            }
-        }
-    }
-}
-
 impl Trainer {
     /// Makes the datasets if needed, builds the model and optimizer, and (with `resume`)
     /// restores the newest complete checkpoint of `run.dir`.
@@ -249,25 +180,7 @@ impl Trainer {
         };
         check_against_dataset(&mconfig, &data, "data.path")?;
         if writes && d.verify {
-            let t0 = std::time::Instant::now();
-            data.verify_checksums(&d.path).map_err(|e| {
-                invalid(
-                    "data.path",
-                    format!("{e} (set data.verify = false to train on it anyway)"),
-                )
-            })?;
-            let bytes: u64 = data
-                .shards
-                .iter()
-                .filter_map(|s| std::fs::metadata(d.path.join(&s.file)).ok())
-                .map(|m| m.len())
-                .sum();
-            obs.log(&format!(
-                "data: {} shards ({:.1} MB) match dataset.json's SHA-256 ({:.1} s; data.verify = false skips this)",
-                data.shards.len(),
-                bytes as f64 / 1e6,
-                t0.elapsed().as_secs_f64()
-            ));
+            crate::data::verify_shards(&data, &d.path, &mut |l| obs.log(l))?;
         }
         let tokenizer_files = crate::tokenizer::collect(&d.path, &data, &mut |l| obs.log(l))?;
         let batch_rows = cfg.batch_rows(data.max_seq_len as usize);

@@ -82,6 +82,12 @@ impl Default for ModuleLayout {
 }
 
 impl ModuleLayout {
+    /// Under "centric" placement, the replicas of an encoder at TP `tp` inside this
+    /// (the LLM's) first stage: one on every `tp` of its `tp * cp * dp` ranks.
+    pub fn centric_encoder_dp(&self, tp: usize) -> usize {
+        self.tp / tp.max(1) * self.cp * self.dp
+    }
+
     /// The grid's axes.
     pub fn grid_dims(&self) -> GridDims {
         GridDims {

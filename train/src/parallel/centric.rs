@@ -17,8 +17,9 @@ use braid_comm::Comm;
 use braid_dataloader::loader::Row;
 use braid_kernels::{Shape, Tensor};
 
+use super::chunks::items_of_chunk;
 use super::encode::{AudioWork, EncoderStage, GradIn, Handed, VisionWork};
-use super::llm_stage::placeholders;
+use super::llm_stage::microbatch_placeholders;
 use super::model::{AudioPart, VisionPart};
 use super::plan::{Microbatch, StepPlan};
 use crate::error::{Result, TrainError};
@@ -38,14 +39,6 @@ pub(crate) struct CentricEncoders<'a> {
     /// Per microbatch id: its routes, and what its encoders' forwards kept.
     subsets: HashMap<usize, Routes>,
     works: HashMap<usize, (Option<VisionWork>, Option<AudioWork>)>,
-}
-
-/// The plan items of microbatch `k` (over every replica), ascending: item `j` of the
-/// microbatch's routes is `[j]`.
-fn items_of(plan: &StepPlan, k: usize) -> Vec<usize> {
-    (0..plan.items.len())
-        .filter(|&i| plan.items[i].mb == k)
-        .collect()
 }
 
 /// This rank's forward of `part` over its items of microbatch `k`; its embeddings (on the
@@ -132,7 +125,7 @@ impl<'a> CentricEncoders<'a> {
         }
         let r = self
             .routes
-            .subset(&items_of(self.plan, k))
+            .subset(&items_of_chunk(self.plan, k))
             .map_err(|e| TrainError::Other(format!("microbatch {k}: {e}")))?;
         self.subsets.insert(k, r.clone());
         Ok(r)
@@ -178,7 +171,7 @@ impl<'a> CentricEncoders<'a> {
         let k = mb.mb;
         let (rows, plan, rank) = (self.rows, self.plan, self.world.rank());
         let sub = self.subset(k)?;
-        let of_mb = items_of(plan, k);
+        let of_mb = items_of_chunk(plan, k);
         let mut produced: Vec<(usize, Tensor)> = Vec::new();
         let cx = (rows, plan, rank, of_mb.as_slice());
         let vision = match self.vision.as_deref() {
@@ -204,20 +197,8 @@ impl<'a> CentricEncoders<'a> {
             return Ok(None);
         }
         let modality = sub.forward_gather(rank, got)?; // (M_mb, C)
-        let received: Vec<(usize, u32)> = sub
-            .received(rank)
-            .into_iter()
-            .map(|(j, r)| (of_mb[j], r))
-            .collect();
-        let mut fill = placeholders(plan, &[mb], cp, &received)?;
-        let (idx, pos) = fill.pop().unwrap_or_default();
-        // Every row received for this microbatch is one of its placeholders, in order.
-        if idx.iter().enumerate().any(|(n, &i)| i as usize != n) || idx.len() != modality.dims()[0]
-        {
-            return Err(TrainError::Other(format!(
-                "rank {rank}: microbatch {k}'s rows do not match its placeholders"
-            )));
-        }
+        let rows = modality.dims()[0];
+        let pos = microbatch_placeholders(plan, mb, cp, &sub, &of_mb, rank, rows)?;
         Ok(Some((modality, pos)))
     }
 
@@ -234,7 +215,7 @@ impl<'a> CentricEncoders<'a> {
         drop(dmod);
         let sources = sub.backward_sources(rank);
         let got = self.exchange(sends, &sources, &format!("bridge bwd mb{mb}"), trace)?;
-        let of_mb = items_of(self.plan, mb);
+        let of_mb = items_of_chunk(self.plan, mb);
         let grads: Vec<(usize, Tensor)> = if sources.is_empty() {
             Vec::new()
         } else {

@@ -6,7 +6,7 @@ use braid_kernels::{Shape, Tensor};
 
 use super::encode::{EncoderStage, GradIn, Handed};
 use super::graph::{Graph, Msg, Role, Xfer};
-use super::llm_stage::{LlmIn, LlmStageRun, placeholders};
+use super::llm_stage::{LlmIn, LlmStageRun, microbatch_placeholders};
 use super::overlapped::Mail;
 use super::plan::StepPlan;
 use crate::error::{Result, TrainError};
@@ -24,8 +24,9 @@ pub(super) trait Chunks {
     }
 }
 
-/// The plan items of chunk `k`, ascending: item `j` of the chunk's routes is `[j]`.
-fn items_of_chunk(plan: &StepPlan, k: usize) -> Vec<usize> {
+/// The plan items of chunk `k` (microbatch `k` over every replica), ascending: item `j`
+/// of the chunk's routes is `[j]`.
+pub(super) fn items_of_chunk(plan: &StepPlan, k: usize) -> Vec<usize> {
     (0..plan.items.len())
         .filter(|&i| plan.items[i].mb == k)
         .collect()
@@ -163,22 +164,15 @@ impl Chunks for LlmChunks<'_> {
             let bridge = bridge_of(self.graph, k)?;
             let rows = bridge.forward_gather(self.rank, mail.take_all(&self.role.fwd_in[j])?)?; // (M_k, C)
             let of_chunk = items_of_chunk(self.plan, k);
-            let received: Vec<(usize, u32)> = bridge
-                .received(self.rank)
-                .into_iter()
-                .map(|(j, r)| (of_chunk[j], r))
-                .collect();
-            let cp = self.run.cp();
-            let mut fill = placeholders(self.plan, &self.run.mbs[j..=j], cp, &received)?;
-            let (idx, pos) = fill.pop().unwrap_or_default();
-            // Every row received for this chunk is one of its placeholders, in order.
-            if idx.iter().enumerate().any(|(n, &i)| i as usize != n) || idx.len() != rows.dims()[0]
-            {
-                return Err(TrainError::Other(format!(
-                    "rank {}: microbatch {k}'s rows do not match its placeholders",
-                    self.rank
-                )));
-            }
+            let pos = microbatch_placeholders(
+                self.plan,
+                self.run.mbs[j],
+                self.run.cp(),
+                bridge,
+                &of_chunk,
+                self.rank,
+                rows.dims()[0],
+            )?;
             LlmIn::Tokens(Some((rows, pos)))
         };
         if let Some(out) = self.run.forward(0, j, input, trace)? {

@@ -113,7 +113,7 @@ fn centric_encoder(key: &str, e: &ModuleLayout, llm: &ModuleLayout) -> Result<()
             ));
         }
     }
-    let dp = (llm.tp / e.tp) * llm.cp * llm.dp;
+    let dp = llm.centric_encoder_dp(e.tp);
     if e.dp != dp {
         return Err(invalid(
             format!("parallel.{key}.dp"),

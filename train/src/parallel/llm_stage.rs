@@ -82,6 +82,34 @@ pub(crate) fn placeholders(
     Ok(fill)
 }
 
+/// The local placeholder positions of microbatch `mb`'s `rows` modality rows that one
+/// microbatch's bridge `routes` (over the plan items `of_mb`, ascending) brought to `rank`
+/// (CP rank `cp`): every row received is one of its placeholders, in order, or an error.
+pub(crate) fn microbatch_placeholders(
+    plan: &StepPlan,
+    mb: &Microbatch,
+    cp: usize,
+    routes: &Routes,
+    of_mb: &[usize],
+    rank: usize,
+    rows: usize,
+) -> Result<Vec<u32>> {
+    let received: Vec<(usize, u32)> = routes
+        .received(rank)
+        .into_iter()
+        .map(|(j, r)| (of_mb[j], r))
+        .collect();
+    let mut fill = placeholders(plan, &[mb], cp, &received)?;
+    let (idx, pos) = fill.pop().unwrap_or_default();
+    if idx.iter().enumerate().any(|(n, &i)| i as usize != n) || idx.len() != rows {
+        return Err(TrainError::Other(format!(
+            "rank {rank}: microbatch {}'s rows do not match its placeholders",
+            mb.mb
+        )));
+    }
+    Ok(pos)
+}
+
 /// A stage's input for one microbatch.
 pub(crate) enum LlmIn {
     /// The first stage: the microbatch's modality rows `(M_mb, C)` and their local

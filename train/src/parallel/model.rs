@@ -313,16 +313,10 @@ impl RankModel {
             let (pp, v) = (groups.grid.dims.pp, layouts.llm_chunks.max(1));
             let mut chunks = Vec::with_capacity(v);
             for k in 0..v {
-                let layers = if v > 1 {
-                    stage_layers(cfg.llm.layers, pp * v, k * pp + groups.coord.pp)
-                } else {
-                    llm_stage_layers(
-                        cfg.llm.layers,
-                        pp,
-                        groups.coord.pp,
-                        layouts.llm_first_stage_layers,
-                    )
-                };
+                // A shorter first stage comes without virtual stages (validated).
+                let first = layouts.llm_first_stage_layers;
+                let layers =
+                    llm_stage_layers(cfg.llm.layers, pp * v, k * pp + groups.coord.pp, first);
                 let mut c = LlmStage::new(&cfg.llm, layers, &inits.llm, Arc::clone(&groups.tp))?;
                 if groups.grid.dims.cp > 1 {
                     for b in &mut c.blocks {

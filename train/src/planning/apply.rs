@@ -159,7 +159,7 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
             *e = ModuleLayout {
                 cp: 1,
                 pp: 1,
-                dp: llm.tp / e.tp * llm.cp * llm.dp,
+                dp: llm.centric_encoder_dp(e.tp),
                 ..*e
             };
         }
