@@ -31,7 +31,9 @@ rec = " (enc. recompute)" if v["recompute_encoders"] else ""
 chosen = f"{v['placement']}/{v['schedule']}: {mods[0]}, {v['microbatches']} mb; {', '.join(mods[1:])}{rec}"
 b = v["baseline"]["llm"]
 bv = v["baseline"].get("llm_virtual_stages") or 1
-base = f"{v['baseline_step_time_s']:.4g} (tp{b['tp']} cp{b['cp']} pp{b['pp']}{f' v{bv}' if bv > 1 else ''} dp{b['dp']}, {v['baseline']['microbatches']} mb)"
+enc_tps = ", ".join(f"{m} tp{v['baseline'][m]['tp']}" for m in ("vision", "audio") if v["baseline"].get(m))
+enc_tps = f"; {enc_tps}" if enc_tps else ""
+base = f"{v['baseline_step_time_s']:.4g} (tp{b['tp']} cp{b['cp']} pp{b['pp']}{f' v{bv}' if bv > 1 else ''} dp{b['dp']}, {v['baseline']['microbatches']} mb{enc_tps})"
 gap = ", ".join(f"{v['gap_' + k + '_s']:.3g}" for k in ("memory_forced", "grad_sync", "imbalance", "bridge", "bubbles"))
 alone = v["llm_alone_step_time_s"]
 print(f"| {w} | {n:,} | {chosen} | {v['step_time_s']:.4g} | {base} | {v['speedup']:.2f}x | {alone:.4g} | {v['speedup_ceiling']:.2f}x | {v['bound_step_time_s']:.4g} | {v['from_bound']:.2f}x | {gap} |")

@@ -179,6 +179,13 @@ pub fn print_summary(info: &DatasetInfo, dir: &str) {
     for (kind, n) in &info.rejected_by_kind {
         println!("    rejected {kind}: {n}");
     }
+    if !info.damaged_files.is_empty() {
+        println!(
+            "  warning   {} input files could not be read to the end; what followed the damage is in no count above: {}",
+            info.damaged_files.len(),
+            info.damaged_files.join(", ")
+        );
+    }
     println!(
         "  media     {} images, {} audio clips",
         info.images, info.audio_clips

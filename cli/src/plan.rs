@@ -280,7 +280,7 @@ fn to_json(
         "simulated": o.simulated,
         "baseline": found_json(&o.baseline),
         "baseline_gpus": o.baseline.plan.gpus(),
-        "baseline_kind": "llm-centric: every encoder in the LLM's first pipeline stage with its TP, items spread over that stage's DP x CP ranks",
+        "baseline_kind": "llm-centric: every encoder in the LLM's first pipeline stage at a TP dividing the LLM's (baseline.vision/audio.tp), a replica on every encoder-TP of the stage's GPUs, rows balanced and each microbatch's items balanced over its LLM replica's encoder replicas (what parallel.placement = \"centric\" runs)",
         "llm_alone_step_time_s": alone.map(|f| f.sim.step_s),
         "speedup_ceiling": alone.map(|f| o.baseline.sim.step_s / f.sim.step_s),
         "plan_file": a.out.display().to_string(),
@@ -451,11 +451,21 @@ fn print_text(p: &Planned, alone: Option<&Found>, closest: Option<&Found>, g: &G
         100.0 * b.sim.idle,
         bytes(b.sim.peak_memory)
     );
+    let base = &o.baseline.plan;
+    let enc_tps: Vec<String> = [("vision", base.vision), ("audio", base.audio)]
+        .into_iter()
+        .filter_map(|(name, l)| l.map(|l| format!("{name} tp{}", l.tp)))
+        .collect();
     println!(
-        "  LLM-centric      {:>10}   (llm {}, encoders in stage 0{})",
+        "  LLM-centric      {:>10}   (llm {}, encoders in stage 0{}{})",
         secs(o.baseline.sim.step_s),
-        layout_str(o.baseline.plan.llm),
-        idle_note(o.baseline.plan.gpus(), p.gpus)
+        layout_str(base.llm),
+        if enc_tps.is_empty() {
+            String::new()
+        } else {
+            format!(" at {}", enc_tps.join(", "))
+        },
+        idle_note(base.gpus(), p.gpus)
     );
     println!(
         "  speedup          {:>8.2}x",

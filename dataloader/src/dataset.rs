@@ -55,6 +55,11 @@ pub struct DatasetInfo {
     /// Rejects per stage (`read`, `media`, `tokenize`, `pack`) and per `stage/kind`.
     pub rejected_by_stage: BTreeMap<String, u64>,
     pub rejected_by_kind: BTreeMap<String, u64>,
+    /// Input files that could not be read to the end (truncated or corrupt archives):
+    /// their unread records are in no count above. Each one's reason is in
+    /// `rejects.jsonl` (kind `damaged_file`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub damaged_files: Vec<String>,
     pub truncated: u64,
     pub packs: u64,
     pub max_seq_len: u64,

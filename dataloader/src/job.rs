@@ -2,7 +2,9 @@
 //! shards, `rejects.jsonl` and `dataset.json` (written last, atomically).
 //!
 //! Bad samples never stop the job: each becomes one line of `rejects.jsonl`. The job fails only
-//! when the input cannot be opened, the output cannot be written, or nothing valid remains.
+//! when the input cannot be opened, the output cannot be written, nothing valid remains, or
+//! more than `pack.max_reject_ratio` of the samples were rejected or of the input files could
+//! not be read to the end (a truncated archive loses records no sample count sees).
 //! Memory: one chunk of raw samples (a few per thread) plus the packer's window of token ids;
 //! media bytes of samples waiting in the window sit in a staging file (`shard::Staging`).
 //! The output is a pure function of the input and the config: the thread count changes nothing.
@@ -52,6 +54,27 @@ pub enum PackJobError {
         by_kind: BTreeMap<String, u64>,
         rejects: String,
     },
+    #[error("{}", too_many_damaged(.damaged, *.files, *.max_ratio, .rejects))]
+    TooManyDamagedFiles {
+        /// The files, in the order they failed.
+        damaged: Vec<String>,
+        /// Input files in all.
+        files: usize,
+        max_ratio: f64,
+        rejects: String,
+    },
+}
+
+fn too_many_damaged(damaged: &[String], files: usize, max_ratio: f64, rejects: &str) -> String {
+    const SHOWN: usize = 3;
+    let mut names = damaged[..damaged.len().min(SHOWN)].join(", ");
+    if damaged.len() > SHOWN {
+        names.push_str(&format!(" and {} more", damaged.len() - SHOWN));
+    }
+    format!(
+        "{} of {files} input files could not be read to the end ({names}): the records after the damage are lost and counted nowhere, so they count against pack.max_reject_ratio = {max_ratio} as files; no dataset was written (shards removed; each file's reason is in {rejects}, kind damaged_file). Repair or re-download them, remove them from the input, or raise pack.max_reject_ratio to keep what they held before the damage",
+        damaged.len()
+    )
 }
 
 fn nothing_valid(samples: u64, rejects: &str) -> String {
@@ -247,6 +270,7 @@ pub fn run_pack(
         .unwrap_or("the byte-level tokenizer");
     check_media_tokens(&cfg.template, tokenizer.as_ref(), tokenizer_name)?;
     let records = read::open(&job.input, &cfg.read_config(job.format))?;
+    let input_files = read::input_count(&job.input, job.format)?;
     prepare_output(&job.output, job.overwrite)?;
     let threads = match cfg.shards.threads {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -285,6 +309,7 @@ pub fn run_pack(
                             stage: Stage::Media,
                             kind: "config".into(),
                             reason: e.to_string(),
+                            damaged_file: None,
                         }),
                     },
                 )
@@ -302,6 +327,7 @@ pub fn run_pack(
                             stage: Stage::Pack,
                             kind: reason.kind().into(),
                             reason: reason.to_string(),
+                            damaged_file: None,
                         })?,
                         admission => {
                             if let Admission::Truncated(t) = admission {
@@ -340,20 +366,35 @@ pub fn run_pack(
             rejects: rejects_path.display().to_string(),
         });
     }
-    if p.rejected as f64 > cfg.pack.max_reject_ratio * p.read as f64 {
+    let max_ratio = cfg.pack.max_reject_ratio;
+    let failure = if p.rejected as f64 > max_ratio * p.read as f64 {
+        Some(PackJobError::TooManyRejects {
+            rejected: rejects.total,
+            samples: p.read,
+            max_ratio,
+            by_kind: rejects.by_kind.clone(),
+            rejects: rejects_path.display().to_string(),
+        })
+    } else if rejects.damaged.len() as f64 > max_ratio * input_files as f64 {
+        // A truncated shard is one reject however many records it lost: the sample
+        // ratio cannot see it, so damaged files are held to the ratio of the files.
+        Some(PackJobError::TooManyDamagedFiles {
+            damaged: rejects.damaged.clone(),
+            files: input_files,
+            max_ratio,
+            rejects: rejects_path.display().to_string(),
+        })
+    } else {
+        None
+    };
+    if let Some(e) = failure {
         // Shards of a failed pack are not a dataset: remove them now (the next pack into this
         // folder would too) and keep `rejects.jsonl`, which says what went wrong.
         for s in &shards {
             let path = job.output.join(&s.file);
             std::fs::remove_file(&path).map_err(|e| out_err(&path, e))?;
         }
-        return Err(PackJobError::TooManyRejects {
-            rejected: rejects.total,
-            samples: p.read,
-            max_ratio: cfg.pack.max_reject_ratio,
-            by_kind: rejects.by_kind.clone(),
-            rejects: rejects_path.display().to_string(),
-        });
+        return Err(e);
     }
     let st = &out.stats;
     let mut by_stage: BTreeMap<String, u64> = BTreeMap::new();
@@ -376,6 +417,7 @@ pub fn run_pack(
         rejected: rejects.total,
         rejected_by_stage: by_stage,
         rejected_by_kind: rejects.by_kind.clone(),
+        damaged_files: rejects.damaged.clone(),
         truncated: st.truncated as u64,
         packs: st.packs as u64,
         max_seq_len: st.max_seq_len as u64,
@@ -446,6 +488,8 @@ struct Rejects {
     out: BufWriter<File>,
     total: u64,
     by_kind: BTreeMap<String, u64>,
+    /// Input files whose rest could not be read, in the order they failed.
+    damaged: Vec<String>,
 }
 
 impl Rejects {
@@ -456,6 +500,7 @@ impl Rejects {
             out: BufWriter::new(f),
             total: 0,
             by_kind: BTreeMap::new(),
+            damaged: Vec::new(),
         })
     }
 
@@ -469,6 +514,11 @@ impl Rejects {
             .entry(format!("{stage}/{}", r.kind))
             .or_default() += 1;
         self.total += 1;
+        if let Some(f) = r.damaged_file.as_deref()
+            && !self.damaged.iter().any(|d| d == f)
+        {
+            self.damaged.push(f.to_string());
+        }
         let line = serde_json::to_string(r).map_err(|e| out_err(&self.path, e))?;
         writeln!(self.out, "{line}").map_err(|e| out_err(&self.path, e))
     }

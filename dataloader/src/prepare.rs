@@ -54,6 +54,10 @@ pub struct SampleReject {
     pub kind: String,
     /// The full message.
     pub reason: String,
+    /// The input file whose rest was lost with this reject ([`Reject::damaged_file`]);
+    /// boxed to keep the type, returned by every sample's preparation, small.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub damaged_file: Option<Box<str>>,
 }
 
 impl SampleReject {
@@ -63,8 +67,13 @@ impl SampleReject {
             id: r.id,
             source: r.source,
             stage: Stage::Read,
-            kind: read_kind(&r.reason).into(),
+            kind: match r.damaged_file {
+                Some(_) => "damaged_file",
+                None => read_kind(&r.reason),
+            }
+            .into(),
             reason: r.reason,
+            damaged_file: r.damaged_file.map(String::into_boxed_str),
         }
     }
 }
@@ -199,6 +208,7 @@ impl<'t> Preparer<'t> {
             stage,
             kind: kind.into(),
             reason,
+            damaged_file: None,
         };
         let mut images = Vec::new();
         let mut audio = Vec::new();

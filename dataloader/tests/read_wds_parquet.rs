@@ -153,6 +153,13 @@ fn wds_mixed_shards() {
     expect_reject(&bad, "shard-1.tar", "truncated tar");
     expect_reject(&bad, "shard-2.tar", "");
     assert_eq!(bad.len(), 14, "{bad:#?}");
+    // The shard-level failures name the file they lost the rest of; no sample's does.
+    let damaged: Vec<&str> = bad
+        .iter()
+        .filter_map(|r| r.damaged_file.as_deref())
+        .collect();
+    assert_eq!(damaged.len(), 2, "{bad:#?}");
+    assert!(damaged[0].ends_with("shard-1.tar") && damaged[1].ends_with("shard-2.tar"));
 }
 
 #[test]
@@ -197,6 +204,12 @@ fn wds_data_after_the_end_marker_is_a_reject() {
     let (good, bad) = read_all(&path, &ReadConfig::new(Format::Wds));
     assert_eq!(ids(&good), ["k000", "k001", "k002"]);
     expect_reject(&bad, "zeroed.tar", "data follows the end-of-archive marker");
+    assert!(
+        bad[0]
+            .damaged_file
+            .as_deref()
+            .is_some_and(|f| f.ends_with("zeroed.tar"))
+    );
 }
 
 /// Garbage and every truncation of a small shard: never a panic, never a fatal error.
@@ -450,6 +463,15 @@ fn parquet_truncations_and_corruptions_never_panic() {
                 Ok(it) => {
                     let items: Vec<_> = it.collect();
                     assert!(items.len() <= 3, "{items:?}");
+                    // A cut file has no footer: the whole file is lost, and named so.
+                    if mode == 0 {
+                        assert!(
+                            items
+                                .iter()
+                                .any(|i| matches!(i, Err(r) if r.damaged_file.is_some())),
+                            "cut at {cut}: {items:?}"
+                        );
+                    }
                     outcomes[if items.iter().any(|i| i.is_err()) {
                         1
                     } else {

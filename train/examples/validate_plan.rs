@@ -117,6 +117,28 @@ const LAYOUTS: &[(&str, &[&str])] = &[
             "parallel.schedule=\"overlapped\"",
         ],
     ),
+    // The LLM-centric placement (the planner's baseline): encoders inside the LLM's
+    // first stage, microbatch by microbatch.
+    (
+        "centric llm pp2 m4",
+        &[
+            "parallel.placement=\"centric\"",
+            "parallel.world_size=2",
+            "parallel.llm.pp=2",
+        ],
+    ),
+    (
+        "centric llm tp2 dp2, vision tp2, audio tp1",
+        &[
+            "parallel.placement=\"centric\"",
+            "parallel.world_size=4",
+            "parallel.llm.tp=2",
+            "parallel.llm.dp=2",
+            "parallel.vision.tp=2",
+            "parallel.vision.dp=2",
+            "parallel.audio.dp=4",
+        ],
+    ),
 ];
 
 /// Keeps every step's wall time.
@@ -139,10 +161,10 @@ fn plan_of(cfg: &RunConfig, dims: &braid_balancer::ModelDims) -> Plan {
         dp: m.dp,
     };
     // One rank runs every module on it: the colocated plan of one GPU.
-    let placement = if p.world_size == 1 || p.placement == RunPlacement::Colocated {
-        Placement::Colocated
-    } else {
-        Placement::Disjoint
+    let placement = match p.placement {
+        RunPlacement::Centric => Placement::LlmCentric,
+        _ if p.world_size == 1 || p.placement == RunPlacement::Colocated => Placement::Colocated,
+        _ => Placement::Disjoint,
     };
     // The trainer runs the overlapped schedule only on disjoint modules of several ranks.
     let schedule = if placement == Placement::Disjoint {
@@ -157,7 +179,7 @@ fn plan_of(cfg: &RunConfig, dims: &braid_balancer::ModelDims) -> Plan {
         recompute: p.llm.recompute,
         // The plan has one switch for both encoders; the layouts above set them alike.
         recompute_encoders: p.vision.recompute || p.audio.recompute,
-        llm_first_stage_layers: None,
+        llm_first_stage_layers: p.llm.first_stage_layers,
         llm_virtual_stages: p.llm.virtual_stages,
         zero1: p.zero1,
         llm: l(&p.llm),

@@ -6,7 +6,7 @@ use crate::cluster::GIB;
 use crate::dims::Module;
 use crate::plan::cost::StageCost;
 use crate::plan::layout::{Layout, Placement, Plan, Schedule};
-use crate::plan::options::{Knobs, Totals, encoder_tp};
+use crate::plan::options::{Knobs, Totals, encoder_tps};
 use crate::plan::pick::{Combo, pick};
 use crate::plan::search::{Found, Space};
 use crate::plan::step::Problem;
@@ -38,8 +38,9 @@ pub fn llm_centric(problem: &Problem, workload: &Workload, space: &Space) -> Res
 }
 
 /// The best LLM-centric plan (the strongest such baseline): the LLM's layouts, each
-/// encoder inside stage 0 with the LLM's TP (or the largest its heads allow), its items
-/// spread over the stage's DP x CP ranks, that stage optionally shorter than the others
+/// encoder inside stage 0 at any TP dividing the LLM's that its heads allow, a replica
+/// on every `tp` of the stage's GPUs ([`Layout::centric_encoder_dp`]) with each
+/// microbatch's items balanced over its replica's, that stage optionally shorter than the others
 /// ([`first_stage_options`]), with and without recomputation. On all `space.gpus` GPUs,
 /// or where no such layout tiles them (1,000 GPUs for a model whose stages need 32), on
 /// the most of them one fits on, the rest idle, as a Megatron job would run.
@@ -129,24 +130,51 @@ fn baseline_combos(
             ..sc
         };
         let n = (o.layout.dp * o.microbatches) as f64;
-        let spread = o.layout.cp as f64;
-        let enc_layout = |e: Module| Layout {
-            tp: encoder_tp(p, e, o.layout.tp),
+        let llm = o.layout;
+        let enc_layout = |tp: usize| Layout {
+            tp,
             cp: 1,
             pp: 1,
-            dp: o.layout.dp * o.layout.cp,
+            dp: llm.centric_encoder_dp(tp),
         };
-        for &rc in &space.recompute {
+        // Every pairing of the encoders' TPs (a lower TP runs more replicas on the
+        // stage's GPUs, each with fewer TP collectives and more memory).
+        let mut tps: Vec<Vec<usize>> = vec![Vec::new()];
+        for &e in &encoders {
+            tps = tps
+                .iter()
+                .flat_map(|pre| {
+                    encoder_tps(p, e, llm.tp).into_iter().map(move |t| {
+                        let mut v = pre.clone();
+                        v.push(t);
+                        v
+                    })
+                })
+                .collect();
+        }
+        for (enc_tps, &rc) in tps
+            .iter()
+            .flat_map(|v| space.recompute.iter().map(move |rc| (v, rc)))
+        {
+            let tp_of = |m: Module| {
+                encoders
+                    .iter()
+                    .position(|&e| e == m)
+                    .map_or(1, |k| enc_tps[k])
+            };
             let extra: Vec<_> = encoders
                 .iter()
                 .filter_map(|&e| {
                     let tot = t.module(e);
+                    let tp = tp_of(e);
                     // Inside a 1F1B stage, an encoder checkpoints per block like the LLM.
                     let ec = StageCost {
                         checkpoint_stages: false,
-                        ..p.cost(e, enc_layout(e), rc, space.zero1)?
+                        ..p.cost(e, enc_layout(tp), rc, space.zero1)?
                     };
-                    Some((ec, (tot.0 / n / spread, tot.1 / n / spread)))
+                    // A microbatch's items spread over the replica's encoder replicas.
+                    let per = (llm.tp / tp * llm.cp) as f64;
+                    Some((ec, (tot.0 / n / per, tot.1 / n / per)))
                 })
                 .collect();
             let (dp, mb) = (o.layout.dp, o.microbatches);
@@ -177,8 +205,16 @@ fn baseline_combos(
                             llm_virtual_stages: o.chunks,
                             zero1: space.zero1,
                             llm: o.layout,
-                            vision: p.model.vision.as_ref().map(|_| enc_layout(Module::Vision)),
-                            audio: p.model.audio.as_ref().map(|_| enc_layout(Module::Audio)),
+                            vision: p
+                                .model
+                                .vision
+                                .as_ref()
+                                .map(|_| enc_layout(tp_of(Module::Vision))),
+                            audio: p
+                                .model
+                                .audio
+                                .as_ref()
+                                .map(|_| enc_layout(tp_of(Module::Audio))),
                         },
                     });
                 }

@@ -450,9 +450,10 @@ fn a_chunk_s_chain_never_shrinks_with_its_size() {
 
 /// A review's case: the LLM-centric baseline cut one 8,192-token image over 8 CP ranks
 /// with no K/V exchange, a step 0.88 of the bound (whose encoder layouts pay for any
-/// split). The baseline now deals whole items over a replica's CP ranks.
+/// split). The baseline now deals whole items over the encoder replicas inside an LLM
+/// replica (one on every encoder-TP of its first-stage GPUs), as the trainer does.
 #[test]
-fn the_llm_centric_baseline_encodes_whole_items_per_cp_rank() {
+fn the_llm_centric_baseline_encodes_whole_items_per_encoder_replica() {
     for frozen in [true, false] {
         let mut p = llm_problem(dims(2, 256, 4), h100());
         p.model.vision = Some(dims(8, 2048, 16));

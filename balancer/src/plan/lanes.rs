@@ -3,7 +3,6 @@
 //! timeline a plan's `--trace` writes.
 
 use crate::assign::BatchShape;
-use crate::balance::lpt;
 use crate::dims::{ModelDims, Module};
 use crate::pipeline::interleaved_1f1b;
 use crate::plan::cost::{Cost, StageCost};
@@ -30,32 +29,6 @@ impl Load {
         self.tokens += t;
         self.sq += t * t;
     }
-}
-
-/// The LLM-centric baseline's encoder items of one chunk (`costs`, each on its row's
-/// replica `replica[i]` of `dp`) dealt whole over that replica's `cp` ranks, largest
-/// first onto the least loaded: an item's tokens attend to each other, so cutting one
-/// over CP ranks would cost a K/V exchange. Returns each item's rank, `replica * cp + j`.
-pub(crate) fn whole_items_per_cp_rank(
-    costs: &[f64],
-    replica: &[usize],
-    dp: usize,
-    cp: usize,
-) -> Vec<usize> {
-    let mut by_rep: Vec<Vec<usize>> = vec![Vec::new(); dp];
-    for (i, &d) in replica.iter().enumerate() {
-        if let Some(v) = by_rep.get_mut(d) {
-            v.push(i);
-        }
-    }
-    let mut to = vec![0; costs.len()];
-    for (d, mine) in by_rep.iter().enumerate() {
-        let cs: Vec<f64> = mine.iter().map(|&i| costs[i]).collect();
-        for (&i, j) in mine.iter().zip(lpt(&cs, cp)) {
-            to[i] = d * cp + j;
-        }
-    }
-    to
 }
 
 /// Each image's and clip's (row, encoder tokens, LLM tokens).
@@ -211,8 +184,9 @@ pub(crate) fn link_stages(g: &mut Dag, stages: &[LaneTasks], m: usize) {
 /// The LLM's lanes, `[replica][stage]`, linked: each stage runs the interleaved 1F1B
 /// over its chunks (plain 1F1B with one), task `k * m + j` chunk k of microbatch j,
 /// `loads[replica][j]` each microbatch's load. The LLM-centric baseline's encoders
-/// (`centric`: encoder index and its cost, `enc_load[encoder][cp rank][microbatch]`)
-/// run inside stage 0's chunk 0.
+/// (`centric`: encoder index and its cost, `enc_load[encoder][encoder replica]
+/// [microbatch]`, `B_tp / tp x B_cp` encoder replicas to an LLM replica) run inside
+/// stage 0's chunk 0.
 pub(crate) fn llm_pipeline_lanes(
     g: &mut Dag,
     sc: &StageCost,
@@ -245,11 +219,15 @@ pub(crate) fn llm_pipeline_lanes(
                 t.comm += sc.send(x.tokens)
                     * f64::from(u8::from(if fwd { !model_first } else { !model_last }));
                 if model_first && !centric.is_empty() {
-                    // The busiest of the replica's CP ranks, each with its whole items.
-                    let busiest = (d * llm.cp..(d + 1) * llm.cp)
-                        .map(|r| {
+                    // The busiest of the replica's first-stage GPUs: GPU `i` of its
+                    // `tp * cp` runs each encoder's replica `i / tp` (at that encoder's
+                    // TP), one encoder after the other, before the rows are exchanged.
+                    let busiest = (0..llm.block())
+                        .map(|i| {
                             centric.iter().fold(Cost::default(), |acc, (ek, ec)| {
-                                let y = enc_load[*ek][r][j];
+                                let per = llm.block() / ec.layout.tp.max(1);
+                                let r = d * per + i / ec.layout.tp.max(1);
+                                let y = enc_load[*ek].get(r).map_or(Load::default(), |l| l[j]);
                                 acc.plus(if fwd {
                                     ec.forward(0, y.tokens, y.sq)
                                 } else {
@@ -284,13 +262,6 @@ pub(crate) fn llm_pipeline_lanes(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn centric_items_stay_whole_on_their_replica_s_cp_ranks() {
-        // Replica 0: 5, 3, 2 over 2 CP ranks: 5 alone, 3 + 2 together; replica 1: one item.
-        let to = whole_items_per_cp_rank(&[3.0, 5.0, 1.0, 2.0], &[0, 0, 1, 0], 2, 2);
-        assert_eq!(to, vec![1, 0, 2, 1]);
-    }
 
     #[test]
     fn lanes_share_gpus_where_their_blocks_overlap() {

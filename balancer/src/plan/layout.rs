@@ -36,6 +36,13 @@ impl Layout {
     pub fn block(&self) -> usize {
         self.tp * self.cp
     }
+
+    /// Under the LLM-centric placement (this the LLM's layout), the replicas of an
+    /// encoder at TP `tp` (a divisor of this TP) inside the first stage: one on every
+    /// `tp` of each replica's `tp * cp` first-stage GPUs, as the trainer runs them.
+    pub fn centric_encoder_dp(&self, tp: usize) -> usize {
+        self.tp / tp.max(1) * self.cp * self.dp
+    }
 }
 
 impl std::fmt::Display for Layout {
@@ -52,8 +59,10 @@ pub enum Placement {
     Disjoint,
     /// Every module over all GPUs, taking turns.
     Colocated,
-    /// The baseline most frameworks use: each encoder runs inside the LLM's first pipeline
-    /// stage with the LLM's TP and DP (no CP, no stages of its own).
+    /// The baseline most frameworks use (Megatron's, and `parallel.placement = "centric"`):
+    /// each encoder runs inside the LLM's first pipeline stage at a TP dividing the
+    /// LLM's, a replica on every `tp` of the stage's GPUs
+    /// ([`Layout::centric_encoder_dp`]; no CP, no stages of its own).
     LlmCentric,
 }
 

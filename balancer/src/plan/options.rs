@@ -246,17 +246,17 @@ pub(crate) fn layouts(p: &Problem, m: Module, g: usize, rows: usize) -> Vec<Layo
     out
 }
 
-/// The largest power-of-two TP up to `tp` that module `m` allows (the LLM-centric
-/// baseline runs an encoder with the LLM's TP where its heads divide, else less).
-pub(crate) fn encoder_tp(p: &Problem, m: Module, tp: usize) -> usize {
+/// The TPs module `m` may take inside a stage of TP `tp` (the LLM-centric baseline's
+/// encoders, as the trainer's "centric" placement runs them): the divisors of `tp` its
+/// heads, MLP and vocabulary allow, largest first (1 always).
+pub(crate) fn encoder_tps(p: &Problem, m: Module, tp: usize) -> Vec<usize> {
     let Some(d) = p.model.module(m) else {
-        return 1;
+        return vec![1];
     };
-    let mut t = tp.max(1);
-    while t > 1 && d.fits(t, 1).is_err() {
-        t /= 2;
-    }
-    t
+    (1..=tp.max(1))
+        .rev()
+        .filter(|&t| tp.max(1).is_multiple_of(t) && (t == 1 || d.fits(t, 1).is_ok()))
+        .collect()
 }
 
 impl Problem {

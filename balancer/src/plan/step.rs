@@ -1,11 +1,11 @@
 //! The simulated step of one plan on one global batch: the batch is assigned (the
-//! data-aware assigner for Braid's plans; rows round-robin with their media for the
-//! LLM-centric baseline), each lane's tasks are costed, laid out in the schedule's order
+//! data-aware assigner; for the LLM-centric baseline the trainer's "centric" one, each
+//! item kept inside its row's LLM replica), each lane's tasks are costed, laid out in the schedule's order
 //! (1F1B per stage) and run by the event-driven [`Dag`]. Out come the step time, the
 //! bubble fraction, per-module busy time and the peak memory per GPU.
 
-use crate::assign::{Assigner, Replicas, RoundRobin};
-use crate::balance::lpt_after;
+use crate::assign::{Assigner, Replicas};
+use crate::balance::{Centric, lpt_after};
 use crate::cluster::Cluster;
 use crate::dims::{ModelDims, Module};
 use crate::pipeline::{interleaved_1f1b, max_in_flight};
@@ -14,7 +14,7 @@ use crate::plan::dag::Dag;
 pub use crate::plan::lanes::PlanTimeline;
 use crate::plan::lanes::{
     LaneTasks, Load, imbalance_gpu_s, items, link_stages, llm_pipeline_lanes, one_f_one_b,
-    sharing_lanes, stage_lane, whole_items_per_cp_rank, window_max,
+    sharing_lanes, stage_lane, window_max,
 };
 use crate::plan::layout::{Layout, Placement, Plan, Schedule};
 use crate::plan::options::chunk0_held;
@@ -126,7 +126,13 @@ impl Problem {
             .into_iter()
             .filter(|&e| self.model.module(e).is_some())
             .collect();
-        let dp_of = |e: Module| plan.layout(e).map_or(1, |l| l.dp);
+        // The LLM-centric baseline's encoder replicas follow from the LLM's layout and
+        // their TP (whatever the plan's encoder layouts say).
+        let centric_tp = |e: Module| plan.layout(e).map_or(llm.tp, |l| l.tp).max(1);
+        let dp_of = |e: Module| match plan.placement {
+            Placement::LlmCentric => llm.centric_encoder_dp(centric_tp(e)),
+            _ => plan.layout(e).map_or(1, |l| l.dp),
+        };
         let rep = Replicas {
             llm_dp: llm.dp,
             microbatches: m,
@@ -134,8 +140,10 @@ impl Problem {
             audio_dp: dp_of(Module::Audio),
         };
         let costs = self.model.balanced();
+        // The LLM-centric baseline deals its rows as the trainer's "centric" placement
+        // does: balanced, each item on an encoder replica inside its row's LLM replica.
         let a = if plan.placement == Placement::LlmCentric {
-            RoundRobin.assign(&b, &rep)
+            Centric(costs, costs).assign(&b, &rep)
         } else {
             costs.assign(&b, &rep)
         };
@@ -153,17 +161,13 @@ impl Problem {
         // schedule every chunk's forward before the bridge (GPipe), in the overlapped one
         // 1F1B with the LLM downstream.
         let chunks = m;
-        // Per encoder: (R_dp, chunks) loads; the LLM-centric baseline's are (B_dp x B_cp,
-        // M): each of a replica's CP ranks encodes whole items of its chunks.
+        // Per encoder: (R_dp, chunks) loads (the LLM-centric baseline's replicas are
+        // inside the LLM's: `B_dp x B_tp / tp x B_cp` of them).
         let mut enc_load: Vec<Vec<Vec<Load>>> = Vec::new();
         let mut enc_out: Vec<Vec<Vec<f64>>> = Vec::new(); // LLM tokens each replica sends
         for &e in &encoders {
             let its = items(&b, &self.model, e);
-            let (reps, nchunks) = if plan.placement == Placement::LlmCentric {
-                (llm.dp * llm.cp, m)
-            } else {
-                (dp_of(e), chunks)
-            };
+            let (reps, nchunks) = (dp_of(e), chunks);
             let mut load = vec![vec![Load::default(); nchunks]; reps];
             let mut out = vec![vec![0.0; nchunks]; reps];
             let chunk_of = |row: usize| {
@@ -193,12 +197,7 @@ impl Problem {
             let cost_of = |k: usize| tc.of(its[k].1, its[k].1 * its[k].1);
             for (c, ks) in by_chunk.iter().enumerate() {
                 let to: Vec<usize> = match plan.placement {
-                    Placement::LlmCentric => whole_items_per_cp_rank(
-                        &ks.iter().map(|&k| cost_of(k)).collect::<Vec<_>>(),
-                        &ks.iter().map(|&k| a.rows[its[k].0].0).collect::<Vec<_>>(),
-                        llm.dp,
-                        llm.cp,
-                    ),
+                    Placement::LlmCentric => ks.iter().map(|&k| assigned[k]).collect(),
                     _ if overlapped => {
                         let cs: Vec<f64> = ks.iter().map(|&k| cost_of(k)).collect();
                         lpt_after(&cs, &mut before)
@@ -285,19 +284,18 @@ impl Problem {
         // LLM lanes: [replica][stage].
         let sc = self.stage_cost(Module::Llm, llm, plan).ok_or("no LLM")?;
         let centric: Vec<(usize, StageCost)> = if plan.placement == Placement::LlmCentric {
-            // Each encoder with its own TP (the LLM's, or less where its heads require)
-            // on the LLM's first-stage ranks, its items spread over their DP x CP ranks
-            // (each CP rank encodes a share and the rows are exchanged, as Megatron can).
+            // Each encoder at its own TP (dividing the LLM's) on the LLM's first-stage
+            // GPUs, a replica on every `tp` of them, each microbatch's items balanced over
+            // a replica's and the rows exchanged among its ranks (the trainer's "centric").
             encoders
                 .iter()
                 .enumerate()
                 .filter_map(|(k, &e)| {
-                    let tp = plan.layout(e).map_or(llm.tp, |l| l.tp);
                     let l = Layout {
-                        tp,
+                        tp: centric_tp(e),
                         cp: 1,
                         pp: 1,
-                        dp: llm.dp * llm.cp,
+                        dp: dp_of(e),
                     };
                     // Inside a 1F1B stage: per-block checkpoints, like the LLM.
                     let sc = StageCost {

@@ -452,9 +452,10 @@ impl Iterator for JsonlReader {
                 Err(e) => {
                     // A failing disk mid-file: report once, give up on this file only.
                     self.done = true;
-                    return Some(Err(Reject::new(
+                    return Some(Err(Reject::damaged(
                         None,
                         source,
+                        self.name.clone(),
                         format!("read error, rest of the file skipped: {e}"),
                     )));
                 }

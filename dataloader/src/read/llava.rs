@@ -191,8 +191,9 @@ impl Iterator for LlavaReader {
                             self.name.clone(),
                             "trailing data after the JSON array",
                         ))),
-                        Err(e) => Some(Err(Reject::new(
+                        Err(e) => Some(Err(Reject::damaged(
                             None,
+                            self.name.clone(),
                             self.name.clone(),
                             format!("read error after the array: {e}"),
                         ))),
@@ -226,7 +227,7 @@ impl Iterator for LlavaReader {
             };
             if let End::Eof = end {
                 let why = "file ends inside this element (truncated JSON array)";
-                return Some(Err(Reject::new(None, source, why)));
+                return Some(Err(Reject::damaged(None, source, self.name.clone(), why)));
             }
             if too_long {
                 let why = format!("element longer than {} bytes", self.max_record_bytes);
@@ -247,9 +248,10 @@ impl Iterator for LlavaReader {
 impl LlavaReader {
     fn fail(&mut self, source: String, e: io::Error) -> Result<RawSample, Reject> {
         self.state = State::Done;
-        Err(Reject::new(
+        Err(Reject::damaged(
             None,
             source,
+            self.name.clone(),
             format!("read error, rest of the file skipped: {e}"),
         ))
     }

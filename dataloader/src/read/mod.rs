@@ -217,11 +217,15 @@ pub fn open(input: &Path, cfg: &ReadConfig) -> Result<SampleIter, ReadError> {
                 move |f| -> SampleIter {
                     match jsonl::open(&f, &media_roots, lim.max_record_bytes) {
                         Ok(records) => records,
-                        Err(e) => Box::new(std::iter::once(Err(Reject::new(
-                            None,
-                            f.display().to_string(),
-                            e.to_string(),
-                        )))),
+                        Err(e) => {
+                            let name = f.display().to_string();
+                            Box::new(std::iter::once(Err(Reject::damaged(
+                                None,
+                                name.clone(),
+                                name,
+                                e.to_string(),
+                            ))))
+                        }
                     }
                 },
             )))
@@ -246,6 +250,17 @@ pub fn open(input: &Path, cfg: &ReadConfig) -> Result<SampleIter, ReadError> {
             )
         }
     }
+}
+
+/// How many input files [`open`] reads from `input` for `format` (a damaged one counts
+/// against `pack.max_reject_ratio` as a share of these).
+pub fn input_count(input: &Path, format: Format) -> Result<usize, ReadError> {
+    Ok(match format {
+        Format::Jsonl => input_files(input, "jsonl")?.len(),
+        Format::Llava => 1,
+        Format::Wds => input_files(input, "tar")?.len(),
+        Format::Parquet => input_files(input, "parquet")?.len(),
+    })
 }
 
 /// Every media root must be an existing folder: a typo would otherwise show up only as

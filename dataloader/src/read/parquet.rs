@@ -211,7 +211,12 @@ pub(crate) fn open(
                     rows_done: 0,
                     done: false,
                 }),
-                Err(e) => Box::new(std::iter::once(Err(Reject::new(None, name, e.to_string())))),
+                Err(e) => Box::new(std::iter::once(Err(Reject::damaged(
+                    None,
+                    name.clone(),
+                    name,
+                    e.to_string(),
+                )))),
             }
         },
     )))
@@ -259,7 +264,8 @@ impl Iterator for FileReader {
                         "corrupt data after row {}, rest of the file skipped: {e}",
                         self.rows_done
                     );
-                    return Some(Err(Reject::new(None, self.name.clone(), why)));
+                    let name = self.name.clone();
+                    return Some(Err(Reject::damaged(None, name.clone(), name, why)));
                 }
                 None => self.done = true,
             }

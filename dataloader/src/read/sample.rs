@@ -82,6 +82,10 @@ pub struct Reject {
     /// Same form as `RawSample::source`; a whole-file failure uses the file name alone.
     pub source: String,
     pub reason: String,
+    /// The input file whose rest (or all) could not be read (a truncated or corrupt
+    /// archive, a failing disk): its unread records are lost uncounted, so `braid pack`
+    /// counts such files against `pack.max_reject_ratio` on their own.
+    pub damaged_file: Option<String>,
 }
 
 impl Reject {
@@ -90,6 +94,20 @@ impl Reject {
             id,
             source: source.into(),
             reason: reason.into(),
+            damaged_file: None,
+        }
+    }
+
+    /// A failure that loses the rest of input file `file` (all of it if nothing was read).
+    pub fn damaged(
+        id: Option<String>,
+        source: impl Into<String>,
+        file: impl Into<String>,
+        reason: impl Into<String>,
+    ) -> Self {
+        Reject {
+            damaged_file: Some(file.into()),
+            ..Reject::new(id, source, reason)
         }
     }
 }

@@ -69,8 +69,9 @@ impl Iterator for WdsReader {
                 let handle = self.handle.take()?;
                 match handle.join() {
                     Ok(()) => None,
-                    Err(_) => Some(Err(Reject::new(
+                    Err(_) => Some(Err(Reject::damaged(
                         None,
+                        "wds",
                         "wds",
                         "internal error: the tar reader thread panicked",
                     ))),
@@ -127,8 +128,9 @@ fn read_shard(
     let file = match File::open(shard) {
         Ok(f) => f,
         Err(e) => {
-            return send(Err(Reject::new(
+            return send(Err(Reject::damaged(
                 None,
+                name.clone(),
                 name,
                 format!("cannot open shard: {e}"),
             )));
@@ -138,8 +140,9 @@ fn read_shard(
     let entries = match archive.entries() {
         Ok(e) => e,
         Err(e) => {
-            return send(Err(Reject::new(
+            return send(Err(Reject::damaged(
                 None,
+                name.clone(),
                 name,
                 format!("not a tar archive: {e}"),
             )));
@@ -163,7 +166,7 @@ fn read_shard(
                 let why = format!(
                     "corrupt or truncated tar after {members} members, rest of the shard skipped: {e}"
                 );
-                return send(Err(Reject::new(None, name, why)));
+                return send(Err(Reject::damaged(None, name.clone(), name, why)));
             }
         };
         let entry_type = entry.header().entry_type();
@@ -249,7 +252,7 @@ fn read_shard(
             Ok(n) if buf[..n].iter().all(|&b| b == 0) => continue,
             Ok(_) => {
                 let why = "data follows the end-of-archive marker (zero blocks): the members after it are not read (zeroed blocks inside the shard, or tars joined with `cat`: use `tar --concatenate`)";
-                return send(Err(Reject::new(None, name, why)));
+                return send(Err(Reject::damaged(None, name.clone(), name, why)));
             }
         }
     }

@@ -141,7 +141,7 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
     cfg.parallel.audio = module_layout(p.audio, p.recompute_encoders);
     if p.placement == Placement::LlmCentric {
         // The encoders on the LLM's first stage at their own TP: a replica on every
-        // `tp` of the stage's ranks (the planner counts one per CP rank of a replica).
+        // `tp` of the stage's ranks, as the planner counts them.
         let llm = cfg.parallel.llm;
         for (key, e, present) in [
             ("vision", &mut cfg.parallel.vision, p.vision.is_some()),
