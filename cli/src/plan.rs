@@ -140,16 +140,11 @@ fn plan_cmd(a: &PlanArgs) -> Result<(), String> {
         baseline_step_time_s: o.baseline.sim.step_s,
         plan: o.best.plan.clone(),
     };
+    // `braid train` runs the baseline as planned, its shorter first stage included
+    // (`parallel.llm.first_stage_layers`).
     let baseline_file = match &a.baseline_out {
         Some(path) => {
             let b = &o.baseline.plan;
-            if let Some(f) = b.llm_first_stage_layers {
-                return Err(format!(
-                    "--baseline-out {}: the LLM-centric baseline gives the LLM's first stage {f} of {} layers, and braid train splits them evenly; nothing written",
-                    path.display(),
-                    p.problem.model.llm.layers
-                ));
-            }
             Some((
                 path,
                 PlanFile {

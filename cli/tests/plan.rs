@@ -205,6 +205,43 @@ fn where_the_baseline_wins_the_report_says_what_the_nearest_runnable_plan_needs(
     );
 }
 
+/// The 70B's strongest LLM-centric layout on 32 GPUs gives the first of its four
+/// stages 11 of 80 layers (Megatron's first-stage count, room for the encoders):
+/// `--baseline-out` writes it as it is, and the config it sets passes the trainer's
+/// layout checks with that first stage (until 2026-12-03 the CLI refused to write it).
+#[test]
+fn the_baseline_file_keeps_a_shorter_first_stage_that_braid_train_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("plan.toml");
+    let base = dir.path().join("baseline.toml");
+    let mut args = vec![
+        "plan",
+        "--config",
+        "configs/plan-70b.toml",
+        "--gpus",
+        "32",
+        "--baseline-out",
+        base.to_str().unwrap(),
+    ];
+    let v = plan_json_with(&mut args, &out);
+    let first = v["baseline"]["llm_first_stage_layers"].as_u64();
+    assert!(first.is_some_and(|f| f >= 1), "{v}");
+    let file = braid_train::planning::PlanFile::read(&base).unwrap();
+    assert_eq!(file.plan.llm_first_stage_layers.map(|f| f as u64), first);
+    let set = format!("parallel.plan={}", base.display());
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/plan-70b.toml");
+    let mut cfg = braid_train::RunConfig::from_file(&config, &[set]).unwrap();
+    braid_train::planning::apply(&mut cfg).unwrap();
+    cfg.validate().unwrap();
+    assert_eq!(cfg.parallel.llm.first_stage_layers.map(|f| f as u64), first);
+    assert_eq!(
+        cfg.parallel.placement,
+        braid_train::config::Placement::Centric
+    );
+    let model = braid_train::assemble::model_config(&cfg).unwrap();
+    braid_train::parallel::layout::Layouts::new(&cfg.parallel, &model).unwrap();
+}
+
 /// No layout of the 120B tiles 100 GPUs (its stages need 16 each and more): the
 /// baseline runs on 96 of them, as a Megatron job would, and so does the phased plan,
 /// its file saying to launch 96 ranks; by default both schedules are searched, and the

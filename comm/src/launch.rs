@@ -38,6 +38,10 @@ pub struct LaunchEnv {
     pub master_addr: String,
     /// The port the store listens on (see [`LaunchEnv::store_port`]).
     pub store_port: u16,
+    /// How long a rank keeps dialing rank 0's store before giving up:
+    /// `BRAID_STORE_TIMEOUT_S` (seconds, default [`DEFAULT_STORE_TIMEOUT_S`]); raise it
+    /// where nodes start far apart (a slow container pull on rank 0's node).
+    pub store_timeout: std::time::Duration,
 }
 
 /// A launcher variable that is missing or malformed: names it and its value.
@@ -50,6 +54,27 @@ pub struct LaunchEnvError {
 
 /// torch's default rendezvous port.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// How long a rank dials rank 0's store by default, in seconds.
+pub const DEFAULT_STORE_TIMEOUT_S: f64 = 120.0;
+
+/// `BRAID_STORE_TIMEOUT_S`: seconds in (0, 86400], default [`DEFAULT_STORE_TIMEOUT_S`].
+fn store_timeout(
+    var: &impl Fn(&str) -> Option<String>,
+    name: &'static str,
+) -> Result<std::time::Duration, LaunchEnvError> {
+    const KEY: &str = "BRAID_STORE_TIMEOUT_S";
+    let Some(v) = var(KEY) else {
+        return Ok(std::time::Duration::from_secs_f64(DEFAULT_STORE_TIMEOUT_S));
+    };
+    match v.trim().parse::<f64>() {
+        Ok(s) if s > 0.0 && s <= 86_400.0 => Ok(std::time::Duration::from_secs_f64(s)),
+        _ => Err(err(
+            name,
+            format!("{KEY}={v:?} is not a number of seconds in (0, 86400]"),
+        )),
+    }
+}
 
 impl LaunchEnv {
     /// Reads this process's environment.
@@ -210,6 +235,7 @@ fn torchrun(
         local_world_size,
         master_addr: master_addr.trim().to_string(),
         store_port: store_port(var, launcher, name)?,
+        store_timeout: store_timeout(var, name)?,
     })
 }
 
@@ -250,6 +276,7 @@ fn slurm(var: &impl Fn(&str) -> Option<String>) -> Result<LaunchEnv, LaunchEnvEr
         local_world_size,
         master_addr,
         store_port: store_port(var, Launcher::Slurm, NAME)?,
+        store_timeout: store_timeout(var, NAME)?,
     })
 }
 

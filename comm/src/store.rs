@@ -316,7 +316,7 @@ impl StoreClient {
             key: "(connect)".into(),
             waited_s: start.elapsed().as_secs_f64(),
             hint: format!(
-                "no store answered ({}); is rank 0 running, and MASTER_ADDR/MASTER_PORT the same on every rank?",
+                "no store answered ({}); is rank 0 running, and MASTER_ADDR/MASTER_PORT the same on every rank? (BRAID_STORE_TIMEOUT_S sets how long to wait)",
                 last_err.map_or("no address".into(), |e| e.to_string())
             ),
         })

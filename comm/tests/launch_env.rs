@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use braid_comm::launch::{LaunchEnv, Launcher, first_host};
 
@@ -53,6 +54,41 @@ fn torchrun_variables() {
     .unwrap()
     .unwrap();
     assert_eq!(e.store_addr(), "h:40000");
+}
+
+/// How long a rank dials rank 0's store: 120 s unless `BRAID_STORE_TIMEOUT_S` says
+/// otherwise (nodes that start far apart); a value that is no positive number of seconds
+/// up to a day is refused by name, under every launcher.
+#[test]
+fn the_store_timeout_comes_from_the_environment() {
+    let torchrun = [("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")];
+    let slurm = [
+        ("SLURM_PROCID", "1"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_JOB_NODELIST", "n[1-2]"),
+    ];
+    for base in [&torchrun[..], &slurm[..]] {
+        let with = |t: Option<&str>| {
+            let mut v = base.to_vec();
+            if let Some(t) = t {
+                v.push(("BRAID_STORE_TIMEOUT_S", t));
+            }
+            env(&v)
+        };
+        let e = with(None).unwrap().unwrap();
+        assert_eq!(e.store_timeout, Duration::from_secs(120));
+        for (t, secs) in [("900", 900.0), (" 0.5 ", 0.5), ("86400", 86_400.0)] {
+            let e = with(Some(t)).unwrap().unwrap();
+            assert_eq!(e.store_timeout, Duration::from_secs_f64(secs), "{t:?}");
+        }
+        for t in ["0", "-5", "nan", "inf", "86401", "1e30", "ten", ""] {
+            let msg = with(Some(t)).unwrap_err();
+            assert!(
+                msg.contains(&format!("BRAID_STORE_TIMEOUT_S={t:?}")) && msg.contains("(0, 86400]"),
+                "{t:?}: {msg}"
+            );
+        }
+    }
 }
 
 #[test]

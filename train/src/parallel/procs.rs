@@ -36,10 +36,9 @@ pub fn transport(on_gpu: bool) -> &'static str {
     }
 }
 
-/// How long a rank waits for the store to come up, and for rank 0 to set the run up
-/// (packing a dataset can take a while; a rank 0 that dies ends the wait at once, since
-/// it serves the store).
-const STORE_CONNECT: Duration = Duration::from_secs(120);
+/// How long a rank waits for rank 0 to set the run up (packing a dataset can take a
+/// while; a rank 0 that dies ends the wait at once, since it serves the store). How long
+/// it dials the store is the environment's (`LaunchEnv::store_timeout`).
 const SETUP_WAIT: Duration = Duration::from_secs(3600);
 
 /// This process's place in a world of processes, and its store connection.
@@ -67,7 +66,8 @@ impl Processes {
         } else {
             None
         };
-        let store = StoreClient::connect(&env.store_addr(), STORE_CONNECT).map_err(store_err)?;
+        let store =
+            StoreClient::connect(&env.store_addr(), env.store_timeout).map_err(store_err)?;
         Ok(Some(Processes {
             env,
             store,
@@ -184,7 +184,8 @@ pub fn train(
     let transport = transport(on_gpu);
     let (comm, hosts): (Arc<dyn Comm>, Vec<String>) = if on_gpu {
         // NCCL keeps a store connection of its own (ids of subgroups and channels).
-        let store = StoreClient::connect(&env.store_addr(), STORE_CONNECT).map_err(store_err)?;
+        let store =
+            StoreClient::connect(&env.store_addr(), env.store_timeout).map_err(store_err)?;
         let host = p.store.local_ip().map_err(store_err)?;
         let world = NcclComm::world(store, env.rank, env.world_size, device, timeout)?;
         (Arc::new(world), vec![host])
