@@ -313,9 +313,11 @@ fn decode_rows(
             return Err(ShardError::invalid(
                 path,
                 format!(
-                    "sample {:?}: lengths disagree (ids {n}, llm_len {})",
+                    "sample {:?} (row {i}): lengths disagree: `ids` holds {n}, `loss_mask` {}, the `llm_len` column says {}, its text and media spans add up to {}",
                     sample.id,
-                    len.value(i)
+                    sample.loss_mask.len(),
+                    len.value(i),
+                    sample.meta.llm_len
                 ),
             ));
         }
