@@ -173,7 +173,7 @@ fn baseline_combos(
                         ..p.cost(e, enc_layout(tp), rc, space.zero1)?
                     };
                     // A microbatch's items spread over the replica's encoder replicas.
-                    let per = (llm.tp / tp * llm.cp) as f64;
+                    let per = (llm.centric_encoder_dp(tp) / llm.dp) as f64;
                     Some((ec, (tot.0 / n / per, tot.1 / n / per)))
                 })
                 .collect();

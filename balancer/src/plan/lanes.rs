@@ -225,7 +225,8 @@ pub(crate) fn llm_pipeline_lanes(
                     let busiest = (0..llm.block())
                         .map(|i| {
                             centric.iter().fold(Cost::default(), |acc, (ek, ec)| {
-                                let per = llm.block() / ec.layout.tp.max(1);
+                                // `ec.layout.dp`: the centric replicas, `llm.dp` times these.
+                                let per = ec.layout.dp / llm.dp.max(1);
                                 let r = d * per + i / ec.layout.tp.max(1);
                                 let y = enc_load[*ek].get(r).map_or(Load::default(), |l| l[j]);
                                 acc.plus(if fwd {

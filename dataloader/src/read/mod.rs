@@ -40,6 +40,20 @@ pub enum Format {
     Parquet,
 }
 
+impl Format {
+    const ALL: [Format; 4] = [Format::Jsonl, Format::Llava, Format::Wds, Format::Parquet];
+
+    /// The file extension of this format's input files (without the dot).
+    pub fn extension(self) -> &'static str {
+        match self {
+            Format::Jsonl => "jsonl",
+            Format::Llava => "json",
+            Format::Wds => "tar",
+            Format::Parquet => "parquet",
+        }
+    }
+}
+
 impl FromStr for Format {
     type Err = ReadError;
 
@@ -60,12 +74,9 @@ impl FromStr for Format {
 /// LLaVA or ShareGPT), `.tar` -> wds, `.parquet` -> parquet; a folder by the files directly
 /// inside it (one kind only). The `Err` says why and asks for `--format`.
 pub fn infer_format(input: &Path) -> Result<Format, String> {
-    let by_ext = |p: &Path| match p.extension().and_then(|e| e.to_str()) {
-        Some("jsonl") => Some(Format::Jsonl),
-        Some("json") => Some(Format::Llava),
-        Some("tar") => Some(Format::Wds),
-        Some("parquet") => Some(Format::Parquet),
-        _ => None,
+    let by_ext = |p: &Path| {
+        let ext = p.extension().and_then(|e| e.to_str())?;
+        Format::ALL.into_iter().find(|f| f.extension() == ext)
     };
     let ask = "pass --format jsonl|llava|wds|parquet (or set [input] format)";
     if !input.is_dir() {
@@ -77,7 +88,7 @@ pub fn infer_format(input: &Path) -> Result<Format, String> {
         });
     }
     let entries = std::fs::read_dir(input).map_err(|e| format!("{}: {e}", input.display()))?;
-    let mut kinds: Vec<(Format, &str)> = Vec::new();
+    let mut kinds: Vec<Format> = Vec::new();
     for entry in entries {
         let path = entry
             .map_err(|e| format!("{}: {e}", input.display()))?
@@ -86,29 +97,23 @@ pub fn infer_format(input: &Path) -> Result<Format, String> {
             continue;
         }
         if let Some(f) = by_ext(&path)
-            && !kinds.iter().any(|(k, _)| *k == f)
+            && !kinds.contains(&f)
         {
-            let ext = match f {
-                Format::Jsonl => ".jsonl",
-                Format::Llava => ".json",
-                Format::Wds => ".tar",
-                Format::Parquet => ".parquet",
-            };
-            kinds.push((f, ext));
+            kinds.push(f);
         }
     }
     match kinds.as_slice() {
-        [(Format::Llava, _)] => Err(format!(
+        [Format::Llava] => Err(format!(
             "{} is a folder of .json files; a LLaVA/ShareGPT input is one JSON file: pass it as --input",
             input.display()
         )),
-        [(f, _)] => Ok(*f),
+        [f] => Ok(*f),
         [] => Err(format!(
             "{} holds no .jsonl, .json, .tar or .parquet files; {ask}",
             input.display()
         )),
         many => {
-            let exts: Vec<&str> = many.iter().map(|(_, e)| *e).collect();
+            let exts: Vec<String> = many.iter().map(|f| format!(".{}", f.extension())).collect();
             Err(format!(
                 "{} holds {} files: the format is ambiguous; {ask}",
                 input.display(),
@@ -206,7 +211,7 @@ pub fn open(input: &Path, cfg: &ReadConfig) -> Result<SampleIter, ReadError> {
     }
     match cfg.format {
         Format::Jsonl => {
-            let files = input_files(input, "jsonl")?;
+            let files = input_files(input, Format::Jsonl.extension())?;
             // Checked now, opened one at a time: a folder of many manifests holds one buffer.
             for f in &files {
                 std::fs::File::open(f).map_err(|e| ReadError::open(f, e))?;
@@ -239,11 +244,14 @@ pub fn open(input: &Path, cfg: &ReadConfig) -> Result<SampleIter, ReadError> {
             }
             llava::open(input, &cfg.media_roots, lim.max_record_bytes)
         }
-        Format::Wds => wds::open(input_files(input, "tar")?, lim.max_member_bytes),
+        Format::Wds => wds::open(
+            input_files(input, Format::Wds.extension())?,
+            lim.max_member_bytes,
+        ),
         Format::Parquet => {
             check_media_roots(&cfg.media_roots)?;
             parquet::open(
-                input_files(input, "parquet")?,
+                input_files(input, Format::Parquet.extension())?,
                 &cfg.parquet,
                 &cfg.media_roots,
                 lim.parquet_batch_rows,
@@ -256,10 +264,8 @@ pub fn open(input: &Path, cfg: &ReadConfig) -> Result<SampleIter, ReadError> {
 /// against `pack.max_reject_ratio` as a share of these).
 pub fn input_count(input: &Path, format: Format) -> Result<usize, ReadError> {
     Ok(match format {
-        Format::Jsonl => input_files(input, "jsonl")?.len(),
-        Format::Llava => 1,
-        Format::Wds => input_files(input, "tar")?.len(),
-        Format::Parquet => input_files(input, "parquet")?.len(),
+        Format::Llava => 1, // one JSON file, never a folder
+        f => input_files(input, f.extension())?.len(),
     })
 }
 
