@@ -66,6 +66,50 @@ pub struct Mix {
     pub clip_s: [f64; 2],
 }
 
+impl Mix {
+    /// Refuses values that have no meaning (a probability outside [0, 1], a NaN length)
+    /// or that would make the synthetic batch unbounded: each message names the key.
+    pub fn validate(&self) -> Result<(), String> {
+        let bad =
+            |key: &str, v: String, want: &str| Err(format!("plan.mix.{key} = {v}: must be {want}"));
+        if !(self.text_median.is_finite() && (1.0..=1e7).contains(&self.text_median)) {
+            return bad(
+                "text_median",
+                self.text_median.to_string(),
+                "tokens in [1, 1e7]",
+            );
+        }
+        if !(self.text_sigma.is_finite() && (0.0..=5.0).contains(&self.text_sigma)) {
+            return bad("text_sigma", self.text_sigma.to_string(), "in [0, 5]");
+        }
+        for (key, p) in [
+            ("image_prob", self.image_prob),
+            ("audio_prob", self.audio_prob),
+        ] {
+            if !(0.0..=1.0).contains(&p) {
+                return bad(key, p.to_string(), "a probability in [0, 1]");
+            }
+        }
+        for (key, n) in [
+            ("images_max", self.images_max),
+            ("clips_max", self.clips_max),
+        ] {
+            if !(1..=4096).contains(&n) {
+                return bad(key, n.to_string(), "from 1 to 4096");
+            }
+        }
+        let [lo, hi] = self.clip_s;
+        if !(lo.is_finite() && hi.is_finite() && 0.0 < lo && lo <= hi && hi <= 3600.0) {
+            return bad(
+                "clip_s",
+                format!("[{lo}, {hi}]"),
+                "[min, max] seconds with 0 < min <= max <= 3600",
+            );
+        }
+        Ok(())
+    }
+}
+
 fn one() -> usize {
     1
 }

@@ -57,6 +57,38 @@ fn send_signal(child: &Child, sig: i32) {
     }
 }
 
+/// A rank whose launcher dies (`kill -9`, an OOM kill) gets SIGTERM, as from a Ctrl-C
+/// forwarded by a living one: it finishes its step, checkpoints and exits, instead of
+/// training on unsupervised, its output going nowhere (its own process group keeps the
+/// terminal's signals from reaching it directly).
+#[cfg(target_os = "linux")]
+fn stop_with_parent(cmd: &mut Command) {
+    // SAFETY: getpid(2) is async-signal-safe; called in the launcher, before the fork.
+    let launcher = unsafe { libc::getpid() };
+    let hook = move || {
+        // SAFETY: prctl(2) and getppid(2) are async-signal-safe system calls, which is all
+        // a pre_exec hook may make between fork and exec; neither touches our memory.
+        unsafe {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The launcher died before the line above: the signal will not come.
+            if libc::getppid() != launcher {
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+            }
+        }
+        Ok(())
+    };
+    // SAFETY: the hook only makes the async-signal-safe calls above (no allocation on
+    // its success path, no locks).
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(cmd, hook);
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn stop_with_parent(_cmd: &mut Command) {}
+
 /// Copies a child's output to ours, a line at a time, each prefixed with its rank.
 fn relay(
     stream: impl std::io::Read + Send + 'static,
@@ -100,11 +132,23 @@ fn describe(status: ExitStatus) -> String {
 /// overflow long before an infinite one.
 const MAX_GRACE_S: f64 = 86_400.0;
 
+/// The most ranks `braid launch` starts on one machine (one per GPU, or CPU ranks).
+const MAX_NPROC_PER_NODE: usize = 1024;
+
 pub fn run(args: LaunchArgs) -> ExitCode {
     if args.nproc_per_node == 0 || args.nnodes == 0 || args.node_rank >= args.nnodes {
         eprintln!(
             "braid launch: need --nproc-per-node >= 1 and --node-rank < --nnodes (got {}, {} of {})",
             args.nproc_per_node, args.node_rank, args.nnodes
+        );
+        return ExitCode::from(2);
+    }
+    // Each rank is a process with two relay threads here: thousands would exhaust the
+    // machine's threads midway (an abort that leaves the started ranks behind).
+    if args.nproc_per_node > MAX_NPROC_PER_NODE {
+        eprintln!(
+            "braid launch: --nproc-per-node {} is more than {MAX_NPROC_PER_NODE} processes on one machine",
+            args.nproc_per_node
         );
         return ExitCode::from(2);
     }
@@ -150,6 +194,7 @@ pub fn run(args: LaunchArgs) -> ExitCode {
         // Own process group: a Ctrl-C in the terminal reaches the launcher only, which
         // forwards it once to every rank.
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        stop_with_parent(&mut cmd);
         match cmd.spawn() {
             Ok(mut child) => {
                 if let Some(o) = child.stdout.take() {

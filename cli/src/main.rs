@@ -1,6 +1,24 @@
 //! The `braid` command: one subcommand per job (see DESIGN.md, "Who uses it, and how").
 //!
 
+// A reader that went away (`braid train ... 2>&1 | head`, a launcher's pipe closed) must
+// not end a run: std's print macros panic on a failed write ("failed printing to stderr:
+// Broken pipe") and training would stop between checkpoints with its metrics cut short.
+// These shadow them in every module below: a failed write to the terminal is dropped, and
+// the run, its metrics file and its log go on.
+macro_rules! eprintln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+macro_rules! println {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 mod demo;
 mod forward;
 mod generate;

@@ -2,7 +2,7 @@
 //! side by side with the best LLM-centric layout (and brute force where the space is
 //! small), an explanation of what binds, and the plan file `braid train` reads.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use braid_balancer::cluster::GIB;
 use braid_balancer::plan::bound::{BoundPart, Gap};
@@ -89,6 +89,51 @@ fn bytes(x: f64) -> String {
     }
 }
 
+/// Refuses, before the search, outputs that could not be written or would overwrite an
+/// input or each other: a folder that does not exist, a path that is a folder, two flags
+/// naming one file, a file that is the config. (Found after the search, the plan file
+/// would already be written when the trace failed.)
+fn check_outputs(a: &PlanArgs) -> Result<(), String> {
+    let mut outs: Vec<(&str, &Path)> = vec![("--out", a.out.as_path())];
+    outs.extend(a.baseline_out.as_deref().map(|p| ("--baseline-out", p)));
+    outs.extend(a.trace.as_deref().map(|p| ("--trace", p)));
+    // The same file under two spellings (`plan.toml`, `./plan.toml`): compared by the
+    // canonical folder and the file name.
+    let key = |p: &Path| -> Option<PathBuf> {
+        let parent = match p.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        let parent = parent.canonicalize().ok().filter(|d| d.is_dir())?;
+        Some(parent.join(p.file_name()?))
+    };
+    let config = a.config.canonicalize().ok();
+    let mut seen: Vec<(&str, PathBuf)> = Vec::new();
+    for (flag, path) in outs {
+        let shown = path.display();
+        if path.file_name().is_none() || path.is_dir() {
+            return Err(format!("{flag} {shown}: a folder, not a file to write"));
+        }
+        let Some(k) = key(path) else {
+            return Err(format!(
+                "{flag} {shown}: its folder does not exist or is not a folder (create it first)"
+            ));
+        };
+        if config.as_ref() == Some(&k) {
+            return Err(format!(
+                "{flag} {shown} is the config itself: writing there would replace it"
+            ));
+        }
+        if let Some((other, _)) = seen.iter().find(|(_, p)| *p == k) {
+            return Err(format!(
+                "{flag} {shown} names the same file as {other}: give each its own"
+            ));
+        }
+        seen.push((flag, k));
+    }
+    Ok(())
+}
+
 fn plan_cmd(a: &PlanArgs) -> Result<(), String> {
     let mut sets = a.sets.clone();
     if let Some(n) = a.check {
@@ -110,6 +155,7 @@ fn plan_cmd(a: &PlanArgs) -> Result<(), String> {
             ));
         }
     };
+    check_outputs(a)?;
     let p = plan(
         &cfg,
         gpus,

@@ -290,6 +290,26 @@ fn a_run_writes_metrics_checkpoints_eval_plot_and_export() {
     assert!(text(&o).contains("--resume"), "{}", text(&o));
 }
 
+/// A reader that goes away (`braid train ... 2>&1 | head -1`) does not end the run: it
+/// trains to the end and logs every step, the same bits as the run whose output was read.
+#[test]
+fn a_closed_output_pipe_does_not_stop_the_run() {
+    let want = reference();
+    let dir = fixture().join("runs/closed-pipe");
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut child = train(&dir, &["--set", "eval.interval=6"]).spawn().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let mut first = [0u8; 1];
+    std::io::Read::read_exact(&mut stderr, &mut first).unwrap();
+    drop(stderr);
+    drop(child.stdout.take());
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    assert_eq!(losses(&dir), want.losses);
+    // What the run writes after its last step is there too.
+    assert!(dir.join("eval.json").is_file() && dir.join("loss.png").is_file());
+}
+
 #[test]
 fn non_finite_steps_are_skipped_then_stop_the_run() {
     let dir = fixture().join("runs/nan");

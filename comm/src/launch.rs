@@ -42,6 +42,10 @@ pub struct LaunchEnv {
     /// `BRAID_STORE_TIMEOUT_S` (seconds, default [`DEFAULT_STORE_TIMEOUT_S`]); raise it
     /// where nodes start far apart (a slow container pull on rank 0's node).
     pub store_timeout: std::time::Duration,
+    /// How long a rank waits for rank 0 to set the run up (pack the dataset when it is
+    /// missing, check the config): `BRAID_SETUP_TIMEOUT_S` (seconds, default
+    /// [`DEFAULT_SETUP_TIMEOUT_S`]); raise it where packing takes longer than an hour.
+    pub setup_timeout: std::time::Duration,
 }
 
 /// A launcher variable that is missing or malformed: names it and its value.
@@ -58,21 +62,49 @@ pub const DEFAULT_MASTER_PORT: u16 = 29500;
 /// How long a rank dials rank 0's store by default, in seconds.
 pub const DEFAULT_STORE_TIMEOUT_S: f64 = 120.0;
 
-/// `BRAID_STORE_TIMEOUT_S`: seconds in (0, 86400], default [`DEFAULT_STORE_TIMEOUT_S`].
-fn store_timeout(
-    var: &impl Fn(&str) -> Option<String>,
-    name: &'static str,
-) -> Result<std::time::Duration, LaunchEnvError> {
-    const KEY: &str = "BRAID_STORE_TIMEOUT_S";
-    let Some(v) = var(KEY) else {
-        return Ok(std::time::Duration::from_secs_f64(DEFAULT_STORE_TIMEOUT_S));
-    };
-    match v.trim().parse::<f64>() {
-        Ok(s) if s > 0.0 && s <= 86_400.0 => Ok(std::time::Duration::from_secs_f64(s)),
-        _ => Err(err(
-            name,
-            format!("{KEY}={v:?} is not a number of seconds in (0, 86400]"),
-        )),
+/// How long a rank waits for rank 0 to set the run up by default, in seconds.
+pub const DEFAULT_SETUP_TIMEOUT_S: f64 = 3600.0;
+
+/// A duration variable: seconds in (0, `max`], `default` when unset.
+struct Seconds {
+    key: &'static str,
+    default: f64,
+    max: f64,
+}
+
+/// `BRAID_STORE_TIMEOUT_S`: up to a day.
+const STORE_TIMEOUT: Seconds = Seconds {
+    key: "BRAID_STORE_TIMEOUT_S",
+    default: DEFAULT_STORE_TIMEOUT_S,
+    max: 86_400.0,
+};
+
+/// `BRAID_SETUP_TIMEOUT_S`: up to a week (packing a large dataset).
+const SETUP_TIMEOUT: Seconds = Seconds {
+    key: "BRAID_SETUP_TIMEOUT_S",
+    default: DEFAULT_SETUP_TIMEOUT_S,
+    max: 604_800.0,
+};
+
+impl Seconds {
+    fn read(
+        &self,
+        var: &impl Fn(&str) -> Option<String>,
+        name: &'static str,
+    ) -> Result<std::time::Duration, LaunchEnvError> {
+        let Some(v) = var(self.key) else {
+            return Ok(std::time::Duration::from_secs_f64(self.default));
+        };
+        match v.trim().parse::<f64>() {
+            Ok(s) if s > 0.0 && s <= self.max => Ok(std::time::Duration::from_secs_f64(s)),
+            _ => Err(err(
+                name,
+                format!(
+                    "{}={v:?} is not a number of seconds in (0, {}]",
+                    self.key, self.max
+                ),
+            )),
+        }
     }
 }
 
@@ -235,7 +267,8 @@ fn torchrun(
         local_world_size,
         master_addr: master_addr.trim().to_string(),
         store_port: store_port(var, launcher, name)?,
-        store_timeout: store_timeout(var, name)?,
+        store_timeout: STORE_TIMEOUT.read(var, name)?,
+        setup_timeout: SETUP_TIMEOUT.read(var, name)?,
     })
 }
 
@@ -276,7 +309,8 @@ fn slurm(var: &impl Fn(&str) -> Option<String>) -> Result<LaunchEnv, LaunchEnvEr
         local_world_size,
         master_addr,
         store_port: store_port(var, Launcher::Slurm, NAME)?,
-        store_timeout: store_timeout(var, NAME)?,
+        store_timeout: STORE_TIMEOUT.read(var, NAME)?,
+        setup_timeout: SETUP_TIMEOUT.read(var, NAME)?,
     })
 }
 

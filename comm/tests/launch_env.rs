@@ -56,37 +56,54 @@ fn torchrun_variables() {
     assert_eq!(e.store_addr(), "h:40000");
 }
 
-/// How long a rank dials rank 0's store: 120 s unless `BRAID_STORE_TIMEOUT_S` says
-/// otherwise (nodes that start far apart); a value that is no positive number of seconds
-/// up to a day is refused by name, under every launcher.
+/// How long a rank dials rank 0's store (120 s) and waits for rank 0 to set the run up
+/// (an hour: it may pack the data) unless `BRAID_STORE_TIMEOUT_S` / `BRAID_SETUP_TIMEOUT_S`
+/// say otherwise; a value that is no positive number of seconds up to the key's limit is
+/// refused by name, under every launcher.
 #[test]
-fn the_store_timeout_comes_from_the_environment() {
+fn the_store_and_setup_timeouts_come_from_the_environment() {
     let torchrun = [("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")];
     let slurm = [
         ("SLURM_PROCID", "1"),
         ("SLURM_NTASKS", "2"),
         ("SLURM_JOB_NODELIST", "n[1-2]"),
     ];
+    type Pick = fn(&LaunchEnv) -> Duration;
+    let keys: [(&str, u64, &str, &str, Pick); 2] = [
+        ("BRAID_STORE_TIMEOUT_S", 120, "86400", "(0, 86400]", |e| {
+            e.store_timeout
+        }),
+        (
+            "BRAID_SETUP_TIMEOUT_S",
+            3600,
+            "604800",
+            "(0, 604800]",
+            |e| e.setup_timeout,
+        ),
+    ];
     for base in [&torchrun[..], &slurm[..]] {
-        let with = |t: Option<&str>| {
-            let mut v = base.to_vec();
-            if let Some(t) = t {
-                v.push(("BRAID_STORE_TIMEOUT_S", t));
+        for (key, default, max, range, pick) in keys {
+            let with = |t: Option<&str>| {
+                let mut v = base.to_vec();
+                if let Some(t) = t {
+                    v.push((key, t));
+                }
+                env(&v)
+            };
+            let e = with(None).unwrap().unwrap();
+            assert_eq!(pick(&e), Duration::from_secs(default), "{key}");
+            for (t, secs) in [("900", 900.0), (" 0.5 ", 0.5), (max, max.parse().unwrap())] {
+                let e = with(Some(t)).unwrap().unwrap();
+                assert_eq!(pick(&e), Duration::from_secs_f64(secs), "{key}={t:?}");
             }
-            env(&v)
-        };
-        let e = with(None).unwrap().unwrap();
-        assert_eq!(e.store_timeout, Duration::from_secs(120));
-        for (t, secs) in [("900", 900.0), (" 0.5 ", 0.5), ("86400", 86_400.0)] {
-            let e = with(Some(t)).unwrap().unwrap();
-            assert_eq!(e.store_timeout, Duration::from_secs_f64(secs), "{t:?}");
-        }
-        for t in ["0", "-5", "nan", "inf", "86401", "1e30", "ten", ""] {
-            let msg = with(Some(t)).unwrap_err();
-            assert!(
-                msg.contains(&format!("BRAID_STORE_TIMEOUT_S={t:?}")) && msg.contains("(0, 86400]"),
-                "{t:?}: {msg}"
-            );
+            let above = format!("{}", max.parse::<u64>().unwrap() + 1);
+            for t in ["0", "-5", "nan", "inf", &above, "1e30", "ten", ""] {
+                let msg = with(Some(t)).unwrap_err();
+                assert!(
+                    msg.contains(&format!("{key}={t:?}")) && msg.contains(range),
+                    "{key}={t:?}: {msg}"
+                );
+            }
         }
     }
 }

@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! cargo run --release -p braid -- profile --out /tmp/cpu.toml
-//! cargo run --release -p braid-train --example validate_plan -- --cluster /tmp/cpu.toml [--steps 12] [--rounds 3] [--only NAME,NAME]
+//! cargo run --release -p braid-train --example validate_plan -- --cluster /tmp/cpu.toml [--steps 12] [--rounds 3] [--only NAME,NAME] [--save FILE | --measured FILE]
 //! ```
 //! Run from the repository root (the config's data paths are relative to it).
 
@@ -198,6 +198,11 @@ struct Args {
     /// layout alike instead of on the few that ran during it.
     rounds: usize,
     only: Option<Vec<String>>,
+    /// Writes each layout's measured step (`name<TAB>seconds`) here.
+    save: Option<PathBuf>,
+    /// Takes the measured steps from a file `--save` wrote instead of training: the same
+    /// measurements predicted with another profile (the profile is the noisy part).
+    measured: Option<PathBuf>,
 }
 
 fn args() -> Res<Args> {
@@ -208,6 +213,8 @@ fn args() -> Res<Args> {
         batches: 8,
         rounds: 1,
         only: None,
+        save: None,
+        measured: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -219,6 +226,8 @@ fn args() -> Res<Args> {
             "--batches" => a.batches = v()?.parse().map_err(|e| format!("--batches: {e}"))?,
             "--rounds" => a.rounds = v()?.parse().map_err(|e| format!("--rounds: {e}"))?,
             "--only" => a.only = Some(v()?.split(',').map(str::to_string).collect()),
+            "--save" => a.save = Some(PathBuf::from(v()?)),
+            "--measured" => a.measured = Some(PathBuf::from(v()?)),
             _ => return Err(format!("unknown argument {k}")),
         }
     }
@@ -299,19 +308,17 @@ fn run() -> Res<()> {
         .iter()
         .filter(|(name, _)| a.only.as_ref().is_none_or(|o| o.iter().any(|x| x == name)))
         .collect();
-    // Per layout: every timed step of every round.
-    let mut timed: Vec<Vec<f64>> = vec![Vec::new(); chosen.len()];
-    for round in 0..a.rounds.max(1) {
-        for (i, (name, sets)) in chosen.iter().enumerate() {
-            let dir = root.join(format!("run{i}"));
-            let cfg = config(&a, &dir, sets)?;
-            eprintln!("{name}: round {round}, training {} steps ...", a.steps);
-            let mut obs = Steps(Vec::new());
-            train(cfg, false, &mut obs).map_err(|e| format!("{name}: {e}"))?;
-            timed[i].extend(obs.0.iter().skip(2).copied());
-            // Each run writes a final checkpoint; drop it before the next.
-            let _ = std::fs::remove_dir_all(&dir);
-        }
+    let measured = match &a.measured {
+        Some(path) => read_measured(path, &chosen)?,
+        None => measure(&a, &root, &chosen)?,
+    };
+    if let Some(path) = &a.save {
+        let text: String = chosen
+            .iter()
+            .zip(&measured)
+            .map(|((name, _), m)| format!("{name}\t{m}\n"))
+            .collect();
+        std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))?;
     }
     let mut rows = Vec::new();
     for (i, (name, sets)) in chosen.iter().enumerate() {
@@ -325,7 +332,7 @@ fn run() -> Res<()> {
             Ok(sum / a.batches as f64)
         };
         let (predicted, base) = (predict(&problem)?, predict(&flops_only)?);
-        let measured = median(&timed[i]);
+        let measured = measured[i];
         eprintln!("{name}: measured {measured:.4} s, predicted {predicted:.4} s");
         rows.push((name.to_string(), measured, predicted, base));
     }
@@ -361,4 +368,50 @@ fn run() -> Res<()> {
         );
     }
     Ok(())
+}
+
+/// Trains every chosen layout `a.rounds` times, interleaved; each layout's median step.
+fn measure(a: &Args, root: &Path, chosen: &[&(&str, &[&str])]) -> Res<Vec<f64>> {
+    // Per layout: every timed step of every round.
+    let mut timed: Vec<Vec<f64>> = vec![Vec::new(); chosen.len()];
+    for round in 0..a.rounds.max(1) {
+        for (i, (name, sets)) in chosen.iter().enumerate() {
+            let dir = root.join(format!("run{i}"));
+            let cfg = config(a, &dir, sets)?;
+            eprintln!("{name}: round {round}, training {} steps ...", a.steps);
+            let mut obs = Steps(Vec::new());
+            train(cfg, false, &mut obs).map_err(|e| format!("{name}: {e}"))?;
+            timed[i].extend(obs.0.iter().skip(2).copied());
+            // Each run writes a final checkpoint; drop it before the next.
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
+    Ok(timed.iter().map(|t| median(t)).collect())
+}
+
+/// The measured steps a `--save` file holds, in the order of `chosen`.
+fn read_measured(path: &Path, chosen: &[&(&str, &[&str])]) -> Res<Vec<f64>> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut found = std::collections::HashMap::new();
+    for (n, line) in text.lines().enumerate() {
+        let (name, secs) = line.split_once('\t').ok_or(format!(
+            "{}:{}: expected NAME<TAB>SECONDS",
+            path.display(),
+            n + 1
+        ))?;
+        let secs: f64 = secs
+            .trim()
+            .parse()
+            .map_err(|e| format!("{}:{}: {e}", path.display(), n + 1))?;
+        found.insert(name.to_string(), secs);
+    }
+    chosen
+        .iter()
+        .map(|(name, _)| {
+            found.get(*name).copied().ok_or(format!(
+                "{}: no measurement of layout {name:?}",
+                path.display()
+            ))
+        })
+        .collect()
 }

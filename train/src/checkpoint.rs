@@ -233,7 +233,35 @@ pub fn finish(
 pub fn read_state(dir: &Path) -> Result<TrainState> {
     let p = dir.join(STATE_FILE);
     let text = std::fs::read_to_string(&p).map_err(io_err(&p, "read"))?;
-    serde_json::from_str(&text).map_err(|e| ckpt_err(&p, format!("invalid state.json: {e}")))
+    let state: TrainState = serde_json::from_str(&text)
+        .map_err(|e| ckpt_err(&p, format!("invalid state.json: {e}")))?;
+    // The folder is named after the step it holds: a state that disagrees was edited or
+    // damaged, and resuming from it would retrain (and overwrite) logged steps or skip
+    // the rest of the run.
+    let named = dir
+        .file_name()
+        .and_then(|n| n.to_str()?.strip_prefix("step-")?.parse::<u64>().ok());
+    if let Some(n) = named
+        && n != state.step
+    {
+        return Err(ckpt_err(
+            &p,
+            format!(
+                "says step {} but the folder holds step {n}: the checkpoint is damaged",
+                state.step
+            ),
+        ));
+    }
+    if state.optimizer_step > state.step || state.skipped_steps > state.step {
+        return Err(ckpt_err(
+            &p,
+            format!(
+                "optimizer_step {} and skipped_steps {} cannot exceed step {}: the checkpoint is damaged",
+                state.optimizer_step, state.skipped_steps, state.step
+            ),
+        ));
+    }
+    Ok(state)
 }
 
 /// Overwrites every weight of `model` from checkpoint `dir` (one rank's

@@ -271,6 +271,23 @@ pub fn write_plan(path: &Path, timeline: &braid_balancer::plan::step::PlanTimeli
 /// a finite time and last a finite, non-negative time: a hostile or corrupt file is an
 /// error naming the span, not a picture stretched to 1e308 µs.
 pub fn read(path: &Path) -> Result<TraceFile> {
+    // A device (`/dev/zero`), a FIFO or a runaway file would be read until memory ran
+    // out: only a regular file, and one a run could have written.
+    const MAX_BYTES: u64 = 4 << 30;
+    let meta = std::fs::metadata(path).map_err(io_err(path, "read"))?;
+    if !meta.is_file() {
+        return Err(TrainError::Other(format!(
+            "{}: not a regular file (a trace is a JSON file)",
+            path.display()
+        )));
+    }
+    if meta.len() > MAX_BYTES {
+        return Err(TrainError::Other(format!(
+            "{}: {} bytes, more than a trace of {MAX_BYTES} bytes this reads",
+            path.display(),
+            meta.len()
+        )));
+    }
     let text = std::fs::read_to_string(path).map_err(io_err(path, "read"))?;
     let file: TraceFile = serde_json::from_str(&text)
         .map_err(|e| TrainError::Other(format!("{}: not a Chrome trace: {e}", path.display())))?;

@@ -207,6 +207,20 @@ fn a_checkpoint_resumes_under_another_layout() {
     let copy = run_dir("switch-one-rank");
     let _ = std::fs::remove_dir_all(&copy);
     copy_dir(&dir, &copy);
+    // A copy that lost one rank's file: resuming names the file, not a missing tensor.
+    let lost = run_dir("switch-lost-rank");
+    let _ = std::fs::remove_dir_all(&lost);
+    copy_dir(&dir, &lost);
+    std::fs::remove_file(lost.join("checkpoints/step-00000010/model-rank-00003.safetensors"))
+        .unwrap();
+    let e = train(config(&lost, &[]), true, &mut Quiet)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("model-rank-00003.safetensors is missing") && e.contains("step-00000010"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&lost);
 
     // Resumed interleaved: each stage's two chunks load their layers by name.
     let second = [

@@ -253,6 +253,27 @@ fn checkpoints_restore_weights_and_moments_exactly() {
         checkpoint::save(&root, &m, &opt, &state, &[("config.toml", b"x")], 2, false).unwrap();
     assert_eq!(checkpoint::latest(&root).unwrap().unwrap().1, saved);
     assert_eq!(checkpoint::read_state(&saved).unwrap(), state);
+    // An edited or damaged state.json: a step that is not the folder's, counters past it.
+    let text = std::fs::read_to_string(saved.join("state.json")).unwrap();
+    for (from, to, says) in [
+        ("\"step\": 1,", "\"step\": 0,", "the folder holds step 1"),
+        (
+            "\"step\": 1,",
+            "\"step\": 18446744073709551615,",
+            "the folder holds step 1",
+        ),
+        (
+            "\"optimizer_step\": 1,",
+            "\"optimizer_step\": 7,",
+            "cannot exceed step 1",
+        ),
+    ] {
+        assert!(text.contains(from), "{text}");
+        std::fs::write(saved.join("state.json"), text.replace(from, to)).unwrap();
+        let e = checkpoint::read_state(&saved).unwrap_err().to_string();
+        assert!(e.contains(says) && e.contains("damaged"), "{to}: {e}");
+    }
+    std::fs::write(saved.join("state.json"), &text).unwrap();
 
     let mut fresh =
         Mllm::new(model_config(&cfg).unwrap(), &Init::for_loading(Device::Cpu)).unwrap();

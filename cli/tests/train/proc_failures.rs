@@ -233,3 +233,55 @@ fn a_rank_that_cannot_set_up_its_share_stops_every_process_at_once() {
         "the vision rank says why: {out}"
     );
 }
+
+/// `kill -9` on `braid launch` (nothing left to forward a signal or relay output): every
+/// rank gets SIGTERM from the kernel, finishes its step, checkpoints and exits, instead of
+/// training on unsupervised.
+#[test]
+fn the_ranks_stop_when_their_launcher_is_killed() {
+    reference();
+    let dir = fixture().join("runs/procs-launcher-kill9");
+    let mut child = launch(3, &dir, &["--set", "train.steps=400"])
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while !std::fs::read_to_string(dir.join("metrics.jsonl")).is_ok_and(|m| m.lines().count() >= 2)
+    {
+        assert!(t.elapsed() < Duration::from_secs(120), "no progress");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let ranks: Vec<u32> = (0..3)
+        .map(|r| rank_pid(&dir, r).expect("a rank's process"))
+        .collect();
+    child.kill().unwrap(); // SIGKILL to the launcher only
+    let _ = child.wait();
+    let t = Instant::now();
+    while ranks
+        .iter()
+        .any(|p| Path::new(&format!("/proc/{p}")).exists())
+    {
+        if t.elapsed() > Duration::from_secs(60) {
+            for p in &ranks {
+                let _ = Command::new("kill").args(["-9", &p.to_string()]).status();
+            }
+            panic!("the ranks outlived their launcher by 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let steps = std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .count();
+    assert!(
+        steps < 400,
+        "stopped early, not trained to the end: {steps} steps"
+    );
+    // They stopped as on a forwarded SIGTERM: with a checkpoint of the last step.
+    assert!(
+        std::fs::read_dir(dir.join("checkpoints"))
+            .unwrap()
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().starts_with("step-")),
+        "no checkpoint written on the way out"
+    );
+}

@@ -61,6 +61,10 @@ fn parse_stored(stored: &str) -> Result<(String, Shard)> {
 #[derive(Debug)]
 pub struct SliceReader {
     dir: PathBuf,
+    /// "model" or "optim".
+    kind: String,
+    /// How many rank files were read (0: one `<kind>.safetensors`).
+    ranks: usize,
     files: WeightFiles,
     /// Full name -> its stored pieces: (which slice, stored name).
     pieces: BTreeMap<String, Vec<(Shard, String)>>,
@@ -73,21 +77,12 @@ impl SliceReader {
         } else {
             OPTIM_FILE
         });
-        let paths: Vec<PathBuf> = if single.exists() {
-            vec![single]
+        let (paths, ranks) = if single.exists() {
+            (vec![single], 0)
         } else {
-            let prefix = format!("{kind}-rank-");
-            let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-                .map_err(crate::error::io_err(dir, "list"))?
-                .flatten()
-                .map(|e| e.path())
-                .filter(|p| {
-                    p.file_name()
-                        .is_some_and(|n| n.to_string_lossy().starts_with(&prefix))
-                })
-                .collect();
-            v.sort();
-            v
+            let paths = rank_files(dir, kind)?;
+            let n = paths.len();
+            (paths, n)
         };
         if paths.is_empty() {
             return Err(ckpt_err(
@@ -106,6 +101,8 @@ impl SliceReader {
         }
         Ok(SliceReader {
             dir: dir.to_path_buf(),
+            kind: kind.to_string(),
+            ranks,
             files,
             pieces,
         })
@@ -133,7 +130,7 @@ impl SliceReader {
         let pieces = self
             .pieces
             .get(name)
-            .ok_or_else(|| ckpt_err(&self.dir, format!("no tensor `{name}`")))?;
+            .ok_or_else(|| ckpt_err(&self.dir, self.no_tensor(name)))?;
         if let Some((_, stored)) = pieces.iter().find(|(s, _)| *s == want) {
             return Ok(self.files.load(stored, dims, device)?);
         }
@@ -154,6 +151,18 @@ impl SliceReader {
 }
 
 impl SliceReader {
+    fn no_tensor(&self, name: &str) -> String {
+        match self.ranks {
+            0 => format!("no tensor `{name}`"),
+            n => format!(
+                "no tensor `{name}` in its {n} {kind}-rank files (ranks 0-{last}): the \
+                 checkpoint is of another model, or the file of a rank after {last} is missing",
+                kind = self.kind,
+                last = n - 1
+            ),
+        }
+    }
+
     /// The full tensor `name` from its stored slices, read straight from the files into
     /// one buffer (no per-slice copies): (data, dims).
     fn join(&self, name: &str, pieces: &[(Shard, String)]) -> Result<(Vec<f32>, Vec<usize>)> {
@@ -174,6 +183,42 @@ impl SliceReader {
         }
         Ok((data, join.dims))
     }
+}
+
+/// The `<kind>-rank-NNNNN.safetensors` files of checkpoint `dir`, in rank order; an
+/// error names the first rank whose file is missing below the highest one (every rank
+/// writes both of its files, even empty, so a gap is a damaged checkpoint). Other names
+/// that merely start like one (an editor's backup, a copy's `.partial`) are not read.
+fn rank_files(dir: &Path, kind: &str) -> Result<Vec<PathBuf>> {
+    let prefix = format!("{kind}-rank-");
+    let mut by_rank: BTreeMap<usize, PathBuf> = BTreeMap::new();
+    for entry in std::fs::read_dir(dir)
+        .map_err(crate::error::io_err(dir, "list"))?
+        .flatten()
+    {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let rank = name
+            .strip_prefix(&prefix)
+            .and_then(|r| r.strip_suffix(".safetensors"))
+            .filter(|r| r.len() >= 5 && r.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|r| r.parse::<usize>().ok());
+        if let Some(rank) = rank {
+            by_rank.insert(rank, entry.path());
+        }
+    }
+    if let Some(missing) = (0..by_rank.len()).find(|r| !by_rank.contains_key(r)) {
+        let last = by_rank.keys().next_back().copied().unwrap_or(0);
+        return Err(ckpt_err(
+            dir,
+            format!(
+                "{} is missing (the checkpoint holds {kind} files of {} ranks up to rank \
+                 {last}): the checkpoint is incomplete",
+                rank_file(kind, missing),
+                by_rank.len()
+            ),
+        ));
+    }
+    Ok(by_rank.into_values().collect())
 }
 
 /// How slices make their full tensor: each slice is `outer` runs of `inner` elements,
@@ -376,13 +421,39 @@ mod tests {
                 assert_eq!(got.to_vec_f32().unwrap(), data, "{dim}/{size} -> {d2}/{s2}");
             }
             if size > 2 {
-                std::fs::remove_file(dir.path().join("c").join(rank_file("model", 1))).unwrap();
+                // A stray file named like a rank's is not read.
+                std::fs::write(
+                    dir.path()
+                        .join("c")
+                        .join("model-rank-00001.safetensors.partial"),
+                    b"junk",
+                )
+                .unwrap();
+                assert!(SliceReader::open(&dir.path().join("c"), "model").is_ok());
+                // The last rank's file gone: the tensor's slices are incomplete.
+                let last = rank_file("model", size - 1);
+                std::fs::remove_file(dir.path().join("c").join(&last)).unwrap();
                 let r = SliceReader::open(&dir.path().join("c"), "model").unwrap();
                 let e = r
                     .tensor("w", Shard::Full, &dims, Device::Cpu)
                     .unwrap_err()
                     .to_string();
                 assert!(e.contains("`w`") && e.contains("incomplete"), "{e}");
+                let e = r
+                    .tensor("v", Shard::Full, &dims, Device::Cpu)
+                    .unwrap_err()
+                    .to_string();
+                assert!(e.contains("no tensor `v`") && e.contains("ranks 0-"), "{e}");
+                // A rank below the highest gone: named when the checkpoint opens.
+                std::fs::remove_file(dir.path().join("c").join(rank_file("model", 0))).unwrap();
+                let e = SliceReader::open(&dir.path().join("c"), "model")
+                    .unwrap_err()
+                    .to_string();
+                assert!(
+                    e.contains("model-rank-00000.safetensors is missing")
+                        && e.contains("incomplete"),
+                    "{e}"
+                );
             }
         }
     }

@@ -36,11 +36,6 @@ pub fn transport(on_gpu: bool) -> &'static str {
     }
 }
 
-/// How long a rank waits for rank 0 to set the run up (packing a dataset can take a
-/// while; a rank 0 that dies ends the wait at once, since it serves the store). How long
-/// it dials the store is the environment's (`LaunchEnv::store_timeout`).
-const SETUP_WAIT: Duration = Duration::from_secs(3600);
-
 /// This process's place in a world of processes, and its store connection.
 #[derive(Debug)]
 pub struct Processes {
@@ -151,8 +146,10 @@ pub fn train(
             .store
             .wait(
                 STATUS,
-                SETUP_WAIT,
-                "rank 0 sets the run up (and packs the data if needed)",
+                // Packing a dataset can take a while; a rank 0 that dies ends the wait at
+                // once, since it serves the store.
+                env.setup_timeout,
+                "rank 0 sets the run up (and packs the data if needed; BRAID_SETUP_TIMEOUT_S sets how long to wait)",
             )
             .map_err(store_err)?;
         let _ = p.store.add(SEEN, 1);

@@ -237,6 +237,24 @@ pub fn workload(cfg: &RunConfig, model: &MllmConfig, data: Option<&Path>) -> Res
         err("planning needs train.batch_rows (the global batch in packed rows)".into())
     })?;
     let sec = cfg.plan.clone().unwrap_or_default();
+    // The synthetic rows are packed first-fit, in time quadratic in their number: past
+    // these the planner would run for hours (or allocate terabytes) before a word.
+    if sec
+        .seq_len
+        .is_some_and(|l| !(1..=MAX_PLAN_SEQ_LEN).contains(&l))
+    {
+        return Err(err(format!(
+            "plan.seq_len = {}: must be from 1 to {MAX_PLAN_SEQ_LEN} tokens",
+            sec.seq_len.unwrap_or(0)
+        )));
+    }
+    let sampled = batch_rows.saturating_mul(sec.batches.max(1));
+    if sampled > MAX_PLAN_ROWS {
+        return Err(err(format!(
+            "train.batch_rows {batch_rows} x plan.batches {} = {sampled} rows to sample: at most {MAX_PLAN_ROWS} (lower train.batch_rows or plan.batches)",
+            sec.batches.max(1)
+        )));
+    }
     if let Some(dir) = data {
         let (rows, max_len) = rows_of_shards(dir, batch_rows * sec.batches.max(1))?;
         return Ok(Workload {
@@ -248,6 +266,7 @@ pub fn workload(cfg: &RunConfig, model: &MllmConfig, data: Option<&Path>) -> Res
     let mix = sec.mix.clone().ok_or_else(|| {
         err("planning needs --data DIR (packed shards) or a [plan.mix] section (a synthetic length distribution)".into())
     })?;
+    mix.validate().map_err(err)?;
     let seq_len = sec.seq_len.unwrap_or(4096);
     let dims = model_dims(model);
     let media = media_tokens(model, &dims);
@@ -257,6 +276,11 @@ pub fn workload(cfg: &RunConfig, model: &MllmConfig, data: Option<&Path>) -> Res
         + mix.audio_prob * (1.0 + mix.clips_max as f64) / 2.0 * 1500.0 * media.llm_per_frame;
     let n = ((batch_rows * sec.batches.max(1) + 1) as f64 * seq_len as f64 / mean.max(1.0) * 1.2)
         as usize;
+    if n > MAX_PLAN_SAMPLES {
+        return Err(err(format!(
+            "the [plan.mix] would need {n} samples to fill {sampled} rows of {seq_len} tokens: at most {MAX_PLAN_SAMPLES} (lower plan.seq_len, train.batch_rows or plan.batches, or raise plan.mix.text_median)"
+        )));
+    }
     Ok(Workload {
         rows: generate(&mix, media, n, seq_len, cfg.run.seed),
         batch_rows,
@@ -340,6 +364,13 @@ pub fn plan(
     let workload = workload(cfg, &model, data)?;
     let mut space = Space::new(gpus);
     space.batches = sec.batches.max(1);
+    // Each checked combination is a few simulated steps (tens of ms at 1,024 GPUs).
+    if sec.check > MAX_PLAN_CHECK {
+        return Err(err(format!(
+            "plan.check (--check) {}: at most {MAX_PLAN_CHECK} combinations (each is simulated)",
+            sec.check
+        )));
+    }
     space.check = sec.check;
     let schedules = schedule.unwrap_or(sec.schedule).schedules();
     let search = |problem: &Problem, workload: &Workload, space: &Space| {
@@ -436,13 +467,28 @@ fn search_schedules(
 /// A search's outcome, and each schedule's best step in it.
 type Searched = (Outcome, Vec<(Schedule, f64)>);
 
-/// Global batches [`loader_seconds`] times after its warm-up batch when planning.
+/// The longest `plan.seq_len` the planner takes (a million tokens a row).
+const MAX_PLAN_SEQ_LEN: usize = 1 << 20;
+
+/// The most rows the planner samples (`train.batch_rows` x `plan.batches`).
+const MAX_PLAN_ROWS: usize = 1 << 18;
+
+/// The most combinations `--check` simulates (hours at 1,024 GPUs).
+const MAX_PLAN_CHECK: usize = 1_000_000;
+
+/// The most synthetic samples the planner draws for them.
+const MAX_PLAN_SAMPLES: usize = 1 << 24;
+
+/// Global batches a round of [`loader_seconds`] times when planning.
 pub const LOADER_PROBE_BATCHES: usize = 4;
+
+/// Rounds [`loader_seconds`] takes the median of.
+const LOADER_PROBE_ROUNDS: usize = 5;
 
 /// Compute seconds one rank's loader spends on a global batch of the packed rows at
 /// `data`, in device-seconds (a CPU profile's rates were measured on all its cores; a
 /// loader uses `data.workers` of them): the time per batch of a loader nobody else
-/// competes with, after a warm-up batch.
+/// competes with, after a warm-up, the median of a few rounds of `batches` each.
 pub fn loader_seconds(cfg: &RunConfig, data: &Path, batches: usize) -> Result<f64> {
     let d = &cfg.data;
     let lc = braid_dataloader::loader::LoaderConfig {
@@ -459,13 +505,24 @@ pub fn loader_seconds(cfg: &RunConfig, data: &Path, batches: usize) -> Result<f6
         err(format!("timing the loader on {}: {e}", data.display()))
     };
     let mut loader = braid_dataloader::loader::Loader::open(data, &lc, 0, 1, None).map_err(fail)?;
-    loader.next_batch().map_err(fail)?;
-    let batches = batches.max(1);
-    let t = std::time::Instant::now();
-    for _ in 0..batches {
+    // Warm-up: the first batch, and the `prefetch` batches the workers decode while it is
+    // taken, which would come back at once and read as a faster loader.
+    for _ in 0..=d.prefetch {
         loader.next_batch().map_err(fail)?;
     }
-    let per_batch = t.elapsed().as_secs_f64() / batches as f64;
+    // The median of a few rounds: one timing on a shared machine moves by 10-20 %
+    // between runs (a validation's mean error moved 7 -> 15 % with it).
+    let batches = batches.max(1);
+    let per_batch: Vec<f64> = (0..LOADER_PROBE_ROUNDS)
+        .map(|_| {
+            let t = std::time::Instant::now();
+            for _ in 0..batches {
+                loader.next_batch().map_err(fail)?;
+            }
+            Ok(t.elapsed().as_secs_f64() / batches as f64)
+        })
+        .collect::<Result<_>>()?;
+    let per_batch = braid_balancer::plan::check::median(&per_batch);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     Ok(per_batch * d.workers.min(cores) as f64 / cores as f64)
 }
