@@ -239,13 +239,9 @@ pub fn workload(cfg: &RunConfig, model: &MllmConfig, data: Option<&Path>) -> Res
     let sec = cfg.plan.clone().unwrap_or_default();
     // The synthetic rows are packed first-fit, in time quadratic in their number: past
     // these the planner would run for hours (or allocate terabytes) before a word.
-    if sec
-        .seq_len
-        .is_some_and(|l| !(1..=MAX_PLAN_SEQ_LEN).contains(&l))
-    {
+    if let Some(l) = sec.seq_len.filter(|l| !(1..=MAX_PLAN_SEQ_LEN).contains(l)) {
         return Err(err(format!(
-            "plan.seq_len = {}: must be from 1 to {MAX_PLAN_SEQ_LEN} tokens",
-            sec.seq_len.unwrap_or(0)
+            "plan.seq_len = {l}: must be from 1 to {MAX_PLAN_SEQ_LEN} tokens"
         )));
     }
     let sampled = batch_rows.saturating_mul(sec.batches.max(1));
@@ -256,7 +252,7 @@ pub fn workload(cfg: &RunConfig, model: &MllmConfig, data: Option<&Path>) -> Res
         )));
     }
     if let Some(dir) = data {
-        let (rows, max_len) = rows_of_shards(dir, batch_rows * sec.batches.max(1))?;
+        let (rows, max_len) = rows_of_shards(dir, sampled)?;
         return Ok(Workload {
             rows,
             batch_rows,
@@ -274,8 +270,7 @@ pub fn workload(cfg: &RunConfig, model: &MllmConfig, data: Option<&Path>) -> Res
     let mean = mix.text_median * 1.3
         + mix.image_prob * (1.0 + mix.images_max as f64) / 2.0 * media.image_llm as f64
         + mix.audio_prob * (1.0 + mix.clips_max as f64) / 2.0 * 1500.0 * media.llm_per_frame;
-    let n = ((batch_rows * sec.batches.max(1) + 1) as f64 * seq_len as f64 / mean.max(1.0) * 1.2)
-        as usize;
+    let n = ((sampled + 1) as f64 * seq_len as f64 / mean.max(1.0) * 1.2) as usize;
     if n > MAX_PLAN_SAMPLES {
         return Err(err(format!(
             "the [plan.mix] would need {n} samples to fill {sampled} rows of {seq_len} tokens: at most {MAX_PLAN_SAMPLES} (lower plan.seq_len, train.batch_rows or plan.batches, or raise plan.mix.text_median)"
@@ -361,9 +356,6 @@ pub fn plan(
         overlap_sync,
         sequence_parallel,
     };
-    let workload = workload(cfg, &model, data)?;
-    let mut space = Space::new(gpus);
-    space.batches = sec.batches.max(1);
     // Each checked combination is a few simulated steps (tens of ms at 1,024 GPUs).
     if sec.check > MAX_PLAN_CHECK {
         return Err(err(format!(
@@ -371,6 +363,9 @@ pub fn plan(
             sec.check
         )));
     }
+    let workload = workload(cfg, &model, data)?;
+    let mut space = Space::new(gpus);
+    space.batches = sec.batches.max(1);
     space.check = sec.check;
     let schedules = schedule.unwrap_or(sec.schedule).schedules();
     let search = |problem: &Problem, workload: &Workload, space: &Space| {
