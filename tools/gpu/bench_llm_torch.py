@@ -6,7 +6,8 @@ transformers' LlamaForCausalLM: f32 master weights under bf16 autocast, SDPA att
 (flash on the GPU), fused AdamW, grad clipping at 1.0, ROWS x SEQ tokens a step in
 MICROBATCHES microbatches; eager and under torch.compile. Also attention forward +
 backward at T = SEQ against scaled_dot_product_attention, and a bf16 GEMM against
-torch.matmul. Prints one JSON object (medians over the timed steps).
+torch.matmul. Prints a JSON line after each part, the last holding all (medians over the
+timed steps).
 
   python3 tools/gpu/bench_llm_torch.py --device cuda            # on the H200
   python3 tools/gpu/bench_llm_torch.py --device cpu --tiny      # a smoke test anywhere
@@ -160,17 +161,22 @@ def main():
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "config": {"rows": a.rows, "seq": a.seq, "microbatches": a.microbatches, "tiny": a.tiny},
-        "eager": llm_step_bench(a, device, shape, False),
     }
+    # One JSON line after each section, the newest holding all so far: a run cut short by
+    # its time limit still reports what finished. torch.compile last: it takes longest.
+    sections = [
+        ("eager", lambda: llm_step_bench(a, device, shape, False)),
+        ("attention", lambda: attention_bench(a, device, shape)),
+        ("gemm", lambda: gemm_bench(a, device)),
+    ]
     if not a.no_compile:
+        sections.append(("compile", lambda: llm_step_bench(a, device, shape, True)))
+    for name, bench in sections:
         try:
-            out["compile"] = llm_step_bench(a, device, shape, True)
-        except Exception as e:  # noqa: BLE001 - reported, not fatal: eager is the floor
-            out["compile"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-    out["attention"] = attention_bench(a, device, shape)
-    out["gemm"] = gemm_bench(a, device)
-    print(json.dumps(out, indent=1))
-
+            out[name] = bench()
+        except Exception as e:  # noqa: BLE001 - reported, not fatal: the others still run
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        print(json.dumps(out), flush=True)
 
 if __name__ == "__main__":
     main()
