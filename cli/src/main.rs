@@ -102,6 +102,16 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // NCCL's kernels spin while they wait for a peer, and with CUDA's lazy module loading
+    // (the default since 12.2) loading a kernel mid-step may synchronize the context and
+    // deadlock against them (NCCL's guide). Braid loads its modules before a world of
+    // GPU processes connects (NcclComm::world); eager loading has the driver load each
+    // module's functions with it. A user's own setting is kept.
+    if std::env::var_os("CUDA_MODULE_LOADING").is_none() {
+        // SAFETY: the first thing in main, before any thread exists: nothing reads or
+        // writes the environment concurrently.
+        unsafe { std::env::set_var("CUDA_MODULE_LOADING", "EAGER") };
+    }
     let cli = Cli::parse();
     match cli.command {
         Command::Forward {

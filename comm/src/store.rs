@@ -40,9 +40,32 @@ pub enum StoreError {
     /// Ranks that disagree on what they run (config, dataset): names both.
     #[error("{0}")]
     Mismatch(String),
+    /// Another rank's setup failed and it said so ([`StoreClient::abort`]): every wait
+    /// ends at once with its rank and message instead of running into its timeout.
+    #[error("rank {rank} failed: {why}")]
+    Aborted { rank: usize, why: String },
 }
 
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+impl StoreError {
+    /// As the error of collective `op` on world rank `rank` of `size`: another rank's
+    /// abort is [`crate::CommError::Poisoned`] by that rank (this one only followed), the
+    /// rest [`crate::CommError::Invalid`].
+    pub fn into_comm(self, op: &'static str, rank: usize, size: usize) -> crate::CommError {
+        match self {
+            StoreError::Aborted { rank: by, why } => {
+                crate::CommError::Poisoned { op, rank, by, why }
+            }
+            e => crate::CommError::Invalid {
+                op,
+                rank,
+                size,
+                msg: e.to_string(),
+            },
+        }
+    }
+}
 
 const OP_SET: u8 = 1;
 const OP_GET: u8 = 2;
@@ -52,6 +75,15 @@ const OP_ADD: u8 = 4;
 const ST_OK: u8 = 0;
 const ST_MISSING: u8 = 1;
 const ST_TIMEOUT: u8 = 2;
+const ST_ABORTED: u8 = 3;
+
+/// The key the first failing rank sets (`"{rank}\n{why}"`, [`StoreClient::abort`]):
+/// while it is set, a wait for any other key answers with it ([`ST_ABORTED`]).
+const ABORT: &str = "!abort";
+/// Counts the ranks that called [`StoreClient::abort`]: the first one sets [`ABORT`].
+const ABORT_CALLS: &str = "!abort/calls";
+/// Counts the ranks that learned of the abort (see [`StoreClient::abort_seen`]).
+const ABORT_SEEN: &str = "!abort/seen";
 
 /// Largest field accepted (a config or an NCCL id is far smaller): a corrupt length
 /// never makes the server allocate gigabytes.
@@ -168,6 +200,16 @@ fn read_field(r: &mut impl Read) -> std::io::Result<Vec<u8>> {
     Ok(v)
 }
 
+/// The [`StoreError::Aborted`] of an [`ABORT`] value (`"{rank}\n{why}"`).
+fn parse_abort(v: &[u8]) -> StoreError {
+    let text = String::from_utf8_lossy(v);
+    let (rank, why) = text.split_once('\n').unwrap_or(("?", &text));
+    StoreError::Aborted {
+        rank: rank.parse().unwrap_or(usize::MAX),
+        why: why.to_string(),
+    }
+}
+
 fn write_field(w: &mut Vec<u8>, f: &[u8]) {
     w.extend_from_slice(&(f.len() as u32).to_le_bytes());
     w.extend_from_slice(f);
@@ -231,6 +273,11 @@ fn handle(op: u8, stream: &mut TcpStream, shared: &Shared) -> std::io::Result<Ve
                 if let Some(v) = st.map.get(&k) {
                     reply.push(ST_OK);
                     write_field(&mut reply, v);
+                    break;
+                }
+                if let Some(why) = st.map.get(ABORT.as_bytes()) {
+                    reply.push(ST_ABORTED);
+                    write_field(&mut reply, why);
                     break;
                 }
                 let now = Instant::now();
@@ -410,6 +457,7 @@ impl StoreClient {
         )?;
         match st {
             ST_OK => Ok(v),
+            ST_ABORTED => Err(parse_abort(&v)),
             _ => Err(StoreError::Timeout {
                 addr: self.addr.clone(),
                 key: key.to_string(),
@@ -417,6 +465,32 @@ impl StoreClient {
                 hint: hint.to_string(),
             }),
         }
+    }
+
+    /// Tells every rank that this one (`rank`) failed to set up, with `why`: their
+    /// waits on this store end at once ([`StoreError::Aborted`]). Only the first
+    /// rank's call counts (true); later ones change nothing (false). The caller also
+    /// counts as having seen the abort ([`Self::abort_seen`]).
+    pub fn abort(&mut self, rank: usize, why: &str) -> Result<bool> {
+        let first = self.add(ABORT_CALLS, 1)? == 1;
+        if first {
+            self.set(ABORT, format!("{rank}\n{why}").as_bytes())?;
+        }
+        self.add(ABORT_SEEN, 1)?;
+        Ok(first)
+    }
+
+    /// The abort of [`Self::abort`], if a rank has called it: for loops that wait on
+    /// something other than the store (sockets, NCCL) and poll it.
+    pub fn aborted(&mut self) -> Result<Option<StoreError>> {
+        Ok(self.get(ABORT)?.map(|v| parse_abort(&v)))
+    }
+
+    /// Counts this rank among those that learned of the abort and returns how many
+    /// have: rank 0, which serves the store, waits for the others before it exits, so
+    /// that each reads the failing rank's message rather than a closed connection.
+    pub fn abort_seen(&mut self, delta: i64) -> Result<i64> {
+        self.add(ABORT_SEEN, delta)
     }
 
     /// Adds `delta` to the counter `key` (0 when unset) and returns the new value.

@@ -191,6 +191,57 @@ fn ranks_that_resolved_different_configs_are_named_with_the_key() {
     );
 }
 
+/// A rank whose setup fails says so once: every wait of every other rank ends at once
+/// with its rank and message (not after the wait's timeout), the first abort wins, and
+/// the ranks that learned of it are counted (rank 0 waits for them before it exits).
+#[test]
+fn an_abort_ends_every_wait_at_once_naming_the_failed_rank() {
+    let (_s, addr) = server();
+    let waiters: Vec<_> = (0..2)
+        .map(|i| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let t = Instant::now();
+                let e = client(&addr)
+                    .wait(&format!("never/{i}"), Duration::from_secs(60), "nobody")
+                    .unwrap_err();
+                (e, t.elapsed())
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut failed = client(&addr);
+    assert!(failed.aborted().unwrap().is_none());
+    assert!(failed.abort(2, "cannot read its share").unwrap());
+    assert!(!client(&addr).abort(3, "a later failure").unwrap());
+    for w in waiters {
+        let (e, took) = w.join().unwrap();
+        assert!(took < Duration::from_secs(5), "{took:?}");
+        match &e {
+            StoreError::Aborted { rank, why } => {
+                assert_eq!((*rank, why.as_str()), (2, "cannot read its share"));
+            }
+            other => panic!("{other}"),
+        }
+        assert_eq!(e.to_string(), "rank 2 failed: cannot read its share");
+        assert!(matches!(
+            e.into_comm("setting the run up", 1, 4),
+            braid_comm::CommError::Poisoned { by: 2, rank: 1, .. }
+        ));
+    }
+    // A key already set is still read: only waits that would block end.
+    let mut c = client(&addr);
+    c.set("there", b"1").unwrap();
+    assert_eq!(c.wait("there", Duration::from_secs(1), "").unwrap(), b"1");
+    assert!(matches!(
+        c.aborted().unwrap(),
+        Some(StoreError::Aborted { rank: 2, .. })
+    ));
+    // Both aborting ranks counted themselves; a follower adds itself.
+    assert_eq!(c.abort_seen(0).unwrap(), 2);
+    assert_eq!(c.abort_seen(1).unwrap(), 3);
+}
+
 #[test]
 fn garbage_on_the_wire_closes_that_connection_only() {
     use std::io::Write;

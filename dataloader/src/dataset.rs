@@ -149,6 +149,19 @@ impl DatasetInfo {
         Ok((info, ds))
     }
 
+    /// The dataset's identity: SHA-256 over its shards' names, pack counts and
+    /// SHA-256s (hex). Two copies of one `braid pack` output agree, and so do two packs of
+    /// the same input with the same settings (packing is deterministic); a stale or
+    /// other dataset under the same path does not.
+    pub fn fingerprint(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        for s in &self.shards {
+            h.update(format!("{}\t{}\t{}\n", s.file, s.packs, s.sha256).as_bytes());
+        }
+        crate::shard::hex(&h.finalize())
+    }
+
     /// Recomputes every shard's SHA-256; the error names the first shard that differs.
     /// Returns the bytes hashed.
     pub fn verify_checksums(&self, dir: &Path) -> Result<u64, DatasetError> {

@@ -8,15 +8,17 @@ template <typename T>
 __device__ void vocab_loss_partials(float* partials, const T* logits, const u32* targets,
                                     u32 t, u32 vl, u64 vocab_start, u32 ignore_index) {
     __shared__ float scratch[32];
+    __shared__ double scratch64[32];
     u32 row = blockIdx.x;
     if (row >= t) return;  // uniform per block: every thread of it returns
     const T* x = logits + (u64)row * vl;
     float m = BRAID_NEG_INF;
     for (u32 j = threadIdx.x; j < vl; j += blockDim.x) m = fmaxf(m, load_f(x, j));
     m = block_max(m, scratch);
-    float s = 0.0f;
-    for (u32 j = threadIdx.x; j < vl; j += blockDim.x) s += expf(load_f(x, j) - m);
-    s = block_sum(s, scratch);
+    // Summed in f64 and rounded once, as the CPU backend sums it (f32 exps).
+    double s64 = 0.0;
+    for (u32 j = threadIdx.x; j < vl; j += blockDim.x) s64 += (double)expf(load_f(x, j) - m);
+    float s = (float)block_sum_f64(s64, scratch64);
     if (threadIdx.x == 0) {
         u32 tg = targets[row];
         float tl = 0.0f;

@@ -9,13 +9,14 @@
 # (every CUDA test arm: name, pass/fail and the failure text), demo.json, layouts.json,
 # bench-braid.txt and bench-torch.json. Steps are time-boxed so one hang cannot eat the
 # call: BRAID_CHECK_BUDGET_S (default 440) is the whole script's; BRAID_CHECK_ONLY (a
-# space-separated subset of "tests nccl demo torchrun layouts resume bench") reruns some steps.
+# space-separated subset of "tests nccl demo torchrun layouts nccl2 resume bench sanitize")
+# reruns some steps.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/braid-gpu-out}; mkdir -p "$OUT"
 W=/tmp/braid-check; rm -rf "$W"; mkdir -p "$W"
 B=${BRAID_BUNDLE:-gpu-bundle}
-ONLY=${BRAID_CHECK_ONLY:-tests nccl demo torchrun layouts resume bench}
+ONLY=${BRAID_CHECK_ONLY:-tests nccl demo torchrun layouts nccl2 resume bench sanitize}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 START=$(date +%s); BUDGET=${BRAID_CHECK_BUDGET_S:-440}
 # A step's time limit: at most its cap, never more than what is left of the budget.
@@ -75,6 +76,7 @@ LAYOUTS=(
     "tp2|parallel.world_size=4 parallel.llm.tp=2 model.llm.kv_heads=2 model.llm.vocab=262"
     "pp2|parallel.world_size=4 parallel.llm.pp=2 model.llm.layers=2"
     "colocated4|parallel.world_size=4 parallel.placement=\"colocated\" parallel.llm.dp=4 parallel.vision.dp=4 parallel.audio.tp=2 parallel.audio.dp=2"
+    "colocated2|parallel.world_size=2 parallel.placement=\"colocated\" parallel.llm.tp=2 model.llm.kv_heads=2 model.llm.vocab=262 parallel.vision.dp=2 parallel.audio.dp=2"
 )
 sets() { local s; for s in $1; do printf -- '--set\n%s\n' "$s"; done; }
 ( if want demo; then
@@ -222,6 +224,35 @@ PY
     snap
 fi
 
+# 5b. Two NCCL processes on the one GPU (NCCL >= 2.30.3 allows it with
+#     NCCL_MULTI_RANK_GPU_ENABLE=1; LOCAL_RANK 1 falls back to cuda:0): TP 2 of the LLM
+#     through NcclComm's collectives and point-to-point channels, in f32, against the
+#     same layout on CPU threads. Multi-rank NCCL proper needs several GPUs.
+if want nccl2; then
+    mapfile -t args < <(sets "${LAYOUTS[3]#*|}")
+    NCCL_MULTI_RANK_GPU_ENABLE=1 timeout "$(cap 60)" "$BRAID" launch --nproc-per-node 2 --master-port 29631 -- \
+        train --config configs/tiny.toml --set run.dir=runs/gpu-check-nccl2 --set train.steps=20 \
+        --set parallel.device=cuda --set 'train.precision="f32"' --set parallel.timeout_s=40 \
+        "${args[@]:2}" > "$W/nccl2.log" 2>&1
+    echo "exit $?" >> "$W/nccl2.log"
+    python3 - <<'PY' | tee -a "$OUT/summary.txt"
+import json
+def losses(d):
+    try:
+        return [json.loads(l)["loss"] for l in open(f"runs/{d}/metrics.jsonl")]
+    except Exception as e:
+        return str(e)
+c, g = losses("gpu-check-colocated2-cpu"), losses("gpu-check-nccl2")
+if isinstance(c, list) and isinstance(g, list) and c and len(c) == len(g):
+    print("nccl2 (2 NCCL processes on one GPU vs CPU threads, f32): max relative loss difference",
+          max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(c, g)))
+else:
+    print("nccl2: no comparison:", str(c)[:200], str(g)[:200])
+PY
+    tail -n 5 "$W/nccl2.log" | cut -c1-300 >> "$OUT/summary.txt"
+    snap
+fi
+
 # 6. Checkpoints are device-independent: the f32 CUDA demo's step-300 checkpoint resumes
 #    on the CPU, and the CPU demo's on CUDA (f32); steps 301-400 against the run that
 #    wrote the checkpoint.
@@ -276,6 +307,19 @@ if want bench; then
     PYTHONUNBUFFERED=1 timeout "$(cap 150)" python3 tools/gpu/bench_llm_torch.py --device cuda --steps 5 --warmup 2 \
         > "$OUT/bench-torch.json" 2> "$W/bench-torch.log"
     say "bench torch: exit $? $(tail -n 1 "$OUT/bench-torch.json" | cut -c1-600)"
+fi
+# 8. The attention kernels under compute-sanitizer (memcheck, then racecheck): what a
+#    comparison with the CPU cannot see. Last: slow, and cut off by the budget.
+if want sanitize && command -v compute-sanitizer > /dev/null; then
+    for tool in memcheck racecheck; do
+        for t in "$B"/tests/braid-kernels--attention "$B"/tests/braid-kernels--attention_ranges; do
+            [ -x "$t" ] || continue
+            timeout "$(cap 60)" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+                "$t" --ignored --test-threads=1 '::cuda' > "$W/sanitize-$tool-$(basename "$t").log" 2>&1
+            say "compute-sanitizer $tool $(basename "$t"): exit $? $(grep -E 'ERROR SUMMARY|test result' \
+                "$W/sanitize-$tool-$(basename "$t").log" | tr '\n' ' ' | cut -c1-200)"
+        done
+    done
 fi
 snap
 say "done"

@@ -285,3 +285,85 @@ fn the_ranks_stop_when_their_launcher_is_killed() {
         "no checkpoint written on the way out"
     );
 }
+
+/// A world set up by hand with torchrun's variables in which one rank's setup fails on
+/// its own, before the ranks connect: rank 2 told another WORLD_SIZE (its config check
+/// fails), or rank 3 given another learning rate (the same-config check fails). That rank
+/// says so in the store, and every other rank stops at once with its rank and message
+/// and exit code 3 (it only followed), instead of waiting `parallel.timeout_s` for it.
+#[test]
+fn a_rank_whose_setup_fails_stops_the_others_at_once_naming_it() {
+    reference();
+    type Case<'a> = (&'a str, usize, &'a str, &'a str, i32, &'a str);
+    let cases: [Case; 2] = [
+        (
+            "world",
+            2,
+            "WORLD_SIZE=3",
+            "log.interval=1",
+            2,
+            "parallel.world_size: 3",
+        ),
+        (
+            "lr",
+            3,
+            "WORLD_SIZE=4",
+            "optim.lr=0.002",
+            1,
+            "rank 3 and rank 0 disagree on `optim.lr`: 0.002 here, 0.003 on rank 0",
+        ),
+    ];
+    for (name, bad, bad_env, bad_set, bad_code, why) in cases {
+        let dir = fixture().join(format!("runs/procs-setup-fails-{name}"));
+        let port = super::procs::free_port().to_string();
+        let t = Instant::now();
+        let children: Vec<_> = (0..4)
+            .map(|r| {
+                let set = if r == bad { bad_set } else { "log.interval=1" };
+                let world = if r == bad {
+                    bad_env.trim_start_matches("WORLD_SIZE=")
+                } else {
+                    "4"
+                };
+                let sets = [
+                    "--set",
+                    "parallel.llm.dp=2",
+                    "--set",
+                    "parallel.timeout_s=300",
+                    "--set",
+                    "train.steps=4",
+                    "--set",
+                    set,
+                ];
+                train(&dir, &sets)
+                    .env("RANK", r.to_string())
+                    .env("WORLD_SIZE", world)
+                    .env("LOCAL_RANK", r.to_string())
+                    .env("LOCAL_WORLD_SIZE", "4")
+                    .env("MASTER_ADDR", "127.0.0.1")
+                    .env("MASTER_PORT", &port)
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let outs: Vec<_> = children
+            .into_iter()
+            .map(|c| c.wait_with_output().unwrap())
+            .collect();
+        let took = t.elapsed();
+        assert!(took < Duration::from_secs(60), "{name}: took {took:?}");
+        for (r, o) in outs.iter().enumerate() {
+            let out = text(o);
+            assert!(out.contains(why), "{name}: rank {r}: {out}");
+            if r == bad {
+                assert_eq!(o.status.code(), Some(bad_code), "{name}: rank {r}: {out}");
+            } else {
+                assert_eq!(o.status.code(), Some(3), "{name}: rank {r}: {out}");
+                assert!(
+                    out.contains(&format!("rank {bad} failed: ")),
+                    "{name}: rank {r}: {out}"
+                );
+            }
+        }
+    }
+}

@@ -355,6 +355,11 @@ impl Comm for NcclComm {
         self.check_poison(OP)?;
         let (world, me) = crate::subgroup_members(&self.members, members, self.world.rank)
             .map_err(|msg| self.err(OP, msg))?;
+        if world.len() == 1 {
+            // A group of one has nothing to exchange: no communicator (each costs an init,
+            // a proxy thread and device memory; a rank has several such groups).
+            return Ok(Arc::new(crate::SingleRank));
+        }
         let comm = NcclComm::make(Arc::clone(&self.world), world, me, OP)?;
         Ok(Arc::new(comm))
     }

@@ -96,6 +96,13 @@ impl NcclWorld {
             if let Some(why) = self.poisoned() {
                 return Err(Failure::Poisoned(why));
             }
+            match lock(&self.store).aborted() {
+                Ok(Some(crate::store::StoreError::Aborted { rank, why })) => {
+                    return Err(Failure::Aborted { by: rank, why });
+                }
+                Ok(_) => {}
+                Err(e) => return Err(Failure::Error(e.to_string())),
+            }
             let waited = start.elapsed();
             if waited >= self.timeout {
                 return Err(Failure::Timeout {
@@ -221,6 +228,11 @@ impl NcclComm {
             )));
         };
         let be: &CudaBackend = braid_kernels::cuda::backend(ordinal)?;
+        // Every kernel now, before any NCCL kernel can be spinning: loading a module
+        // mid-step may synchronize the context, which can deadlock against NCCL's kernels
+        // waiting on a peer (NCCL's guide, "Using multiple NCCL communicators
+        // concurrently"; the CLI also asks CUDA for eager loading of each module).
+        be.load_all_kernels()?;
         let world = Arc::new(NcclWorld {
             rank,
             size,
@@ -364,6 +376,12 @@ fn failure(world: &NcclWorld, op: &'static str, members: &[usize], f: Failure) -
             missing: format!(
                 "{what} did not complete (a rank stopped, hung or died?); the communicator was aborted"
             ),
+        },
+        Failure::Aborted { by, why } => CommError::Poisoned {
+            op,
+            rank: world.rank,
+            by,
+            why,
         },
         Failure::Poisoned(why) => CommError::Poisoned {
             op,

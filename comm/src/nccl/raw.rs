@@ -26,6 +26,8 @@ pub(crate) enum Failure {
     Timeout { what: String, waited: Duration },
     /// Another communicator of this process failed first; its message.
     Poisoned(String),
+    /// Another rank's setup failed, and it said so in the store: its rank and message.
+    Aborted { by: usize, why: String },
 }
 
 /// NCCL's text for a result code, with the communicator's last error message if any.
@@ -279,6 +281,7 @@ impl RawComm {
     fn fail(&mut self, f: Failure) -> Failure {
         let why = match &f {
             Failure::Error(m) | Failure::Poisoned(m) => m.clone(),
+            Failure::Aborted { by, why } => format!("rank {by} failed: {why}"),
             Failure::Timeout { what, waited } => {
                 format!("timed out after {:.1} s: {what}", waited.as_secs_f64())
             }

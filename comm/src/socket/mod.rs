@@ -104,12 +104,7 @@ impl SocketWorld {
     ) -> Result<Arc<Self>> {
         const OP: &str = "socket rendezvous";
         let io = |what: String| io_err(OP, rank, size, what);
-        let store_err = |e: crate::store::StoreError| CommError::Invalid {
-            op: OP,
-            rank,
-            size,
-            msg: e.to_string(),
-        };
+        let store_err = |e: crate::store::StoreError| e.into_comm(OP, rank, size);
         let listener = TcpListener::bind((host, 0)).map_err(io(format!("listening on {host}")))?;
         let port = listener
             .local_addr()
@@ -149,7 +144,15 @@ impl SocketWorld {
             .map_err(io("listener".into()))?;
         let deadline = Instant::now() + timeout;
         let mut waiting = size - rank - 1;
+        // A rank whose setup failed says so in the store: stop waiting for it then.
+        let mut next_poll = Instant::now();
         while waiting > 0 {
+            if Instant::now() >= next_poll {
+                if let Some(e) = store.aborted().map_err(store_err)? {
+                    return Err(store_err(e));
+                }
+                next_poll = Instant::now() + Duration::from_millis(200);
+            }
             match listener.accept() {
                 Ok((mut s, from)) => {
                     s.set_nonblocking(false)

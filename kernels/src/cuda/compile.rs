@@ -255,8 +255,11 @@ pub(crate) fn cached_cubin(src: &KernelSource, arch: &str) -> Result<Vec<u8>, St
         && std::fs::create_dir_all(dir).is_ok()
     {
         // Written to a temporary name and renamed, so a reader never sees half a file
-        // (several ranks of one machine may compile the same kernel at once).
-        let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+        // (several ranks of one machine may compile the same kernel at once, as processes
+        // or as threads of one: the name is unique to this call).
+        static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = p.with_extension(format!("tmp{}-{n}", std::process::id()));
         if std::fs::write(&tmp, &cubin).is_ok() && std::fs::rename(&tmp, p).is_err() {
             let _ = std::fs::remove_file(&tmp);
         }

@@ -228,6 +228,15 @@ impl CudaBackend {
         Ok(f)
     }
 
+    /// Compiles (or reads from the disk cache) and loads every kernel module now rather
+    /// than at first use: a world of NCCL ranks does this before its first collective.
+    pub fn load_all_kernels(&self) -> Result<()> {
+        for src in compile::SOURCES {
+            self.module(src)?;
+        }
+        Ok(())
+    }
+
     fn module(&self, src: &'static KernelSource) -> Result<Arc<CudaModule>> {
         if let Some(m) = lock(&self.modules).get(src.name) {
             return Ok(m.clone());
@@ -278,12 +287,26 @@ impl CudaBackend {
         what: impl FnOnce() -> String,
     ) -> Result<CudaSlice<T>> {
         if n == 0 {
-            return self.stream.null().map_err(|e| self.driver_err(op, e));
+            return self.empty(op);
         }
         // SAFETY: the caller's kernel writes every element before anything reads it
         // (each call site says which kernel); the buffer is stream-ordered on our stream.
         unsafe { self.stream.alloc::<T>(n) }
             .map_err(|e| self.alloc_err(op, e, n * size_of::<T>(), what))
+    }
+
+    /// A buffer of no elements. It is backed by a real one-element allocation: cudarc's
+    /// `null()` asks `cuMemAllocAsync` for 0 bytes, which CUDA does not document as valid
+    /// (`cuMemAlloc` rejects it), and a free that fails inside a drop would surface as
+    /// the error of a later, unrelated op.
+    pub(crate) fn empty<T: DeviceRepr>(&self, op: &'static str) -> Result<CudaSlice<T>> {
+        // SAFETY: the element is never read or written: the slice made of it has length 0.
+        let one = unsafe { self.stream.alloc::<T>(1) }.map_err(|e| self.driver_err(op, e))?;
+        let ptr = one.leak();
+        // SAFETY: `ptr` is a live allocation of this stream's context, owned by nobody
+        // since `leak`; length 0 keeps every access in bounds, and dropping the slice
+        // frees it on this stream.
+        Ok(unsafe { self.stream.upgrade_device_ptr::<T>(ptr, 0) })
     }
 
     /// `n` zeroed elements.
@@ -294,7 +317,7 @@ impl CudaBackend {
         what: impl FnOnce() -> String,
     ) -> Result<CudaSlice<T>> {
         if n == 0 {
-            return self.stream.null().map_err(|e| self.driver_err(op, e));
+            return self.empty(op);
         }
         self.stream
             .alloc_zeros::<T>(n)

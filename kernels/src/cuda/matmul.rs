@@ -173,6 +173,12 @@ impl CudaBackend {
         (c, c_type): (u64, sys::cudaDataType),
     ) -> Result<()> {
         const OP: &str = "gemm";
+        // cuBLASLt launches on the context current on this thread (cudarc binds only for
+        // its own calls): a rank thread whose last call went to another GPU, or a fresh
+        // thread, would run this GEMM in the wrong context.
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| self.driver_err(OP, e))?;
         let (m, n, k) = (spec.m as u64, spec.n as u64, spec.k as u64);
         let e = |what: &str, err: lt::CublasError| blas_err(OP, self, what, err);
         // cuBLAS's A = our B: stored (K, N) row-major = col-major N x K, ld N; or, when

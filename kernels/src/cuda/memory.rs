@@ -28,6 +28,10 @@ impl MemoryKernels for CudaBackend {
         const OP: &str = "copy_from_host";
         let err = |e| self.driver_err(OP, e);
         let storage = match &data {
+            // An empty buffer without a zero-byte allocation (see `empty`).
+            CpuStorage::F32(v) if v.is_empty() => CudaStorage::F32(self.empty(OP)?),
+            CpuStorage::BF16(v) if v.is_empty() => CudaStorage::BF16(self.empty(OP)?),
+            CpuStorage::U32(v) if v.is_empty() => CudaStorage::U32(self.empty(OP)?),
             CpuStorage::F32(v) => {
                 CudaStorage::F32(self.stream.clone_htod(v.as_slice()).map_err(err)?)
             }
@@ -46,7 +50,15 @@ impl MemoryKernels for CudaBackend {
         const OP: &str = "copy_to_host";
         let err = |e| self.driver_err(OP, e);
         // clone_dtoh waits for the stream: the copy sees every kernel issued before it.
-        Ok(match t.cuda_storage(OP, "t")? {
+        let storage = t.cuda_storage(OP, "t")?;
+        if storage.is_empty() {
+            return Ok(match storage {
+                CudaStorage::F32(_) => CpuStorage::F32(Vec::new()),
+                CudaStorage::U32(_) => CpuStorage::U32(Vec::new()),
+                CudaStorage::BF16(_) => CpuStorage::BF16(Vec::new()),
+            });
+        }
+        Ok(match storage {
             CudaStorage::F32(s) => CpuStorage::F32(self.stream.clone_dtoh(s).map_err(err)?),
             CudaStorage::U32(s) => CpuStorage::U32(self.stream.clone_dtoh(s).map_err(err)?),
             CudaStorage::BF16(s) => {
@@ -90,6 +102,11 @@ pub(crate) fn clone_storage(s: &CudaStorage) -> Result<CudaStorage> {
     let op = "try_clone";
     let err = |e| b.driver_err(op, e);
     Ok(match s {
+        _ if s.is_empty() => match s {
+            CudaStorage::F32(_) => CudaStorage::F32(b.empty(op)?),
+            CudaStorage::BF16(_) => CudaStorage::BF16(b.empty(op)?),
+            CudaStorage::U32(_) => CudaStorage::U32(b.empty(op)?),
+        },
         CudaStorage::F32(x) => CudaStorage::F32(b.stream.clone_dtod(x).map_err(err)?),
         CudaStorage::BF16(x) => CudaStorage::BF16(b.stream.clone_dtod(x).map_err(err)?),
         CudaStorage::U32(x) => CudaStorage::U32(b.stream.clone_dtod(x).map_err(err)?),
@@ -101,6 +118,9 @@ pub(crate) fn zero_storage(s: &mut CudaStorage) -> Result<()> {
     let b = backend(s.ordinal())?;
     let op = "zero_";
     let err = |e| b.driver_err(op, e);
+    if s.is_empty() {
+        return Ok(());
+    }
     match s {
         CudaStorage::F32(x) => b.stream.memset_zeros(x).map_err(err),
         CudaStorage::BF16(x) => b.stream.memset_zeros(x).map_err(err),

@@ -16,7 +16,7 @@ use braid_comm::Comm;
 use braid_comm::launch::LaunchEnv;
 use braid_comm::nccl::NcclComm;
 use braid_comm::socket::{SocketComm, SocketWorld};
-use braid_comm::store::{StoreClient, StoreServer};
+use braid_comm::store::{StoreClient, StoreError, StoreServer};
 
 use crate::config::RunConfig;
 use crate::error::{Result, TrainError};
@@ -98,7 +98,96 @@ pub fn train(
     obs: &mut dyn Observer,
     stop: StopFlag,
 ) -> Result<RunSummary> {
+    let (mut trainer, comm, described) = match set_up(&mut p, cfg, resume, obs) {
+        Ok(t) => t,
+        Err(e) => {
+            p.fail_setup(&e);
+            return Err(e);
+        }
+    };
+    trainer.stop = stop;
+    let mut summary = super::run::run_process(trainer, comm, obs)?;
+    summary.world = Some(described);
+    Ok(summary)
+}
+
+/// A store error of the setup: another rank's abort is that rank's failure, which this
+/// one only follows ([`braid_comm::CommError::Poisoned`]: exit code 3 under a launcher).
+fn setup_err(rank: usize) -> impl Fn(StoreError) -> TrainError {
+    move |e| match e {
+        StoreError::Aborted { .. } => TrainError::Comm(e.into_comm("setting the run up", rank, 0)),
+        e => TrainError::Other(e.to_string()),
+    }
+}
+
+impl Processes {
+    /// After this rank's setup failed with `e`: a failure of its own is told to every
+    /// rank through the store (their waits end at once with this rank's message instead
+    /// of timing out); rank 0, which serves the store, keeps serving it until every rank
+    /// has learned of the failure (at most 30 s).
+    fn fail_setup(&mut self, e: &TrainError) {
+        let followed = matches!(
+            e,
+            TrainError::Comm(
+                braid_comm::CommError::Poisoned { .. } | braid_comm::CommError::Timeout { .. }
+            )
+        );
+        let _ = if followed {
+            self.store.abort_seen(1)
+        } else {
+            self.store.abort(self.env.rank, &e.to_string()).map(|_| 0)
+        };
+        if self.env.rank != 0 {
+            return;
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while std::time::Instant::now() < deadline {
+            match self.store.abort_seen(0) {
+                Ok(n) if n as usize >= self.env.world_size => break,
+                Ok(_) => std::thread::sleep(Duration::from_millis(50)),
+                Err(_) => break,
+            }
+        }
+    }
+}
+
+/// `text` (a TOML document or JSON) as dotted keys and their values, for
+/// [`StoreClient::agree`]: ranks that differ are told the first key, not both documents.
+fn flat_toml(text: &str) -> Result<Vec<(String, String)>> {
+    fn walk(prefix: &str, v: &toml::Value, out: &mut Vec<(String, String)>) {
+        match v {
+            toml::Value::Table(t) => {
+                for (k, v) in t {
+                    let key = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    walk(&key, v, out);
+                }
+            }
+            v => out.push((prefix.to_string(), v.to_string())),
+        }
+    }
+    let table: toml::Table = text
+        .parse()
+        .map_err(|e| TrainError::Other(format!("the resolved config does not parse: {e}")))?;
+    let mut out = Vec::new();
+    walk("", &toml::Value::Table(table), &mut out);
+    Ok(out)
+}
+
+/// Sets this rank up: rank 0 first (it makes the datasets if needed), then the others;
+/// every rank checks that all resolved the same config and see the same dataset, and
+/// the world connects. Returns the trainer, the world and its description.
+fn set_up(
+    p: &mut Processes,
+    cfg: RunConfig,
+    resume: bool,
+    obs: &mut dyn Observer,
+) -> Result<(Trainer, Arc<dyn Comm>, String)> {
     let env = p.env.clone();
+    let store_err = setup_err(env.rank);
     let mut cfg = cfg;
     if cfg.parallel.world_size != 1 && cfg.parallel.world_size != env.world_size {
         return Err(TrainError::Config(crate::config::invalid(
@@ -116,78 +205,54 @@ pub fn train(
     // Every rank's observer sees the run (the CLI's prints only on rank 0, but every rank
     // arms its signal handlers when training starts).
     const STATUS: &str = "setup/rank-0";
-    const SEEN: &str = "setup/seen";
-    let mut trainer = if env.rank == 0 {
-        match planned_world(&cfg, &env)
-            .and_then(|()| Trainer::new_rank(cfg, resume, obs, true, false))
-        {
-            Ok(t) => {
-                p.store.set(STATUS, b"ok").map_err(store_err)?;
-                t
-            }
-            Err(e) => {
-                let _ = p.store.set(STATUS, format!("error: {e}").as_bytes());
-                // Keep serving the store until the other ranks have read the failure (at
-                // most 30 s), so they stop with rank 0's message at once instead of
-                // retrying to reach a store that is gone.
-                let deadline = std::time::Instant::now() + Duration::from_secs(30);
-                while std::time::Instant::now() < deadline {
-                    match p.store.add(SEEN, 0) {
-                        Ok(n) if n as usize + 1 >= env.world_size => break,
-                        Ok(_) => std::thread::sleep(Duration::from_millis(50)),
-                        Err(_) => break,
-                    }
-                }
-                return Err(e);
-            }
-        }
+    let trainer = if env.rank == 0 {
+        planned_world(&cfg, &env)?;
+        let t = Trainer::new_rank(cfg, resume, obs, true, false)?;
+        p.store.set(STATUS, b"ok").map_err(&store_err)?;
+        t
     } else {
-        let v = p
-            .store
+        obs.log(&format!(
+            "rank {} of {}: waiting for rank 0 to set the run up",
+            env.rank, env.world_size
+        ));
+        // Packing a dataset can take a while; a rank 0 that fails says so in the store
+        // (the wait ends with its message), and one that dies ends it too (it serves
+        // the store).
+        p.store
             .wait(
                 STATUS,
-                // Packing a dataset can take a while; a rank 0 that dies ends the wait at
-                // once, since it serves the store.
                 env.setup_timeout,
                 "rank 0 sets the run up (and packs the data if needed; BRAID_SETUP_TIMEOUT_S sets how long to wait)",
             )
-            .map_err(store_err)?;
-        let _ = p.store.add(SEEN, 1);
-        if v != b"ok" {
-            // Rank 0's failure, not this rank's: a launcher names rank 0 (exit code 3 here).
-            return Err(TrainError::Comm(braid_comm::CommError::Poisoned {
-                op: "setting the run up",
-                rank: env.rank,
-                by: 0,
-                why: String::from_utf8_lossy(&v).into_owned(),
-            }));
-        }
+            .map_err(&store_err)?;
         Trainer::new_rank(cfg, resume, obs, false, false)?
     };
-    trainer.stop = stop;
-    let entries = [
-        (
-            "the resolved config".to_string(),
-            trainer.config_toml.clone(),
-        ),
-        (
-            "the dataset (dataset.json)".to_string(),
-            trainer.data_json.clone(),
-        ),
-    ];
+    let data_dir = std::path::Path::new(&trainer.cfg.data.path);
+    let fingerprint = braid_dataloader::dataset::DatasetInfo::read(data_dir)
+        .map_err(|e| TrainError::Data(e.to_string()))?
+        .fingerprint();
+    let mut entries = flat_toml(&trainer.config_toml)?;
+    entries.push((
+        "the dataset's shards (SHA-256 over dataset.json's list)".to_string(),
+        fingerprint,
+    ));
+    entries.push((
+        "the dataset's settings (dataset.json)".to_string(),
+        trainer.data_json.clone(),
+    ));
     p.store
         .agree("run", env.rank, &entries, timeout)
-        .map_err(store_err)?;
+        .map_err(&store_err)?;
     let transport = transport(on_gpu);
     let (comm, hosts): (Arc<dyn Comm>, Vec<String>) = if on_gpu {
         // NCCL keeps a store connection of its own (ids of subgroups and channels).
         let store =
-            StoreClient::connect(&env.store_addr(), env.store_timeout).map_err(store_err)?;
-        let host = p.store.local_ip().map_err(store_err)?;
+            StoreClient::connect(&env.store_addr(), env.store_timeout).map_err(&store_err)?;
+        let host = p.store.local_ip().map_err(&store_err)?;
         let world = NcclComm::world(store, env.rank, env.world_size, device, timeout)?;
         (Arc::new(world), vec![host])
     } else {
-        let host = p.store.local_ip().map_err(store_err)?;
+        let host = p.store.local_ip().map_err(&store_err)?;
         let world = SocketWorld::connect(&mut p.store, env.rank, env.world_size, &host, timeout)?;
         let hosts = world.hosts().to_vec();
         (Arc::new(SocketComm::world(world)), hosts)
@@ -208,7 +273,5 @@ pub fn train(
         env.launcher,
         env.store_addr()
     ));
-    let mut summary = super::run::run_process(trainer, comm, obs)?;
-    summary.world = Some(described);
-    Ok(summary)
+    Ok((trainer, comm, described))
 }
