@@ -214,7 +214,7 @@ pub fn run(args: LaunchArgs) -> ExitCode {
             }
         }
     }
-    let outcome = supervise(
+    let (failures, forwarded) = supervise(
         &mut children,
         &signal,
         Duration::from_secs_f64(args.grace_s),
@@ -222,7 +222,30 @@ pub fn run(args: LaunchArgs) -> ExitCode {
     for r in relays {
         let _ = r.join();
     }
-    match outcome {
+    let by_signal = |st: &ExitStatus| {
+        use std::os::unix::process::ExitStatusExt;
+        forwarded != 0
+            && (st.code() == Some(128 + forwarded as i32) || st.signal() == Some(forwarded as i32))
+    };
+    if forwarded != 0 && failures.iter().all(|(_, st)| by_signal(st)) {
+        // The user's Ctrl-C or the scheduler's SIGTERM, which every rank obeyed: not a
+        // rank's failure. Exit as a process stopped by that signal would (128 + N).
+        let name = match forwarded as i32 {
+            libc::SIGINT => "SIGINT",
+            libc::SIGTERM => "SIGTERM",
+            _ => "a signal",
+        };
+        eprintln!(
+            "braid launch: stopped by {name}, forwarded to the {world} rank(s); {} stopped on it",
+            if failures.is_empty() {
+                "they all exited 0".to_string()
+            } else {
+                format!("{} of them", failures.len())
+            }
+        );
+        return ExitCode::from(u8::try_from(128 + forwarded).unwrap_or(1));
+    }
+    match first_failure(&failures) {
         None => ExitCode::SUCCESS,
         Some((rank, status)) => {
             eprintln!(
@@ -236,16 +259,27 @@ pub fn run(args: LaunchArgs) -> ExitCode {
     }
 }
 
-/// Waits for every child; returns the rank that failed first by itself (rank, status):
-/// ranks that exit with [`crate::train::PEER_FAILED`] only stopped because another one
-/// failed, so the first other failure is named (a rank the launcher had to kill, when
-/// all the others merely timed out waiting for it). After a failure (or a forwarded
-/// signal) the rest get `grace` to end on their own, then SIGKILL.
+/// The rank that failed first by itself: ranks that exit with
+/// [`crate::train::PEER_FAILED`] only stopped because another one failed, so the first
+/// other failure is named (a rank the launcher had to kill, when all the others merely
+/// timed out waiting for it).
+fn first_failure(failures: &[(usize, ExitStatus)]) -> Option<(usize, ExitStatus)> {
+    let follower = |st: &ExitStatus| st.code() == Some(i32::from(crate::train::PEER_FAILED));
+    failures
+        .iter()
+        .find(|(_, st)| !follower(st))
+        .or(failures.first())
+        .copied()
+}
+
+/// Waits for every child; returns the ranks that failed (rank, status) in the order they
+/// ended, and the signal forwarded to them (0: none). After a failure the rest get
+/// `grace` to end on their own, then SIGKILL.
 fn supervise(
     children: &mut [(usize, Child)],
     signal: &AtomicUsize,
     grace: Duration,
-) -> Option<(usize, ExitStatus)> {
+) -> (Vec<(usize, ExitStatus)>, usize) {
     let mut done: Vec<Option<ExitStatus>> = vec![None; children.len()];
     let mut failures: Vec<(usize, ExitStatus)> = Vec::new();
     let mut forwarded = 0usize;
@@ -289,10 +323,5 @@ fn supervise(
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    let follower = |st: &ExitStatus| st.code() == Some(i32::from(crate::train::PEER_FAILED));
-    failures
-        .iter()
-        .find(|(_, st)| !follower(st))
-        .or(failures.first())
-        .copied()
+    (failures, forwarded)
 }

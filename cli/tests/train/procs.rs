@@ -299,8 +299,14 @@ fn a_checkpoint_of_4_processes_resumes_on_5_and_2_processes_and_on_threads() {
         let dir = fixture().join(format!("runs/{name}"));
         let _ = std::fs::remove_dir_all(&dir);
         let (code, out) = terminate_after(launch(4, &dir, &four), &dir, 2);
-        // Every rank checkpoints the same step and exits 128 + SIGTERM; so does the launcher.
+        // Every rank checkpoints the same step and exits 128 + SIGTERM; so does the launcher,
+        // which reports the signal, not a rank's failure.
         assert_eq!(code, Some(143), "{out}");
+        assert!(
+            out.contains("braid launch: stopped by SIGTERM, forwarded to the 4 rank(s)")
+                && !out.contains("failed first"),
+            "{out}"
+        );
         let ckpts: Vec<_> = std::fs::read_dir(dir.join("checkpoints"))
             .unwrap()
             .flatten()
