@@ -147,6 +147,10 @@ fn err(launcher: &'static str, msg: impl Into<String>) -> LaunchEnvError {
     }
 }
 
+/// The most ranks a world may have (a million GPUs): the per-rank tables rank 0 builds
+/// stay small, and a mistyped WORLD_SIZE is an error, not an allocation.
+pub const MAX_WORLD: usize = 1 << 20;
+
 fn number(
     var: &impl Fn(&str) -> Option<String>,
     launcher: &'static str,
@@ -154,11 +158,12 @@ fn number(
 ) -> Result<Option<usize>, LaunchEnvError> {
     match var(key) {
         None => Ok(None),
-        Some(v) => v.trim().parse::<usize>().map(Some).map_err(|_| {
-            err(
-                launcher,
-                format!("{key}={v:?} is not a non-negative integer"),
-            )
+        Some(v) => v.trim().parse::<usize>().map(Some).map_err(|e| {
+            let why = match e.kind() {
+                std::num::IntErrorKind::PosOverflow => "is far too large a count",
+                _ => "is not a non-negative integer",
+            };
+            err(launcher, format!("{key}={v:?} {why}"))
         }),
     }
 }
@@ -218,6 +223,12 @@ fn check_rank(
         return Err(err(
             name,
             format!("{world_key}=0: a world has at least one rank"),
+        ));
+    }
+    if world > MAX_WORLD {
+        return Err(err(
+            name,
+            format!("{world_key}={world}: more ranks than Braid runs (at most {MAX_WORLD})"),
         ));
     }
     if rank >= world {

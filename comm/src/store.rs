@@ -98,6 +98,8 @@ struct Shared {
     state: Mutex<State>,
     changed: Condvar,
     stop: AtomicBool,
+    /// Client connections open now.
+    clients: std::sync::atomic::AtomicUsize,
 }
 
 impl Shared {
@@ -113,6 +115,13 @@ pub struct StoreServer {
     addr: SocketAddr,
     shared: Arc<Shared>,
     acceptor: Option<JoinHandle<()>>,
+}
+
+impl StoreServer {
+    /// Client connections open now (the serving rank's own included).
+    pub fn clients(&self) -> usize {
+        self.shared.clients.load(Ordering::SeqCst)
+    }
 }
 
 impl std::fmt::Debug for StoreServer {
@@ -136,6 +145,7 @@ impl StoreServer {
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
+            clients: std::sync::atomic::AtomicUsize::new(0),
         });
         let acc_shared = Arc::clone(&shared);
         let acceptor = std::thread::Builder::new()
@@ -217,6 +227,15 @@ fn write_field(w: &mut Vec<u8>, f: &[u8]) {
 
 /// Serves one client until it disconnects (or sends garbage: the connection is closed).
 fn serve(mut stream: TcpStream, shared: Arc<Shared>) {
+    /// Counts the connection while it is served.
+    struct Open(Arc<Shared>);
+    impl Drop for Open {
+        fn drop(&mut self) {
+            self.0.clients.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    shared.clients.fetch_add(1, Ordering::SeqCst);
+    let _open = Open(Arc::clone(&shared));
     let _ = stream.set_nodelay(true);
     loop {
         let mut op = [0u8; 1];
@@ -391,6 +410,30 @@ impl StoreClient {
         }
     }
 
+    /// The error for a reply that is not the store's (its first byte `first`): another
+    /// service listens on the store's port. Quotes the start of what it sent.
+    fn not_a_store(&mut self, first: u8) -> StoreError {
+        let mut head = vec![first];
+        let _ = self
+            .stream
+            .set_read_timeout(Some(Duration::from_millis(200)));
+        let mut more = [0u8; 63];
+        if let Ok(n) = self.stream.read(&mut more) {
+            head.extend_from_slice(&more[..n]);
+        }
+        let text: String = String::from_utf8_lossy(&head)
+            .chars()
+            .map(|c| if c.is_control() { ' ' } else { c })
+            .collect();
+        StoreError::Protocol {
+            addr: self.addr.clone(),
+            msg: format!(
+                "the server there is not Braid's store (it answered {:?}): another service listens on that port; check MASTER_ADDR/MASTER_PORT (under torchrun, Braid's store is on MASTER_PORT + 1; BRAID_STORE_PORT sets it)",
+                text.trim()
+            ),
+        }
+    }
+
     /// Sends one request and reads its reply: (status, field).
     fn call(
         &mut self,
@@ -409,6 +452,9 @@ impl StoreClient {
         self.stream.write_all(&req).map_err(self.io(what))?;
         let mut st = [0u8; 1];
         self.stream.read_exact(&mut st).map_err(self.io(what))?;
+        if st[0] > ST_ABORTED {
+            return Err(self.not_a_store(st[0]));
+        }
         let v = read_field(&mut self.stream).map_err(self.io(what))?;
         Ok((st[0], v))
     }

@@ -186,6 +186,30 @@ fn bad_or_missing_variables_are_named() {
         (
             vec![
                 ("RANK", "0"),
+                ("WORLD_SIZE", "99999999999999999999"),
+                ("MASTER_ADDR", "h"),
+            ],
+            "WORLD_SIZE=\"99999999999999999999\" is far too large a count",
+        ),
+        (
+            vec![
+                ("RANK", "0"),
+                ("WORLD_SIZE", "2000000"),
+                ("MASTER_ADDR", "h"),
+            ],
+            "WORLD_SIZE=2000000: more ranks than Braid runs (at most 1048576)",
+        ),
+        (
+            vec![
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", "2000000"),
+                ("SLURM_JOB_NODELIST", "a"),
+            ],
+            "SLURM_NTASKS=2000000: more ranks",
+        ),
+        (
+            vec![
+                ("RANK", "0"),
                 ("WORLD_SIZE", "2"),
                 ("MASTER_ADDR", "h"),
                 ("MASTER_PORT", "99999"),

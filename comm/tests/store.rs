@@ -257,3 +257,30 @@ fn garbage_on_the_wire_closes_that_connection_only() {
     a.set("still", b"up").unwrap();
     assert_eq!(a.get("still").unwrap().as_deref(), Some(&b"up"[..]));
 }
+
+/// Another service on the store's port (an HTTP server, torch's TCPStore): the first
+/// request fails at once saying so and quoting its answer, not with a field length read
+/// out of its text.
+#[test]
+fn another_service_on_the_port_is_named_as_not_the_store() {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let service = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut req = [0u8; 64];
+        let _ = s.read(&mut req).unwrap();
+        s.write_all(b"HTTP/1.0 400 Bad Request\r\nServer: SimpleHTTP/0.6\r\n\r\n")
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(500));
+    });
+    let t = Instant::now();
+    let e = client(&addr).set("run/0", b"x").unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("not Braid's store") && msg.contains("HTTP/1.0 400 Bad Request"),
+        "{msg}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    service.join().unwrap();
+}

@@ -367,3 +367,28 @@ fn a_rank_whose_setup_fails_stops_the_others_at_once_naming_it() {
         }
     }
 }
+
+/// Rank 0 started alone (the others never come) with a config its world cannot run: it
+/// names the problem and exits within seconds, not after keeping the store up the full
+/// 30 s for ranks that never connected.
+#[test]
+fn rank_0_alone_with_a_bad_config_exits_in_seconds() {
+    reference(); // the dataset is packed: only the setup's own checks are timed
+    let dir = fixture().join("runs/procs-alone");
+    let t = Instant::now();
+    let o = train(&dir, &[])
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "4")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", super::procs::free_port().to_string())
+        .output()
+        .unwrap();
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{out}");
+    assert!(out.contains("parallel.world_size: 4"), "{out}");
+    assert!(
+        t.elapsed() < Duration::from_secs(15),
+        "{:?}: {out}",
+        t.elapsed()
+    );
+}

@@ -42,7 +42,7 @@ pub struct Processes {
     pub env: LaunchEnv,
     store: StoreClient,
     /// Rank 0 serves the store for as long as the run lasts.
-    _server: Option<StoreServer>,
+    server: Option<StoreServer>,
 }
 
 fn store_err(e: braid_comm::store::StoreError) -> TrainError {
@@ -63,11 +63,7 @@ impl Processes {
         };
         let store =
             StoreClient::connect(&env.store_addr(), env.store_timeout).map_err(store_err)?;
-        Ok(Some(Processes {
-            env,
-            store,
-            _server: server,
-        }))
+        Ok(Some(Processes { env, store, server }))
     }
 }
 
@@ -137,13 +133,16 @@ impl Processes {
         } else {
             self.store.abort(self.env.rank, &e.to_string()).map(|_| 0)
         };
-        if self.env.rank != 0 {
-            return;
-        }
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while std::time::Instant::now() < deadline {
+        let Some(server) = &self.server else { return };
+        // Every rank has read it, or (after a few seconds for late starters) none but this
+        // one is connected any more: no one is left to tell.
+        let start = std::time::Instant::now();
+        while start.elapsed() < Duration::from_secs(30) {
             match self.store.abort_seen(0) {
                 Ok(n) if n as usize >= self.env.world_size => break,
+                Ok(_) if start.elapsed() > Duration::from_secs(3) && server.clients() <= 1 => {
+                    break;
+                }
                 Ok(_) => std::thread::sleep(Duration::from_millis(50)),
                 Err(_) => break,
             }
