@@ -136,7 +136,13 @@ impl LaunchEnv {
 
     /// `host:port` of the rendezvous store.
     pub fn store_addr(&self) -> String {
-        format!("{}:{}", self.master_addr, self.store_port)
+        let host = self.master_addr.as_str();
+        // An IPv6 literal needs brackets before the port (`[fd00::1]:29500`).
+        if host.contains(':') && !host.starts_with('[') {
+            format!("[{host}]:{}", self.store_port)
+        } else {
+            format!("{host}:{}", self.store_port)
+        }
     }
 }
 

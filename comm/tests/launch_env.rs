@@ -54,6 +54,13 @@ fn torchrun_variables() {
     .unwrap()
     .unwrap();
     assert_eq!(e.store_addr(), "h:40000");
+    // An IPv6 literal gets brackets before the port (bracketed already: kept).
+    for (addr, want) in [("fd00::1", "[fd00::1]:29501"), ("[::1]", "[::1]:29501")] {
+        let e = env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", addr)])
+            .unwrap()
+            .unwrap();
+        assert_eq!(e.store_addr(), want);
+    }
 }
 
 /// How long a rank dials rank 0's store (120 s) and waits for rank 0 to set the run up

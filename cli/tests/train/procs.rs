@@ -16,11 +16,18 @@ pub(super) fn free_port() -> u16 {
 
 /// `braid launch --nproc-per-node n -- train ...` of the fixture's run into `dir`.
 pub(super) fn launch(n: usize, dir: &Path, extra: &[&str]) -> Command {
+    launch_at(n, dir, extra, "127.0.0.1")
+}
+
+/// [`launch`] with the store on `master_addr`.
+fn launch_at(n: usize, dir: &Path, extra: &[&str], master_addr: &str) -> Command {
     let mut c = braid();
     c.args([
         "launch",
         "--nproc-per-node",
         &n.to_string(),
+        "--master-addr",
+        master_addr,
         "--master-port",
     ])
     .arg(free_port().to_string())
@@ -437,4 +444,38 @@ pub(super) fn terminate_after(mut cmd: Command, dir: &Path, after: usize) -> (Op
     assert!(k.success());
     let o = child.wait_with_output().unwrap();
     (o.status.code(), text(&o))
+}
+
+/// MASTER_ADDR an IPv6 literal (`::1`): rank 0 serves the store on IPv6, the ranks' socket
+/// addresses are bracketed, and the world trains the same numbers as over IPv4. Skipped
+/// where the machine has no IPv6 loopback.
+#[test]
+fn a_world_over_ipv6_trains_like_one_over_ipv4() {
+    if std::net::TcpListener::bind("[::1]:0").is_err() {
+        eprintln!("no IPv6 loopback here: skipped");
+        return;
+    }
+    reference();
+    let sets = [
+        "--set",
+        "parallel.placement=\"colocated\"",
+        "--set",
+        "parallel.llm.dp=2",
+        "--set",
+        "parallel.vision.dp=2",
+        "--set",
+        "parallel.audio.dp=2",
+    ];
+    let run = |name: &str, addr: &str| {
+        let dir = fixture().join(format!("runs/{name}"));
+        let o = launch_at(2, &dir, &sets, addr).output().unwrap();
+        assert!(o.status.success(), "{name}: {}", text(&o));
+        assert!(
+            text(&o).contains(&format!("2 processes (braid launch) on {addr}")),
+            "{name}: {}",
+            text(&o)
+        );
+        logged(&dir)
+    };
+    assert_eq!(run("ipv6-procs", "::1"), run("ipv4-procs", "127.0.0.1"));
 }

@@ -113,7 +113,13 @@ impl SocketWorld {
         store
             .set(
                 &format!("socket/{rank}"),
-                format!("{host}:{port}").as_bytes(),
+                // An IPv6 host needs brackets before the port.
+                if host.contains(':') {
+                    format!("[{host}]:{port}")
+                } else {
+                    format!("{host}:{port}")
+                }
+                .as_bytes(),
             )
             .map_err(store_err)?;
         let mut hosts = vec![String::new(); size];
@@ -129,9 +135,9 @@ impl SocketWorld {
                 )
                 .map_err(store_err)?;
             let addr = String::from_utf8_lossy(&addr).into_owned();
-            hosts[peer] = addr
-                .rsplit_once(':')
-                .map_or(addr.clone(), |(h, _)| h.to_string());
+            hosts[peer] = addr.rsplit_once(':').map_or(addr.clone(), |(h, _)| {
+                h.trim_start_matches('[').trim_end_matches(']').to_string()
+            });
             let mut s = TcpStream::connect(&addr)
                 .map_err(io(format!("connecting to rank {peer} at {addr}")))?;
             s.write_all(&(rank as u32).to_le_bytes())

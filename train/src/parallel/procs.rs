@@ -57,13 +57,47 @@ impl Processes {
         })?;
         let Some(env) = env else { return Ok(None) };
         let server = if env.rank == 0 {
-            Some(StoreServer::bind(&format!("0.0.0.0:{}", env.store_port)).map_err(store_err)?)
+            resolves(&env)?;
+            // Every interface of the address family MASTER_ADDR is in (an IPv6 literal:
+            // IPv6, which Linux serves to IPv4 clients too).
+            let any = if env.master_addr.contains(':') {
+                "[::]"
+            } else {
+                "0.0.0.0"
+            };
+            Some(StoreServer::bind(&format!("{any}:{}", env.store_port)).map_err(store_err)?)
         } else {
             None
         };
         let store =
             StoreClient::connect(&env.store_addr(), env.store_timeout).map_err(store_err)?;
         Ok(Some(Processes { env, store, server }))
+    }
+}
+
+/// Rank 0 dials its own store at MASTER_ADDR (so that the address it gives the others is
+/// the one they reach it at): a name that does not resolve there is a config error within
+/// seconds (DNS may lag a moment at a job's start), not the store's full wait.
+fn resolves(env: &LaunchEnv) -> Result<()> {
+    use std::net::ToSocketAddrs;
+    let addr = env.store_addr();
+    let start = std::time::Instant::now();
+    loop {
+        match addr.to_socket_addrs().map(|mut a| a.next().is_some()) {
+            Ok(true) => return Ok(()),
+            Ok(false) => {}
+            Err(e) if start.elapsed() >= Duration::from_secs(10) => {
+                return Err(TrainError::Config(crate::config::invalid(
+                    "environment",
+                    format!(
+                        "MASTER_ADDR={:?} does not resolve on rank 0, which serves the rendezvous store there ({e}): set it to this host's name or address",
+                        env.master_addr
+                    ),
+                )));
+            }
+            Err(_) => {}
+        }
+        std::thread::sleep(Duration::from_millis(200));
     }
 }
 
