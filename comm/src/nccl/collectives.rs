@@ -286,11 +286,17 @@ impl Comm for NcclComm {
             .map_err(|e| self.err(OP, format!("reading the headers: {e}")))?;
         // Round 2: the payloads, all in one group.
         let mut outs: Vec<Option<(Vec<usize>, CudaStorage)>> = (0..n).map(|_| None).collect();
+        // The peers now post their payloads: a failure here poisons the process (its
+        // communicators are aborted) so that they stop at once instead of timing out.
+        let poison = |e: CommError| {
+            self.world.poison(e.to_string());
+            e
+        };
         for &p in &peers {
             let (dtype, dims) = plan::decode_header(&got[p * HEADER_WORDS..(p + 1) * HEADER_WORDS])
-                .map_err(|m| self.err(OP, format!("from rank {p}: {m}")))?;
+                .map_err(|m| poison(self.err(OP, format!("from rank {p}: {m}"))))?;
             let len: usize = dims.iter().product();
-            outs[p] = Some((dims, self.alloc(OP, dtype, len)?));
+            outs[p] = Some((dims, self.alloc(OP, dtype, len).map_err(poison)?));
         }
         let mut calls: Vec<(bool, Buf, usize)> = Vec::with_capacity(2 * peers.len());
         for &p in &peers {

@@ -152,6 +152,18 @@ pub struct NcclComm {
     channels: p2p::Channels,
 }
 
+impl Drop for NcclComm {
+    /// After a failure of this process, its communicators are aborted, not finalized: a
+    /// finalize waits (up to the timeout, for each) for work that peers will never match,
+    /// and the process must exit promptly for its launcher to name the failure.
+    fn drop(&mut self) {
+        if let Some(why) = self.world.poisoned() {
+            lock(&self.comm).abort(&why);
+            self.channels.abort_inbound(&why);
+        }
+    }
+}
+
 impl fmt::Debug for NcclComm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(

@@ -104,6 +104,13 @@ impl Channels {
         }
     }
 
+    /// Aborts the receiving channels' communicators (a failed process's teardown).
+    pub fn abort_inbound(&self, why: &str) {
+        for c in lock(&self.inbound).values() {
+            lock(c).abort(why);
+        }
+    }
+
     /// Queues `t` (on the world's GPU) for world rank `dst`; returns once it is queued.
     pub fn send(&self, world: &Arc<NcclWorld>, t: &Tensor, dst: usize) -> Result<(), Failure> {
         let data = t
@@ -214,6 +221,10 @@ fn channel_thread(world: Arc<NcclWorld>, key: String, dst: usize, jobs: Receiver
             comm.abort(&format!("{f:?}"));
             world.poison(format!("rank {me}: sending to rank {dst}: {f:?}"));
         }
+    }
+    // A failed process aborts rather than finalizes (see NcclComm's drop).
+    if let Some(why) = world.poisoned() {
+        comm.abort(&why);
     }
 }
 
