@@ -237,8 +237,7 @@ pub fn workload(cfg: &RunConfig, model: &MllmConfig, data: Option<&Path>) -> Res
         err("planning needs train.batch_rows (the global batch in packed rows)".into())
     })?;
     let sec = cfg.plan.clone().unwrap_or_default();
-    // The synthetic rows are packed first-fit, in time quadratic in their number: past
-    // these the planner would run for hours (or allocate terabytes) before a word.
+    // Past these the planner would run for hours (or allocate terabytes) before a word.
     if let Some(l) = sec.seq_len.filter(|l| !(1..=MAX_PLAN_SEQ_LEN).contains(l)) {
         return Err(err(format!(
             "plan.seq_len = {l}: must be from 1 to {MAX_PLAN_SEQ_LEN} tokens"
