@@ -236,3 +236,42 @@ fn a_silent_peer_times_out_naming_it() {
         "{e}"
     );
 }
+
+/// Two processes given the same RANK: rank 0 names the rank and both addresses at once,
+/// and an abort on the store (what a failed rank leaves) ends the others' waits with it.
+#[test]
+fn two_processes_with_the_same_rank_are_named() {
+    let server = StoreServer::bind("127.0.0.1:0").unwrap();
+    let addr = server.addr().to_string();
+    let t = Instant::now();
+    let hs: Vec<_> = [0usize, 1, 1]
+        .into_iter()
+        .map(|r| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let mut store = StoreClient::connect(&addr, Duration::from_secs(10)).unwrap();
+                let out =
+                    SocketWorld::connect(&mut store, r, 3, "127.0.0.1", Duration::from_secs(20))
+                        .map(|_| ());
+                if let Err(e) = &out
+                    && r == 0
+                {
+                    store.abort(0, &e.to_string()).unwrap();
+                }
+                (r, out)
+            })
+        })
+        .collect();
+    let outs: Vec<_> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    let (_, zero) = &outs[0];
+    let msg = zero.as_ref().unwrap_err().to_string();
+    assert!(msg.contains("two processes say they are rank 1"), "{msg}");
+    for (r, out) in &outs[1..] {
+        let e = out.as_ref().unwrap_err();
+        assert!(
+            matches!(e, CommError::Poisoned { by: 0, .. }),
+            "rank {r}: {e}"
+        );
+    }
+}

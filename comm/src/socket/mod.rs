@@ -172,11 +172,19 @@ impl SocketWorld {
                         .map_err(io("accepted socket".into()))?;
                     let peer = u32::from_le_bytes(b) as usize;
                     if peer <= rank || peer >= size || streams[peer].is_some() {
+                        let msg = if streams.get(peer).is_some_and(Option::is_some) {
+                            format!(
+                                "two processes say they are rank {peer} ({} and {from}): each rank's RANK must be different",
+                                hosts[peer]
+                            )
+                        } else {
+                            format!("{from} says it is rank {peer}")
+                        };
                         return Err(CommError::Invalid {
                             op: OP,
                             rank,
                             size,
-                            msg: format!("{from} says it is rank {peer}"),
+                            msg,
                         });
                     }
                     hosts[peer] = from.ip().to_string();
