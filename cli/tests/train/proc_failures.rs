@@ -277,12 +277,22 @@ fn the_ranks_stop_when_their_launcher_is_killed() {
         "stopped early, not trained to the end: {steps} steps"
     );
     // They stopped as on a forwarded SIGTERM: with a checkpoint of the last step.
+    let logs: String = (0..3)
+        .map(|r| {
+            let log =
+                std::fs::read_to_string(dir.join(format!("logs/rank-{r}.log"))).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(4).collect();
+            format!(
+                "rank {r}: {}\n",
+                tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+            )
+        })
+        .collect();
     assert!(
-        std::fs::read_dir(dir.join("checkpoints"))
-            .unwrap()
+        std::fs::read_dir(dir.join("checkpoints")).is_ok_and(|d| d
             .flatten()
-            .any(|e| e.file_name().to_string_lossy().starts_with("step-")),
-        "no checkpoint written on the way out"
+            .any(|e| e.file_name().to_string_lossy().starts_with("step-"))),
+        "no checkpoint written on the way out; the ranks' logs end:\n{logs}"
     );
 }
 
@@ -335,13 +345,7 @@ fn a_rank_whose_setup_fails_stops_the_others_at_once_naming_it() {
                     "--set",
                     set,
                 ];
-                train(&dir, &sets)
-                    .env("RANK", r.to_string())
-                    .env("WORLD_SIZE", world)
-                    .env("LOCAL_RANK", r.to_string())
-                    .env("LOCAL_WORLD_SIZE", "4")
-                    .env("MASTER_ADDR", "127.0.0.1")
-                    .env("MASTER_PORT", &port)
+                super::procs::by_hand(&dir, &sets, r, world, &port)
                     .spawn()
                     .unwrap()
             })

@@ -19,6 +19,31 @@ pub(super) fn launch(n: usize, dir: &Path, extra: &[&str]) -> Command {
     launch_at(n, dir, extra, "127.0.0.1")
 }
 
+/// `braid train` of the fixture's run into `dir` as rank `rank` of a world of `world`
+/// (4 to a node) with torchrun's variables set by hand, the store on `port`.
+pub(super) fn by_hand(dir: &Path, sets: &[&str], rank: usize, world: &str, port: &str) -> Command {
+    let mut c = train(dir, sets);
+    c.env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world)
+        .env("LOCAL_RANK", rank.to_string())
+        .env("LOCAL_WORLD_SIZE", "4")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port);
+    c
+}
+
+/// Every module over both of 2 ranks, data-parallel.
+const COLOCATED_DP2: [&str; 8] = [
+    "--set",
+    "parallel.placement=\"colocated\"",
+    "--set",
+    "parallel.llm.dp=2",
+    "--set",
+    "parallel.vision.dp=2",
+    "--set",
+    "parallel.audio.dp=2",
+];
+
 /// [`launch`] with the store on `master_addr`.
 fn launch_at(n: usize, dir: &Path, extra: &[&str], master_addr: &str) -> Command {
     let mut c = braid();
@@ -209,17 +234,7 @@ fn torchrun_variables_set_by_hand_train_like_threads() {
     let dir = fixture().join("runs/pp2-torchrun");
     let port = free_port().to_string();
     let children: Vec<_> = (0..4)
-        .map(|r| {
-            train(&dir, &pp)
-                .env("RANK", r.to_string())
-                .env("WORLD_SIZE", "4")
-                .env("LOCAL_RANK", r.to_string())
-                .env("LOCAL_WORLD_SIZE", "4")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .spawn()
-                .unwrap()
-        })
+        .map(|r| by_hand(&dir, &pp, r, "4", &port).spawn().unwrap())
         .collect();
     for c in children {
         let o = c.wait_with_output().unwrap();
@@ -337,23 +352,9 @@ fn a_checkpoint_of_4_processes_resumes_on_5_and_2_processes_and_on_threads() {
                 .output()
                 .unwrap(),
             // Fewer processes than modules: every module over both, each its own layout.
-            _ => launch(
-                2,
-                &dir,
-                &[
-                    "--set",
-                    "parallel.placement=\"colocated\"",
-                    "--set",
-                    "parallel.llm.dp=2",
-                    "--set",
-                    "parallel.vision.dp=2",
-                    "--set",
-                    "parallel.audio.dp=2",
-                    "--resume",
-                ],
-            )
-            .output()
-            .unwrap(),
+            _ => launch(2, &dir, &[&COLOCATED_DP2[..], &["--resume"]].concat())
+                .output()
+                .unwrap(),
         };
         assert!(o.status.success(), "{name}: {}", text(&o));
         let got = losses(&dir);
@@ -456,19 +457,9 @@ fn a_world_over_ipv6_trains_like_one_over_ipv4() {
         return;
     }
     reference();
-    let sets = [
-        "--set",
-        "parallel.placement=\"colocated\"",
-        "--set",
-        "parallel.llm.dp=2",
-        "--set",
-        "parallel.vision.dp=2",
-        "--set",
-        "parallel.audio.dp=2",
-    ];
     let run = |name: &str, addr: &str| {
         let dir = fixture().join(format!("runs/{name}"));
-        let o = launch_at(2, &dir, &sets, addr).output().unwrap();
+        let o = launch_at(2, &dir, &COLOCATED_DP2, addr).output().unwrap();
         assert!(o.status.success(), "{name}: {}", text(&o));
         assert!(
             text(&o).contains(&format!("2 processes (braid launch) on {addr}")),

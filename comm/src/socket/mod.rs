@@ -138,10 +138,33 @@ impl SocketWorld {
             hosts[peer] = addr.rsplit_once(':').map_or(addr.clone(), |(h, _)| {
                 h.trim_start_matches('[').trim_end_matches(']').to_string()
             });
-            let mut s = TcpStream::connect(&addr)
-                .map_err(io(format!("connecting to rank {peer} at {addr}")))?;
-            s.write_all(&(rank as u32).to_le_bytes())
-                .map_err(io(format!("greeting rank {peer}")))?;
+            // A peer that is gone may have left because a rank failed (the peer itself,
+            // whose abort may reach the store a moment after its listener closed): then
+            // that failure is this rank's error, not the refused connection.
+            let gone = |store: &mut StoreClient, e: std::io::Error, what: String| {
+                let until = Instant::now() + Duration::from_secs(2);
+                while Instant::now() < until {
+                    match store.aborted() {
+                        Ok(Some(a)) => return store_err(a),
+                        Ok(None) => std::thread::sleep(Duration::from_millis(50)),
+                        Err(_) => break,
+                    }
+                }
+                io(what)(e)
+            };
+            let mut s = match TcpStream::connect(&addr) {
+                Ok(s) => s,
+                Err(e) => {
+                    return Err(gone(
+                        store,
+                        e,
+                        format!("connecting to rank {peer} at {addr}"),
+                    ));
+                }
+            };
+            if let Err(e) = s.write_all(&(rank as u32).to_le_bytes()) {
+                return Err(gone(store, e, format!("greeting rank {peer}")));
+            }
             *slot = Some(s);
         }
         // Accept the ranks above; each says who it is.
