@@ -163,7 +163,9 @@ fn launch_and_signal(
     let t = Instant::now();
     let o = child.wait_with_output().unwrap();
     let took = t.elapsed();
-    if signal == "-STOP" {
+    // Only if that pid is still rank 3 of this run: once the launcher has killed and
+    // reaped it, the pid may belong to another test's process (pid_max can be 32768).
+    if signal == "-STOP" && rank_pid(&dir, 3) == Some(pid) {
         let _ = Command::new("kill")
             .args(["-9", &pid.to_string()])
             .stderr(Stdio::null())
