@@ -143,17 +143,20 @@ pub fn latest(root: &Path) -> Result<Option<(u64, PathBuf)>> {
     Ok(list(root)?.pop())
 }
 
-/// Removes half-written `.tmp-*` folders left by a crash.
-pub fn remove_partial(root: &Path) -> Result<()> {
+/// Removes half-written `.tmp-*` folders left by a crash; returns the folders removed.
+pub fn remove_partial(root: &Path) -> Result<Vec<PathBuf>> {
     let Ok(rd) = std::fs::read_dir(root) else {
-        return Ok(());
+        return Ok(Vec::new());
     };
+    let mut removed = Vec::new();
     for entry in rd.flatten() {
         if entry.file_name().to_string_lossy().starts_with(".tmp-") {
             std::fs::remove_dir_all(entry.path()).map_err(io_err(&entry.path(), "remove"))?;
+            removed.push(entry.path());
         }
     }
-    Ok(())
+    removed.sort();
+    Ok(removed)
 }
 
 /// Writes one checkpoint atomically and deletes the oldest beyond `keep`. Returns its folder.

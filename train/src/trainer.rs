@@ -140,7 +140,12 @@ impl Trainer {
             None
         };
         let ckpt_root = run_dir.join("checkpoints");
-        checkpoint::remove_partial(&ckpt_root)?;
+        for partial in checkpoint::remove_partial(&ckpt_root)? {
+            obs.log(&format!(
+                "removed {}: its save never finished",
+                partial.display()
+            ));
+        }
         let latest = checkpoint::latest(&ckpt_root)?;
         if !resume && latest.is_some() {
             return Err(invalid(

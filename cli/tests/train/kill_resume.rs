@@ -97,6 +97,13 @@ fn a_crash_inside_a_checkpoint_write_resumes_from_the_previous_one() {
     let o = train(&dir, &["--resume"]).output().unwrap();
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("step 4"), "{}", text(&o));
+    // The torn checkpoint is removed, and the resume says so.
+    assert!(
+        text(&o).contains(".tmp-step-00000006: its save never finished"),
+        "{}",
+        text(&o)
+    );
+    assert!(!dir.join("checkpoints/.tmp-step-00000006").exists());
     assert_eq!(&losses(&dir), ref_losses);
     assert_eq!(logged(&dir), reference().logged);
 }
