@@ -4,7 +4,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, DriverError,
@@ -53,21 +53,33 @@ impl std::fmt::Debug for CudaBackend {
     }
 }
 
+/// The most GPUs one process addresses (`cuda:0` .. `cuda:63`).
+const MAX_GPUS: usize = 64;
+
 /// Backends created so far, by ordinal. A backend lives for the whole process (the
 /// context and its pool are process-wide resources), so it is leaked once and shared.
-static BACKENDS: Mutex<Vec<Option<&'static CudaBackend>>> = Mutex::new(Vec::new());
+/// Every op looks its backend up: after the first, without a lock.
+static BACKENDS: [OnceLock<&'static CudaBackend>; MAX_GPUS] = [const { OnceLock::new() }; MAX_GPUS];
+/// Held while a backend is created, so that each is created once.
+static CREATING: Mutex<()> = Mutex::new(());
 
 /// The backend of GPU `ordinal`, created on first use.
 pub fn backend(ordinal: usize) -> Result<&'static CudaBackend> {
-    let mut all = lock(&BACKENDS);
-    if let Some(Some(b)) = all.get(ordinal) {
+    let slot = BACKENDS.get(ordinal).ok_or_else(|| Error::Cuda {
+        op: "backend",
+        device: Device::Cuda(ordinal),
+        msg: format!("a process addresses at most {MAX_GPUS} GPUs"),
+    })?;
+    if let Some(b) = slot.get() {
+        return Ok(b);
+    }
+    let _creating = lock(&CREATING);
+    if let Some(b) = slot.get() {
         return Ok(b);
     }
     let b: &'static CudaBackend = Box::leak(Box::new(CudaBackend::create(ordinal)?));
-    if all.len() <= ordinal {
-        all.resize(ordinal + 1, None);
-    }
-    all[ordinal] = Some(b);
+    // Set under the lock after an empty check: this set is the only one.
+    let _ = slot.set(b);
     Ok(b)
 }
 
