@@ -369,3 +369,29 @@ fn media_roots_trust_linked_folders_and_still_refuse_links_out() {
     .to_string();
     assert!(err.contains("media root") && err.contains("typo"), "{err}");
 }
+
+/// The dataset's fingerprint (what the ranks of a world compare): two packs of the same
+/// input with the same settings agree, and a dataset whose shards differ does not.
+#[test]
+fn the_fingerprint_is_the_same_for_the_same_pack_and_differs_otherwise() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (manifest, _) = jsonl_good(&tmp.path().join("data"), 6);
+    let cfg = test_config();
+    let pack = |name: &str| {
+        let out = tmp.path().join(name);
+        run_pack(
+            &job(&manifest, Format::Jsonl, &out, &cfg, false),
+            &mut |_| {},
+        )
+        .unwrap()
+    };
+    let (a, b) = (pack("a"), pack("b"));
+    assert_eq!(a.fingerprint().len(), 64);
+    assert_eq!(a.fingerprint(), b.fingerprint());
+    let mut c = b.clone();
+    c.shards[0].sha256 = "0".repeat(64);
+    assert_ne!(a.fingerprint(), c.fingerprint());
+    let mut d = b;
+    d.shards[0].packs += 1;
+    assert_ne!(a.fingerprint(), d.fingerprint());
+}
