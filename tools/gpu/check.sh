@@ -10,7 +10,7 @@
 # bench-braid.txt and bench-torch.json. Steps are time-boxed so one hang cannot eat the
 # call: BRAID_CHECK_BUDGET_S (default 440) is the whole script's; BRAID_CHECK_ONLY (a
 # space-separated subset of "tests nccl demo torchrun layouts nccl2 resume bench sanitize")
-# reruns some steps.
+# reruns some steps (nccl2 compares with the CPU run of `layouts`, resume needs `demo`).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/braid-gpu-out}; mkdir -p "$OUT"
