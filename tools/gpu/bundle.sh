@@ -62,4 +62,7 @@ cp tools/gpu/check.sh "$out/"
 # ~110 MB unpacked). check.sh unpacks it.
 tar -C "$out" -cf - braid bench-step tests tests-nccl kernel-cache | xz -T2 -6 > gpu-bundle.tar.xz
 rm -rf "$out" && mkdir -p "$out" && mv gpu-bundle.tar.xz "$out/"
+# What the bundle was built from (check.sh reports it): a bundle older than the tree
+# tests old code.
+{ git rev-parse HEAD; git status --porcelain | head -20; } > "$out/built-from.txt"
 du -sh "$out"/gpu-bundle.tar.xz

@@ -68,6 +68,7 @@ mkdir -p "$BRAID_KERNEL_CACHE" && cp "$B"/kernel-cache/*.cubin "$BRAID_KERNEL_CA
     ls "$BRAID_KERNEL_CACHE" | head -50; ldd "$BRAID"; nproc; free -g
 } > "$W/gpu.txt" 2>&1
 say "start: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -1)"
+say "bundle built from $(head -n 1 "$B/built-from.txt" 2>/dev/null || echo '?'), tree at $(git rev-parse HEAD 2>/dev/null || echo '?')"
 
 # The CPU reference runs go in the background now (16 cores, while the GPU tests run):
 # the demo, and the layouts of step 5. They also generate and pack the demo data that
