@@ -136,13 +136,17 @@ impl LaunchEnv {
 
     /// `host:port` of the rendezvous store.
     pub fn store_addr(&self) -> String {
-        let host = self.master_addr.as_str();
-        // An IPv6 literal needs brackets before the port (`[fd00::1]:29500`).
-        if host.contains(':') && !host.starts_with('[') {
-            format!("[{host}]:{}", self.store_port)
-        } else {
-            format!("{host}:{}", self.store_port)
-        }
+        host_port(&self.master_addr, self.store_port)
+    }
+}
+
+/// `host:port`, with an IPv6 literal in brackets (`[fd00::1]:29500`; bracketed already:
+/// kept).
+pub fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
     }
 }
 

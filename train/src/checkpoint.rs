@@ -138,6 +138,21 @@ pub fn list(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
     Ok(out)
 }
 
+/// What every checkpoint holds besides tensors and state: the resolved run config, the
+/// data config, the tokenizer's files.
+pub(crate) fn files<'a>(
+    config_toml: &'a str,
+    data_json: &'a str,
+    tokenizer: &'a crate::tokenizer::TokenizerFiles,
+) -> Vec<(&'a str, &'a [u8])> {
+    let mut files = vec![
+        (CONFIG_FILE, config_toml.as_bytes()),
+        (DATA_FILE, data_json.as_bytes()),
+    ];
+    files.extend(tokenizer.iter().map(|(n, b)| (n.as_str(), b.as_slice())));
+    files
+}
+
 /// The newest complete checkpoint under `root`.
 pub fn latest(root: &Path) -> Result<Option<(u64, PathBuf)>> {
     Ok(list(root)?.pop())

@@ -74,6 +74,8 @@ pub struct Trainer {
     pub(crate) config_toml: String,
     /// The training set's data config as JSON (saved with every checkpoint).
     pub(crate) data_json: String,
+    /// The training set's identity ([`braid_dataloader::dataset::DatasetInfo::fingerprint`]).
+    pub(crate) data_fingerprint: String,
     /// The whole model and its optimizer; `None` on a rank of a world of processes, which
     /// holds only its share (made by its engine) until rank 0 reads the whole model back
     /// from the last checkpoint for evaluation and export.
@@ -222,6 +224,7 @@ impl Trainer {
             (None, None, (c.params, c.trainable), Some(c))
         };
         let config_toml = cfg.to_toml()?;
+        let data_fingerprint = data.fingerprint();
         let data_json = serde_json::to_string_pretty(&data.settings)
             .map_err(|e| TrainError::Other(e.to_string()))?;
         let loader_cfg = LoaderConfig {
@@ -325,6 +328,7 @@ impl Trainer {
             cfg,
             config_toml,
             data_json,
+            data_fingerprint,
             model,
             optim,
             mconfig,
@@ -447,7 +451,7 @@ impl Trainer {
             model,
             optim,
             &self.state,
-            &checkpoint_files(&self.config_toml, &self.data_json, &self.tokenizer_files),
+            &checkpoint::files(&self.config_toml, &self.data_json, &self.tokenizer_files),
             self.cfg.checkpoint.keep,
             self.cfg.fault.abort_during_checkpoint_at == Some(self.state.step),
         )
@@ -570,21 +574,6 @@ pub fn train_stoppable(
     } else {
         t.run(obs)
     }
-}
-
-/// What every checkpoint holds besides tensors and state: the resolved run config, the
-/// data config, the tokenizer's files.
-pub(crate) fn checkpoint_files<'a>(
-    config_toml: &'a str,
-    data_json: &'a str,
-    tokenizer: &'a TokenizerFiles,
-) -> Vec<(&'a str, &'a [u8])> {
-    let mut files = vec![
-        (checkpoint::CONFIG_FILE, config_toml.as_bytes()),
-        (checkpoint::DATA_FILE, data_json.as_bytes()),
-    ];
-    files.extend(tokenizer.iter().map(|(n, b)| (n.as_str(), b.as_slice())));
-    files
 }
 
 /// What the run says when a signal stops it.

@@ -86,6 +86,8 @@ impl NcclWorld {
     /// process's channel threads can publish meanwhile), up to the timeout.
     fn fetch(&self, key: &str, hint: &str) -> std::result::Result<Vec<u8>, Failure> {
         let start = Instant::now();
+        // Another rank's abort (its setup failed) is checked every 200 ms, not every poll.
+        let mut abort_check = start;
         loop {
             if let Some(v) = lock(&self.store)
                 .get(key)
@@ -96,12 +98,15 @@ impl NcclWorld {
             if let Some(why) = self.poisoned() {
                 return Err(Failure::Poisoned(why));
             }
-            match lock(&self.store).aborted() {
-                Ok(Some(crate::store::StoreError::Aborted { rank, why })) => {
-                    return Err(Failure::Aborted { by: rank, why });
+            if Instant::now() >= abort_check {
+                match lock(&self.store).aborted() {
+                    Ok(Some(crate::store::StoreError::Aborted { rank, why })) => {
+                        return Err(Failure::Aborted { by: rank, why });
+                    }
+                    Ok(_) => {}
+                    Err(e) => return Err(Failure::Error(e.to_string())),
                 }
-                Ok(_) => {}
-                Err(e) => return Err(Failure::Error(e.to_string())),
+                abort_check = Instant::now() + Duration::from_millis(200);
             }
             let waited = start.elapsed();
             if waited >= self.timeout {

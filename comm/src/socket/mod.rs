@@ -113,13 +113,7 @@ impl SocketWorld {
         store
             .set(
                 &format!("socket/{rank}"),
-                // An IPv6 host needs brackets before the port.
-                if host.contains(':') {
-                    format!("[{host}]:{port}")
-                } else {
-                    format!("{host}:{port}")
-                }
-                .as_bytes(),
+                crate::launch::host_port(host, port).as_bytes(),
             )
             .map_err(store_err)?;
         let mut hosts = vec![String::new(); size];

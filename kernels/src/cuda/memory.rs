@@ -11,16 +11,30 @@ use crate::error::Result;
 use crate::shape::Shape;
 use crate::tensor::{CpuStorage, Tensor};
 
+impl CudaBackend {
+    /// `n` zeroed elements of `dtype` (none: an empty buffer, see `empty`); `what` names
+    /// the tensor in an out-of-memory error.
+    fn zeroed_storage(
+        &self,
+        op: &'static str,
+        dtype: DType,
+        n: usize,
+        what: impl FnOnce() -> String,
+    ) -> Result<CudaStorage> {
+        Ok(match dtype {
+            DType::F32 => CudaStorage::F32(self.alloc_zeros(op, n, what)?),
+            DType::BF16 => CudaStorage::BF16(self.alloc_zeros(op, n, what)?),
+            DType::U32 => CudaStorage::U32(self.alloc_zeros(op, n, what)?),
+        })
+    }
+}
+
 impl MemoryKernels for CudaBackend {
     fn zeros(&self, shape: &Shape, dtype: DType) -> Result<Tensor> {
         const OP: &str = "zeros";
         let n = shape.elem_count();
         let what = || format!("a {dtype} tensor of shape {shape}");
-        let storage = match dtype {
-            DType::F32 => CudaStorage::F32(self.alloc_zeros(OP, n, what)?),
-            DType::BF16 => CudaStorage::BF16(self.alloc_zeros(OP, n, what)?),
-            DType::U32 => CudaStorage::U32(self.alloc_zeros(OP, n, what)?),
-        };
+        let storage = self.zeroed_storage(OP, dtype, n, what)?;
         Tensor::from_cuda(storage, shape.clone())
     }
 
@@ -29,9 +43,7 @@ impl MemoryKernels for CudaBackend {
         let err = |e| self.driver_err(OP, e);
         let storage = match &data {
             // An empty buffer without a zero-byte allocation (see `empty`).
-            CpuStorage::F32(v) if v.is_empty() => CudaStorage::F32(self.empty(OP)?),
-            CpuStorage::BF16(v) if v.is_empty() => CudaStorage::BF16(self.empty(OP)?),
-            CpuStorage::U32(v) if v.is_empty() => CudaStorage::U32(self.empty(OP)?),
+            d if d.is_empty() => self.zeroed_storage(OP, d.dtype(), 0, String::new)?,
             CpuStorage::F32(v) => {
                 CudaStorage::F32(self.stream.clone_htod(v.as_slice()).map_err(err)?)
             }
@@ -102,11 +114,7 @@ pub(crate) fn clone_storage(s: &CudaStorage) -> Result<CudaStorage> {
     let op = "try_clone";
     let err = |e| b.driver_err(op, e);
     Ok(match s {
-        _ if s.is_empty() => match s {
-            CudaStorage::F32(_) => CudaStorage::F32(b.empty(op)?),
-            CudaStorage::BF16(_) => CudaStorage::BF16(b.empty(op)?),
-            CudaStorage::U32(_) => CudaStorage::U32(b.empty(op)?),
-        },
+        _ if s.is_empty() => b.zeroed_storage(op, s.dtype(), 0, String::new)?,
         CudaStorage::F32(x) => CudaStorage::F32(b.stream.clone_dtod(x).map_err(err)?),
         CudaStorage::BF16(x) => CudaStorage::BF16(b.stream.clone_dtod(x).map_err(err)?),
         CudaStorage::U32(x) => CudaStorage::U32(b.stream.clone_dtod(x).map_err(err)?),

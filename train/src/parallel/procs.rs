@@ -260,14 +260,10 @@ fn set_up(
             .map_err(&store_err)?;
         Trainer::new_rank(cfg, resume, obs, false, false)?
     };
-    let data_dir = std::path::Path::new(&trainer.cfg.data.path);
-    let fingerprint = braid_dataloader::dataset::DatasetInfo::read(data_dir)
-        .map_err(|e| TrainError::Data(e.to_string()))?
-        .fingerprint();
     let mut entries = flat_toml(&trainer.config_toml)?;
     entries.push((
         "the dataset's shards (SHA-256 over dataset.json's list)".to_string(),
-        fingerprint,
+        trainer.data_fingerprint.clone(),
     ));
     entries.push((
         "the dataset's settings (dataset.json)".to_string(),

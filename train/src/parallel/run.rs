@@ -484,7 +484,7 @@ fn rank_main(
                 world.as_ref(),
                 &root,
                 &state,
-                &crate::trainer::checkpoint_files(t.config_toml, t.data_json, t.tokenizer_files),
+                &crate::checkpoint::files(t.config_toml, t.data_json, t.tokenizer_files),
                 cfg.checkpoint.keep,
                 cfg.fault.abort_during_checkpoint_at == Some(step),
             )?;

@@ -1,0 +1,229 @@
+//! The rendezvous store's server: rank 0 serves it, one thread per client connection.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::*;
+
+#[derive(Default)]
+struct State {
+    map: HashMap<Vec<u8>, Vec<u8>>,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    changed: Condvar,
+    stop: AtomicBool,
+    /// Client connections open now.
+    clients: std::sync::atomic::AtomicUsize,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panicking connection thread leaves the map consistent (each update is one
+        // insert), so a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The store's server (rank 0 runs one). Dropping it stops accepting connections.
+pub struct StoreServer {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    acceptor: Option<JoinHandle<()>>,
+}
+
+impl StoreServer {
+    /// Client connections open now (the serving rank's own included).
+    pub fn clients(&self) -> usize {
+        self.shared.clients.load(Ordering::SeqCst)
+    }
+}
+
+impl std::fmt::Debug for StoreServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StoreServer({})", self.addr)
+    }
+}
+
+impl StoreServer {
+    /// Listens on `addr` (`0.0.0.0:29501`; port 0 picks a free one, see [`Self::addr`]).
+    pub fn bind(addr: &str) -> Result<Self> {
+        let io = |what: &str| {
+            let (addr, what) = (addr.to_string(), what.to_string());
+            move |source| StoreError::Io { addr, what, source }
+        };
+        let listener = TcpListener::bind(addr).map_err(io("binding (is the port in use?)"))?;
+        let local = listener
+            .local_addr()
+            .map_err(io("reading the bound address"))?;
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State::default()),
+            changed: Condvar::new(),
+            stop: AtomicBool::new(false),
+            clients: std::sync::atomic::AtomicUsize::new(0),
+        });
+        let acc_shared = Arc::clone(&shared);
+        let acceptor = std::thread::Builder::new()
+            .name("braid-store".into())
+            .spawn(move || accept_loop(listener, acc_shared))
+            .map_err(io("starting the server thread"))?;
+        Ok(StoreServer {
+            addr: local,
+            shared,
+            acceptor: Some(acceptor),
+        })
+    }
+
+    /// The address the server listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        self.shared.changed.notify_all();
+        // Wake the acceptor with a connection of our own, then let it go.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+        if let Some(h) = self.acceptor.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    for conn in listener.incoming() {
+        if shared.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(stream) = conn else { continue };
+        let s = Arc::clone(&shared);
+        // One thread per client: a world has one connection per rank.
+        let _ = std::thread::Builder::new()
+            .name("braid-store-conn".into())
+            .spawn(move || serve(stream, s));
+    }
+}
+
+/// Serves one client until it disconnects (or sends garbage: the connection is closed).
+fn serve(mut stream: TcpStream, shared: Arc<Shared>) {
+    /// Counts the connection while it is served.
+    struct Open(Arc<Shared>);
+    impl Drop for Open {
+        fn drop(&mut self) {
+            self.0.clients.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    shared.clients.fetch_add(1, Ordering::SeqCst);
+    let _open = Open(Arc::clone(&shared));
+    let _ = stream.set_nodelay(true);
+    loop {
+        let mut op = [0u8; 1];
+        if stream.read_exact(&mut op).is_err() {
+            return;
+        }
+        let reply = match handle(op[0], &mut stream, &shared) {
+            Ok(r) => r,
+            Err(_) => return,
+        };
+        if stream.write_all(&reply).is_err() {
+            return;
+        }
+    }
+}
+
+fn handle(op: u8, stream: &mut TcpStream, shared: &Shared) -> std::io::Result<Vec<u8>> {
+    let mut reply = Vec::new();
+    match op {
+        OP_SET => {
+            let (k, v) = (read_field(stream)?, read_field(stream)?);
+            shared.lock().map.insert(k, v);
+            shared.changed.notify_all();
+            reply.push(ST_OK);
+            write_field(&mut reply, &[]);
+        }
+        OP_GET => {
+            let k = read_field(stream)?;
+            match shared.lock().map.get(&k) {
+                Some(v) => {
+                    reply.push(ST_OK);
+                    write_field(&mut reply, v);
+                }
+                None => {
+                    reply.push(ST_MISSING);
+                    write_field(&mut reply, &[]);
+                }
+            }
+        }
+        OP_WAIT => {
+            let k = read_field(stream)?;
+            let t = read_field(stream)?;
+            let ms = u64::from(u32::from_le_bytes(t.as_slice().try_into().map_err(
+                |_| {
+                    std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        "wait: timeout is not 4 bytes",
+                    )
+                },
+            )?));
+            let deadline = Instant::now() + Duration::from_millis(ms);
+            let mut st = shared.lock();
+            loop {
+                if let Some(v) = st.map.get(&k) {
+                    reply.push(ST_OK);
+                    write_field(&mut reply, v);
+                    break;
+                }
+                if let Some(why) = st.map.get(ABORT.as_bytes()) {
+                    reply.push(ST_ABORTED);
+                    write_field(&mut reply, why);
+                    break;
+                }
+                let now = Instant::now();
+                if now >= deadline || shared.stop.load(Ordering::SeqCst) {
+                    reply.push(ST_TIMEOUT);
+                    write_field(&mut reply, &[]);
+                    break;
+                }
+                st = shared
+                    .changed
+                    .wait_timeout(st, deadline - now)
+                    .map(|(g, _)| g)
+                    .unwrap_or_else(|p| p.into_inner().0);
+            }
+        }
+        OP_ADD => {
+            let k = read_field(stream)?;
+            let d = read_field(stream)?;
+            let delta = i64::from_le_bytes(d.as_slice().try_into().map_err(|_| {
+                std::io::Error::new(std::io::ErrorKind::InvalidData, "add: delta is not 8 bytes")
+            })?);
+            let mut st = shared.lock();
+            let cur = st
+                .map
+                .get(&k)
+                .and_then(|v| <[u8; 8]>::try_from(v.as_slice()).ok())
+                .map_or(0, i64::from_le_bytes);
+            let new = cur.wrapping_add(delta);
+            st.map.insert(k, new.to_le_bytes().to_vec());
+            drop(st);
+            shared.changed.notify_all();
+            reply.push(ST_OK);
+            write_field(&mut reply, &new.to_le_bytes());
+        }
+        _ => {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "unknown opcode",
+            ));
+        }
+    }
+    Ok(reply)
+}
