@@ -252,6 +252,78 @@ impl Cluster {
         if !fraction(self.attention_efficiency) {
             return Err("attention_efficiency must be in (0, 1]".into());
         }
+        self.check_units()
+    }
+
+    /// Finite values that no device has: most often a figure in the wrong unit (FLOP/s
+    /// where TFLOP/s go, bytes where GiB go), which would plan steps of 1e-12 s or 1e200 s.
+    /// Each limit lies orders of magnitude beyond any GPU or CPU made, either way.
+    fn check_units(&self) -> Result<(), String> {
+        let out = |key: &str, v: f64, lo: f64, hi: f64, unit: &str| {
+            Err(format!(
+                "{key} = {v:e} is outside {lo:e}..={hi:e} {unit}: no device is that far out; is it in another unit?"
+            ))
+        };
+        if self.gpus_per_node > 1 << 16 {
+            return Err(format!(
+                "gpus_per_node = {} is more than {} (a node's GPUs)",
+                self.gpus_per_node,
+                1 << 16
+            ));
+        }
+        let ranges = [
+            ("memory_gib", self.memory_gib, 1e-3, 1e5, "GiB"),
+            ("layer_overhead_us", self.layer_overhead_us, 0.0, 1e7, "us"),
+            (
+                "backward_overhead_us",
+                self.backward_overhead_us(),
+                0.0,
+                1e7,
+                "us",
+            ),
+            (
+                "elementwise_ns",
+                self.elementwise_ns,
+                0.0,
+                1e7,
+                "ns per value",
+            ),
+            ("compute_bytes", self.compute_bytes, 0.5, 16.0, "bytes"),
+            (
+                "attention_backward",
+                self.attention_backward,
+                1e-2,
+                1e2,
+                "x the forward",
+            ),
+        ];
+        for (key, v, lo, hi, unit) in ranges {
+            if !(lo..=hi).contains(&v) {
+                return out(key, v, lo, hi, unit);
+            }
+        }
+        for p in &self.matmul {
+            if !(1.0..=1e21).contains(&p.flops) {
+                return out("matmul flops", p.flops, 1.0, 1e21, "FLOPs per GEMM");
+            }
+            if !(1e-9..=1e5).contains(&p.tflops) {
+                return out("matmul tflops", p.tflops, 1e-9, 1e5, "TFLOP/s");
+            }
+        }
+        for (key, l) in [("intra", self.intra), ("inter", self.inter)] {
+            if !(1e-6..=1e5).contains(&l.bandwidth_gbs) {
+                return out(
+                    &format!("{key}.bandwidth_gbs"),
+                    l.bandwidth_gbs,
+                    1e-6,
+                    1e5,
+                    "GB/s",
+                );
+            }
+            if l.latency_us > 1e7 {
+                return out(&format!("{key}.latency_us"), l.latency_us, 0.0, 1e7, "us");
+            }
+        }
         Ok(())
     }
 
@@ -398,6 +470,36 @@ mod tests {
         // Inside one node even off its start.
         assert_eq!(c.group_link(12, 4, 1), c.intra);
         assert_eq!(c.intra.all_reduce(1e9, 1), 0.0);
+    }
+
+    /// A figure in the wrong unit (989e12 for an H100's 989 TFLOP/s, bytes for GiB) is
+    /// refused naming the key, instead of planning 1e-12 s steps.
+    #[test]
+    fn values_in_the_wrong_unit_are_refused() {
+        type Edit = (&'static str, fn(&mut Cluster));
+        let edits: [Edit; 9] = [
+            ("matmul tflops", |c| c.matmul[2].tflops = 989e12),
+            ("matmul tflops", |c| c.matmul[0].tflops = 1e-12),
+            ("matmul flops", |c| c.matmul[0].flops = 0.5),
+            ("memory_gib", |c| c.memory_gib = 80.0 * GIB),
+            ("intra.bandwidth_gbs", |c| c.intra.bandwidth_gbs = 360e9),
+            ("inter.latency_us", |c| c.inter.latency_us = 1e300),
+            ("layer_overhead_us", |c| c.layer_overhead_us = 1e200),
+            ("elementwise_ns", |c| c.elementwise_ns = 1e9),
+            ("gpus_per_node", |c| c.gpus_per_node = usize::MAX),
+        ];
+        for (key, edit) in edits {
+            let mut c = Cluster::preset("h100").unwrap();
+            edit(&mut c);
+            let e = c.validate().unwrap_err();
+            assert!(e.contains(key), "{key}: {e}");
+        }
+        // The presets and a slow CPU's profile stay inside.
+        let mut cpu = Cluster::preset("h200").unwrap();
+        cpu.matmul.iter_mut().for_each(|p| p.tflops = 1e-6);
+        cpu.intra.bandwidth_gbs = 0.5;
+        cpu.memory_gib = 2.0;
+        cpu.validate().unwrap();
     }
 
     #[test]

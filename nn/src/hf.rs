@@ -399,7 +399,20 @@ pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Res
     static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let tmp = target.with_file_name(format!(".{file_name}.{}-{n}.tmp", std::process::id()));
-    let result = write(&tmp)
+    // The mode a new file gets here (0666 less the umask), put back after `write`: some
+    // writers leave 0600 (safetensors persists a temporary file of its own), which the
+    // other accounts of a team sharing a run folder could not read.
+    let mode = File::create(&tmp)
+        .and_then(|f| f.metadata())
+        .map(|m| m.permissions())
+        // Named by the file asked for: a missing or read-only folder is the usual cause,
+        // and the temporary name means nothing to the user.
+        .map_err(|e| Error::io(path, "create", e));
+    let result = mode
+        .and_then(|mode| {
+            write(&tmp)?;
+            std::fs::set_permissions(&tmp, mode).map_err(|e| Error::io(&tmp, "set the mode of", e))
+        })
         .and_then(|()| {
             File::open(&tmp)
                 .and_then(|f| f.sync_all())

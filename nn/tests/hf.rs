@@ -42,6 +42,15 @@ fn f32_round_trip_is_exact_and_atomic() -> TestResult {
         .map(|e| e.unwrap().file_name())
         .collect();
     assert_eq!(files, vec![std::ffi::OsString::from("model.safetensors")]);
+    // Readable as any new file here is (the umask's mode), not safetensors' 0600 temp
+    // file: a team's other accounts read a shared run's checkpoints.
+    let plain = dir.join("plain");
+    std::fs::write(&plain, b"x")?;
+    assert_eq!(
+        std::fs::metadata(&path)?.permissions(),
+        std::fs::metadata(&plain)?.permissions()
+    );
+    std::fs::remove_file(&plain)?;
     let w = WeightFiles::open_dir(&dir)?;
     assert_eq!(w.names().collect::<Vec<_>>(), vec!["a.weight", "b"]);
     assert_eq!(w.shape("a.weight"), Some(&[2usize, 3][..]));

@@ -304,6 +304,69 @@ fn real_torchrun_trains_like_threads_bit_for_bit() {
     }
 }
 
+/// Through the real `srun` (a SLURM allocation of one node: its task environment, no
+/// MASTER_ADDR or MASTER_PORT set by hand), the same numbers bit for bit as threads; a
+/// `scancel` mid-run stops every task with a checkpoint (SLURM's SIGTERM) and exit 143.
+/// Runs where SLURM is: `BRAID_SRUN=$(which srun) cargo test -p braid --test train
+/// real_srun -- --ignored` (`--overcommit`: the 4 tasks may share fewer cores).
+#[test]
+#[ignore = "needs a SLURM cluster: set BRAID_SRUN to srun's path"]
+fn real_srun_trains_like_threads_and_checkpoints_on_scancel() {
+    let srun = std::env::var("BRAID_SRUN").expect("BRAID_SRUN=path/to/srun");
+    reference();
+    let layout = ["--set", "parallel.llm.dp=2"];
+    let threads = threads_run("srun-threads", &layout);
+    let run = |dir: &Path, extra: &[&str]| {
+        let mut c = Command::new(&srun);
+        c.args(["-n", "4", "--overcommit", "--kill-on-bad-exit=1"])
+            .args(["--job-name", &format!("braid-test-{}", std::process::id())])
+            .args([env!("CARGO_BIN_EXE_braid"), "train", "--config", &config()])
+            .arg("--set")
+            .arg(format!("run.dir={}", dir.display()))
+            .args(layout)
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        c
+    };
+    let dir = fixture().join("runs/srun");
+    let o = run(&dir, &[]).output().unwrap();
+    let out = text(&o);
+    assert!(o.status.success(), "srun: {out}");
+    assert!(out.contains("4 processes (SLURM)"), "{out}");
+    assert_eq!(logged(&dir), logged(&threads), "srun vs threads");
+
+    // scancel: SLURM sends SIGTERM to every task (SIGKILL after KillWait).
+    let dir = fixture().join("runs/srun-scancel");
+    let (code, out) = {
+        let child = run(&dir, &["--set", "train.steps=1000"]).spawn().unwrap();
+        let t = Instant::now();
+        while !std::fs::read_to_string(dir.join("metrics.jsonl"))
+            .is_ok_and(|m| m.lines().count() >= 2)
+        {
+            assert!(
+                t.elapsed() < Duration::from_secs(120),
+                "no progress under srun"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let name = format!("braid-test-{}", std::process::id());
+        let k = Command::new("scancel")
+            .args(["--name", &name])
+            .status()
+            .unwrap();
+        assert!(k.success(), "scancel --name {name}");
+        let o = child.wait_with_output().unwrap();
+        (o.status.code(), text(&o))
+    };
+    assert_eq!(code, Some(143), "srun after scancel: {out}");
+    assert!(out.contains("stopped by SIGTERM"), "{out}");
+    assert!(
+        std::fs::read_dir(dir.join("checkpoints")).is_ok_and(|mut d| d.next().is_some()),
+        "no checkpoint after scancel: {out}"
+    );
+}
+
 #[test]
 fn a_checkpoint_of_4_processes_resumes_on_5_and_2_processes_and_on_threads() {
     let want = reference();
