@@ -7,6 +7,8 @@
 // so one GEMM per chunk covers all its items:
 //   fwd  ytmp (CO, nb*LO) = w @ col,  y[b0 + b, co, o] = ytmp[co, b*LO + o] + bias[co]
 //   bwd  dyt (CO, nb*LO) = dy permuted, dcol (CI*K, nb*LO) = wᵀ @ dyt -> col2im -> dx,
+//        ytmp and dcol f32 for either T (a bf16 x bf16 -> f32 GEMM for bf16), so a bf16
+//        y or dx is rounded once, after the bias or the taps' sum, as the CPU rounds;
 //        dw (CO, CI*K) += dyt @ colᵀ (a bf16 x bf16 -> f32 GEMM when dw is the f32 grad
 //        of a bf16-computed weight: mixed precision).
 // T is float or bf16_t; indices are u64 (B*CI*L can pass 2^32).
@@ -34,13 +36,13 @@ __device__ void im2col(T* col, const T* x, u32 b0, u32 nb, u32 CI, u32 L, u32 K,
 // y[b0 + b, co, o] = ytmp[co, b*LO + o] (+ bias[co] when has_bias), over the chunk's
 // nb*CO*LO outputs.
 template <typename T>
-__device__ void conv1d_out(T* y, const T* ytmp, const T* bias, int has_bias, u32 b0, u32 nb, u32 CO, u32 LO) {
+__device__ void conv1d_out(T* y, const float* ytmp, const T* bias, int has_bias, u32 b0, u32 nb, u32 CO, u32 LO) {
     const u64 item = (u64)CO * LO;
     const u64 n = (u64)nb * item;
     GRID_STRIDE(idx, n) {
         const u64 b = idx / item, rem = idx % item;
         const u64 co = rem / LO, o = rem % LO;
-        float v = load_f(ytmp, (i64)(co * ((u64)nb * LO) + b * LO + o));
+        float v = ytmp[co * ((u64)nb * LO) + b * LO + o];
         if (has_bias) v += load_f(bias, (i64)co);
         store_f(y, (i64)((u64)b0 * item + idx), v);
     }
@@ -62,7 +64,7 @@ __device__ void conv1d_dy_t(T* dyt, const T* dy, u32 b0, u32 nb, u32 CO, u32 LO)
 // col2im adds them) of dcol[ci*K + kk, b*LO + o] for the one o, if any, with
 // o*stride + kk - pad = i. A gather, so each dx element is written once, no atomics.
 template <typename T>
-__device__ void col2im(T* dx, const T* dcol, u32 b0, u32 nb, u32 CI, u32 L, u32 K, u32 LO, u32 stride, u32 pad) {
+__device__ void col2im(T* dx, const float* dcol, u32 b0, u32 nb, u32 CI, u32 L, u32 K, u32 LO, u32 stride, u32 pad) {
     const u64 item = (u64)CI * L;
     const u64 n = (u64)nb * item;
     const u64 ncols = (u64)nb * LO;
@@ -75,7 +77,7 @@ __device__ void col2im(T* dx, const T* dcol, u32 b0, u32 nb, u32 CI, u32 L, u32 
             if (t < 0 || t % (i64)stride != 0) continue;
             const u64 o = (u64)(t / (i64)stride);
             if (o >= LO) continue;
-            acc += load_f(dcol, (i64)((ci * K + kk) * ncols + b * LO + o));
+            acc += dcol[(ci * K + kk) * ncols + b * LO + o];
         }
         store_f(dx, (i64)((u64)b0 * item + idx), acc);
     }
@@ -144,7 +146,7 @@ __device__ void unpatchify(T* img, const T* patches, u32 B, u32 C, u32 H, u32 W,
                                                             u32 stride, u32 pad) {                   \
         im2col(col, x, b0, nb, CI, L, K, LO, stride, pad);                                           \
     }                                                                                                 \
-    extern "C" __global__ void braid_conv1d_out_##SUFFIX(T* y, const T* ytmp, const T* bias,          \
+    extern "C" __global__ void braid_conv1d_out_##SUFFIX(T* y, const float* ytmp, const T* bias,      \
                                                          int has_bias, u32 b0, u32 nb, u32 CO,       \
                                                          u32 LO) {                                   \
         conv1d_out(y, ytmp, bias, has_bias, b0, nb, CO, LO);                                         \
@@ -153,7 +155,7 @@ __device__ void unpatchify(T* img, const T* patches, u32 B, u32 C, u32 H, u32 W,
                                                           u32 CO, u32 LO) {                          \
         conv1d_dy_t(dyt, dy, b0, nb, CO, LO);                                                        \
     }                                                                                                 \
-    extern "C" __global__ void braid_conv1d_col2im_##SUFFIX(T* dx, const T* dcol, u32 b0, u32 nb,     \
+    extern "C" __global__ void braid_conv1d_col2im_##SUFFIX(T* dx, const float* dcol, u32 b0, u32 nb, \
                                                             u32 CI, u32 L, u32 K, u32 LO,            \
                                                             u32 stride, u32 pad) {                   \
         col2im(dx, dcol, b0, nb, CI, L, K, LO, stride, pad);                                         \

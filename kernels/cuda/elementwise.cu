@@ -93,37 +93,39 @@ __device__ void add_bias(T* y, const T* bias, u64 n_rows, u32 c) {
 }
 
 // Stage 1 of dbias = sum_n dy[n, :]: grid (ceil(C / blockDim), G); block (cx, g) sums rows
-// g, g + G, g + 2G, ... of its columns into partial[g, c] (f32). Fixed G: deterministic.
+// g, g + G, g + 2G, ... of its columns into partial[g, c] (f64, as the CPU backend sums
+// a bias grad). Fixed G: deterministic.
 template <typename T>
-__device__ void bias_grad_partial(float* partial, const T* dy, u64 n_rows, u32 c) {
+__device__ void bias_grad_partial(double* partial, const T* dy, u64 n_rows, u32 c) {
     u32 col = blockIdx.x * blockDim.x + threadIdx.x;
     if (col >= c) return;
-    float acc = 0.0f;
-    for (u64 r = blockIdx.y; r < n_rows; r += gridDim.y) acc += load_f(dy, r * c + col);
+    double acc = 0.0;
+    for (u64 r = blockIdx.y; r < n_rows; r += gridDim.y) acc += (double)load_f(dy, r * c + col);
     partial[(u64)blockIdx.y * c + col] = acc;
 }
 
 // Stage 2: dbias[c] += sum_g partial[g, c], g in order. G is dbias's dtype, picked by the
-// host independently of dy's (the partials are f32 either way): a bf16 dy's partials
-// finish into an f32 dbias (the master bias's grad) under mixed precision.
+// host independently of dy's (the partials are f64 either way): a bf16 dy's partials
+// finish into an f32 dbias (the master bias's grad) under mixed precision. The sum is
+// rounded to f32 once, then added, as the CPU backend does.
 template <typename G>
-__device__ void bias_grad_finish(G* dbias, const float* partial, u32 groups, u32 c) {
+__device__ void bias_grad_finish(G* dbias, const double* partial, u32 groups, u32 c) {
     u32 col = blockIdx.x * blockDim.x + threadIdx.x;
     if (col >= c) return;
-    float acc = 0.0f;
+    double acc = 0.0;
     for (u32 g = 0; g < groups; ++g) acc += partial[(u64)g * c + col];
-    store_f(dbias, col, load_f(dbias, col) + acc);
+    store_f(dbias, col, load_f(dbias, col) + (float)acc);
 }
 
 #define BRAID_BIAS(SUFFIX, T)                                                                          \
     extern "C" __global__ void braid_add_bias_##SUFFIX(T* y, const T* bias, u64 n, u32 c) {           \
         add_bias(y, bias, n, c);                                                                       \
     }                                                                                                  \
-    extern "C" __global__ void braid_bias_grad_partial_##SUFFIX(float* p, const T* dy, u64 n, u32 c) { \
-        bias_grad_partial(p, dy, n, c);                                                                \
-    }                                                                                                  \
-    extern "C" __global__ void braid_bias_grad_finish_##SUFFIX(T* db, const float* p, u32 g, u32 c) { \
-        bias_grad_finish(db, p, g, c);                                                                 \
+    extern "C" __global__ void braid_bias_grad_partial_##SUFFIX(double* p, const T* dy, u64 n, u32 c) { \
+        bias_grad_partial(p, dy, n, c);                                                                 \
+    }                                                                                                   \
+    extern "C" __global__ void braid_bias_grad_finish_##SUFFIX(T* db, const double* p, u32 g, u32 c) { \
+        bias_grad_finish(db, p, g, c);                                                                  \
     }
 
 BRAID_BIAS(f32, float)

@@ -62,17 +62,17 @@ template <typename T>
 __device__ void embedding_bwd(float* dtable, const T* dy, const u64* keys, u32 n, u64 c) {
     u64 ch = blockIdx.y * (u64)blockDim.x + threadIdx.x;
     if (ch >= c) return;  // no barrier below
-    for (u32 s = blockIdx.x; s < n; s += gridDim.x) {
+    for (u64 s = blockIdx.x; s < n; s += gridDim.x) {  // u64: s + gridDim.x never wraps
         u32 id = (u32)(keys[s] >> 32);
         if (s > 0 && (u32)(keys[s - 1] >> 32) == id) continue;  // inside a run, not its start
-        u32 e = s + 1;
+        u64 e = s + 1;
         while (e < n && (u32)(keys[e] >> 32) == id) e++;
         float* row = dtable + (u64)id * c;
         if (e - s == 1) {
             row[ch] += load_f(dy, (i64)((keys[s] & 0xffffffffull) * c + ch));
         } else {
             double acc = 0.0;
-            for (u32 q = s; q < e; q++) acc += (double)load_f(dy, (i64)((keys[q] & 0xffffffffull) * c + ch));
+            for (u64 q = s; q < e; q++) acc += (double)load_f(dy, (i64)((keys[q] & 0xffffffffull) * c + ch));
             row[ch] += (float)acc;
         }
     }

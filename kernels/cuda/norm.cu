@@ -103,7 +103,7 @@ __device__ void norm_param_partial(double* partial, const T* dy, const T* x, con
     if (j >= C) return;
     const u32 g = blockIdx.y, G = gridDim.y;
     double adw = 0.0, adb = 0.0;
-    for (u32 n = g; n < N; n += G) {
+    for (u64 n = g; n < N; n += G) {  // u64: n + G never wraps
         const i64 at = (i64)n * C + j;
         const float d = load_f(dy, at);
         const float xv = load_f(x, at);
@@ -122,7 +122,7 @@ __device__ void norm_param_partial(double* partial, const T* dy, const T* x, con
 // the f32 kernel to add into the master weight's f32 grad.
 template <typename T>
 __device__ void norm_sum_partials(T* out, const double* partial, u64 offset, u32 G, u32 C) {
-    for (u32 j = blockIdx.x * blockDim.x + threadIdx.x; j < C; j += gridDim.x * blockDim.x) {
+    for (u64 j = blockIdx.x * (u64)blockDim.x + threadIdx.x; j < C; j += (u64)gridDim.x * blockDim.x) {
         double acc = 0.0;
         for (u32 g = 0; g < G; ++g) acc += partial[offset + (u64)g * C + j];
         store_f(out, j, load_f(out, j) + (float)acc);

@@ -59,7 +59,9 @@ __device__ void vocab_loss_finish(float* losses, T* dlogits, const T* logits, co
     long long local = -1;
     if ((u64)tg >= vocab_start && (u64)tg - vocab_start < vl) local = (long long)((u64)tg - vocab_start);
     for (u32 j = threadIdx.x; j < vl; j += blockDim.x) {
-        float g = expf(load_f(x, j) - big_m) * scale;
+        // __fmul_rn: never contracted with the subtraction below into one FMA, which
+        // would round once where the CPU backend rounds twice (loss.cu does the same).
+        float g = __fmul_rn(expf(load_f(x, j) - big_m), scale);
         if ((long long)j == local) g -= grad_scale;
         store_f(d, j, g);
     }

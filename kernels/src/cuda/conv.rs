@@ -198,15 +198,16 @@ impl CudaBackend {
             );
             let ncols = items * d.lo;
             // ytmp (CO, nb*LO) = w (CO, CI*K) @ col (CI*K, nb*LO); zeros when CI*K = 0.
+            // f32 for either T: a bf16 y is rounded once, after the bias (as the CPU).
             let ytmp = if d.cik() == 0 {
                 Self::matrix(
-                    self.alloc_zeros::<T>(OP, d.co * ncols, || "conv1d outputs".into())?,
+                    self.alloc_zeros::<f32>(OP, d.co * ncols, || "conv1d outputs".into())?,
                     d.co,
                     ncols,
                 )?
             } else {
                 let col = self.im2col::<T>(OP, &d, xs, b0, nb)?;
-                let out = self.alloc::<T>(OP, d.co * ncols, || "conv1d outputs".into())?;
+                let out = self.alloc::<f32>(OP, d.co * ncols, || "conv1d outputs".into())?;
                 let mut ytmp = Self::matrix(out, d.co, ncols)?;
                 // w is passed as stored, (CO, CI, K): the (CO, CI*K) matrix of the spec.
                 self.gemm(
@@ -217,8 +218,8 @@ impl CudaBackend {
                 )?;
                 ytmp
             };
-            let ys = slice::<T>(OP, "ytmp", &ytmp)?;
-            // braid_conv1d_out_T(T* y, const T* ytmp, const T* bias, int has_bias, u32 b0,
+            let ys = slice::<f32>(OP, "ytmp", &ytmp)?;
+            // braid_conv1d_out_T(T* y, const float* ytmp, const T* bias, int has_bias, u32 b0,
             //                    u32 nb, u32 CO, u32 LO)
             // SAFETY: signature above; writes y[b0*CO*LO ..][.. nb*CO*LO], inside the
             // B*CO*LO as b0 + nb <= B; reads ytmp (CO*nb*LO) and bias[co < CO].
@@ -296,9 +297,10 @@ impl CudaBackend {
                 launch!(self, OP, f_dyt, grid_for(d.co * ncols); &mut dyt, dys, &b0, &nb, &co, &lo)?
             };
             let dyt = Self::matrix(dyt, d.co, ncols)?;
-            // dcol (CI*K, nb*LO) = wᵀ (CI*K, CO) @ dyt (CO, nb*LO), then folded into dx.
+            // dcol (CI*K, nb*LO) = wᵀ (CI*K, CO) @ dyt (CO, nb*LO), then folded into dx;
+            // f32 for either T, so a bf16 dx is rounded once, after the taps' sum.
             let mut dcol = Self::matrix(
-                self.alloc::<T>(OP, d.cik() * ncols, || "the conv1d column grad".into())?,
+                self.alloc::<f32>(OP, d.cik() * ncols, || "the conv1d column grad".into())?,
                 d.cik(),
                 ncols,
             )?;
@@ -309,8 +311,8 @@ impl CudaBackend {
                 &gemm_spec(d.cik(), ncols, d.co, true, false, 0.0),
             )?;
             if d.l > 0 {
-                let dcs = slice::<T>(OP, "dcol", &dcol)?;
-                // braid_conv1d_col2im_T(T* dx, const T* dcol, u32 b0, u32 nb, u32 CI, u32 L,
+                let dcs = slice::<f32>(OP, "dcol", &dcol)?;
+                // braid_conv1d_col2im_T(T* dx, const float* dcol, u32 b0, u32 nb, u32 CI, u32 L,
                 //                       u32 K, u32 LO, u32 stride, u32 pad)
                 // SAFETY: signature above; writes dx[b0*CI*L ..][.. nb*CI*L], inside the
                 // B*CI*L; reads dcol at (ci*K + kk)*nb*LO + b*LO + o < CI*K*nb*LO.

@@ -5,7 +5,7 @@
 //! the f32 path matches the CPU within 1e-5); bf16 x bf16 -> bf16 or -> f32 (weight grads
 //! accumulated into f32) computes in f32 on the tensor cores. The scale type is f32.
 //! The bias grad takes a bf16 `dy` into an f32 `dbias` (mixed precision) as well as
-//! equal dtypes: its f32 partial sums do not depend on either.
+//! equal dtypes: its f64 partial sums (the CPU backend's) do not depend on either.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -388,7 +388,7 @@ impl MatmulKernels for CudaBackend {
             super::to_u32(OP, "channels", c)?,
             groups as u32,
         );
-        let mut partial = self.alloc::<f32>(OP, groups * c, || {
+        let mut partial = self.alloc::<f64>(OP, groups * c, || {
             format!("bias-grad partial sums ({groups}, {c})")
         })?;
         let col_blocks = c.div_ceil(256) as u32;
@@ -402,11 +402,11 @@ impl MatmulKernels for CudaBackend {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        // Stage 1 by dy's dtype into f32 partials, stage 2 by dbias's dtype: the two need
+        // Stage 1 by dy's dtype into f64 partials, stage 2 by dbias's dtype: the two need
         // not match (under mixed precision a bf16 dy adds into the f32 grad of an f32
         // master bias).
         let db_dbg = format!("{dbias:?}");
-        // braid_bias_grad_partial_T(float* p, const T* dy, u64 n, u32 c) writes p[g, col]
+        // braid_bias_grad_partial_T(double* p, const T* dy, u64 n, u32 c) writes p[g, col]
         // for every g < G, col < c (the grid covers both); reads dy (n x c).
         match dy.cuda_storage(OP, "dy")? {
             CudaStorage::F32(d) => {
@@ -421,7 +421,7 @@ impl MatmulKernels for CudaBackend {
             }
             CudaStorage::U32(_) => return Err(storage_err(OP, "dy", dy)),
         }
-        // braid_bias_grad_finish_G(G* db, const float* p, u32 g, u32 c): db[col] +=
+        // braid_bias_grad_finish_G(G* db, const double* p, u32 g, u32 c): db[col] +=
         // sum_g p[g, col] for col < c; G is dbias's dtype.
         match dbias.cuda_storage_mut(OP, "dbias")? {
             CudaStorage::F32(db) => {
