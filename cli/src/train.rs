@@ -54,9 +54,14 @@ struct Progress {
 }
 
 /// SIGINT and SIGTERM: the first asks the run to stop after the current step (with a
-/// checkpoint); a second one of either exits at once with 128 + its number.
+/// checkpoint); a second one of either exits at once with 128 + its number. SIGHUP (the
+/// terminal or, for a rank, its launcher is gone: `braid launch` makes it the rank's
+/// parent-death signal) asks the same however often it comes, and sends our output to
+/// /dev/null, which nobody reads any more (a write to the broken pipe would fail); the
+/// rank's log file still gets every line. A SIGHUP ignored when we started (`nohup`)
+/// stays ignored.
 fn install_stop_handlers(stop: &StopFlag) -> std::io::Result<()> {
-    use signal_hook::consts::{SIGINT, SIGTERM};
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     use signal_hook::flag;
     let armed = Arc::new(AtomicBool::new(false));
     for sig in [SIGINT, SIGTERM] {
@@ -66,7 +71,37 @@ fn install_stop_handlers(stop: &StopFlag) -> std::io::Result<()> {
         flag::register_usize(sig, stop.atomic(), sig as usize)?;
         flag::register(sig, Arc::clone(&armed))?;
     }
+    if !ignored(SIGHUP) {
+        // SAFETY: the action only calls open(2), dup2(2) and close(2), which are
+        // async-signal-safe, on a static path; it allocates nothing and takes no lock.
+        unsafe { signal_hook::low_level::register(SIGHUP, silence_output)? };
+        flag::register_usize(SIGHUP, stop.atomic(), SIGHUP as usize)?;
+    }
     Ok(())
+}
+
+/// Whether `sig`'s disposition is "ignore" (inherited from `nohup` and the like).
+fn ignored(sig: i32) -> bool {
+    // SAFETY: sigaction(2) with a null new action only reads the current one into `old`,
+    // a zeroed sigaction struct we own.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(sig, std::ptr::null(), &mut old) == 0 && old.sa_sigaction == libc::SIG_IGN
+    }
+}
+
+/// Points stdout and stderr at /dev/null. Runs inside a signal handler.
+fn silence_output() {
+    // SAFETY: open(2), dup2(2) and close(2) are async-signal-safe; the path is a static
+    // NUL-terminated string; the fds are ours.
+    unsafe {
+        let fd = libc::open(c"/dev/null".as_ptr(), libc::O_WRONLY);
+        if fd >= 0 {
+            libc::dup2(fd, 1);
+            libc::dup2(fd, 2);
+            libc::close(fd);
+        }
+    }
 }
 
 fn human_duration(s: f64) -> String {
