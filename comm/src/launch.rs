@@ -46,6 +46,11 @@ pub struct LaunchEnv {
     /// missing, check the config): `BRAID_SETUP_TIMEOUT_S` (seconds, default
     /// [`DEFAULT_SETUP_TIMEOUT_S`]); raise it where packing takes longer than an hour.
     pub setup_timeout: std::time::Duration,
+    /// The job this rank belongs to, where the launcher names one ([`job_id`]): rank 0
+    /// posts it in its store and every other rank checks it, so a rank that dialed
+    /// another job's store (two jobs on one node, one port) stops naming both jobs
+    /// instead of joining a stranger's world.
+    pub job: Option<String>,
 }
 
 /// A launcher variable that is missing or malformed: names it and its value.
@@ -210,6 +215,7 @@ fn store_port(
     }
     let master = match var("MASTER_PORT") {
         Some(p) => parse("MASTER_PORT", p)?,
+        None if launcher == Launcher::Slurm => slurm_port(var),
         None => DEFAULT_MASTER_PORT,
     };
     let agent_store =
@@ -220,6 +226,31 @@ fn store_port(
             .ok_or_else(|| err(name, format!("MASTER_PORT={master}: no port above it for Braid's store (set BRAID_STORE_PORT)")));
     }
     Ok(master)
+}
+
+/// SLURM's job and step (`SLURM_JOB_ID[.SLURM_STEP_ID]`: every rank of a world is in one
+/// step of one job, under torchrun inside `srun` too), else torchrun's `--rdzv-id`
+/// (`TORCHELASTIC_RUN_ID`, unless its default "none"); `None` where neither names one.
+pub fn job_id(var: &impl Fn(&str) -> Option<String>) -> Option<String> {
+    let clean = |v: Option<String>| v.map(|s| s.trim().to_string()).filter(|s| !s.is_empty());
+    if let Some(job) = clean(var("SLURM_JOB_ID")) {
+        return Some(match clean(var("SLURM_STEP_ID")) {
+            Some(step) => format!("SLURM job {job}.{step}"),
+            None => format!("SLURM job {job}"),
+        });
+    }
+    clean(var("TORCHELASTIC_RUN_ID"))
+        .filter(|id| id != "none")
+        .map(|id| format!("torchrun run {id}"))
+}
+
+/// Under SLURM without MASTER_PORT: a port from the job's id (10000-29999, below Linux's
+/// ephemeral range), so that two jobs sharing a node do not both take 29500; every rank
+/// of the job sees the same id. [`DEFAULT_MASTER_PORT`] without a numeric job id.
+fn slurm_port(var: &impl Fn(&str) -> Option<String>) -> u16 {
+    var("SLURM_JOB_ID")
+        .and_then(|j| j.trim().parse::<u64>().ok())
+        .map_or(DEFAULT_MASTER_PORT, |j| 10_000 + (j % 20_000) as u16)
 }
 
 fn check_rank(
@@ -288,6 +319,7 @@ fn torchrun(
         local_world_size,
         master_addr: master_addr.trim().to_string(),
         store_port: store_port(var, launcher, name)?,
+        job: job_id(var),
         store_timeout: STORE_TIMEOUT.read(var, name)?,
         setup_timeout: SETUP_TIMEOUT.read(var, name)?,
     })
@@ -330,6 +362,7 @@ fn slurm(var: &impl Fn(&str) -> Option<String>) -> Result<LaunchEnv, LaunchEnvEr
         local_world_size,
         master_addr,
         store_port: store_port(var, Launcher::Slurm, NAME)?,
+        job: job_id(var),
         store_timeout: STORE_TIMEOUT.read(var, NAME)?,
         setup_timeout: SETUP_TIMEOUT.read(var, NAME)?,
     })

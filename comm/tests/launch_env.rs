@@ -260,3 +260,66 @@ fn bad_or_missing_variables_are_named() {
         assert!(e.contains(needle), "{vars:?}: {e}");
     }
 }
+
+/// The job a rank belongs to: SLURM's job and step (under torchrun inside srun too),
+/// else torchrun's run id unless its default; and under SLURM without MASTER_PORT, a
+/// store port from the job id, the same for every rank of the job and apart for two jobs.
+#[test]
+fn the_job_and_slurm_s_port_come_from_the_job_id() {
+    let slurm = |job: &str, extra: &[(&str, &str)]| {
+        let mut v = vec![
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_JOB_NODELIST", "node[01-02]"),
+            ("SLURM_JOB_ID", job),
+        ];
+        v.extend_from_slice(extra);
+        env(&v).unwrap().unwrap()
+    };
+    let a = slurm("4242", &[]);
+    assert_eq!(a.job.as_deref(), Some("SLURM job 4242"));
+    assert_eq!(a.store_addr(), "node01:14242");
+    let b = slurm("4243", &[("SLURM_STEP_ID", "3")]);
+    assert_eq!(b.job.as_deref(), Some("SLURM job 4243.3"));
+    assert_eq!(b.store_port, 14243);
+    // 10000-29999 for every id, MASTER_PORT and BRAID_STORE_PORT still first.
+    assert_eq!(slurm("39999", &[]).store_port, 29999);
+    assert_eq!(slurm("40000", &[]).store_port, 10000);
+    assert_eq!(slurm("7", &[("MASTER_PORT", "29500")]).store_port, 29500);
+    assert_eq!(
+        slurm("7", &[("BRAID_STORE_PORT", "31000")]).store_port,
+        31000
+    );
+    assert_eq!(
+        slurm("x12", &[]).store_port,
+        29500,
+        "not a number: the default"
+    );
+    // torchrun inside srun: torchrun's ranks, SLURM's job.
+    let t = env(&[
+        ("RANK", "3"),
+        ("WORLD_SIZE", "8"),
+        ("MASTER_ADDR", "h"),
+        ("SLURM_JOB_ID", "77"),
+        ("SLURM_STEP_ID", "0"),
+        ("TORCHELASTIC_RUN_ID", "abc"),
+    ])
+    .unwrap()
+    .unwrap();
+    assert_eq!(t.launcher, Launcher::Torchrun);
+    assert_eq!(t.job.as_deref(), Some("SLURM job 77.0"));
+    let run = |id: &str| {
+        env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("MASTER_ADDR", "h"),
+            ("TORCHELASTIC_RUN_ID", id),
+        ])
+        .unwrap()
+        .unwrap()
+        .job
+    };
+    assert_eq!(run("abc").as_deref(), Some("torchrun run abc"));
+    assert_eq!(run("none"), None, "torchrun's default id names no job");
+    assert_eq!(run(" "), None);
+}

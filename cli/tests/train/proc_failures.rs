@@ -414,3 +414,45 @@ fn rank_0_alone_with_a_bad_config_exits_in_seconds() {
         t.elapsed()
     );
 }
+
+/// Two SLURM jobs on one node given one MASTER_PORT: a rank of the second that reaches
+/// the first job's store stops at once, naming both jobs and what to change, instead of
+/// joining a stranger's world; the first job's rank 0 is not disturbed by it.
+#[test]
+fn a_rank_that_reaches_another_jobs_store_stops_naming_both_jobs() {
+    reference();
+    let port = super::procs::free_port().to_string();
+    let task = |dir: &Path, rank: &str, job: &str| {
+        let mut c = train(dir, &["--set", "parallel.llm.dp=2"]);
+        c.env("SLURM_PROCID", rank)
+            .env("SLURM_NTASKS", "4")
+            .env("SLURM_LOCALID", rank)
+            .env("SLURM_JOB_NODELIST", "localhost")
+            .env("SLURM_JOB_ID", job)
+            .env("MASTER_PORT", &port);
+        c
+    };
+    let mut first = task(&fixture().join("runs/job-a"), "0", "5001")
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    let o = task(&fixture().join("runs/job-b"), "1", "5002")
+        .output()
+        .unwrap();
+    let out = text(&o);
+    let alive = first.try_wait().unwrap().is_none();
+    let _ = first.kill();
+    let _ = first.wait();
+    assert_eq!(o.status.code(), Some(2), "{out}");
+    assert!(t.elapsed() < Duration::from_secs(60), "{out}");
+    assert!(
+        out.contains("rank 1 (SLURM job 5002)")
+            && out.contains("belongs to SLURM job 5001")
+            && out.contains("MASTER_PORT"),
+        "{out}"
+    );
+    assert!(
+        alive,
+        "the first job's rank 0 ended when the stray rank left"
+    );
+}

@@ -69,10 +69,42 @@ impl Processes {
         } else {
             None
         };
-        let store =
+        let mut store =
             StoreClient::connect(&env.store_addr(), env.store_timeout).map_err(store_err)?;
+        same_job(&mut store, &env)?;
         Ok(Some(Processes { env, store, server }))
     }
+}
+
+/// The store key of the job rank 0 belongs to ("" where its launcher names none).
+const JOB_KEY: &str = "!job";
+
+/// Rank 0 posts its job; every other rank checks that the store it reached is its own
+/// job's: two jobs on one node with one MASTER_PORT would otherwise mix their ranks.
+fn same_job(store: &mut StoreClient, env: &LaunchEnv) -> Result<()> {
+    let mine = env.job.clone().unwrap_or_default();
+    if env.rank == 0 {
+        return store.set(JOB_KEY, mine.as_bytes()).map_err(store_err);
+    }
+    let theirs = store
+        .wait(
+            JOB_KEY,
+            env.store_timeout,
+            "rank 0 names its job as soon as it serves the store",
+        )
+        .map_err(store_err)?;
+    let theirs = String::from_utf8_lossy(&theirs);
+    if !mine.is_empty() && !theirs.is_empty() && theirs != mine.as_str() {
+        return Err(TrainError::Config(crate::config::invalid(
+            "environment",
+            format!(
+                "rank {} ({mine}) reached the store at {}, which belongs to {theirs}: two jobs share a node and a port; give each job its own MASTER_PORT (or BRAID_STORE_PORT)",
+                env.rank,
+                env.store_addr()
+            ),
+        )));
+    }
+    Ok(())
 }
 
 /// Rank 0 dials its own store at MASTER_ADDR (so that the address it gives the others is
