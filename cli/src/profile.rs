@@ -463,9 +463,9 @@ fn profile(a: &ProfileArgs) -> Res<()> {
     c.layer_overhead_us = median_round(rounds, || layer_overhead_us(e, &c))?;
     // The block's elementwise cost is its time less FLOPs and overhead, a small
     // difference: the small-GEMM rates' noise often drove it to 0, and a block timing 10 %
-    // slow doubles it (its median over five rounds came out 5.4-11.7 ns per value in four
+    // slow doubles it (its median over five rounds came out 5.6-11.4 ns per value in four
     // profiles a minute apart, each round 3.8-24.3 ns, which moved the CPU validation's
-    // mean error 8-23 % on one set of measured steps). So the least round is kept, and the
+    // mean error 8.1-17.3 % on one set of measured steps). So the least round is kept, and the
     // directly timed norms, residuals, SwiGLU and RoPE are a floor under it.
     let parts = (0..rounds.max(1))
         .map(|_| elementwise_parts(e, a.quick))

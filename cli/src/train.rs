@@ -5,16 +5,20 @@
 //! Ctrl-C (SIGINT) or SIGTERM (SLURM before preemption, forwarded by torchrun) during
 //! training: the current step finishes, its checkpoint is written and named, and braid
 //! exits with 128 + the signal (130, 143); `--resume` continues the run bit for bit. A
-//! second signal exits at once (same codes). During set-up a signal ends braid at once.
+//! second signal exits at once (same codes). SIGHUP (the terminal closed, or a rank's
+//! `braid launch` died) stops the same way however often it comes (129). During set-up a
+//! signal ends braid at once.
 //!
 //! Exit status: 0 when the run finished, 1 when it failed, 2 for a bad config or usage,
-//! 130 / 143 when SIGINT / SIGTERM stopped it.
+//! 3 for a rank that stopped because another failed, 129 / 130 / 143 when SIGHUP /
+//! SIGINT / SIGTERM stopped it. Output whose reader is gone (a closed pipe or terminal)
+//! is dropped, never a crash: the run still checkpoints.
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use braid_train::metrics::{StepMetrics, read_metrics};
@@ -22,6 +26,14 @@ use braid_train::{Observer, RunConfig, RunInfo, RunSummary, StopFlag, TrainError
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::plot::{Chart, LineChart, Series};
+
+/// `eprintln!` that drops the line where stderr's reader is gone (EPIPE from a dead
+/// launcher or pager, EIO from a closed terminal) instead of panicking mid-run.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
 
 /// Train a run config: the CPU demo by default.
 #[derive(Debug, clap::Args)]
@@ -43,7 +55,7 @@ struct Progress {
     interval: u64,
     started: Instant,
     first_step: u64,
-    /// Set by SIGINT/SIGTERM once training has started.
+    /// Set by SIGINT, SIGTERM or SIGHUP once training has started.
     stop: StopFlag,
     /// A rank other than 0 of a world of processes: prints nothing (rank 0 reports the
     /// run), but still stops on a signal like every rank.
@@ -56,10 +68,10 @@ struct Progress {
 /// SIGINT and SIGTERM: the first asks the run to stop after the current step (with a
 /// checkpoint); a second one of either exits at once with 128 + its number. SIGHUP (the
 /// terminal or, for a rank, its launcher is gone: `braid launch` makes it the rank's
-/// parent-death signal) asks the same however often it comes, and sends our output to
-/// /dev/null, which nobody reads any more (a write to the broken pipe would fail); the
-/// rank's log file still gets every line. A SIGHUP ignored when we started (`nohup`)
-/// stays ignored.
+/// parent-death signal) asks the same however often it comes, and points stdout and
+/// stderr at /dev/null where they were a terminal or a pipe (nobody reads them any more;
+/// a file keeps them; a rank's log file gets every line anyway). A SIGHUP ignored when we
+/// started (`nohup`) stays ignored.
 fn install_stop_handlers(stop: &StopFlag) -> std::io::Result<()> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     use signal_hook::flag;
@@ -72,10 +84,14 @@ fn install_stop_handlers(stop: &StopFlag) -> std::io::Result<()> {
         flag::register(sig, Arc::clone(&armed))?;
     }
     if !ignored(SIGHUP) {
-        // SAFETY: the action only calls open(2), dup2(2) and close(2), which are
-        // async-signal-safe, on a static path; it allocates nothing and takes no lock.
-        unsafe { signal_hook::low_level::register(SIGHUP, silence_output)? };
+        SILENCE[0].store(!regular_file(1), Ordering::SeqCst);
+        SILENCE[1].store(!regular_file(2), Ordering::SeqCst);
+        // The request first: a SIGHUP between the two registrations still stops the run.
         flag::register_usize(SIGHUP, stop.atomic(), SIGHUP as usize)?;
+        // SAFETY: the action only loads atomics and calls open(2), dup2(2) and close(2),
+        // which are async-signal-safe, on a static path; it allocates nothing and takes
+        // no lock.
+        unsafe { signal_hook::low_level::register(SIGHUP, silence_output)? };
     }
     Ok(())
 }
@@ -90,15 +106,35 @@ fn ignored(sig: i32) -> bool {
     }
 }
 
-/// Points stdout and stderr at /dev/null. Runs inside a signal handler.
+/// Whether file descriptor `fd` is a regular file (output redirected to a file).
+fn regular_file(fd: i32) -> bool {
+    // SAFETY: fstat(2) writes only into `st`, a zeroed stat struct we own.
+    unsafe {
+        let mut st: libc::stat = std::mem::zeroed();
+        libc::fstat(fd, &mut st) == 0 && (st.st_mode & libc::S_IFMT) == libc::S_IFREG
+    }
+}
+
+/// Which of stdout, stderr a SIGHUP points at /dev/null (set before the handler).
+static SILENCE: [AtomicBool; 2] = [AtomicBool::new(false), AtomicBool::new(false)];
+
+/// Points stdout and stderr at /dev/null where [`SILENCE`] says. Runs inside a signal
+/// handler.
 fn silence_output() {
     // SAFETY: open(2), dup2(2) and close(2) are async-signal-safe; the path is a static
-    // NUL-terminated string; the fds are ours.
+    // NUL-terminated string; the fds are ours. `fd` is closed only above 2: with stdout
+    // or stderr closed at start, open returns that number, now /dev/null, and it stays.
     unsafe {
         let fd = libc::open(c"/dev/null".as_ptr(), libc::O_WRONLY);
-        if fd >= 0 {
-            libc::dup2(fd, 1);
-            libc::dup2(fd, 2);
+        if fd < 0 {
+            return;
+        }
+        for (target, silence) in [1, 2].into_iter().zip(&SILENCE) {
+            if silence.load(Ordering::SeqCst) && fd != target {
+                libc::dup2(fd, target);
+            }
+        }
+        if fd > 2 {
             libc::close(fd);
         }
     }
@@ -167,7 +203,7 @@ impl Observer for Progress {
         }
         match &self.bar {
             Some(b) => b.println(line),
-            None => eprintln!("{line}"),
+            None => say!("{line}"),
         }
     }
 
@@ -175,7 +211,7 @@ impl Observer for Progress {
         // Only now: a signal during set-up (packing, loading) ends braid at once, as
         // there is nothing to save yet.
         if let Err(e) = install_stop_handlers(&self.stop) {
-            eprintln!("braid train: warning: Ctrl-C will not checkpoint: {e}");
+            say!("braid train: warning: Ctrl-C will not checkpoint: {e}");
         }
         let m = |n: usize| n as f64 / 1e6;
         let line = format!(
@@ -194,7 +230,7 @@ impl Observer for Progress {
         if self.quiet {
             return;
         }
-        eprintln!("{line}");
+        say!("{line}");
         self.started = Instant::now();
         self.first_step = info.start_step;
         if std::io::stderr().is_terminal() {
@@ -228,7 +264,7 @@ impl Observer for Progress {
                     || m.step == self.first_step + 1
                     || m.skipped
                 {
-                    eprintln!("{line}");
+                    say!("{line}");
                 }
             }
         }
@@ -298,16 +334,16 @@ fn peak_host_mib() -> Option<f64> {
 }
 
 fn summary(s: &RunSummary, dir: &Path, plot: Option<&Path>) {
-    eprintln!("\n== run finished: {} ==", dir.display());
-    eprintln!("steps            {} ({} skipped)", s.steps, s.skipped_steps);
+    say!("\n== run finished: {} ==", dir.display());
+    say!("steps            {} ({} skipped)", s.steps, s.skipped_steps);
     if let Some(f) = s.first_loss {
-        eprintln!(
+        say!(
             "loss             {f:.4} -> {:.4} (mean of the last 10 steps)",
             s.final_loss
         );
     }
     if s.tokens > 0 {
-        eprintln!(
+        say!(
             "time             {} ({:.0} tokens/s)",
             human_duration(s.train_s),
             s.tokens as f64 / s.train_s
@@ -315,23 +351,23 @@ fn summary(s: &RunSummary, dir: &Path, plot: Option<&Path>) {
     }
     if let Some(m) = s.median_step_s {
         match &s.predicted {
-            Some(p) => eprintln!(
+            Some(p) => say!(
                 "step time        median {m:.3} s; the plan predicted {:.3} s on {} (measured / predicted {:.2})",
                 p.step_s,
                 p.cluster,
                 m / p.step_s
             ),
-            None => eprintln!("step time        median {m:.3} s"),
+            None => say!("step time        median {m:.3} s"),
         }
     }
     if let Some(p) = s.peak_mem_gib {
-        eprintln!("device memory    peak {p:.2} GiB in a step");
+        say!("device memory    peak {p:.2} GiB in a step");
     }
     if let Some(m) = peak_host_mib() {
-        eprintln!("host memory      peak {m:.0} MiB resident (this process)");
+        say!("host memory      peak {m:.0} MiB resident (this process)");
     }
     if let Some(e) = &s.eval {
-        eprintln!(
+        say!(
             "held-out         {} {:.4} vs text only {:.4}; exact answers {:.1} % vs {:.1} %; loss {:.4} vs {:.4} ({} samples)",
             e.metric,
             e.heldout,
@@ -347,18 +383,18 @@ fn summary(s: &RunSummary, dir: &Path, plot: Option<&Path>) {
             .iter()
             .map(|(k, m)| format!("{k} {:.3} vs {:.3}", m.heldout, m.text_only))
             .collect();
-        eprintln!("  by sample kind {}", kinds.join("; "));
-        eprintln!("                 -> {}", dir.join("eval.json").display());
+        say!("  by sample kind {}", kinds.join("; "));
+        say!("                 -> {}", dir.join("eval.json").display());
     }
     if let Some(c) = &s.checkpoint {
-        eprintln!("checkpoint       {}", c.display());
+        say!("checkpoint       {}", c.display());
     }
     if let Some(x) = &s.export {
-        eprintln!("hugging face     {}", x.display());
+        say!("hugging face     {}", x.display());
     }
-    eprintln!("metrics          {}", dir.join("metrics.jsonl").display());
+    say!("metrics          {}", dir.join("metrics.jsonl").display());
     if let Some(p) = plot {
-        eprintln!("loss curve       {}", p.display());
+        say!("loss curve       {}", p.display());
     }
 }
 
@@ -366,7 +402,7 @@ pub fn run(args: TrainArgs) -> ExitCode {
     let cfg = match RunConfig::from_file(&args.config, &args.sets) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("braid train: error: {e}");
+            say!("braid train: error: {e}");
             return ExitCode::from(2);
         }
     };
@@ -385,7 +421,7 @@ pub fn run(args: TrainArgs) -> ExitCode {
                 .open(&path)
         }) {
             Ok(f) => progress.log_file = Some(f),
-            Err(err) => eprintln!(
+            Err(err) => say!(
                 "braid train: warning: no log file {}: {err}",
                 path.display()
             ),
@@ -415,17 +451,17 @@ pub fn run(args: TrainArgs) -> ExitCode {
                 e.0, e.1, s.steps
             );
             progress.record(&line);
-            eprintln!("{line}");
+            say!("{line}");
             ExitCode::SUCCESS
         }
         Ok(s) => {
             if let Some(w) = &s.world {
-                eprintln!("world            {w}");
+                say!("world            {w}");
             }
             let plot = match plot_loss(&dir) {
                 Ok(p) => Some(p),
                 Err(e) => {
-                    eprintln!("braid train: warning: no loss curve: {e}");
+                    say!("braid train: warning: no loss curve: {e}");
                     None
                 }
             };
@@ -434,22 +470,22 @@ pub fn run(args: TrainArgs) -> ExitCode {
         }
         Err(e @ TrainError::Interrupted { signal, .. }) => {
             progress.record(&format!("braid train: {e}"));
-            eprintln!("braid train: {e}");
+            say!("braid train: {e}");
             ExitCode::from(u8::try_from(128 + signal).unwrap_or(1))
         }
         Err(e @ TrainError::Config(_)) => {
             progress.record(&format!("braid train: error: {e}"));
-            eprintln!("braid train: error: {e}");
+            say!("braid train: error: {e}");
             ExitCode::from(2)
         }
         Err(e) if launched.is_some() && stopped_by_a_peer(&e) => {
             progress.record(&format!("braid train: error: {e}"));
-            eprintln!("braid train: error: {e}");
+            say!("braid train: error: {e}");
             ExitCode::from(PEER_FAILED)
         }
         Err(e) => {
             progress.record(&format!("braid train: error: {e}"));
-            eprintln!("braid train: error: {e}");
+            say!("braid train: error: {e}");
             ExitCode::FAILURE
         }
     }

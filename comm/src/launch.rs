@@ -228,12 +228,30 @@ fn store_port(
     Ok(master)
 }
 
-/// SLURM's job and step (`SLURM_JOB_ID[.SLURM_STEP_ID]`: every rank of a world is in one
-/// step of one job, under torchrun inside `srun` too), else torchrun's `--rdzv-id`
-/// (`TORCHELASTIC_RUN_ID`, unless its default "none"); `None` where neither names one.
-pub fn job_id(var: &impl Fn(&str) -> Option<String>) -> Option<String> {
-    let clean = |v: Option<String>| v.map(|s| s.trim().to_string()).filter(|s| !s.is_empty());
-    if let Some(job) = clean(var("SLURM_JOB_ID")) {
+/// The SLURM job a rank runs in: a heterogeneous job's leader (`SLURM_HET_JOB_ID`, older
+/// releases `SLURM_PACK_JOB_ID`), else `SLURM_JOB_ID`.
+fn slurm_job(var: &impl Fn(&str) -> Option<String>) -> Option<String> {
+    ["SLURM_HET_JOB_ID", "SLURM_PACK_JOB_ID", "SLURM_JOB_ID"]
+        .iter()
+        .find_map(|k| clean(var(k)))
+}
+
+fn clean(v: Option<String>) -> Option<String> {
+    v.map(|s| s.trim().to_string()).filter(|s| !s.is_empty())
+}
+
+/// The job a world's ranks share, as far as the launcher says: `BRAID_JOB_ID` where set
+/// (empty: no check); under SLURM's own launch its job and step (every task of a world
+/// is in one step); under torchrun or `braid launch` torchrun's `--rdzv-id`
+/// (`TORCHELASTIC_RUN_ID`, unless its default "none"), else the SLURM job alone (one
+/// world's nodes may each be a step of their own: `srun -N1 ... torchrun` per node);
+/// `None` where nothing names one.
+pub fn job_id(var: &impl Fn(&str) -> Option<String>, launcher: Launcher) -> Option<String> {
+    if let Some(v) = var("BRAID_JOB_ID") {
+        return clean(Some(v)).map(|id| format!("job {id}"));
+    }
+    if launcher == Launcher::Slurm {
+        let job = slurm_job(var)?;
         return Some(match clean(var("SLURM_STEP_ID")) {
             Some(step) => format!("SLURM job {job}.{step}"),
             None => format!("SLURM job {job}"),
@@ -242,15 +260,21 @@ pub fn job_id(var: &impl Fn(&str) -> Option<String>) -> Option<String> {
     clean(var("TORCHELASTIC_RUN_ID"))
         .filter(|id| id != "none")
         .map(|id| format!("torchrun run {id}"))
+        .or_else(|| slurm_job(var).map(|job| format!("SLURM job {job}")))
 }
 
-/// Under SLURM without MASTER_PORT: a port from the job's id (10000-29999, below Linux's
-/// ephemeral range), so that two jobs sharing a node do not both take 29500; every rank
-/// of the job sees the same id. [`DEFAULT_MASTER_PORT`] without a numeric job id.
+/// Under SLURM without MASTER_PORT: a port from the job's id and step (10000-29999, below
+/// Linux's ephemeral range), so that two jobs, or two steps of one, sharing a node do not
+/// both take 29500; every task of the step sees the same ids. [`DEFAULT_MASTER_PORT`]
+/// without a numeric job id. Another service on the port is refused by name at bind.
 fn slurm_port(var: &impl Fn(&str) -> Option<String>) -> u16 {
-    var("SLURM_JOB_ID")
-        .and_then(|j| j.trim().parse::<u64>().ok())
-        .map_or(DEFAULT_MASTER_PORT, |j| 10_000 + (j % 20_000) as u16)
+    let Some(job) = slurm_job(var).and_then(|j| j.parse::<u64>().ok()) else {
+        return DEFAULT_MASTER_PORT;
+    };
+    let step = clean(var("SLURM_STEP_ID"))
+        .and_then(|s| s.parse::<u64>().ok())
+        .unwrap_or(0);
+    10_000 + (job.wrapping_add(step.wrapping_mul(7919)) % 20_000) as u16
 }
 
 fn check_rank(
@@ -319,7 +343,7 @@ fn torchrun(
         local_world_size,
         master_addr: master_addr.trim().to_string(),
         store_port: store_port(var, launcher, name)?,
-        job: job_id(var),
+        job: job_id(var, launcher),
         store_timeout: STORE_TIMEOUT.read(var, name)?,
         setup_timeout: SETUP_TIMEOUT.read(var, name)?,
     })
@@ -362,7 +386,7 @@ fn slurm(var: &impl Fn(&str) -> Option<String>) -> Result<LaunchEnv, LaunchEnvEr
         local_world_size,
         master_addr,
         store_port: store_port(var, Launcher::Slurm, NAME)?,
-        job: job_id(var),
+        job: job_id(var, Launcher::Slurm),
         store_timeout: STORE_TIMEOUT.read(var, NAME)?,
         setup_timeout: SETUP_TIMEOUT.read(var, NAME)?,
     })

@@ -261,9 +261,11 @@ fn bad_or_missing_variables_are_named() {
     }
 }
 
-/// The job a rank belongs to: SLURM's job and step (under torchrun inside srun too),
-/// else torchrun's run id unless its default; and under SLURM without MASTER_PORT, a
-/// store port from the job id, the same for every rank of the job and apart for two jobs.
+/// The job a rank belongs to: under srun its job and step (a het job's leader); under
+/// torchrun or `braid launch` torchrun's run id unless its default, else the SLURM job
+/// alone (one srun step per node is common); `BRAID_JOB_ID` first (empty: no check). Under
+/// SLURM without MASTER_PORT, a store port from the job and step: the same for every task
+/// of a step, apart for two jobs or steps.
 #[test]
 fn the_job_and_slurm_s_port_come_from_the_job_id() {
     let slurm = |job: &str, extra: &[(&str, &str)]| {
@@ -281,8 +283,18 @@ fn the_job_and_slurm_s_port_come_from_the_job_id() {
     assert_eq!(a.store_addr(), "node01:14242");
     let b = slurm("4243", &[("SLURM_STEP_ID", "3")]);
     assert_eq!(b.job.as_deref(), Some("SLURM job 4243.3"));
-    assert_eq!(b.store_port, 14243);
-    // 10000-29999 for every id, MASTER_PORT and BRAID_STORE_PORT still first.
+    assert_eq!(b.store_port, 10_000 + ((4243 + 3 * 7919) % 20_000) as u16);
+    assert_ne!(
+        b.store_port,
+        slurm("4243", &[("SLURM_STEP_ID", "4")]).store_port
+    );
+    let het = slurm(
+        "501",
+        &[("SLURM_HET_JOB_ID", "500"), ("SLURM_STEP_ID", "0")],
+    );
+    assert_eq!(het.job.as_deref(), Some("SLURM job 500.0"));
+    assert_eq!(het.store_port, 10_500);
+    // 10000-29999 for every id; MASTER_PORT and BRAID_STORE_PORT still first.
     assert_eq!(slurm("39999", &[]).store_port, 29999);
     assert_eq!(slurm("40000", &[]).store_port, 10000);
     assert_eq!(slurm("7", &[("MASTER_PORT", "29500")]).store_port, 29500);
@@ -295,31 +307,41 @@ fn the_job_and_slurm_s_port_come_from_the_job_id() {
         29500,
         "not a number: the default"
     );
-    // torchrun inside srun: torchrun's ranks, SLURM's job.
-    let t = env(&[
-        ("RANK", "3"),
-        ("WORLD_SIZE", "8"),
-        ("MASTER_ADDR", "h"),
-        ("SLURM_JOB_ID", "77"),
-        ("SLURM_STEP_ID", "0"),
-        ("TORCHELASTIC_RUN_ID", "abc"),
-    ])
-    .unwrap()
-    .unwrap();
-    assert_eq!(t.launcher, Launcher::Torchrun);
-    assert_eq!(t.job.as_deref(), Some("SLURM job 77.0"));
-    let run = |id: &str| {
-        env(&[
-            ("RANK", "0"),
-            ("WORLD_SIZE", "1"),
+    assert_eq!(
+        slurm("7", &[("BRAID_JOB_ID", "mine")]).job.as_deref(),
+        Some("job mine")
+    );
+    assert_eq!(
+        slurm("7", &[("BRAID_JOB_ID", "")]).job,
+        None,
+        "empty: no check"
+    );
+    // torchrun inside srun, one step per node: the run id, else the SLURM job without
+    // the step.
+    let torch = |extra: &[(&str, &str)]| {
+        let mut v = vec![
+            ("RANK", "3"),
+            ("WORLD_SIZE", "8"),
             ("MASTER_ADDR", "h"),
-            ("TORCHELASTIC_RUN_ID", id),
-        ])
-        .unwrap()
-        .unwrap()
-        .job
+            ("SLURM_JOB_ID", "77"),
+            ("SLURM_STEP_ID", "1"),
+        ];
+        v.extend_from_slice(extra);
+        let e = env(&v).unwrap().unwrap();
+        assert_eq!(e.launcher, Launcher::Torchrun);
+        e.job
     };
-    assert_eq!(run("abc").as_deref(), Some("torchrun run abc"));
-    assert_eq!(run("none"), None, "torchrun's default id names no job");
-    assert_eq!(run(" "), None);
+    assert_eq!(torch(&[]).as_deref(), Some("SLURM job 77"));
+    assert_eq!(
+        torch(&[("TORCHELASTIC_RUN_ID", "abc")]).as_deref(),
+        Some("torchrun run abc")
+    );
+    assert_eq!(
+        torch(&[("TORCHELASTIC_RUN_ID", "none")]).as_deref(),
+        Some("SLURM job 77")
+    );
+    let plain = env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "h")])
+        .unwrap()
+        .unwrap();
+    assert_eq!(plain.job, None);
 }

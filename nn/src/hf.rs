@@ -411,7 +411,12 @@ pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Res
     let result = mode
         .and_then(|mode| {
             write(&tmp)?;
-            std::fs::set_permissions(&tmp, mode).map_err(|e| Error::io(&tmp, "set the mode of", e))
+            // Only where it changed, and a refusal (a file system without modes: some NFS
+            // and FUSE mounts) keeps the file as written rather than failing the write.
+            if std::fs::metadata(&tmp).is_ok_and(|m| m.permissions() != mode) {
+                let _ = std::fs::set_permissions(&tmp, mode);
+            }
+            Ok(())
         })
         .and_then(|()| {
             File::open(&tmp)

@@ -313,6 +313,11 @@ fn real_torchrun_trains_like_threads_bit_for_bit() {
 #[ignore = "needs a SLURM cluster: set BRAID_SRUN to srun's path"]
 fn real_srun_trains_like_threads_and_checkpoints_on_scancel() {
     let srun = std::env::var("BRAID_SRUN").expect("BRAID_SRUN=path/to/srun");
+    // Inside an allocation srun starts a step, whose name `scancel --name` does not match.
+    assert!(
+        std::env::var("SLURM_JOB_ID").is_err(),
+        "run this test outside a SLURM allocation (it submits its own job)"
+    );
     reference();
     let layout = ["--set", "parallel.llm.dp=2"];
     let threads = threads_run("srun-threads", &layout);
