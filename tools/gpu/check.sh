@@ -262,7 +262,10 @@ if want resume && want demo; then
         from=${pair%%:*}; on=${pair#*:}; d=runs/gpu-check-resume-$from-on-$on
         rm -rf "$d"; mkdir -p "$d/checkpoints"
         cp -r "runs/gpu-check-$from/checkpoints/step-00000300" "$d/checkpoints/" 2>/dev/null
-        cp "runs/gpu-check-$from/metrics.jsonl" "$d/" 2>/dev/null
+        # Only the steps up to the checkpoint: a resumed run that fails at once must not
+        # leave the source's own steps 301-400 to be compared with themselves.
+        python3 -c 'import json,sys; [sys.stdout.write(l) for l in open(sys.argv[1]) if json.loads(l).get("step", 0) <= 300]' \
+            "runs/gpu-check-$from/metrics.jsonl" > "$d/metrics.jsonl" 2>/dev/null
         dev_args=(--set "parallel.device=$on"); [ "$on" = cuda ] && dev_args+=(--set 'train.precision="f32"')
         timeout "$(cap 45)" "$BRAID" train --config configs/demo.toml --set run.dir="$d" "${dev_args[@]}" \
             --resume > "$W/resume-$from-on-$on.log" 2>&1
@@ -278,7 +281,12 @@ def by_step(d):
 out = {}
 for src, on in (("cuda-f32", "cpu"), ("cpu", "cuda")):
     ref, got = by_step(f"gpu-check-{src}"), by_step(f"gpu-check-resume-{src}-on-{on}")
-    r = {}
+    try:
+        tail = open(f"/tmp/braid-check/resume-{src}-on-{on}.log").read().split()
+        code = int(tail[-1]) if tail[-2:-1] == ["exit"] else None
+    except Exception:
+        code = None
+    r = {"exit": code}
     if isinstance(ref, dict) and isinstance(got, dict):
         steps = [s for s in range(301, 401) if s in ref and s in got]
         r["steps_compared"] = len(steps)
