@@ -80,13 +80,18 @@ LAYOUTS=(
     "colocated2|parallel.world_size=2 parallel.placement=\"colocated\" parallel.llm.tp=2 model.llm.kv_heads=2 model.llm.vocab=262 parallel.vision.dp=2 parallel.audio.dp=2"
 )
 sets() { local s; for s in $1; do printf -- '--set\n%s\n' "$s"; done; }
+# Each run starts from an empty run.dir: on a warm machine a rerun finds the last call's
+# runs/ (ignored, so kept), where `braid train` would refuse to start and the comparisons
+# would read the old metrics as new.
 ( if want demo; then
+      rm -rf runs/gpu-check-cpu
       ( time timeout 200 "$BRAID" train --config configs/demo.toml --set run.dir=runs/gpu-check-cpu ) \
           > "$W/demo-cpu.log" 2>&1
   fi
   if want layouts; then
       for l in "${LAYOUTS[@]}"; do
           name=${l%%|*}; mapfile -t args < <(sets "${l#*|}")
+          rm -rf "runs/gpu-check-$name-cpu"
           timeout 120 "$BRAID" train --config configs/tiny.toml --set run.dir="runs/gpu-check-$name-cpu" \
               --set train.steps=20 "${args[@]}" > "$W/layout-$name-cpu.log" 2>&1
       done
@@ -141,6 +146,7 @@ fi
 # 3. The demo on the GPU (bf16, then f32: like for like with the CPU run, so the 2 %
 #    check tests the kernels apart from bf16) against the same run on the CPU.
 if want demo; then
+    rm -rf runs/gpu-check-cuda runs/gpu-check-cuda-f32
     ( time timeout "$(cap 90)" "$BRAID" train --config configs/demo.toml --set run.dir=runs/gpu-check-cuda \
         --set parallel.device=cuda ) > "$W/demo-cuda.log" 2>&1
     say "demo cuda bf16: $(tail -n 4 "$W/demo-cuda.log" | tr '\n' ' ' | cut -c1-300)"
@@ -154,6 +160,7 @@ fi
 # 4. Issue 21: one process on the GPU launched by the real torchrun (NCCL, a world of
 #    one, Braid's store beside torchrun's), against the plain CUDA run of step 3.
 if want torchrun; then
+    rm -rf runs/gpu-check-torchrun
     ( time timeout "$(cap 60)" python3 -m torch.distributed.run --nproc-per-node 1 --master-port 29611 \
         --no-python "$BRAID" train --config configs/demo.toml --set run.dir=runs/gpu-check-torchrun \
         --set parallel.device=cuda ) > "$W/torchrun.log" 2>&1
@@ -199,6 +206,7 @@ PY
 if want layouts; then
     for l in "${LAYOUTS[@]}"; do
         name=${l%%|*}; mapfile -t args < <(sets "${l#*|}")
+        rm -rf "runs/gpu-check-$name-cuda"
         timeout "$(cap 40)" "$BRAID" train --config configs/tiny.toml --set run.dir="runs/gpu-check-$name-cuda" \
             --set train.steps=20 --set parallel.device=cuda --set 'train.precision="f32"' "${args[@]}" \
             > "$W/layout-$name-cuda.log" 2>&1
@@ -231,6 +239,7 @@ fi
 #     same layout on CPU threads. Multi-rank NCCL proper needs several GPUs.
 if want nccl2; then
     mapfile -t args < <(sets "${LAYOUTS[3]#*|}")
+    rm -rf runs/gpu-check-nccl2
     NCCL_MULTI_RANK_GPU_ENABLE=1 timeout "$(cap 60)" "$BRAID" launch --nproc-per-node 2 --master-port 29631 -- \
         train --config configs/tiny.toml --set run.dir=runs/gpu-check-nccl2 --set train.steps=20 \
         --set parallel.device=cuda --set 'train.precision="f32"' --set parallel.timeout_s=40 \
@@ -261,6 +270,11 @@ if want resume && want demo; then
     for pair in "cuda-f32:cpu" "cpu:cuda"; do
         from=${pair%%:*}; on=${pair#*:}; d=runs/gpu-check-resume-$from-on-$on
         rm -rf "$d"; mkdir -p "$d/checkpoints"
+        if [ ! -d "runs/gpu-check-$from/checkpoints/step-00000300" ]; then
+            # Nothing to resume (the source run failed): not a fresh run from step 0.
+            printf 'no step-300 checkpoint in runs/gpu-check-%s\nexit -1\n' "$from" > "$W/resume-$from-on-$on.log"
+            continue
+        fi
         cp -r "runs/gpu-check-$from/checkpoints/step-00000300" "$d/checkpoints/" 2>/dev/null
         # Only the steps up to the checkpoint: a resumed run that fails at once must not
         # leave the source's own steps 301-400 to be compared with themselves.
