@@ -49,6 +49,24 @@ pub fn model_config(cfg: &RunConfig) -> Result<MllmConfig> {
     Ok(config)
 }
 
+/// A warning where the data's rows are longer than the LLM's positions. Not an error:
+/// RoPE has no table to run past, and a run may mean to extend the context; but the
+/// export's config and tokenizer keep the old length.
+pub fn past_max_position(
+    config: &MllmConfig,
+    data: &DatasetInfo,
+    path: &std::path::Path,
+) -> Option<String> {
+    let positions = config.llm.max_position_embeddings as u64;
+    (data.max_seq_len > positions).then(|| {
+        format!(
+            "warning: {} packs rows of up to {} tokens, past model.llm.max_position_embeddings = {positions}: positions beyond it were never trained in the base model, and the exported config.json and tokenizer still say {positions} (raise it, with rope.scaling if the model needs one, to train a longer context)",
+            path.display(),
+            data.max_seq_len
+        )
+    })
+}
+
 /// Checks that the model reads what the dataset holds; each message names both sides.
 pub fn check_against_dataset(
     config: &MllmConfig,

@@ -186,15 +186,8 @@ impl Trainer {
             }
         };
         check_against_dataset(&mconfig, &data, "data.path")?;
-        let positions = mconfig.llm.max_position_embeddings as u64;
-        if data.max_seq_len > positions {
-            // Not an error: RoPE has no table to run past, and a run may mean to extend the
-            // context; but the export's config and tokenizer keep the old length.
-            obs.log(&format!(
-                "warning: {} packs rows of up to {} tokens, past model.llm.max_position_embeddings = {positions}: positions beyond it were never trained in the base model, and the exported config.json and tokenizer still say {positions} (raise it, with rope.scaling if the model needs one, to train a longer context)",
-                d.path.display(),
-                data.max_seq_len
-            ));
+        if let Some(w) = crate::assemble::past_max_position(&mconfig, &data, &d.path) {
+            obs.log(&w);
         }
         if writes && d.verify {
             crate::data::verify_shards(&data, &d.path, &mut |l| obs.log(l))?;
