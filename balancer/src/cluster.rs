@@ -261,72 +261,75 @@ impl Cluster {
     /// announced (~1e5 dense FP4 TFLOP/s, ~1e4 GB/s of NVLink), each lower one below a
     /// slow CPU's profile.
     fn check_units(&self) -> Result<(), String> {
-        let out = |key: &str, v: f64, lo: f64, hi: f64, unit: &str| {
-            Err(format!(
-                "{key} = {v:e} is outside {lo:e}..={hi:e} {unit}: no device is that far out; is it in another unit?"
-            ))
-        };
-        if self.gpus_per_node > 1 << 16 {
-            return Err(format!(
-                "gpus_per_node = {} is more than {} (a node's GPUs)",
-                self.gpus_per_node,
-                1 << 16
-            ));
-        }
-        let ranges = [
-            ("memory_gib", self.memory_gib, 1e-3, 1e5, "GiB"),
-            ("layer_overhead_us", self.layer_overhead_us, 0.0, 1e7, "us"),
+        // (key, value, least, most, unit)
+        let mut ranges = vec![
             (
-                "backward_overhead_us",
+                "gpus_per_node".to_string(),
+                self.gpus_per_node as f64,
+                1.0,
+                65536.0,
+                "GPUs",
+            ),
+            ("memory_gib".into(), self.memory_gib, 1e-3, 1e5, "GiB"),
+            (
+                "layer_overhead_us".into(),
+                self.layer_overhead_us,
+                0.0,
+                1e7,
+                "us",
+            ),
+            (
+                "backward_overhead_us".into(),
                 self.backward_overhead_us(),
                 0.0,
                 1e7,
                 "us",
             ),
             (
-                "elementwise_ns",
+                "elementwise_ns".into(),
                 self.elementwise_ns,
                 0.0,
                 1e7,
                 "ns per value",
             ),
-            ("compute_bytes", self.compute_bytes, 0.5, 16.0, "bytes"),
             (
-                "attention_backward",
+                "compute_bytes".into(),
+                self.compute_bytes,
+                0.5,
+                16.0,
+                "bytes",
+            ),
+            (
+                "attention_backward".into(),
                 self.attention_backward,
                 1e-2,
                 1e2,
                 "x the forward",
             ),
         ];
-        for (key, v, lo, hi, unit) in ranges {
-            if !(lo..=hi).contains(&v) {
-                return out(key, v, lo, hi, unit);
-            }
-        }
         for p in &self.matmul {
-            if !(1.0..=1e21).contains(&p.flops) {
-                return out("matmul flops", p.flops, 1.0, 1e21, "FLOPs per GEMM");
-            }
-            if !(1e-9..=1e7).contains(&p.tflops) {
-                return out("matmul tflops", p.tflops, 1e-9, 1e7, "TFLOP/s");
-            }
+            ranges.push(("matmul flops".into(), p.flops, 1.0, 1e21, "FLOPs per GEMM"));
+            ranges.push(("matmul tflops".into(), p.tflops, 1e-9, 1e7, "TFLOP/s"));
         }
         for (key, l) in [("intra", self.intra), ("inter", self.inter)] {
-            if !(1e-6..=1e7).contains(&l.bandwidth_gbs) {
-                return out(
-                    &format!("{key}.bandwidth_gbs"),
-                    l.bandwidth_gbs,
-                    1e-6,
-                    1e7,
-                    "GB/s",
-                );
-            }
-            if l.latency_us > 1e7 {
-                return out(&format!("{key}.latency_us"), l.latency_us, 0.0, 1e7, "us");
-            }
+            ranges.push((
+                format!("{key}.bandwidth_gbs"),
+                l.bandwidth_gbs,
+                1e-6,
+                1e7,
+                "GB/s",
+            ));
+            ranges.push((format!("{key}.latency_us"), l.latency_us, 0.0, 1e7, "us"));
         }
-        Ok(())
+        match ranges
+            .into_iter()
+            .find(|(_, v, lo, hi, _)| !(lo..=hi).contains(&v))
+        {
+            Some((key, v, lo, hi, unit)) => Err(format!(
+                "{key} = {v:e} is outside {lo:e}..={hi:e} {unit}: no device is that far out; is it in another unit?"
+            )),
+            None => Ok(()),
+        }
     }
 
     /// Fixed time per block of a backward pass.

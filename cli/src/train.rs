@@ -172,6 +172,12 @@ impl Progress {
         }
     }
 
+    /// [`Self::record`]s `line` and prints it, quiet rank or not (how the run ended).
+    fn announce(&mut self, line: &str) {
+        self.record(line);
+        say!("{line}");
+    }
+
     fn line(&self, m: &StepMetrics, total: u64) -> String {
         let done = m.step.saturating_sub(self.first_step).max(1) as f64;
         let el = self.started.elapsed().as_secs_f64();
@@ -450,8 +456,7 @@ pub fn run(args: TrainArgs) -> ExitCode {
                 "braid train: rank {} of {}: {} steps done{memory} (rank 0 reports the run)",
                 e.0, e.1, s.steps
             );
-            progress.record(&line);
-            say!("{line}");
+            progress.announce(&line);
             ExitCode::SUCCESS
         }
         Ok(s) => {
@@ -469,24 +474,16 @@ pub fn run(args: TrainArgs) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e @ TrainError::Interrupted { signal, .. }) => {
-            progress.record(&format!("braid train: {e}"));
-            say!("braid train: {e}");
+            progress.announce(&format!("braid train: {e}"));
             ExitCode::from(u8::try_from(128 + signal).unwrap_or(1))
         }
-        Err(e @ TrainError::Config(_)) => {
-            progress.record(&format!("braid train: error: {e}"));
-            say!("braid train: error: {e}");
-            ExitCode::from(2)
-        }
-        Err(e) if launched.is_some() && stopped_by_a_peer(&e) => {
-            progress.record(&format!("braid train: error: {e}"));
-            say!("braid train: error: {e}");
-            ExitCode::from(PEER_FAILED)
-        }
         Err(e) => {
-            progress.record(&format!("braid train: error: {e}"));
-            say!("braid train: error: {e}");
-            ExitCode::FAILURE
+            progress.announce(&format!("braid train: error: {e}"));
+            match e {
+                TrainError::Config(_) => ExitCode::from(2),
+                _ if launched.is_some() && stopped_by_a_peer(&e) => ExitCode::from(PEER_FAILED),
+                _ => ExitCode::FAILURE,
+            }
         }
     }
 }

@@ -411,17 +411,13 @@ pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Res
     let result = mode
         .and_then(|mode| {
             write(&tmp)?;
+            let f = File::open(&tmp).map_err(|e| Error::io(&tmp, "sync", e))?;
             // Only where it changed, and a refusal (a file system without modes: some NFS
             // and FUSE mounts) keeps the file as written rather than failing the write.
-            if std::fs::metadata(&tmp).is_ok_and(|m| m.permissions() != mode) {
-                let _ = std::fs::set_permissions(&tmp, mode);
+            if f.metadata().is_ok_and(|m| m.permissions() != mode) {
+                let _ = f.set_permissions(mode);
             }
-            Ok(())
-        })
-        .and_then(|()| {
-            File::open(&tmp)
-                .and_then(|f| f.sync_all())
-                .map_err(|e| Error::io(&tmp, "sync", e))
+            f.sync_all().map_err(|e| Error::io(&tmp, "sync", e))
         })
         .and_then(|()| {
             std::fs::rename(&tmp, &target).map_err(|e| Error::io(path, "rename into place", e))

@@ -285,7 +285,7 @@ if want resume && want demo; then
             --resume > "$W/resume-$from-on-$on.log" 2>&1
         echo "exit $?" >> "$W/resume-$from-on-$on.log"
     done
-    python3 - "$OUT/resume.json" <<'PY' | tee -a "$OUT/summary.txt"
+    python3 - "$OUT/resume.json" "$W" <<'PY' | tee -a "$OUT/summary.txt"
 import json, sys
 def by_step(d):
     try:
@@ -296,7 +296,7 @@ out = {}
 for src, on in (("cuda-f32", "cpu"), ("cpu", "cuda")):
     ref, got = by_step(f"gpu-check-{src}"), by_step(f"gpu-check-resume-{src}-on-{on}")
     try:
-        tail = open(f"/tmp/braid-check/resume-{src}-on-{on}.log").read().split()
+        tail = open(f"{sys.argv[2]}/resume-{src}-on-{on}.log").read().split()
         code = int(tail[-1]) if tail[-2:-1] == ["exit"] else None
     except Exception:
         code = None

@@ -144,16 +144,7 @@ fn launch_and_signal(
     )
     .spawn()
     .unwrap();
-    let t = Instant::now();
-    while !std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .is_ok_and(|m| m.lines().count() >= steps)
-    {
-        assert!(
-            t.elapsed() < Duration::from_secs(120),
-            "{name}: no progress"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    super::procs::wait_for_steps(&dir, steps);
     let pid = rank_pid(&dir, 3).expect("rank 3's process");
     let k = Command::new("kill")
         .args([signal, &pid.to_string()])
@@ -258,12 +249,7 @@ fn launcher_killed(attempt: usize) {
     let mut child = launch(3, &dir, &["--set", "train.steps=400"])
         .spawn()
         .unwrap();
-    let t = Instant::now();
-    while !std::fs::read_to_string(dir.join("metrics.jsonl")).is_ok_and(|m| m.lines().count() >= 2)
-    {
-        assert!(t.elapsed() < Duration::from_secs(120), "no progress");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    super::procs::wait_for_steps(&dir, 2);
     let ranks: Vec<u32> = (0..3)
         .map(|r| rank_pid(&dir, r).expect("a rank's process"))
         .collect();

@@ -345,16 +345,7 @@ fn real_srun_trains_like_threads_and_checkpoints_on_scancel() {
     let dir = fixture().join("runs/srun-scancel");
     let (code, out) = {
         let child = run(&dir, &["--set", "train.steps=1000"]).spawn().unwrap();
-        let t = Instant::now();
-        while !std::fs::read_to_string(dir.join("metrics.jsonl"))
-            .is_ok_and(|m| m.lines().count() >= 2)
-        {
-            assert!(
-                t.elapsed() < Duration::from_secs(120),
-                "no progress under srun"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_for_steps(&dir, 2);
         let name = format!("braid-test-{}", std::process::id());
         let k = Command::new("scancel")
             .args(["--name", &name])
@@ -495,9 +486,21 @@ fn two_node_launch_and_slurm_variables_train_like_threads() {
 /// in `dir` has `after` steps, and returns its exit code and output.
 pub(super) fn terminate_after(mut cmd: Command, dir: &Path, after: usize) -> (Option<i32>, String) {
     let child = cmd.spawn().unwrap();
+    wait_for_steps(dir, after);
+    let k = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(k.success());
+    let o = child.wait_with_output().unwrap();
+    (o.status.code(), text(&o))
+}
+
+/// Returns once `dir`'s metrics.jsonl has `steps` lines; panics after 120 s without them.
+pub(super) fn wait_for_steps(dir: &Path, steps: usize) {
     let t = Instant::now();
     while !std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .is_ok_and(|m| m.lines().count() >= after)
+        .is_ok_and(|m| m.lines().count() >= steps)
     {
         assert!(
             t.elapsed() < Duration::from_secs(120),
@@ -506,13 +509,6 @@ pub(super) fn terminate_after(mut cmd: Command, dir: &Path, after: usize) -> (Op
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    let k = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(k.success());
-    let o = child.wait_with_output().unwrap();
-    (o.status.code(), text(&o))
 }
 
 /// MASTER_ADDR an IPv6 literal (`::1`): rank 0 serves the store on IPv6, the ranks' socket

@@ -135,16 +135,11 @@ impl SocketWorld {
             // A peer that is gone may have left because a rank failed (the peer itself,
             // whose abort may reach the store a moment after its listener closed): then
             // that failure is this rank's error, not the refused connection.
-            let gone = |store: &mut StoreClient, e: std::io::Error, what: String| {
-                let until = Instant::now() + Duration::from_secs(2);
-                while Instant::now() < until {
-                    match store.aborted() {
-                        Ok(Some(a)) => return store_err(a),
-                        Ok(None) => std::thread::sleep(Duration::from_millis(50)),
-                        Err(_) => break,
-                    }
-                }
-                io(what)(e)
+            let gone = |store: &mut StoreClient, e: std::io::Error, what: String| match store
+                .aborted_within(Duration::from_secs(2))
+            {
+                Ok(Some(a)) => store_err(a),
+                _ => io(what)(e),
             };
             let mut s = match TcpStream::connect(&addr) {
                 Ok(s) => s,

@@ -198,6 +198,18 @@ impl StoreClient {
         Ok(self.get(ABORT)?.map(|v| parse_abort(&v)))
     }
 
+    /// [`Self::aborted`], waiting up to `timeout` for an abort to come (the server holds
+    /// the call until then, so nothing polls): for a rank that saw a peer vanish and asks
+    /// whether it left because of a failure that is about to be posted.
+    pub fn aborted_within(&mut self, timeout: Duration) -> Result<Option<StoreError>> {
+        match self.wait(ABORT, timeout, "") {
+            Ok(v) => Ok(Some(parse_abort(&v))),
+            Err(e @ StoreError::Aborted { .. }) => Ok(Some(e)),
+            Err(StoreError::Timeout { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Counts this rank among those that learned of the abort and returns how many
     /// have: rank 0, which serves the store, waits for the others before it exits, so
     /// that each reads the failing rank's message rather than a closed connection.
