@@ -387,6 +387,24 @@ fn bad_configs_fail_fast_naming_the_key() {
         ),
         (vec!["data.build=\"\""], "data.build"),
         (vec!["model.llm.vocab=100"], "model.llm.vocab"),
+        // Sizes no model has, and a world no process holds as threads: named before any
+        // allocation (each used to abort, or build layers until memory ran out).
+        (vec!["model.llm.layers=1000000"], "`layers` = 1000000"),
+        (vec!["model.vision.num_layers=1000000000"], "`num_layers`"),
+        (
+            vec!["model.llm.intermediate=4611686018427387904"],
+            "`intermediate`",
+        ),
+        (
+            vec![
+                "parallel.world_size=1000000",
+                "parallel.placement=\"colocated\"",
+                "parallel.llm.dp=1000000",
+                "parallel.vision.dp=1000000",
+                "parallel.audio.dp=1000000",
+            ],
+            "parallel.world_size",
+        ),
         // A CLIP encoder on SigLIP-made pixels: both keys and both values named.
         (
             vec!["model.vision.family=clip"],
@@ -497,6 +515,22 @@ fn generate_reads_a_checkpoint_and_an_image_or_clip() {
         "{:?}",
         t.elapsed()
     );
+    // An ask that would wrap the prompt's length round usize::MAX is refused the same way
+    // (it used to pass the check and run unbounded).
+    let huge = (usize::MAX - 5).to_string();
+    let t = std::time::Instant::now();
+    let o = run(&[
+        "generate",
+        "--checkpoint",
+        run_dir.to_str().unwrap(),
+        "--prompt",
+        "a prompt of more than five tokens",
+        "--max-new-tokens",
+        &huge,
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("at most"), "{}", text(&o));
+    assert!(t.elapsed() < std::time::Duration::from_secs(30));
 }
 
 #[test]

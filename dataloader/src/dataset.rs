@@ -106,6 +106,21 @@ impl DatasetInfo {
             path: path.display().to_string(),
             reason: e.to_string(),
         })?;
+        if let Some((i, s)) = info
+            .shards
+            .iter()
+            .enumerate()
+            .find(|(_, s)| !crate::shard::is_plain_file_name(&s.file))
+        {
+            return Err(DatasetError::Invalid {
+                path: path.display().to_string(),
+                reason: format!(
+                    "shards[{i}].file {:?} is not a file name inside the dataset folder \
+                     (no folders, `..` or absolute paths: a dataset reads only its own folder)",
+                    s.file
+                ),
+            });
+        }
         if info.format_version != FORMAT_VERSION {
             return Err(DatasetError::Invalid {
                 path: path.display().to_string(),
@@ -173,7 +188,7 @@ impl DatasetInfo {
                 path: path.display().to_string(),
                 reason,
             };
-            let mut f = std::fs::File::open(&path).map_err(|e| bad(e.to_string()))?;
+            let mut f = crate::shard::open_shard(&path).map_err(|e| bad(e.to_string()))?;
             let mut h = Sha256::new();
             bytes += std::io::copy(&mut f, &mut h).map_err(|e| bad(e.to_string()))?;
             let got = crate::shard::hex(&h.finalize());

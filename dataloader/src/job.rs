@@ -43,8 +43,13 @@ pub enum PackJobError {
     Shard(#[from] ShardError),
     #[error(transparent)]
     Dataset(#[from] DatasetError),
-    #[error("{}", nothing_valid(*.samples, .rejects))]
-    NothingValid { samples: u64, rejects: String },
+    #[error("{}", nothing_valid(*.samples, .damaged, .rejects))]
+    NothingValid {
+        samples: u64,
+        /// Input files that could not be read to the end (each counted as a reject).
+        damaged: Vec<String>,
+        rejects: String,
+    },
     #[error("{}", too_many_rejects(.rejected, .samples, .max_ratio, .by_kind, .rejects))]
     TooManyRejects {
         rejected: u64,
@@ -77,12 +82,35 @@ fn too_many_damaged(damaged: &[String], files: usize, max_ratio: f64, rejects: &
     )
 }
 
-fn nothing_valid(samples: u64, rejects: &str) -> String {
+fn nothing_valid(samples: u64, damaged: &[String], rejects: &str) -> String {
     if samples == 0 {
-        "nothing to pack: the input holds no records (an empty file, folder or archive)".into()
-    } else {
-        format!("nothing valid to pack: all {samples} input samples were rejected (see {rejects})")
+        return "nothing to pack: the input holds no records (an empty file, folder or archive)"
+            .into();
     }
+    if damaged.is_empty() {
+        return format!(
+            "nothing valid to pack: all {samples} input samples were rejected (see {rejects})"
+        );
+    }
+    // A file that cannot be read is one reject: say so, naming it, instead of counting it
+    // as a sample.
+    const SHOWN: usize = 3;
+    let mut names = damaged[..damaged.len().min(SHOWN)].join(", ");
+    if damaged.len() > SHOWN {
+        names.push_str(&format!(" and {} more", damaged.len() - SHOWN));
+    }
+    let others = samples.saturating_sub(damaged.len() as u64);
+    let rest = if others == 0 {
+        String::new()
+    } else {
+        format!(", and the other {others} samples were rejected")
+    };
+    format!(
+        "nothing valid to pack: {} input file{} could not be read ({names}: damaged or not the \
+         input format){rest} (each reason is in {rejects})",
+        damaged.len(),
+        if damaged.len() == 1 { "" } else { "s" },
+    )
 }
 
 fn too_many_rejects(
@@ -363,6 +391,7 @@ pub fn run_pack(
     if next_pack == 0 {
         return Err(PackJobError::NothingValid {
             samples: p.read,
+            damaged: rejects.damaged.clone(),
             rejects: rejects_path.display().to_string(),
         });
     }

@@ -169,3 +169,29 @@ fn a_llava_file_cut_mid_array_is_a_damaged_input() {
     assert_eq!(info.damaged_files, vec![path.display().to_string()]);
     assert!(info.packed_samples >= 4, "{info:?}");
 }
+
+/// The only input file unreadable from its first byte (a tar cut inside its first
+/// header): nothing to pack, and the error names the file as unreadable instead of
+/// counting it as one rejected sample.
+#[test]
+fn an_input_unreadable_from_the_start_is_named_when_nothing_is_left() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("wds");
+    shards(&dir);
+    for s in 1..SHARDS {
+        fs::remove_file(dir.join(format!("shard-{s}.tar"))).unwrap();
+    }
+    let path = dir.join("shard-0.tar");
+    let bytes = fs::read(&path).unwrap();
+    fs::write(&path, &bytes[..100]).unwrap();
+    let err = pack(&dir, Format::Wds, &tmp.path().join("out"), 1.0).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(&err, PackJobError::NothingValid { damaged, .. } if damaged.len() == 1),
+        "{err:?}"
+    );
+    assert!(
+        text.contains("1 input file could not be read") && text.contains("shard-0.tar"),
+        "{text}"
+    );
+}

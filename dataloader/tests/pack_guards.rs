@@ -395,3 +395,71 @@ fn the_fingerprint_is_the_same_for_the_same_pack_and_differs_otherwise() {
     d.shards[0].packs += 1;
     assert_ne!(a.fingerprint(), d.fingerprint());
 }
+
+/// A `dataset.json` whose shard names leave the dataset's folder (`..`, an absolute path
+/// such as `/dev/zero`) is refused when read, and a shard that is not a regular file (a
+/// FIFO: opening it would block forever) is refused before it is opened, by the pack
+/// index and by the checksum pass alike.
+#[cfg(unix)]
+#[test]
+fn shard_names_stay_in_the_dataset_folder_and_shards_are_regular_files() {
+    use braid_dataloader::dataset::DatasetInfo;
+    let tmp = tempfile::tempdir().unwrap();
+    let (manifest, _) = jsonl_good(&tmp.path().join("data"), 6);
+    let out = tmp.path().join("out");
+    let cfg = test_config();
+    let info = run_pack(
+        &job(&manifest, Format::Jsonl, &out, &cfg, false),
+        &mut |_| {},
+    )
+    .unwrap();
+    let first = info.shards[0].file.clone();
+    let meta: Value =
+        serde_json::from_str(&fs::read_to_string(out.join("dataset.json")).unwrap()).unwrap();
+    for name in [
+        "/dev/zero".to_string(),
+        format!("../out/{first}"),
+        format!("sub/{first}"),
+        "..".to_string(),
+        String::new(),
+    ] {
+        let mut m = meta.clone();
+        m["shards"][0]["file"] = json!(name);
+        fs::write(out.join("dataset.json"), serde_json::to_string(&m).unwrap()).unwrap();
+        let err = DatasetInfo::open(&out).unwrap_err().to_string();
+        assert!(
+            err.contains("shards[0].file") && err.contains("not a file name inside"),
+            "{name:?}: {err}"
+        );
+    }
+    fs::write(
+        out.join("dataset.json"),
+        serde_json::to_string(&meta).unwrap(),
+    )
+    .unwrap();
+    DatasetInfo::open(&out).unwrap();
+
+    // The shard replaced by a FIFO (nothing ever writes to it) and by a folder: both
+    // readers answer at once, naming the shard.
+    let shard = out.join(&first);
+    fs::remove_file(&shard).unwrap();
+    let status = std::process::Command::new("mkfifo")
+        .arg(&shard)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let err = DatasetInfo::open(&out).unwrap_err().to_string();
+    assert!(
+        err.contains(&first) && err.contains("not a regular file"),
+        "{err}"
+    );
+    let err = info.verify_checksums(&out).unwrap_err().to_string();
+    assert!(
+        err.contains(&first) && err.contains("not a regular file"),
+        "{err}"
+    );
+    fs::remove_file(&shard).unwrap();
+    fs::create_dir(&shard).unwrap();
+    let err = info.verify_checksums(&out).unwrap_err().to_string();
+    assert!(err.contains("not a regular file"), "{err}");
+}

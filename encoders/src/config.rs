@@ -6,6 +6,7 @@
 //! `from_pretrained` would. Braid's own TOML-facing structs deny unknown fields.
 
 use braid_kernels::ops::Activation;
+use braid_nn::error::{MAX_FFN, MAX_HEADS, MAX_LAYERS, MAX_TABLE, MAX_WIDTH};
 use braid_nn::{Error, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -120,6 +121,18 @@ impl VisionConfig {
         positive(W, "num_channels", self.num_channels)?;
         positive(W, "image_size", self.image_size)?;
         positive(W, "patch_size", self.patch_size)?;
+        Error::check_sizes(
+            W,
+            &[
+                ("hidden_size", self.hidden_size, MAX_WIDTH),
+                ("intermediate_size", self.intermediate_size, MAX_FFN),
+                ("num_layers", self.num_layers, MAX_LAYERS),
+                ("num_heads", self.num_heads, MAX_HEADS),
+                ("num_channels", self.num_channels, MAX_HEADS),
+                // 65,536 pixels a side: 4 gigapixels an image.
+                ("image_size", self.image_size, 1 << 16),
+            ],
+        )?;
         check_eps(W, self.layer_norm_eps)?;
         if !self.hidden_size.is_multiple_of(self.num_heads) {
             return Err(Error::config(
@@ -193,6 +206,21 @@ impl WhisperEncoderConfig {
         positive(W, "encoder_attention_heads", self.encoder_attention_heads)?;
         positive(W, "encoder_ffn_dim", self.encoder_ffn_dim)?;
         positive(W, "max_source_positions", self.max_source_positions)?;
+        Error::check_sizes(
+            W,
+            &[
+                ("num_mel_bins", self.num_mel_bins, MAX_HEADS),
+                ("d_model", self.d_model, MAX_WIDTH),
+                ("encoder_layers", self.encoder_layers, MAX_LAYERS),
+                (
+                    "encoder_attention_heads",
+                    self.encoder_attention_heads,
+                    MAX_HEADS,
+                ),
+                ("encoder_ffn_dim", self.encoder_ffn_dim, MAX_FFN),
+                ("max_source_positions", self.max_source_positions, MAX_TABLE),
+            ],
+        )?;
         check_eps(W, self.layer_norm_eps)?;
         if !self.d_model.is_multiple_of(self.encoder_attention_heads) {
             return Err(Error::config(

@@ -83,6 +83,33 @@ fn bad_config_values(_dev: Device) -> TestResult {
     let mut c = base();
     c["hidden_size"] = json!("wide");
     assert_err!(VisionConfig::from_hf_config(&c), Error::Config { .. });
+    // Sizes no model has: refused naming the key, before any weight is allocated (a
+    // billion layers used to be built one by one until memory ran out).
+    for (key, v, name) in [
+        ("num_hidden_layers", json!(1_000_000_000u64), "num_layers"),
+        ("intermediate_size", json!(1u64 << 62), "intermediate_size"),
+        ("image_size", json!(1u64 << 32), "image_size"),
+    ] {
+        let mut c = base();
+        c[key] = v;
+        let e = VisionConfig::from_hf_config(&c).unwrap_err().to_string();
+        assert!(
+            e.contains(name) && e.contains("larger than any model"),
+            "{e}"
+        );
+    }
+    let mut c: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("whisper_encoder").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    c["encoder_layers"] = json!(1_000_000_000u64);
+    let e = braid_encoders::WhisperEncoderConfig::from_hf_config(&c)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("encoder_layers") && e.contains("larger than any model"),
+        "{e}"
+    );
     // Braid's own TOML-facing config rejects unknown keys.
     let r: Result<VisionConfig, _> = serde_json::from_value(json!({
         "family": "clip", "hidden_size": 8, "intermediate_size": 8, "num_layers": 1,

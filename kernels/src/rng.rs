@@ -33,12 +33,18 @@ impl Rng {
 
     /// `n` draws from Normal(0, std).
     pub fn normal_vec(&mut self, n: usize, std: f32) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                let z: f32 = StandardNormal.sample(&mut self.0);
-                z * std
-            })
-            .collect()
+        let mut out = Vec::with_capacity(n);
+        self.extend_normal(&mut out, n, std);
+        out
+    }
+
+    /// Appends `n` draws from Normal(0, std) to `out` (the same draws as
+    /// [`Rng::normal_vec`]), into room the caller may have reserved fallibly.
+    pub fn extend_normal(&mut self, out: &mut Vec<f32>, n: usize, std: f32) {
+        out.extend((0..n).map(|_| {
+            let z: f32 = StandardNormal.sample(&mut self.0);
+            z * std
+        }));
     }
 
     /// `n` draws from Uniform[lo, hi).

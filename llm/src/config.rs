@@ -162,6 +162,24 @@ impl LlmConfig {
                 return Err(invalid(format!("`{key}` = 0: must be >= 1")));
             }
         }
+        use braid_nn::error::{MAX_FFN, MAX_HEADS, MAX_LAYERS, MAX_TABLE, MAX_WIDTH};
+        Error::check_sizes(
+            "LlmConfig",
+            &[
+                ("vocab", self.vocab, MAX_TABLE),
+                ("hidden", self.hidden, MAX_WIDTH),
+                ("intermediate", self.intermediate, MAX_FFN),
+                ("layers", self.layers, MAX_LAYERS),
+                ("heads", self.heads, MAX_HEADS),
+                ("kv_heads", self.kv_heads, MAX_HEADS),
+                ("head_dim", self.head_dim, MAX_WIDTH),
+                (
+                    "max_position_embeddings",
+                    self.max_position_embeddings,
+                    MAX_TABLE,
+                ),
+            ],
+        )?;
         if !self.heads.is_multiple_of(self.kv_heads) {
             return Err(invalid(format!(
                 "`kv_heads` = {} must divide `heads` = {} (each key/value head serves heads / kv_heads query heads)",

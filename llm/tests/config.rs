@@ -215,7 +215,7 @@ fn unsupported_hf_settings_are_errors_naming_the_key() {
 #[test]
 fn validate_names_the_key() {
     type Edit = fn(&mut LlmConfig);
-    let cases: [(Edit, &str); 10] = [
+    let cases: [(Edit, &str); 14] = [
         (|c| c.o_bias = true, "`o_bias` = true differ"),
         (
             |c| c.family = Family::Qwen2,
@@ -242,6 +242,23 @@ fn validate_names_the_key() {
             "low_freq_factor",
         ),
         (|c| c.layers = 0, "`layers` = 0"),
+        // Sizes no model has: named before anything is allocated or wrapped.
+        (
+            |c| c.layers = 1_000_000,
+            "`layers` = 1000000 is larger than any model's",
+        ),
+        (
+            |c| c.intermediate = 1 << 62,
+            "`intermediate` = 4611686018427387904",
+        ),
+        (
+            |c| c.vocab = 4_000_000_000,
+            "`vocab` = 4000000000 is larger",
+        ),
+        (
+            |c| c.max_position_embeddings = usize::MAX,
+            "`max_position_embeddings`",
+        ),
     ];
     for (edit, needle) in cases {
         let mut c = tiny_config(false, false);

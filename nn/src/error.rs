@@ -86,7 +86,37 @@ impl Error {
             msg: msg.into(),
         }
     }
+
+    /// Refuses a model size no real model has: the largest of each key's checked
+    /// `(key, value, largest)`, so a typo (an extra digit, a wrapped negative) fails here
+    /// naming the key instead of as an allocation abort, a wrapped shape or an hours-long
+    /// search. The limits are orders of magnitude above today's largest models.
+    pub fn check_sizes(what: &'static str, sizes: &[(&str, usize, usize)]) -> Result<()> {
+        for &(key, v, largest) in sizes {
+            if v > largest {
+                return Err(Error::config(
+                    what,
+                    format!(
+                        "`{key}` = {v} is larger than any model's ({largest} at most): a typo?"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
+
+/// The largest layer count a config may ask (today's largest models have ~130).
+pub const MAX_LAYERS: usize = 1 << 12;
+/// The largest hidden, head or channel size (today's largest: ~25,000).
+pub const MAX_WIDTH: usize = 1 << 17;
+/// The largest MLP width (today's largest: ~100,000).
+pub const MAX_FFN: usize = 1 << 20;
+/// The largest head count.
+pub const MAX_HEADS: usize = 1 << 12;
+/// The largest vocabulary or position table (today's largest: ~260,000 tokens, a few
+/// million positions).
+pub const MAX_TABLE: usize = 1 << 24;
 
 /// Adds a layer/step context to kernel and comm errors. The context string is only
 /// built when there is an error.

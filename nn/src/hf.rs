@@ -56,6 +56,25 @@ impl WeightFiles {
             let mut files: Vec<String> = idx.weight_map.into_values().collect();
             files.sort();
             files.dedup();
+            if files.is_empty() {
+                return Err(Error::weights(&index, "", "`weight_map` lists no files"));
+            }
+            // Shards live in the model's folder: no absolute paths or `..` out of it.
+            if let Some(f) = files.iter().find(|f| {
+                let p = Path::new(f.as_str());
+                f.is_empty()
+                    || !p
+                        .components()
+                        .all(|c| matches!(c, std::path::Component::Normal(_)))
+            }) {
+                return Err(Error::weights(
+                    &index,
+                    "",
+                    format!(
+                        "`weight_map` names {f:?}, which is not a file inside the model's folder"
+                    ),
+                ));
+            }
             let paths: Vec<PathBuf> = files.iter().map(|f| dir.join(f)).collect();
             Self::open_files(&paths)
         } else {
@@ -72,6 +91,12 @@ impl WeightFiles {
         let mut shards = Vec::with_capacity(paths.len());
         let mut index = BTreeMap::new();
         for (i, path) in paths.iter().enumerate() {
+            // A FIFO would block the open and a device map endless bytes: weights are
+            // regular files.
+            let meta = std::fs::metadata(path).map_err(|e| Error::io(path, "open", e))?;
+            if !meta.is_file() {
+                return Err(Error::weights(path, "", "not a regular file"));
+            }
             let file = File::open(path).map_err(|e| Error::io(path, "open", e))?;
             // SAFETY: the map is read-only and lives as long as `self`. Another process
             // truncating or rewriting the file while it is mapped would be undefined

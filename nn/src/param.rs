@@ -314,13 +314,35 @@ impl Init {
 
     /// Creates the trainable parameter `name` of full shape `full`, keeping `shard`.
     pub fn param(&self, name: &str, full: &[usize], kind: InitKind, shard: Shard) -> Result<Param> {
-        let n: usize = full.iter().product();
-        let data = match kind {
-            // std 0 is all zeros: skip the generator (see `for_loading`).
-            InitKind::Normal(0.0) => vec![0.0; n],
-            InitKind::Normal(std) => Rng::for_name(self.seed, name).normal_vec(n, std),
-            InitKind::Constant(v) => vec![v; n],
+        // Checked and reserved fallibly: a size no machine holds is an error naming the
+        // parameter, not a wrapped shape or an allocation abort.
+        let too_big = |why: String| {
+            Error::config(
+                "parameter",
+                format!(
+                    "`{name}` of shape {full:?}: {why}; is a model size in the config too large?"
+                ),
+            )
         };
+        let n = full
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| too_big("the element count overflows".into()))?;
+        let mut data: Vec<f32> = Vec::new();
+        data.try_reserve_exact(n).map_err(|e| {
+            too_big(format!(
+                "{:.1} GiB cannot be allocated ({e})",
+                n as f64 * 4.0 / (1u64 << 30) as f64
+            ))
+        })?;
+        match kind {
+            // std 0 is all zeros: skip the generator (see `for_loading`).
+            InitKind::Normal(0.0) => data.resize(n, 0.0),
+            InitKind::Normal(std) => {
+                Rng::for_name(self.seed, name).extend_normal(&mut data, n, std)
+            }
+            InitKind::Constant(v) => data.resize(n, v),
+        }
         let (data, dims) = cut_shard(name, data, full, shard)?;
         let value = Tensor::from_vec(data, dims, self.device).ctx(name, "creating parameter")?;
         let mut p = if self.trainable {

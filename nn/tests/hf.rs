@@ -136,6 +136,34 @@ fn sharded_index_reads_every_shard() -> TestResult {
     let back: HashMap<String, serde_json::Value> =
         read_json(&dir.join("model.safetensors.index.json"))?;
     assert!(back.contains_key("weight_map"));
+    // An index that lists nothing, or names a file outside the model's folder, is refused
+    // naming the index; a shard that is not a regular file (a FIFO would block) too.
+    for (map, needle) in [
+        (serde_json::json!({}), "lists no files"),
+        (
+            serde_json::json!({"a": "../sharded/model-00001-of-00002.safetensors"}),
+            "not a file inside",
+        ),
+        (serde_json::json!({"a": "/etc/passwd"}), "not a file inside"),
+        (serde_json::json!({"a": "."}), "not a file inside"),
+    ] {
+        write_json(
+            &dir.join("model.safetensors.index.json"),
+            &serde_json::json!({ "weight_map": map }),
+        )?;
+        let e = WeightFiles::open_dir(&dir).unwrap_err().to_string();
+        assert!(
+            e.contains("model.safetensors.index.json") && e.contains(needle),
+            "{e}"
+        );
+    }
+    write_json(
+        &dir.join("model.safetensors.index.json"),
+        &serde_json::json!({ "weight_map": {"a": "sub"} }),
+    )?;
+    std::fs::create_dir_all(dir.join("sub"))?;
+    let e = WeightFiles::open_dir(&dir).unwrap_err().to_string();
+    assert!(e.contains("not a regular file"), "{e}");
     Ok(())
 }
 

@@ -227,3 +227,26 @@ braid_kernels::test_on_devices!(
     mlp_frozen_and_accumulate,
     mlp_tp2_matches_single_rank,
 );
+
+/// A parameter shape whose element count overflows, or whose bytes no allocator can give,
+/// is an error naming the parameter and its shape, not a wrapped size or an abort.
+#[test]
+fn an_impossible_parameter_shape_is_an_error_naming_it() {
+    let init = braid_nn::Init::new(0, Device::Cpu);
+    for (shape, why) in [
+        (vec![1usize << 40, 1 << 40], "overflows"),
+        // 2^62 f32 values: more bytes than an address space (no allocation is tried).
+        (vec![1usize << 62], "cannot be allocated"),
+    ] {
+        let e = init
+            .param(
+                "llm.w",
+                &shape,
+                braid_nn::InitKind::Normal(0.02),
+                braid_nn::Shard::Full,
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`llm.w`") && e.contains(why), "{e}");
+    }
+}

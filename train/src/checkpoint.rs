@@ -270,12 +270,15 @@ pub fn read_state(dir: &Path) -> Result<TrainState> {
             ),
         ));
     }
-    if state.optimizer_step > state.step || state.skipped_steps > state.step {
+    if state.optimizer_step > state.step
+        || state.skipped_steps > state.step
+        || state.nonfinite_in_a_row > state.skipped_steps
+    {
         return Err(ckpt_err(
             &p,
             format!(
-                "optimizer_step {} and skipped_steps {} cannot exceed step {}: the checkpoint is damaged",
-                state.optimizer_step, state.skipped_steps, state.step
+                "optimizer_step {} and skipped_steps {} cannot exceed step {}, nor nonfinite_in_a_row {} skipped_steps: the checkpoint is damaged",
+                state.optimizer_step, state.skipped_steps, state.step, state.nonfinite_in_a_row
             ),
         ));
     }

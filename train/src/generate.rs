@@ -203,7 +203,8 @@ impl Generator {
         // The positions the model knows bound the whole sequence: checked before any work
         // (each new token reruns the whole sequence, so an unbounded ask runs for hours).
         let room = self.model.config.llm.max_position_embeddings;
-        if ids.len() + max_new_tokens > room {
+        // Saturating: an ask near usize::MAX must not wrap around past the check.
+        if ids.len().saturating_add(max_new_tokens) > room {
             return Err(gen_err(format!(
                 "the prompt takes {} tokens and --max-new-tokens asks {max_new_tokens} more, past the model's {room} positions (model.llm.max_position_embeddings): ask for at most {} or shorten the prompt",
                 ids.len(),

@@ -138,6 +138,17 @@ impl Tracer {
         name: impl Into<String>,
         lane: &str,
     ) -> Result<()> {
+        Ok(self.end_on_device(start, name, lane)?)
+    }
+
+    /// [`Tracer::end`] for the model's own forward and backward, below the trainer's
+    /// error type: it fails only as the device's synchronization does.
+    pub fn end_on_device(
+        &mut self,
+        start: Option<Instant>,
+        name: impl Into<String>,
+        lane: &str,
+    ) -> std::result::Result<(), braid_kernels::Error> {
         let Some(start) = start else {
             return Ok(());
         };

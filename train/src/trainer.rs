@@ -14,12 +14,12 @@ use crate::assemble::{
 };
 use crate::checkpoint::{self, TrainState};
 use crate::config::{RunConfig, invalid};
-use crate::data::{ensure_dataset, rows_to_batch, split_even};
+use crate::data::ensure_dataset;
 use crate::error::{Result, TrainError, io_err};
 use crate::eval::{EvalReport, evaluate};
 use crate::metrics::{MetricsWriter, StepMetrics};
-use crate::mllm::{Freeze, Mllm, MllmBatch, MllmConfig};
-use crate::optim::{AdamW, clip_factor, grad_norm, scale_grads};
+use crate::mllm::{Freeze, Mllm, MllmConfig};
+use crate::optim::AdamW;
 use crate::parallel::layout::Layouts;
 use crate::resume::check_resumable;
 use crate::run_lock::RunLock;
@@ -27,6 +27,9 @@ use crate::stop::StopFlag;
 pub(crate) use crate::summary::LossTrail;
 pub use crate::summary::RunSummary;
 use crate::tokenizer::TokenizerFiles;
+use crate::trace::Tracer;
+
+mod one_rank;
 
 /// What a front end (the CLI's progress bar, a test) hears from a run.
 pub trait Observer {
@@ -106,6 +109,9 @@ pub struct Trainer {
     /// run started on the same `run.dir` is refused instead of interleaving its metrics
     /// and checkpoints with this one's.
     _run_lock: Option<RunLock>,
+    /// A one-rank run's timeline (`log.trace`); a run on several ranks keeps one per rank
+    /// in its engines.
+    trace: Tracer,
 }
 
 impl Trainer {
@@ -327,6 +333,7 @@ impl Trainer {
             resumed_from,
             precision: precision.name(),
         };
+        let trace = Tracer::new(0, device, cfg.log.trace, cfg.log.trace_steps);
         Ok(Trainer {
             cfg,
             config_toml,
@@ -347,101 +354,27 @@ impl Trainer {
             predicted: applied.predicted,
             stop: StopFlag::new(),
             tokenizer_files,
+            trace,
             _run_lock: run_lock.map(RunLock::keep),
         })
     }
 
-    /// One optimizer step: the next global batch, forward and backward over its
-    /// microbatches (loss normalized by the step's target count, so accumulation gives the
-    /// full-batch gradient), clipping, AdamW at the schedule's learning rate. A non-finite
-    /// loss or grad norm skips the update; too many in a row is an error.
-    pub fn step(&mut self) -> Result<StepMetrics> {
-        let started = Instant::now();
-        self.device.reset_peak_memory()?;
-        let step = self.state.step + 1;
-
-        let batch = self
-            .loader
-            .next_batch()
-            .map_err(|e| TrainError::Data(e.to_string()))?;
-        let data_time_s = started.elapsed().as_secs_f64();
-        let rows: Vec<_> = batch.rows.iter().collect();
-        let micro = split_even(rows.len(), self.cfg.train.microbatches)
-            .into_iter()
-            .map(|r| rows_to_batch(&rows[r], self.device))
-            .collect::<Result<Vec<_>>>()?;
-        let targets: usize = micro.iter().map(MllmBatch::num_targets).sum();
-        let tokens: usize = micro.iter().map(|b| b.num_tokens()).sum();
-        let images: usize = micro.iter().map(|b| b.num_images()).sum();
-        let clips: usize = micro.iter().map(|b| b.clips.len()).sum();
-
-        let (Some(model), Some(optim)) = (self.model.as_mut(), self.optim.as_mut()) else {
-            return Err(no_full_model("a one-rank step"));
-        };
-        model.zero_grads()?;
-        let mut loss_sum = 0.0f64;
-        for mb in &micro {
-            let (loss, cache) = model.forward_normalized(mb, Some(targets.max(1)))?;
-            loss_sum += loss.loss_sum;
-            model.backward(cache)?;
+    /// With `log.trace`: the timeline of this one-rank run, as `trace/rank-00000.json` and
+    /// the merged `trace/trace.json` a run on several ranks writes. For looking: failing to
+    /// write it warns, never fails the run.
+    fn write_trace(&self, obs: &mut dyn Observer) {
+        if !self.trace.is_enabled() {
+            return;
         }
-        drop(micro);
-        let loss = loss_sum / targets.max(1) as f64;
-        if self.cfg.fault.nan_grad_at.contains(&step) {
-            scale_grads(model, f32::NAN)?;
-        }
-
-        let norm = grad_norm(model)?;
-        let lr = self.cfg.optim.lr_at(step, self.cfg.train.steps);
-        let skipped = !(loss.is_finite() && norm.is_finite());
-        if skipped {
-            self.state.skipped_steps += 1;
-            self.state.nonfinite_in_a_row += 1;
-            if self.state.nonfinite_in_a_row >= self.cfg.train.max_nonfinite_in_a_row {
-                return Err(TrainError::NonFinite {
-                    step,
-                    count: self.state.nonfinite_in_a_row,
-                    loss,
-                    grad_norm: norm,
-                });
-            }
-        } else {
-            if let Some(f) = clip_factor(norm, self.cfg.optim.clip_grad) {
-                scale_grads(model, f)?;
-            }
-            optim.update(model, lr)?;
-            self.state.nonfinite_in_a_row = 0;
-        }
-        self.state.step = step;
-        self.state.optimizer_step = optim.step;
-        self.state.loader = self.loader.state();
-        self.state.tokens_seen += tokens as u64;
-        let step_time_s = started.elapsed().as_secs_f64();
-        self.state.elapsed_s += step_time_s;
-        let m = StepMetrics {
-            step,
-            loss,
-            lr,
-            grad_norm: norm,
-            tokens: tokens as u64,
-            targets: targets as u64,
-            images: images as u64,
-            clips: clips as u64,
-            step_time_s,
-            data_time_s,
-            skipped,
-            epoch: batch.epoch,
-            balance: None,
-            peak_mem_gib: self
-                .device
-                .peak_memory_bytes()?
-                .map(|b| b as f64 / (1u64 << 30) as f64),
-            straggler: None,
-        };
-        if let Some(w) = self.metrics.as_mut() {
-            w.append(&m)?;
-        }
-        Ok(m)
+        let dir = self.cfg.run.dir.join("trace");
+        let merged = self
+            .trace
+            .write(&dir)
+            .and_then(|_| crate::trace::merge(&dir, 1));
+        obs.log(&match merged {
+            Ok(path) => format!("timeline: {} (open it in ui.perfetto.dev)", path.display()),
+            Err(e) => format!("warning: no timeline: {e}"),
+        });
     }
 
     /// Writes a checkpoint of the current step.
@@ -481,12 +414,6 @@ impl Trainer {
     /// the trained modules to Hugging Face format (`<run.dir>/hf/`).
     pub fn run(mut self, obs: &mut dyn Observer) -> Result<RunSummary> {
         obs.start(&self.info);
-        if self.cfg.log.trace {
-            obs.log(
-                "warning: log.trace: the timeline is written by runs on several ranks \
-                 (parallel.world_size > 1); this one-rank run writes none",
-            );
-        }
         let total = self.cfg.train.steps;
         let started = Instant::now();
         let mut trail = LossTrail::default();
@@ -499,7 +426,9 @@ impl Trainer {
             obs.step(&m, total);
             let every = self.cfg.checkpoint.interval;
             if m.step == total || (every > 0 && m.step % every == 0) {
+                let t0 = self.trace.start();
                 let dir = self.save_checkpoint()?;
+                self.trace.end(t0, "checkpoint", "checkpoint")?;
                 obs.checkpoint(m.step, &dir);
                 last_ckpt = Some(dir);
                 saved_at = m.step;
@@ -508,6 +437,7 @@ impl Trainer {
                 // The step is done; its checkpoint (unless the interval just wrote it) is
                 // what `--resume` continues from. Evaluation and export wait for the end.
                 obs.log(&stopping_line(signal, m.step));
+                self.write_trace(obs);
                 let dir = match last_ckpt.take() {
                     Some(d) if saved_at == m.step => d,
                     _ => {
@@ -539,6 +469,7 @@ impl Trainer {
         if start_step == total {
             obs.log(&format!("the run already reached train.steps = {total}"));
         }
+        self.write_trace(obs);
         if last_ckpt.is_none() {
             last_ckpt = checkpoint::latest(&self.cfg.run.dir.join("checkpoints"))?.map(|(_, p)| p);
         }
@@ -552,6 +483,9 @@ fn no_full_model(what: &str) -> TrainError {
         "{what} needs the whole model, but this process of a world holds only its share"
     ))
 }
+
+/// The most ranks one process runs as threads.
+pub const MAX_THREAD_RANKS: usize = 1024;
 
 /// Sets up the run and trains it: on one rank, or on `parallel.world_size` ranks.
 pub fn train(cfg: RunConfig, resume: bool, obs: &mut dyn Observer) -> Result<RunSummary> {
@@ -569,6 +503,19 @@ pub fn train_stoppable(
 ) -> Result<RunSummary> {
     if let Some(procs) = crate::parallel::procs::Processes::from_env()? {
         return crate::parallel::procs::train(procs, cfg, resume, obs, stop);
+    }
+    // Thread ranks share one process's memory and cores: a world this large is a typo or
+    // belongs to processes, and spawning it would end in an allocation abort.
+    if cfg.parallel.world_size > MAX_THREAD_RANKS {
+        return Err(invalid(
+            "parallel.world_size",
+            format!(
+                "{} ranks as threads of one process (at most {MAX_THREAD_RANKS}): a larger world \
+                 runs one process per rank (braid launch, torchrun or srun)",
+                cfg.parallel.world_size
+            ),
+        )
+        .into());
     }
     let mut t = Trainer::new(cfg, resume, obs)?;
     t.stop = stop;

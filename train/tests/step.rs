@@ -267,6 +267,13 @@ fn checkpoints_restore_weights_and_moments_exactly() {
             "\"optimizer_step\": 7,",
             "cannot exceed step 1",
         ),
+        // A run of skipped steps longer than all skipped steps (u64::MAX used to wrap
+        // round the stop guard on the next skip).
+        (
+            "\"nonfinite_in_a_row\": 0",
+            "\"nonfinite_in_a_row\": 18446744073709551615",
+            "nor nonfinite_in_a_row",
+        ),
     ] {
         assert!(text.contains(from), "{text}");
         std::fs::write(saved.join("state.json"), text.replace(from, to)).unwrap();

@@ -240,6 +240,49 @@ fn a_multi_rank_run_writes_every_rank_timeline() {
     assert_eq!(overlapping(&merged, encoder_compute, llm_compute), 0);
 }
 
+/// One rank runs every module itself: its timeline has each module's forward and
+/// backward per microbatch, the loss, the data, the grad norm, AdamW and the checkpoint,
+/// in the same files and names as a run on several ranks.
+#[test]
+fn a_one_rank_run_writes_its_timeline() {
+    let dir = run_dir("trace-one-rank");
+    let _ = std::fs::remove_dir_all(&dir);
+    let sets = [
+        "train.microbatches=2",
+        "log.trace=true",
+        "train.steps=2",
+        "checkpoint.interval=1",
+    ];
+    train(config(&dir, &sets), false, &mut Quiet).unwrap();
+    let trace = dir.join("trace");
+    assert!(trace.join("rank-00000.json").is_file());
+    let merged = read(&trace.join("trace.json")).unwrap();
+    let names = check_file(&merged, 1);
+    for want in [
+        "data",
+        "vision fwd s0 mb0",
+        "audio fwd s0 mb1",
+        "llm fwd s0 mb0",
+        "llm loss mb1",
+        "llm bwd s0 mb1",
+        "vision bwd s0 mb0",
+        "audio bwd s0 mb1",
+        "grad norm",
+        "adamw",
+        "checkpoint",
+    ] {
+        assert!(names[0].contains(want), "no span `{want}`: {:?}", names[0]);
+    }
+    let steps: BTreeSet<u64> = merged
+        .trace_events
+        .iter()
+        .filter_map(|e| e.args.get("step").and_then(|s| s.as_u64()))
+        .collect();
+    assert_eq!(steps, BTreeSet::from([1, 2]));
+    // One thread: no module's work overlaps another's.
+    assert_eq!(overlapping(&merged, encoder_compute, llm_compute), 0);
+}
+
 #[test]
 fn without_log_trace_nothing_is_written() {
     let dir = run_dir("no-trace");

@@ -54,7 +54,20 @@ pub struct ParquetColumns {
 
 impl ParquetColumns {
     fn validate(&self) -> Result<(), ReadError> {
-        let err = |s: &str| Err(ReadError::Config(format!("parquet columns {self:?}: {s}")));
+        let err = |s: &str| {
+            let set: Vec<String> = self
+                .mapped()
+                .map(|(key, col)| format!("{key} = {col:?}"))
+                .collect();
+            Err(ReadError::Config(format!(
+                "[input.parquet] ({}): {s}",
+                if set.is_empty() {
+                    "no column set".to_string()
+                } else {
+                    set.join(", ")
+                }
+            )))
+        };
         match (&self.text, &self.messages) {
             (Some(_), Some(_)) => {
                 return err("set `text` (caption layout) or `messages` (chat layout), not both");

@@ -134,6 +134,29 @@ pub fn schema() -> SchemaRef {
     Arc::new(Schema::new(fields))
 }
 
+/// Opens a shard file for reading, refusing what is not a regular file (a FIFO or a
+/// device would block or never end; a folder is no shard) before opening it.
+pub fn open_shard(path: &std::path::Path) -> std::io::Result<std::fs::File> {
+    let meta = std::fs::metadata(path)?;
+    if !meta.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file (a shard is a Parquet file, not a folder, FIFO or device)",
+        ));
+    }
+    std::fs::File::open(path)
+}
+
+/// Whether `name` is a plain file name (one component: no folder, no `..`, not absolute):
+/// what `dataset.json` may list as a shard, so that a dataset reads only its own folder.
+pub fn is_plain_file_name(name: &str) -> bool {
+    let mut parts = std::path::Path::new(name).components();
+    matches!(
+        (parts.next(), parts.next()),
+        (Some(std::path::Component::Normal(_)), None)
+    ) && !name.contains(['/', '\\'])
+}
+
 /// One shard as `dataset.json` lists it.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ShardInfo {

@@ -1,7 +1,6 @@
 //! Shard reading: the pack index of a dataset folder (from the small columns of every shard)
 //! and random access to one pack's rows (row-group and page pruning by row selection).
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use arrow_array::{
@@ -80,7 +79,7 @@ impl Dataset {
         let mut packs: Vec<PackEntry> = Vec::new();
         for (si, info) in infos.iter().enumerate() {
             let path = dir.join(&info.file);
-            let file = File::open(&path).map_err(|e| ShardError::io(&path, e))?;
+            let file = super::open_shard(&path).map_err(|e| ShardError::io(&path, e))?;
             let opts = ArrowReaderOptions::new().with_page_index_policy(PageIndexPolicy::Optional);
             let meta = ArrowReaderMetadata::load(&file, opts)
                 .map_err(|e| ShardError::parquet(&path, e))?;
@@ -142,7 +141,7 @@ impl Dataset {
             .ok_or_else(|| ShardError::invalid(&self.dir, format!("no pack {index}")))?;
         let shard = &self.shards[entry.shard];
         let path = &shard.path;
-        let file = File::open(path).map_err(|e| ShardError::io(path, e))?;
+        let file = super::open_shard(path).map_err(|e| ShardError::io(path, e))?;
         let selection = RowSelection::from(vec![
             RowSelector::skip(entry.row),
             RowSelector::select(entry.samples),

@@ -16,22 +16,26 @@
 //! is read at forward time.
 
 mod batch;
+mod branch;
 mod build;
 mod config;
 
 pub use batch::MllmBatch;
+pub(crate) use branch::{
+    AudioBranch, VisionBranch, audio_backward, audio_forward, audio_project, audio_unproject,
+    vision_backward, vision_forward, vision_project, vision_unproject,
+};
 pub(crate) use build::module_init;
 pub use build::{Loaded, MllmParts};
 pub use config::{AudioProjectorConfig, Freeze, MllmConfig, VisionProjectorConfig};
 
-use braid_encoders::projector::{AudioProjectorCache, ProjectorCache};
-use braid_encoders::{
-    AudioCache, AudioProjector, MlpProjector, VisionCache, VisionEncoder, WhisperEncoder,
-};
+use braid_encoders::{AudioProjector, MlpProjector, VisionEncoder, WhisperEncoder};
 use braid_kernels::{Device, Tensor, ops};
 use braid_llm::{Llm, ModalityEmbeds, StageCache, cross_entropy_loss};
 use braid_nn::error::Context;
 use braid_nn::{Error, Module, Param, Result};
+
+use crate::trace::Tracer;
 
 /// Name prefixes of the five modules' parameters (`vision.encoder.layers.0...`,
 /// `llm.layers.0...`), in the order [`Module::visit_params`] lists them.
@@ -73,27 +77,6 @@ pub struct InputGrads {
     pub pixel_values: Option<Tensor>,
     /// one (n_mels, F_j) per clip
     pub clips: Option<Vec<Tensor>>,
-}
-
-/// The vision branch's backward state; absent when encoder and projector are frozen.
-#[derive(Debug)]
-pub(crate) struct VisionBranch<E = VisionCache> {
-    /// B_img, S tokens per image out of the encoder
-    b: usize,
-    s: usize,
-    /// (B*N) u32 patch-token rows of the (B*S, D) encoder output (CLIP: without the
-    /// class tokens); `None` when every token is a patch token.
-    patch_rows: Option<Tensor>,
-    /// `None` when the encoder is frozen: its backward is skipped.
-    encoder: Option<E>,
-    projector: ProjectorCache,
-}
-
-/// The audio branch's backward state; absent when encoder and projector are frozen.
-#[derive(Debug)]
-pub(crate) struct AudioBranch<E = AudioCache> {
-    encoder: Option<E>,
-    projector: AudioProjectorCache,
 }
 
 /// The modality block of one forward and the branches' backward state.
@@ -187,6 +170,18 @@ impl Mllm {
         batch: &MllmBatch,
         normalizer: Option<usize>,
     ) -> Result<(MllmLoss, MllmCache)> {
+        self.forward_traced(batch, normalizer, &mut Tracer::off(), 0)
+    }
+
+    /// [`Mllm::forward_normalized`] of microbatch `mb`, each module's forward and the
+    /// loss a span of `trace` (a one-rank run's timeline).
+    pub fn forward_traced(
+        &self,
+        batch: &MllmBatch,
+        normalizer: Option<usize>,
+        trace: &mut Tracer,
+        mb: usize,
+    ) -> Result<(MllmLoss, MllmCache)> {
         batch.validate(&self.config)?;
         let Embedded {
             modality,
@@ -194,12 +189,18 @@ impl Mllm {
             audio,
             g_v,
             g_a,
-        } = self.embed_modalities(batch, false)?;
+        } = self.embed_modalities(batch, false, trace, mb)?;
+        let t0 = trace.start();
         let (logits, llm_cache) = self
             .llm
             .forward(&batch.ids, &batch.seq, modality.as_ref())?; // (T, V)
+        span(trace, t0, "llm", "fwd", mb)?;
+        let t0 = trace.start();
         let out = cross_entropy_loss(&logits, &batch.targets, normalizer)?;
         drop(logits);
+        trace
+            .end_on_device(t0, format!("llm loss mb{mb}"), "llm")
+            .ctx("mllm", "trace")?;
         let loss = MllmLoss {
             loss: out.loss,
             loss_sum: out.loss_sum,
@@ -219,7 +220,13 @@ impl Mllm {
     /// Encoders and projectors over the batch's images and clips, as one (M, C) block
     /// for the placeholder positions (image rows, then clip rows). `zeroed`: the block is
     /// all zeros and the encoders do not run (the text-only ablation of evaluation).
-    fn embed_modalities(&self, batch: &MllmBatch, zeroed: bool) -> Result<Embedded> {
+    fn embed_modalities(
+        &self,
+        batch: &MllmBatch,
+        zeroed: bool,
+        trace: &mut Tracer,
+        mb: usize,
+    ) -> Result<Embedded> {
         if zeroed {
             let m = batch.num_modality_tokens();
             let dev = batch.ids.device();
@@ -248,7 +255,9 @@ impl Mllm {
         let c = self.config.llm.hidden;
         let (yv, vision) = match &batch.images {
             Some(px) => {
+                let t0 = trace.start();
                 let (y, b) = self.vision_forward(px)?;
+                span(trace, t0, "vision", "fwd", mb)?;
                 (Some(y), b)
             }
             None => (None, None),
@@ -256,7 +265,9 @@ impl Mllm {
         let (ya, audio) = if batch.clips.is_empty() {
             (None, None)
         } else {
+            let t0 = trace.start();
             let (y, b) = self.audio_forward(&batch.clips)?;
+            span(trace, t0, "audio", "fwd", mb)?;
             (Some(y), b)
         };
         let g_v = yv.as_ref().map_or(0, |y| y.dims()[0]);
@@ -317,7 +328,7 @@ impl Mllm {
     /// text alone).
     pub fn logits(&self, batch: &MllmBatch, zero_modality: bool) -> Result<Tensor> {
         batch.validate(&self.config)?;
-        let e = self.embed_modalities(batch, zero_modality)?;
+        let e = self.embed_modalities(batch, zero_modality, &mut Tracer::off(), 0)?;
         let (logits, _cache) = self
             .llm
             .forward(&batch.ids, &batch.seq, e.modality.as_ref())?;
@@ -341,6 +352,16 @@ impl Mllm {
     /// Adds the grad of the forward's loss into every trainable parameter's grad and
     /// returns the grads of the pixel values and clips whose encoder ran backward.
     pub fn backward(&mut self, cache: MllmCache) -> Result<InputGrads> {
+        self.backward_traced(cache, &mut Tracer::off(), 0)
+    }
+
+    /// [`Mllm::backward`] of microbatch `mb`, each module's backward a span of `trace`.
+    pub fn backward_traced(
+        &mut self,
+        cache: MllmCache,
+        trace: &mut Tracer,
+        mb: usize,
+    ) -> Result<InputGrads> {
         let MllmCache {
             llm,
             vision,
@@ -352,19 +373,25 @@ impl Mllm {
         let Some((llm_cache, dlogits)) = llm else {
             return Ok(grads);
         };
+        let t0 = trace.start();
         let dmod = self.llm.backward(llm_cache, &dlogits)?; // (M, C)
         drop(dlogits);
+        span(trace, t0, "llm", "bwd", mb)?;
         if vision.is_none() && audio.is_none() {
             return Ok(grads);
         }
         let dmod = dmod.ok_or_else(|| missing("modality grads"))?;
         if let Some(vb) = vision {
+            let t0 = trace.start();
             let part = rows(&dmod, 0, g_v)?;
             grads.pixel_values = self.vision_backward(vb, part.as_ref().unwrap_or(&dmod))?;
+            span(trace, t0, "vision", "bwd", mb)?;
         }
         if let Some(ab) = audio {
+            let t0 = trace.start();
             let part = rows(&dmod, g_v, g_a)?;
             grads.clips = self.audio_backward(ab, part.as_ref().unwrap_or(&dmod))?;
+            span(trace, t0, "audio", "bwd", mb)?;
         }
         Ok(grads)
     }
@@ -382,6 +409,20 @@ impl Mllm {
         };
         audio_backward(enc, proj, ab, dy)
     }
+}
+
+/// Ends `module`'s span of a pass (`fwd`, `bwd`) of microbatch `mb`, named as the parallel
+/// engine names a stage's ("vision fwd s0 mb3": one rank is every module's only stage).
+fn span(
+    trace: &mut Tracer,
+    t0: Option<std::time::Instant>,
+    module: &str,
+    pass: &str,
+    mb: usize,
+) -> Result<()> {
+    trace
+        .end_on_device(t0, format!("{module} {pass} s0 mb{mb}"), module)
+        .ctx("mllm", "trace")
 }
 
 impl Module for Mllm {
@@ -415,151 +456,4 @@ impl Module for Mllm {
         }
         self.llm.visit_params_mut(f);
     }
-}
-
-/// pixel_values (B, C, H, W) -> projected rows (B * tokens_per_image, C) and the
-/// branch's backward state when something in it is trainable.
-pub(crate) fn vision_forward(
-    enc: &VisionEncoder,
-    proj: &MlpProjector,
-    px: &Tensor,
-) -> Result<(Tensor, Option<VisionBranch>)> {
-    let (out, enc_cache) = enc.forward(px)?;
-    vision_project(enc, proj, out.last_hidden_state, enc_cache)
-}
-
-/// The projector over an encoder's output (B, S, D) -> (B * tokens_per_image, C), and
-/// the branch's backward state (holding `enc_cache`, the encoder's or its last
-/// stage's) when something in it is trainable.
-pub(crate) fn vision_project<E>(
-    enc: &VisionEncoder,
-    proj: &MlpProjector,
-    last_hidden_state: Tensor,
-    enc_cache: E,
-) -> Result<(Tensor, Option<VisionBranch<E>>)> {
-    let cfg = &enc.config;
-    let (enc_train, proj_train) = (trainable(enc), trainable(proj));
-    let &[b, s, d] = last_hidden_state.dims() else {
-        return Err(Error::input("mllm", "vision output is not (B, S, D)"));
-    };
-    let n = cfg.num_patches();
-    let last = last_hidden_state
-        .reshape([b * s, d])
-        .ctx("mllm", "vision features")?; // (B*S, D)
-    // CLIP's class token (first of each image) is not an image token.
-    let (feats, patch_rows) = if s == n {
-        (last, None)
-    } else {
-        let off = s - n;
-        let r: Vec<u32> = (0..b)
-            .flat_map(|i| (0..n).map(move |j| (i * s + off + j) as u32))
-            .collect();
-        let r = ids(r, last.device())?;
-        let f = ops::gather_rows(&last, &r).ctx("mllm", "patch tokens")?; // (B*N, D)
-        (f, Some(r))
-    };
-    let g = cfg.image_size / cfg.patch_size;
-    let (y, projector) = proj.forward(&feats, &vec![(g, g); b])?; // (B*N/m², C)
-    let branch = (enc_train || proj_train).then(|| VisionBranch {
-        b,
-        s,
-        patch_rows,
-        encoder: enc_train.then_some(enc_cache),
-        projector,
-    });
-    Ok((y, branch))
-}
-
-/// clips -> projected rows (sum of tokens_per_clip, C) and the branch's backward
-/// state when something in it is trainable.
-pub(crate) fn audio_forward(
-    enc: &WhisperEncoder,
-    proj: &AudioProjector,
-    clips: &[Tensor],
-) -> Result<(Tensor, Option<AudioBranch>)> {
-    let (out, enc_cache) = enc.forward(clips)?; // hidden (T_a, D)
-    audio_project(enc, proj, &out.hidden, &out.cu_seqlens, enc_cache)
-}
-
-/// The projector over an encoder's packed output (T_a, D) -> (G_a, C), and the branch's
-/// backward state (holding `enc_cache`) when something in it is trainable.
-pub(crate) fn audio_project<E>(
-    enc: &WhisperEncoder,
-    proj: &AudioProjector,
-    hidden: &Tensor,
-    cu_seqlens: &[usize],
-    enc_cache: E,
-) -> Result<(Tensor, Option<AudioBranch<E>>)> {
-    let (enc_train, proj_train) = (trainable(enc), trainable(proj));
-    let (y, projector) = proj.forward(hidden, cu_seqlens)?; // (G_a, C)
-    let branch = (enc_train || proj_train).then(|| AudioBranch {
-        encoder: enc_train.then_some(enc_cache),
-        projector,
-    });
-    Ok((y, branch))
-}
-
-/// dy (B * tokens_per_image, C) -> d pixel_values, when the encoder is trainable.
-pub(crate) fn vision_backward(
-    enc: &mut VisionEncoder,
-    proj: &mut MlpProjector,
-    vb: VisionBranch,
-    dy: &Tensor,
-) -> Result<Option<Tensor>> {
-    let d = enc.config.hidden_size;
-    match vision_unproject(d, proj, vb, dy)? {
-        Some((ec, dlast)) => Ok(Some(enc.backward(ec, &dlast, None)?)),
-        None => Ok(None),
-    }
-}
-
-/// The projector's backward: dy (B * tokens_per_image, C) -> the encoder's cache and the
-/// grad of its output (B, S, D), when the encoder is trainable.
-pub(crate) fn vision_unproject<E>(
-    d: usize,
-    proj: &mut MlpProjector,
-    vb: VisionBranch<E>,
-    dy: &Tensor,
-) -> Result<Option<(E, Tensor)>> {
-    let dfeat = proj.backward(vb.projector, dy)?; // (B*N, D)
-    let Some(ec) = vb.encoder else {
-        return Ok(None);
-    };
-    let (b, s) = (vb.b, vb.s);
-    let dlast = match &vb.patch_rows {
-        None => dfeat,
-        Some(r) => {
-            // Class tokens feed no image token: their rows stay zero.
-            let mut dl =
-                Tensor::zeros(vec![b * s, d], dfeat.dtype(), dy.device()).ctx("mllm", "zeros")?; // (B*S, D)
-            ops::scatter_rows(&mut dl, r, &dfeat).ctx("mllm", "patch token grads")?;
-            dl
-        }
-    };
-    let dlast = dlast.reshape([b, s, d]).ctx("mllm", "vision grads")?; // (B, S, D)
-    Ok(Some((ec, dlast)))
-}
-
-/// dy (G_a, C) -> d clips, when the encoder is trainable.
-pub(crate) fn audio_backward(
-    enc: &mut WhisperEncoder,
-    proj: &mut AudioProjector,
-    ab: AudioBranch,
-    dy: &Tensor,
-) -> Result<Option<Vec<Tensor>>> {
-    match audio_unproject(proj, ab, dy)? {
-        Some((ec, dh)) => Ok(Some(enc.backward(ec, &dh)?)),
-        None => Ok(None),
-    }
-}
-
-/// The projector's backward: dy (G_a, C) -> the encoder's cache and the grad of its
-/// output (T_a, D), when the encoder is trainable.
-pub(crate) fn audio_unproject<E>(
-    proj: &mut AudioProjector,
-    ab: AudioBranch<E>,
-    dy: &Tensor,
-) -> Result<Option<(E, Tensor)>> {
-    let dh = proj.backward(ab.projector, dy)?; // (T_a, D)
-    Ok(ab.encoder.map(|ec| (ec, dh)))
 }

@@ -430,7 +430,7 @@ fn rank_main(
         state.step = step;
         state.optimizer_step = engine.optim.step;
         state.loader = loader.state();
-        state.tokens_seen += pass.tokens as u64;
+        state.tokens_seen = state.tokens_seen.saturating_add(pass.tokens as u64);
         // Every rank's compute time of the step, against the ranks doing the same work.
         let busy = Tensor::from_vec(vec![engine.trace.take_busy() as f32], [1], Device::Cpu)?;
         let busy: Vec<f64> = world
