@@ -391,6 +391,11 @@ fn bad_configs_fail_fast_naming_the_key() {
         // allocation (each used to abort, or build layers until memory ran out).
         (vec!["model.llm.layers=1000000"], "`layers` = 1000000"),
         (vec!["model.vision.num_layers=1000000000"], "`num_layers`"),
+        // Within each size's limit, but terabytes of weights: refused against the memory.
+        (
+            vec!["model.llm.layers=4000", "model.llm.intermediate=1000000"],
+            "GiB of f32 weights alone, more than this machine's",
+        ),
         (
             vec!["model.llm.intermediate=4611686018427387904"],
             "`intermediate`",

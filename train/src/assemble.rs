@@ -185,6 +185,45 @@ fn check_image_preset(
     .into())
 }
 
+/// Refuses a model whose f32 weights alone exceed this machine's memory (`MemTotal`;
+/// skipped where it cannot be read): a size typo (`layers = 320` for 32) would otherwise
+/// allocate layer after layer until the kernel kills the process. Grads and AdamW state
+/// (3x more) are left to the allocator, so no run that could fit is refused.
+pub fn check_host_memory(config: &MllmConfig) -> Result<()> {
+    let Some(total) = mem_total_bytes() else {
+        return Ok(());
+    };
+    let dims = crate::planning::model_dims(config);
+    let params: u64 = dims
+        .modules()
+        .iter()
+        .filter_map(|&m| dims.module(m))
+        .map(|d| d.params())
+        .fold(0u64, u64::saturating_add);
+    let weights = params.saturating_mul(4);
+    if weights > total {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        return Err(invalid(
+            "model",
+            format!(
+                "{params} parameters: {:.0} GiB of f32 weights alone, more than this machine's {:.0} GiB of memory; check the model sizes (model.llm.layers, hidden, intermediate, vocab, ...)",
+                gib(weights),
+                gib(total)
+            ),
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// `MemTotal` of `/proc/meminfo`, in bytes.
+fn mem_total_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 /// The model: random init from `seed` for modules given by sizes, Hugging Face weights
 /// for the others; then the config's freezing.
 pub fn build_model(cfg: &RunConfig, config: MllmConfig, seed: u64, device: Device) -> Result<Mllm> {

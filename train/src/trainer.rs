@@ -10,7 +10,8 @@ use braid_kernels::Device;
 use braid_nn::Module;
 
 use crate::assemble::{
-    ModelCounts, build_model, check_against_dataset, model_config, model_counts, param_counts,
+    ModelCounts, build_model, check_against_dataset, check_host_memory, model_config, model_counts,
+    param_counts,
 };
 use crate::checkpoint::{self, TrainState};
 use crate::config::{RunConfig, invalid};
@@ -224,6 +225,7 @@ impl Trainer {
 
         // A process of a world never builds the model: its counts come from the layers.
         let (mut model, mut optim, counts, model_counted) = if full {
+            check_host_memory(&mconfig)?;
             let model = build_model(&cfg, mconfig.clone(), cfg.run.seed, device)?;
             let optim = AdamW::new(cfg.optim.clone(), &model)?;
             let counts = param_counts(&model);
