@@ -391,6 +391,8 @@ fn bad_configs_fail_fast_naming_the_key() {
         // allocation (each used to abort, or build layers until memory ran out).
         (vec!["model.llm.layers=1000000"], "`layers` = 1000000"),
         (vec!["model.vision.num_layers=1000000000"], "`num_layers`"),
+        // A plan "file" that never ends: refused before it is read.
+        (vec!["parallel.plan=\"/dev/zero\""], "not a regular file"),
         // Within each size's limit, but terabytes of weights: refused against the memory.
         (
             vec!["model.llm.layers=4000", "model.llm.intermediate=1000000"],

@@ -118,8 +118,11 @@ impl Generator {
         max_new_tokens: usize,
     ) -> Result<String> {
         let dev = Device::Cpu;
-        let read = |p: &Path| std::fs::read(p).map_err(io_err(p, "read"));
+        // The data config's byte limits of one image or clip (what `braid pack` holds media
+        // to), before decoding.
         let s = &self.data;
+        let limit = s.image.max_bytes.max(s.audio.decode.max_bytes as u64);
+        let read = |p: &Path| braid_nn::hf::read_limited(p, limit).map_err(io_err(p, "read"));
         let mut parts = Vec::new();
         let mut counts = PlaceholderCounts::default();
         let mut images = None;

@@ -290,10 +290,14 @@ impl RunConfig {
 
     /// Reads `path`, applies `sets` and validates.
     pub fn from_file(path: &Path, sets: &[String]) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+        let read_err = |reason: String| ConfigError::Read {
             path: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
+            reason,
+        };
+        let bytes =
+            braid_nn::hf::read_limited(path, 64 << 20).map_err(|e| read_err(e.to_string()))?;
+        let text =
+            String::from_utf8(bytes).map_err(|e| read_err(format!("not UTF-8 text: {e}")))?;
         Self::from_toml(&text, &path.display().to_string(), sets)
     }
 

@@ -24,8 +24,14 @@ pub struct PlanFile {
 
 impl PlanFile {
     pub fn read(path: &Path) -> Result<PlanFile> {
-        let text = std::fs::read_to_string(path)
+        let bytes = braid_nn::hf::read_limited(path, 64 << 20)
             .map_err(|e| err(format!("parallel.plan = {:?}: {e}", path.display())))?;
+        let text = String::from_utf8(bytes).map_err(|e| {
+            err(format!(
+                "parallel.plan = {:?}: not UTF-8 text: {e}",
+                path.display()
+            ))
+        })?;
         toml::from_str(&text).map_err(|e| err(format!("parallel.plan = {:?}: {e}", path.display())))
     }
 
