@@ -243,6 +243,12 @@ pub fn workload(cfg: &RunConfig, model: &MllmConfig, data: Option<&Path>) -> Res
             "plan.seq_len = {l}: must be from 1 to {MAX_PLAN_SEQ_LEN} tokens"
         )));
     }
+    if sec.batches == 0 {
+        return Err(err(
+            "plan.batches = 0: the planner averages each candidate over at least 1 sampled batch"
+                .into(),
+        ));
+    }
     let sampled = batch_rows.saturating_mul(sec.batches.max(1));
     if sampled > MAX_PLAN_ROWS {
         return Err(err(format!(

@@ -160,6 +160,18 @@ fn auto_plans_the_tiny_model_for_its_world() {
     let mut none = tiny(&["parallel.plan=auto", "parallel.world_size=4"]);
     let e = apply(&mut none).unwrap_err().to_string();
     assert!(e.contains("[plan.mix]"), "{e}");
+    // Sampling settings that cannot work, or would run for hours, are named before any.
+    for (set, says) in [
+        ("plan.batches=0", "plan.batches = 0"),
+        ("plan.seq_len=0", "plan.seq_len = 0"),
+        ("plan.seq_len=1000000000", "plan.seq_len = 1000000000"),
+        ("plan.batches=1000000000", "rows to sample"),
+    ] {
+        let cfg = tiny(&["parallel.world_size=4", mix, set]);
+        let model = crate::assemble::model_config(&cfg).unwrap();
+        let e = workload(&cfg, &model, None).err().unwrap().to_string();
+        assert!(e.contains(says), "{set}: {e}");
+    }
 }
 
 #[test]
