@@ -15,21 +15,21 @@ use super::{ids, trainable};
 #[derive(Debug)]
 pub(crate) struct VisionBranch<E = VisionCache> {
     /// B_img, S tokens per image out of the encoder
-    pub(super) b: usize,
-    pub(super) s: usize,
+    b: usize,
+    s: usize,
     /// (B*N) u32 patch-token rows of the (B*S, D) encoder output (CLIP: without the
     /// class tokens); `None` when every token is a patch token.
-    pub(super) patch_rows: Option<Tensor>,
+    patch_rows: Option<Tensor>,
     /// `None` when the encoder is frozen: its backward is skipped.
     pub(super) encoder: Option<E>,
-    pub(super) projector: ProjectorCache,
+    projector: ProjectorCache,
 }
 
 /// The audio branch's backward state; absent when encoder and projector are frozen.
 #[derive(Debug)]
 pub(crate) struct AudioBranch<E = AudioCache> {
     pub(super) encoder: Option<E>,
-    pub(super) projector: AudioProjectorCache,
+    projector: AudioProjectorCache,
 }
 
 /// pixel_values (B, C, H, W) -> projected rows (B * tokens_per_image, C) and the
