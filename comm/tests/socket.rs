@@ -275,3 +275,50 @@ fn two_processes_with_the_same_rank_are_named() {
         );
     }
 }
+
+/// Connections on a rank's port that are not ranks (an HTTP request, a client that closes
+/// at once) are dropped and the real rank is still awaited; a peer whose frame claims more
+/// bytes than any tensor (2^61 elements) fails the collective at once, naming that rank,
+/// instead of panicking a reader thread and leaving the wait to its timeout.
+#[test]
+fn strays_are_dropped_and_a_malformed_frame_names_its_rank() {
+    use std::io::Write;
+    let server = StoreServer::bind("127.0.0.1:0").unwrap();
+    let addr = server.addr().to_string();
+    let a0 = addr.clone();
+    let zero = std::thread::spawn(move || {
+        let mut store = StoreClient::connect(&a0, Duration::from_secs(10)).unwrap();
+        let world =
+            SocketWorld::connect(&mut store, 0, 2, "127.0.0.1", Duration::from_secs(30)).unwrap();
+        let comm = SocketComm::world(world);
+        let t0 = Instant::now();
+        let mut x = t(vec![1.0; 4], &[4]);
+        let e = comm.all_reduce_sum(&mut x).unwrap_err();
+        (e.to_string(), t0.elapsed())
+    });
+    let mut store = StoreClient::connect(&addr, Duration::from_secs(10)).unwrap();
+    let listen = store
+        .wait("socket/0", Duration::from_secs(10), "rank 0's address")
+        .unwrap();
+    let listen = String::from_utf8(listen).unwrap();
+    // Two strays, then a peer that greets as rank 1 and sends an impossible frame.
+    let mut http = std::net::TcpStream::connect(&listen).unwrap();
+    http.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    drop(std::net::TcpStream::connect(&listen).unwrap());
+    let mut fake = std::net::TcpStream::connect(&listen).unwrap();
+    fake.write_all(b"braid-sk").unwrap();
+    fake.write_all(&1u32.to_le_bytes()).unwrap();
+    let mut frame = Vec::new();
+    frame.extend_from_slice(&0u64.to_le_bytes()); // group
+    frame.push(0); // f32
+    frame.extend_from_slice(&1u32.to_le_bytes()); // one dimension
+    frame.extend_from_slice(&(1u64 << 61).to_le_bytes());
+    fake.write_all(&frame).unwrap();
+    let (msg, took) = zero.join().unwrap();
+    assert!(took < Duration::from_secs(10), "{took:?}: {msg}");
+    assert!(
+        msg.contains("rank 1") && msg.contains("malformed frame"),
+        "{msg}"
+    );
+    drop(server);
+}

@@ -141,7 +141,9 @@ impl SocketWorld {
                 Ok(Some(a)) => store_err(a),
                 _ => io(what)(e),
             };
-            let mut s = match TcpStream::connect(&addr) {
+            // Bounded by the timeout: a firewall that drops packets would otherwise hold
+            // this rank in the kernel's connect for minutes.
+            let mut s = match connect_within(&addr, timeout) {
                 Ok(s) => s,
                 Err(e) => {
                     return Err(gone(
@@ -151,7 +153,9 @@ impl SocketWorld {
                     ));
                 }
             };
-            if let Err(e) = s.write_all(&(rank as u32).to_le_bytes()) {
+            let mut hello = GREETING.to_vec();
+            hello.extend_from_slice(&(rank as u32).to_le_bytes());
+            if let Err(e) = s.write_all(&hello) {
                 return Err(gone(store, e, format!("greeting rank {peer}")));
             }
             *slot = Some(s);
@@ -175,14 +179,20 @@ impl SocketWorld {
                 Ok((mut s, from)) => {
                     s.set_nonblocking(false)
                         .map_err(io("accepted socket".into()))?;
-                    s.set_read_timeout(Some(timeout))
+                    s.set_read_timeout(Some(timeout.min(GREETING_WAIT)))
                         .map_err(io("accepted socket".into()))?;
-                    let mut b = [0u8; 4];
-                    s.read_exact(&mut b)
-                        .map_err(io(format!("reading the greeting of {from}")))?;
+                    // A connection that is not a rank (a port scanner, a health check, a
+                    // stray request) sends no greeting or another one: it is dropped and
+                    // the ranks are still awaited.
+                    let mut b = [0u8; GREETING.len() + 4];
+                    if s.read_exact(&mut b).is_err() || b[..GREETING.len()] != GREETING[..] {
+                        continue;
+                    }
                     s.set_read_timeout(None)
                         .map_err(io("accepted socket".into()))?;
-                    let peer = u32::from_le_bytes(b) as usize;
+                    let mut r = [0u8; 4];
+                    r.copy_from_slice(&b[GREETING.len()..]);
+                    let peer = u32::from_le_bytes(r) as usize;
                     if peer <= rank || peer >= size || streams[peer].is_some() {
                         let msg = if streams.get(peer).is_some_and(Option::is_some) {
                             format!(
@@ -274,6 +284,30 @@ impl Drop for SocketWorld {
     }
 }
 
+/// What a rank sends first on a connection to a lower rank, before its rank (u32 LE).
+const GREETING: &[u8; 8] = b"braid-sk";
+/// How long an accepted connection may take to greet before it is dropped as a stray.
+const GREETING_WAIT: Duration = Duration::from_secs(10);
+
+/// Connects to `addr` (`host:port`), each of its resolved addresses within `timeout`.
+fn connect_within(addr: &str, timeout: Duration) -> std::io::Result<TcpStream> {
+    use std::net::ToSocketAddrs;
+    let mut last = None;
+    for a in addr.to_socket_addrs()? {
+        match TcpStream::connect_timeout(&a, timeout) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(std::io::ErrorKind::NotFound, "no address to connect to")
+    }))
+}
+
+/// The largest frame a peer may send (a tensor of 16 GiB): the CPU transport's messages
+/// are activations and gradient buckets, far below it.
+const MAX_FRAME_BYTES: u64 = 1 << 34;
+
 const DT_F32: u8 = 0;
 const DT_BF16: u8 = 1;
 const DT_U32: u8 = 2;
@@ -317,10 +351,32 @@ fn read_frame(r: &mut impl Read) -> std::io::Result<Frame> {
         r.read_exact(&mut d)?;
         dims.push(u64::from_le_bytes(d) as usize);
     }
-    let n: usize = dims.iter().product();
-    let elem = if dtype == DT_BF16 { 2 } else { 4 };
-    let mut bytes = vec![0u8; n * elem];
-    r.read_exact(&mut bytes)?;
+    let bad = |msg: String| std::io::Error::new(std::io::ErrorKind::InvalidData, msg);
+    let elem: u64 = match dtype {
+        DT_BF16 => 2,
+        DT_F32 | DT_U32 => 4,
+        other => return Err(bad(format!("a frame of unknown dtype {other}"))),
+    };
+    // The sender's dimensions are checked before anything is allocated, and the payload is
+    // read as it arrives: a malformed or hostile frame is an error naming its size, never
+    // a wrapped length or an allocation the bytes on the wire do not back.
+    let len = dims
+        .iter()
+        .try_fold(elem, |a, &d| a.checked_mul(d as u64))
+        .filter(|&b| b <= MAX_FRAME_BYTES)
+        .ok_or_else(|| {
+            bad(format!(
+                "a malformed frame: dims {dims:?} (at most {MAX_FRAME_BYTES} bytes)"
+            ))
+        })?;
+    let mut bytes = Vec::new();
+    r.take(len).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 != len {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            "the connection closed inside a frame",
+        ));
+    }
     let data = match dtype {
         DT_F32 => CpuStorage::F32(
             bytes

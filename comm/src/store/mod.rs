@@ -105,8 +105,16 @@ fn read_field(r: &mut impl Read) -> std::io::Result<Vec<u8>> {
             format!("field of {n} bytes (limit {MAX_FIELD})"),
         ));
     }
-    let mut v = vec![0u8; n as usize];
-    r.read_exact(&mut v)?;
+    // Read as the bytes arrive: a client that announces 64 MiB and sends ten bytes costs
+    // ten bytes, not 64 MiB.
+    let mut v = Vec::new();
+    r.take(u64::from(n)).read_to_end(&mut v)?;
+    if v.len() != n as usize {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            "the connection closed inside a field",
+        ));
+    }
     Ok(v)
 }
 

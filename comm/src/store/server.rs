@@ -13,7 +13,33 @@ use super::*;
 #[derive(Default)]
 struct State {
     map: HashMap<Vec<u8>, Vec<u8>>,
+    /// Bytes of keys and values held.
+    bytes: usize,
 }
+
+impl State {
+    /// Sets `k` to `v`, keeping the store within [`MAX_STORE_BYTES`].
+    fn put(&mut self, k: Vec<u8>, v: Vec<u8>) -> std::io::Result<()> {
+        let freed = self.map.get(&k).map_or(0, |old| k.len() + old.len());
+        let bytes = self.bytes - freed + k.len() + v.len();
+        if bytes > MAX_STORE_BYTES {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("the store holds {MAX_STORE_BYTES} bytes at most"),
+            ));
+        }
+        self.bytes = bytes;
+        self.map.insert(k, v);
+        Ok(())
+    }
+}
+
+/// The most client connections served at once (a world has one or two per rank); past it
+/// a connection is closed at once, so stray clients cannot pile up threads.
+const MAX_CLIENTS: usize = 1 << 16;
+/// The most bytes of keys and values the store holds (rendezvous data: addresses, NCCL
+/// ids, config digests, is kilobytes per rank); a `set` past it closes that connection.
+const MAX_STORE_BYTES: usize = 1 << 30;
 
 struct Shared {
     state: Mutex<State>,
@@ -104,6 +130,9 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
             return;
         }
         let Ok(stream) = conn else { continue };
+        if shared.clients.load(Ordering::SeqCst) >= MAX_CLIENTS {
+            continue;
+        }
         let s = Arc::clone(&shared);
         // One thread per client: a world has one connection per rank.
         let _ = std::thread::Builder::new()
@@ -144,7 +173,7 @@ fn handle(op: u8, stream: &mut TcpStream, shared: &Shared) -> std::io::Result<Ve
     match op {
         OP_SET => {
             let (k, v) = (read_field(stream)?, read_field(stream)?);
-            shared.lock().map.insert(k, v);
+            shared.lock().put(k, v)?;
             shared.changed.notify_all();
             reply.push(ST_OK);
             write_field(&mut reply, &[]);
@@ -212,7 +241,7 @@ fn handle(op: u8, stream: &mut TcpStream, shared: &Shared) -> std::io::Result<Ve
                 .and_then(|v| <[u8; 8]>::try_from(v.as_slice()).ok())
                 .map_or(0, i64::from_le_bytes);
             let new = cur.wrapping_add(delta);
-            st.map.insert(k, new.to_le_bytes().to_vec());
+            st.put(k, new.to_le_bytes().to_vec())?;
             drop(st);
             shared.changed.notify_all();
             reply.push(ST_OK);
