@@ -88,13 +88,16 @@ pub fn run(model: &Path, input: &Path, output: &Path) -> Result<()> {
             let &[b, t] = ids.dims() else {
                 return Err(format!("input_ids must be (B, T), got {}", ids.shape()).into());
             };
-            // The (B T, V) f32 logits must fit: checked before any work.
+            // The (B T, V) f32 logits must fit in this machine's memory (64 GiB where it
+            // cannot be read): checked before any work.
             let logits_bytes = (b as u128) * (t as u128) * (llm.config().vocab as u128) * 4;
-            if logits_bytes > 1u128 << 34 {
+            let memory = braid_train::assemble::mem_total_bytes().unwrap_or(64 << 30);
+            if logits_bytes > u128::from(memory) {
                 return Err(format!(
-                    "input_ids of shape ({b}, {t}) makes {:.0} GiB of f32 logits over {} tokens of vocabulary: run fewer rows at a time",
+                    "input_ids of shape ({b}, {t}) makes {:.0} GiB of f32 logits over {} tokens of vocabulary, more than this machine's {:.0} GiB: run fewer rows at a time",
                     logits_bytes as f64 / (1u64 << 30) as f64,
-                    llm.config().vocab
+                    llm.config().vocab,
+                    memory as f64 / (1u64 << 30) as f64
                 )
                 .into());
             }

@@ -371,9 +371,27 @@ fn non_finite_steps_are_skipped_then_stop_the_run() {
     assert!(text(&o).contains("non-finite"), "{}", text(&o));
 }
 
+/// A plan file for 2,000 GPUs (disjoint: the LLM on 1,998 of them).
+fn big_plan() -> std::path::PathBuf {
+    let path = fixture().join("big-plan.toml");
+    let layout = |dp: usize| format!("tp = 1\ncp = 1\npp = 1\ndp = {dp}\n");
+    let text = format!(
+        "gpus = 2000\ncluster = \"h100\"\nstep_time_s = 1.0\nbaseline_step_time_s = 1.0\n\n\
+         [plan]\nplacement = \"disjoint\"\nschedule = \"phased\"\nmicrobatches = 1\n\
+         recompute = false\nrecompute_encoders = false\nzero1 = true\n\n\
+         [plan.llm]\n{}\n[plan.vision]\n{}\n[plan.audio]\n{}",
+        layout(1998),
+        layout(1),
+        layout(1)
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
 #[test]
 fn bad_configs_fail_fast_naming_the_key() {
     let dir = fixture().join("runs/bad");
+    let plan_set = format!("parallel.plan=\"{}\"", big_plan().display());
     for (sets, needle) in [
         (vec!["train.stpes=3"], "stpes"),
         (vec!["model.llm.kv_heads=3"], "kv_heads"),
@@ -391,8 +409,10 @@ fn bad_configs_fail_fast_naming_the_key() {
         // allocation (each used to abort, or build layers until memory ran out).
         (vec!["model.llm.layers=1000000"], "`layers` = 1000000"),
         (vec!["model.vision.num_layers=1000000000"], "`num_layers`"),
-        // A plan "file" that never ends: refused before it is read.
+        // A plan "file" that never ends: refused before it is read; a plan for more ranks
+        // than one process runs as threads.
         (vec!["parallel.plan=\"/dev/zero\""], "not a regular file"),
+        (vec![plan_set.as_str()], "2000 ranks as threads"),
         // Within each size's limit, but terabytes of weights: refused against the memory.
         (
             vec!["model.llm.layers=4000", "model.llm.intermediate=1000000"],

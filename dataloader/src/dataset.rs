@@ -106,21 +106,6 @@ impl DatasetInfo {
             path: path.display().to_string(),
             reason: e.to_string(),
         })?;
-        if let Some((i, s)) = info
-            .shards
-            .iter()
-            .enumerate()
-            .find(|(_, s)| !crate::shard::is_plain_file_name(&s.file))
-        {
-            return Err(DatasetError::Invalid {
-                path: path.display().to_string(),
-                reason: format!(
-                    "shards[{i}].file {:?} is not a file name inside the dataset folder \
-                     (no folders, `..` or absolute paths: a dataset reads only its own folder)",
-                    s.file
-                ),
-            });
-        }
         if info.format_version != FORMAT_VERSION {
             return Err(DatasetError::Invalid {
                 path: path.display().to_string(),
@@ -129,6 +114,27 @@ impl DatasetInfo {
                     info.format_version
                 ),
             });
+        }
+        // A dataset reads (and checkpoints copy) only files of its own folder.
+        let names = info
+            .shards
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (format!("shards[{i}].file"), &s.file))
+            .chain(
+                (info.tokenizer.files.iter().enumerate())
+                    .map(|(i, f)| (format!("tokenizer.files[{i}]"), f)),
+            );
+        for (key, name) in names {
+            if !crate::shard::is_plain_file_name(name) {
+                return Err(DatasetError::Invalid {
+                    path: path.display().to_string(),
+                    reason: format!(
+                        "{key} {name:?} is not a file name inside the dataset folder \
+                         (no folders, `..` or absolute paths: a dataset reads only its own folder)"
+                    ),
+                });
+            }
         }
         Ok(info)
     }

@@ -396,8 +396,8 @@ fn the_fingerprint_is_the_same_for_the_same_pack_and_differs_otherwise() {
     assert_ne!(a.fingerprint(), d.fingerprint());
 }
 
-/// A `dataset.json` whose shard names leave the dataset's folder (`..`, an absolute path
-/// such as `/dev/zero`) is refused when read, and a shard that is not a regular file (a
+/// A `dataset.json` whose shard or tokenizer file names leave the dataset's folder (`..`,
+/// an absolute path such as `/dev/zero`) is refused when read, and a shard that is not a regular file (a
 /// FIFO: opening it would block forever) is refused before it is opened, by the pack
 /// index and by the checksum pass alike.
 #[cfg(unix)]
@@ -431,6 +431,14 @@ fn shard_names_stay_in_the_dataset_folder_and_shards_are_regular_files() {
             err.contains("shards[0].file") && err.contains("not a file name inside"),
             "{name:?}: {err}"
         );
+    }
+    // The tokenizer's copied files likewise: a checkpoint copies them, an export writes them.
+    for name in ["../secret.txt", "/dev/zero"] {
+        let mut m = meta.clone();
+        m["tokenizer"]["files"] = json!(["tokenizer.json", name]);
+        fs::write(out.join("dataset.json"), serde_json::to_string(&m).unwrap()).unwrap();
+        let err = DatasetInfo::open(&out).unwrap_err().to_string();
+        assert!(err.contains("tokenizer.files[1]"), "{name:?}: {err}");
     }
     fs::write(
         out.join("dataset.json"),

@@ -63,9 +63,15 @@ impl WeightFiles {
             if let Some(f) = files.iter().find(|f| {
                 let p = Path::new(f.as_str());
                 f.is_empty()
+                    || !p.components().all(|c| {
+                        matches!(
+                            c,
+                            std::path::Component::Normal(_) | std::path::Component::CurDir
+                        )
+                    })
                     || !p
                         .components()
-                        .all(|c| matches!(c, std::path::Component::Normal(_)))
+                        .any(|c| matches!(c, std::path::Component::Normal(_)))
             }) {
                 return Err(Error::weights(
                     &index,
@@ -405,40 +411,11 @@ fn to_f32(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
 
 /// Reads and parses a JSON file (a `config.json`), naming the file on error.
 pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
-    let bytes = read_limited(path, 256 << 20).map_err(|e| Error::io(path, "read", e))?;
+    let bytes =
+        crate::files::read_limited(path, 256 << 20).map_err(|e| Error::io(path, "read", e))?;
     let text = String::from_utf8(bytes)
         .map_err(|e| Error::weights(path, "", format!("invalid JSON: not UTF-8 ({e})")))?;
     serde_json::from_str(&text).map_err(|e| Error::weights(path, "", format!("invalid JSON: {e}")))
-}
-
-/// Reads a whole file of at most `max` bytes, refusing what is not a regular file first (a
-/// FIFO would block, `/dev/zero` never end) and a file past `max` without reading it all:
-/// configs, plans and media named by a user are small, and a wrong path must not read
-/// until memory runs out.
-pub fn read_limited(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
-    use std::io::Read;
-    let meta = std::fs::metadata(path)?;
-    let refuse = |msg: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, msg);
-    if !meta.is_file() {
-        return Err(refuse("not a regular file".into()));
-    }
-    if meta.len() > max {
-        return Err(refuse(format!(
-            "{} bytes, more than the {max} expected at most",
-            meta.len()
-        )));
-    }
-    let mut out = Vec::new();
-    // `take`: a file grown since the metadata was read still stops at the limit.
-    std::fs::File::open(path)?
-        .take(max + 1)
-        .read_to_end(&mut out)?;
-    if out.len() as u64 > max {
-        return Err(refuse(format!(
-            "more than the {max} bytes expected at most"
-        )));
-    }
-    Ok(out)
 }
 
 /// Writes `path` atomically: `write` fills a temporary file in the same directory, which

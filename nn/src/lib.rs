@@ -18,6 +18,7 @@ pub mod block;
 pub mod cp;
 pub mod embedding;
 pub mod error;
+pub mod files;
 pub mod hf;
 pub mod linear;
 pub mod mlp;

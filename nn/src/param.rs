@@ -335,14 +335,23 @@ impl Init {
                 n as f64 * 4.0 / (1u64 << 30) as f64
             ))
         })?;
-        match kind {
-            // std 0 is all zeros: skip the generator (see `for_loading`).
-            InitKind::Normal(0.0) => data.resize(n, 0.0),
-            InitKind::Normal(std) => {
-                Rng::for_name(self.seed, name).extend_normal(&mut data, n, std)
+        let data = match kind {
+            InitKind::Normal(std) if std != 0.0 => {
+                Rng::for_name(self.seed, name).extend_normal(&mut data, n, std);
+                data
             }
-            InitKind::Constant(v) => data.resize(n, v),
-        }
+            // std 0 is all zeros: skip the generator (see `for_loading`). `vec!` takes
+            // zeroed pages from the allocator instead of writing them (the room is known
+            // to exist now).
+            InitKind::Normal(_) => {
+                drop(data);
+                vec![0.0; n]
+            }
+            InitKind::Constant(v) => {
+                drop(data);
+                vec![v; n]
+            }
+        };
         let (data, dims) = cut_shard(name, data, full, shard)?;
         let value = Tensor::from_vec(data, dims, self.device).ctx(name, "creating parameter")?;
         let mut p = if self.trainable {

@@ -326,13 +326,13 @@ fn read_limited_refuses_what_would_never_end_or_is_too_large() -> TestResult {
     let dir = tmpdir("limited");
     let small = dir.join("small.json");
     std::fs::write(&small, b"{\"a\": 1}")?;
-    assert_eq!(braid_nn::hf::read_limited(&small, 8)?, b"{\"a\": 1}");
-    let e = braid_nn::hf::read_limited(&small, 7)
+    assert_eq!(braid_nn::files::read_limited(&small, 8)?, b"{\"a\": 1}");
+    let e = braid_nn::files::read_limited(&small, 7)
         .unwrap_err()
         .to_string();
     assert!(e.contains("8 bytes, more than the 7"), "{e}");
     for p in [Path::new("/dev/zero"), dir.as_path()] {
-        let e = braid_nn::hf::read_limited(p, 1 << 20)
+        let e = braid_nn::files::read_limited(p, 1 << 20)
             .unwrap_err()
             .to_string();
         assert!(e.contains("not a regular file"), "{p:?}: {e}");

@@ -188,7 +188,8 @@ fn check_image_preset(
 /// Refuses a model whose f32 weights alone exceed this machine's memory (`MemTotal`;
 /// skipped where it cannot be read): a size typo (`layers = 320` for 32) would otherwise
 /// allocate layer after layer until the kernel kills the process. Grads and AdamW state
-/// (3x more) are left to the allocator, so no run that could fit is refused.
+/// (3x more) are left to the allocator, so no CPU run that could fit is refused (a GPU
+/// run's weights live in device memory: the caller checks only CPU runs).
 pub fn check_host_memory(config: &MllmConfig) -> Result<()> {
     let Some(total) = mem_total_bytes() else {
         return Ok(());
@@ -217,7 +218,7 @@ pub fn check_host_memory(config: &MllmConfig) -> Result<()> {
 }
 
 /// `MemTotal` of `/proc/meminfo`, in bytes.
-fn mem_total_bytes() -> Option<u64> {
+pub fn mem_total_bytes() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;

@@ -227,7 +227,7 @@ pub fn finish(
     let json = serde_json::to_string_pretty(state).map_err(|e| ckpt_err(tmp, e.to_string()))?;
     write_synced(&tmp.join(STATE_FILE), json.as_bytes())?;
     for (name, bytes) in files {
-        write_synced(&tmp.join(name), bytes)?;
+        write_synced(&crate::tokenizer::plain_child(tmp, name)?, bytes)?;
     }
     sync_dir(tmp)?;
 

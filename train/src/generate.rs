@@ -122,7 +122,7 @@ impl Generator {
         // to), before decoding.
         let s = &self.data;
         let limit = s.image.max_bytes.max(s.audio.decode.max_bytes as u64);
-        let read = |p: &Path| braid_nn::hf::read_limited(p, limit).map_err(io_err(p, "read"));
+        let read = |p: &Path| braid_nn::files::read_limited(p, limit).map_err(io_err(p, "read"));
         let mut parts = Vec::new();
         let mut counts = PlaceholderCounts::default();
         let mut images = None;

@@ -51,7 +51,9 @@ pub fn collect(
     };
     let mut files = Vec::with_capacity(sources.len());
     for (name, path) in sources {
-        let bytes = std::fs::read(&path).map_err(io_err(&path, "read the tokenizer file"))?;
+        // Bounded, regular files only: a tokenizer.json is megabytes.
+        let bytes = braid_nn::files::read_limited(&path, 1 << 30)
+            .map_err(io_err(&path, "read the tokenizer file"))?;
         if name == TOKENIZER_JSON
             && let Some(want) = &tok.sha256
         {
@@ -115,6 +117,18 @@ pub fn byte_tokenizer_json() -> serde_json::Value {
     })
 }
 
+/// `dir/name` for a carried file's `name`, which must be a plain file name: a name from a
+/// hostile `dataset.json` must not write outside the checkpoint or export folder.
+pub(crate) fn plain_child(dir: &Path, name: &str) -> Result<std::path::PathBuf> {
+    if !braid_dataloader::shard::is_plain_file_name(name) {
+        return Err(TrainError::Data(format!(
+            "tokenizer file {name:?} is not a file name: refusing to write it outside {}",
+            dir.display()
+        )));
+    }
+    Ok(dir.join(name))
+}
+
 /// Writes `files` into `dir` (the export's `llm/`), adding a minimal
 /// `tokenizer_config.json` when the source had none so `AutoTokenizer` loads the folder.
 /// No files (the byte tokenizer): its equivalent [`byte_tokenizer_json`].
@@ -130,7 +144,7 @@ pub fn write_export(files: &TokenizerFiles, dir: &Path, model_max_length: usize)
     };
     std::fs::create_dir_all(dir).map_err(io_err(dir, "create"))?;
     for (name, bytes) in files {
-        let p = dir.join(name);
+        let p = plain_child(dir, name)?;
         std::fs::write(&p, bytes).map_err(io_err(&p, "write"))?;
     }
     if !files.iter().any(|(n, _)| n == TOKENIZER_CONFIG_JSON) {

@@ -141,6 +141,20 @@ impl Trainer {
         }
         cfg.parallel.plan = None;
         cfg.validate()?;
+        // Thread ranks share one process's memory and cores: a world this large (from the
+        // config or a plan file) is a typo or belongs to processes, and spawning it would
+        // end in an allocation abort.
+        if full && cfg.parallel.world_size > MAX_THREAD_RANKS {
+            return Err(invalid(
+                "parallel.world_size",
+                format!(
+                    "{} ranks as threads of one process (at most {MAX_THREAD_RANKS}): a larger \
+                     world runs one process per rank (braid launch, torchrun or srun)",
+                    cfg.parallel.world_size
+                ),
+            )
+            .into());
+        }
         let device = cfg.parallel.kernel_device();
         let run_dir = cfg.run.dir.clone();
         let run_lock = if writes {
@@ -170,6 +184,9 @@ impl Trainer {
         // is made.
         let mconfig = model_config(&cfg)?;
         let layouts = Layouts::new(&cfg.parallel, &mconfig)?;
+        if full && device == braid_kernels::Device::Cpu {
+            check_host_memory(&mconfig)?;
+        }
         let d = &cfg.data;
         let (data, _) = ensure_dataset(
             &d.path,
@@ -225,7 +242,6 @@ impl Trainer {
 
         // A process of a world never builds the model: its counts come from the layers.
         let (mut model, mut optim, counts, model_counted) = if full {
-            check_host_memory(&mconfig)?;
             let model = build_model(&cfg, mconfig.clone(), cfg.run.seed, device)?;
             let optim = AdamW::new(cfg.optim.clone(), &model)?;
             let counts = param_counts(&model);
@@ -505,19 +521,6 @@ pub fn train_stoppable(
 ) -> Result<RunSummary> {
     if let Some(procs) = crate::parallel::procs::Processes::from_env()? {
         return crate::parallel::procs::train(procs, cfg, resume, obs, stop);
-    }
-    // Thread ranks share one process's memory and cores: a world this large is a typo or
-    // belongs to processes, and spawning it would end in an allocation abort.
-    if cfg.parallel.world_size > MAX_THREAD_RANKS {
-        return Err(invalid(
-            "parallel.world_size",
-            format!(
-                "{} ranks as threads of one process (at most {MAX_THREAD_RANKS}): a larger world \
-                 runs one process per rank (braid launch, torchrun or srun)",
-                cfg.parallel.world_size
-            ),
-        )
-        .into());
     }
     let mut t = Trainer::new(cfg, resume, obs)?;
     t.stop = stop;

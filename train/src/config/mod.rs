@@ -295,7 +295,7 @@ impl RunConfig {
             reason,
         };
         let bytes =
-            braid_nn::hf::read_limited(path, 64 << 20).map_err(|e| read_err(e.to_string()))?;
+            braid_nn::files::read_limited(path, 64 << 20).map_err(|e| read_err(e.to_string()))?;
         let text =
             String::from_utf8(bytes).map_err(|e| read_err(format!("not UTF-8 text: {e}")))?;
         Self::from_toml(&text, &path.display().to_string(), sets)

@@ -24,7 +24,7 @@ pub struct PlanFile {
 
 impl PlanFile {
     pub fn read(path: &Path) -> Result<PlanFile> {
-        let bytes = braid_nn::hf::read_limited(path, 64 << 20)
+        let bytes = braid_nn::files::read_limited(path, 64 << 20)
             .map_err(|e| err(format!("parallel.plan = {:?}: {e}", path.display())))?;
         let text = String::from_utf8(bytes).map_err(|e| {
             err(format!(
