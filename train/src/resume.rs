@@ -87,6 +87,61 @@ pub fn check_resumable(saved_toml: &str, cfg: &RunConfig) -> Result<()> {
     Ok(())
 }
 
+/// Errors when the dataset under `data.path` was packed with other settings than the one
+/// the checkpoint trained on (its `data.json`): the loader's position would index other
+/// rows (a repack with the same pack counts passes every other check). Both are compared
+/// as JSON values, the first differing key named.
+pub fn check_same_data(saved_json: &str, now_json: &str, checkpoint: &str) -> Result<()> {
+    let parse = |text: &str, what: &str| {
+        serde_json::from_str::<serde_json::Value>(text)
+            .map_err(|e| invalid("data.path", format!("{what}: not JSON: {e}")))
+    };
+    let (saved, now) = (
+        parse(saved_json, &format!("{checkpoint}/data.json"))?,
+        parse(now_json, "the dataset's settings")?,
+    );
+    if let Some(key) = first_json_difference(&saved, &now, "") {
+        return Err(invalid(
+            "data.path",
+            format!(
+                "the dataset there was packed with other settings than the one {checkpoint} trained on (first difference: `{key}`): resume on the data the run started with, or start a new run"
+            ),
+        )
+        .into());
+    }
+    Ok(())
+}
+
+fn first_json_difference(
+    a: &serde_json::Value,
+    b: &serde_json::Value,
+    path: &str,
+) -> Option<String> {
+    use serde_json::Value as J;
+    match (a, b) {
+        (J::Object(x), J::Object(y)) => {
+            let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+            keys.into_iter().find_map(|k| {
+                let p = if path.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{path}.{k}")
+                };
+                match (x.get(k), y.get(k)) {
+                    (Some(u), Some(v)) => first_json_difference(u, v, &p),
+                    _ => Some(p),
+                }
+            })
+        }
+        _ if a == b => None,
+        _ => Some(if path.is_empty() {
+            "(all)".into()
+        } else {
+            path.to_string()
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -115,5 +170,29 @@ mod tests {
                 .to_string();
             assert!(e.contains(key), "{set}: {e}");
         }
+    }
+
+    #[test]
+    fn a_dataset_packed_otherwise_is_named_by_its_first_differing_setting() {
+        let saved = r#"{"image": {"size": 32, "patch": 8}, "max_seq_len": 512}"#;
+        // Key order and formatting do not matter; values do.
+        check_same_data(
+            saved,
+            r#"{"max_seq_len":512,"image":{"patch":8,"size":32}}"#,
+            "ck",
+        )
+        .unwrap();
+        for (now, key) in [
+            (
+                r#"{"image": {"size": 64, "patch": 8}, "max_seq_len": 512}"#,
+                "`image.size`",
+            ),
+            (r#"{"image": {"size": 32, "patch": 8}}"#, "`max_seq_len`"),
+            ("[1]", "`(all)`"),
+        ] {
+            let e = check_same_data(saved, now, "ck").unwrap_err().to_string();
+            assert!(e.contains(key) && e.contains("data.path"), "{now}: {e}");
+        }
+        assert!(check_same_data("not json", saved, "ck").is_err());
     }
 }

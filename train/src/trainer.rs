@@ -22,7 +22,7 @@ use crate::metrics::{MetricsWriter, StepMetrics};
 use crate::mllm::{Freeze, Mllm, MllmConfig};
 use crate::optim::AdamW;
 use crate::parallel::layout::Layouts;
-use crate::resume::check_resumable;
+use crate::resume::{check_resumable, check_same_data};
 use crate::run_lock::RunLock;
 use crate::stop::StopFlag;
 pub(crate) use crate::summary::LossTrail;
@@ -266,6 +266,13 @@ impl Trainer {
                 let saved = std::fs::read_to_string(dir.join(checkpoint::CONFIG_FILE))
                     .map_err(io_err(&dir.join(checkpoint::CONFIG_FILE), "read"))?;
                 check_resumable(&saved, &cfg)?;
+                // Checkpoints written before data.json was carried have none to compare.
+                let saved_data = dir.join(checkpoint::DATA_FILE);
+                if saved_data.is_file() {
+                    let text = std::fs::read_to_string(&saved_data)
+                        .map_err(io_err(&saved_data, "read"))?;
+                    check_same_data(&text, &data_json, &dir.display().to_string())?;
+                }
                 let state = checkpoint::read_state(dir)?;
                 // Without the full model, each engine reads its own slices.
                 if let (Some(model), Some(optim)) = (model.as_mut(), optim.as_mut()) {
