@@ -222,7 +222,16 @@ impl Generator {
                 .logits(&batch, false)?
                 .to_vec_f32()
                 .ctx("generate", "logits")?; // (T, V)
-            let next = argmax(&logits[(t - 1) * vocab..t * vocab]) as u32;
+            let last = &logits[(t - 1) * vocab..t * vocab];
+            // A NaN or infinite logit means the weights are (a diverged run's checkpoint):
+            // an argmax over them would answer garbage as if it were text.
+            if let Some(bad) = last.iter().find(|x| !x.is_finite()) {
+                return Err(gen_err(format!(
+                    "the model's logits are not finite ({bad}) at token {}: the checkpoint's weights hold NaN or infinity (a diverged run?)",
+                    out.len()
+                )));
+            }
+            let next = argmax(last) as u32;
             if next == stop {
                 break;
             }
