@@ -44,28 +44,6 @@ fn strip(doc: &mut Table) {
     }
 }
 
-/// The first dotted key where `a` and `b` differ.
-fn first_difference(a: &Value, b: &Value, path: &str) -> Option<String> {
-    match (a, b) {
-        (Value::Table(x), Value::Table(y)) => {
-            let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
-            keys.into_iter().find_map(|k| {
-                let p = if path.is_empty() {
-                    k.clone()
-                } else {
-                    format!("{path}.{k}")
-                };
-                match (x.get(k), y.get(k)) {
-                    (Some(u), Some(v)) => first_difference(u, v, &p),
-                    _ => Some(p),
-                }
-            })
-        }
-        _ if a == b => None,
-        _ => Some(path.to_string()),
-    }
-}
-
 /// Errors naming the first key that differs between the checkpoint's config and `cfg`.
 pub fn check_resumable(saved_toml: &str, cfg: &RunConfig) -> Result<()> {
     let mut saved: Table = saved_toml
@@ -77,7 +55,10 @@ pub fn check_resumable(saved_toml: &str, cfg: &RunConfig) -> Result<()> {
         .map_err(|e| invalid("(config)", format!("cannot parse: {e}")))?;
     strip(&mut saved);
     strip(&mut now);
-    if let Some(key) = first_difference(&Value::Table(saved), &Value::Table(now), "") {
+    let json = |t: Table| {
+        serde_json::to_value(t).map_err(|e| invalid("(config)", format!("as JSON: {e}")))
+    };
+    if let Some(key) = first_difference(&json(saved)?, &json(now)?, "") {
         return Err(invalid(
             key,
             "differs from the checkpoint's config; a resumed run must keep the model, data, batch, optimizer and seed (only run.name/dir, log, checkpoint, eval, fault, data.workers/prefetch/build/demo and train.steps may change)",
@@ -100,7 +81,7 @@ pub fn check_same_data(saved_json: &str, now_json: &str, checkpoint: &str) -> Re
         parse(saved_json, &format!("{checkpoint}/data.json"))?,
         parse(now_json, "the dataset's settings")?,
     );
-    if let Some(key) = first_json_difference(&saved, &now, "") {
+    if let Some(key) = first_difference(&saved, &now, "") {
         return Err(invalid(
             "data.path",
             format!(
@@ -112,11 +93,8 @@ pub fn check_same_data(saved_json: &str, now_json: &str, checkpoint: &str) -> Re
     Ok(())
 }
 
-fn first_json_difference(
-    a: &serde_json::Value,
-    b: &serde_json::Value,
-    path: &str,
-) -> Option<String> {
+/// The first dotted key where `a` and `b` differ (`(all)` when they are not both objects).
+fn first_difference(a: &serde_json::Value, b: &serde_json::Value, path: &str) -> Option<String> {
     use serde_json::Value as J;
     match (a, b) {
         (J::Object(x), J::Object(y)) => {
@@ -128,7 +106,7 @@ fn first_json_difference(
                     format!("{path}.{k}")
                 };
                 match (x.get(k), y.get(k)) {
-                    (Some(u), Some(v)) => first_json_difference(u, v, &p),
+                    (Some(u), Some(v)) => first_difference(u, v, &p),
                     _ => Some(p),
                 }
             })
