@@ -83,7 +83,7 @@ pub enum CommError {
         missing: String,
     },
     /// Another rank failed; this one stops instead of waiting for it.
-    #[error("{op} on world rank {rank} stopped: rank {by} failed: {why}")]
+    #[error("{op} on world rank {rank} stopped: {} failed: {why}", rank_name(*by))]
     Poisoned {
         op: &'static str,
         rank: usize,
@@ -92,6 +92,16 @@ pub enum CommError {
     },
     #[error(transparent)]
     Kernel(#[from] braid_kernels::Error),
+}
+
+/// `rank N` for messages; `an unknown rank` for the `usize::MAX` an abort whose rank did
+/// not parse carries (a stray store client's `!abort`).
+pub fn rank_name(rank: usize) -> String {
+    if rank == usize::MAX {
+        "an unknown rank".into()
+    } else {
+        format!("rank {rank}")
+    }
 }
 
 pub type Result<T, E = CommError> = std::result::Result<T, E>;

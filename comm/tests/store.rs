@@ -284,3 +284,22 @@ fn another_service_on_the_port_is_named_as_not_the_store() {
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     service.join().unwrap();
 }
+
+/// An abort set by something that is not a rank (a stray client writing `!abort` without
+/// a rank) still ends the waits, and names "an unknown rank" rather than a huge number.
+#[test]
+fn an_abort_without_a_rank_names_an_unknown_rank() {
+    let (_s, addr) = server();
+    client(&addr)
+        .set("!abort", b"junk-with-no-newline")
+        .unwrap();
+    let e = client(&addr)
+        .wait("never", Duration::from_secs(5), "nobody")
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "an unknown rank failed: junk-with-no-newline"
+    );
+    let comm = e.into_comm("setting the run up", 1, 4).to_string();
+    assert!(comm.contains("stopped: an unknown rank failed"), "{comm}");
+}

@@ -44,7 +44,7 @@ pub enum StoreError {
     Mismatch(String),
     /// Another rank's setup failed and it said so ([`StoreClient::abort`]): every wait
     /// ends at once with its rank and message instead of running into its timeout.
-    #[error("rank {rank} failed: {why}")]
+    #[error("{} failed: {why}", crate::rank_name(*rank))]
     Aborted { rank: usize, why: String },
 }
 
