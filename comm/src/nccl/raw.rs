@@ -281,7 +281,7 @@ impl RawComm {
     fn fail(&mut self, f: Failure) -> Failure {
         let why = match &f {
             Failure::Error(m) | Failure::Poisoned(m) => m.clone(),
-            Failure::Aborted { by, why } => format!("rank {by} failed: {why}"),
+            Failure::Aborted { by, why } => format!("{} failed: {why}", crate::rank_name(*by)),
             Failure::Timeout { what, waited } => {
                 format!("timed out after {:.1} s: {what}", waited.as_secs_f64())
             }

@@ -169,6 +169,21 @@ impl SocketWorld {
         // A rank whose setup failed says so in the store: stop waiting for it then.
         let mut next_poll = Instant::now();
         while waiting > 0 {
+            // Checked every turn: strays arriving back to back must not keep the loop from
+            // its deadline.
+            if Instant::now() >= deadline {
+                let missing: Vec<String> = (rank + 1..size)
+                    .filter(|&p| streams[p].is_none())
+                    .map(|p| p.to_string())
+                    .collect();
+                return Err(CommError::Timeout {
+                    op: OP,
+                    rank,
+                    group: (0..size).collect(),
+                    waited_s: timeout.as_secs_f64(),
+                    missing: format!("rank(s) {} never connected", missing.join(", ")),
+                });
+            }
             if Instant::now() >= next_poll {
                 if let Some(e) = store.aborted().map_err(store_err)? {
                     return Err(store_err(e));
@@ -179,7 +194,11 @@ impl SocketWorld {
                 Ok((mut s, from)) => {
                     s.set_nonblocking(false)
                         .map_err(io("accepted socket".into()))?;
-                    s.set_read_timeout(Some(timeout.min(GREETING_WAIT)))
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        continue;
+                    }
+                    s.set_read_timeout(Some(left.min(GREETING_WAIT)))
                         .map_err(io("accepted socket".into()))?;
                     // A connection that is not a rank (a port scanner, a health check, a
                     // stray request) sends no greeting or another one: it is dropped and
@@ -214,21 +233,14 @@ impl SocketWorld {
                     waiting -= 1;
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() >= deadline {
-                        let missing: Vec<String> = (rank + 1..size)
-                            .filter(|&p| streams[p].is_none())
-                            .map(|p| p.to_string())
-                            .collect();
-                        return Err(CommError::Timeout {
-                            op: OP,
-                            rank,
-                            group: (0..size).collect(),
-                            waited_s: timeout.as_secs_f64(),
-                            missing: format!("rank(s) {} never connected", missing.join(", ")),
-                        });
-                    }
                     std::thread::sleep(Duration::from_millis(10));
                 }
+                // A client that reset before it was accepted: not a rank's failure.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::ConnectionAborted | std::io::ErrorKind::Interrupted
+                    ) => {}
                 Err(e) => return Err(io("accepting".into())(e)),
             }
         }
@@ -293,8 +305,13 @@ const GREETING_WAIT: Duration = Duration::from_secs(10);
 fn connect_within(addr: &str, timeout: Duration) -> std::io::Result<TcpStream> {
     use std::net::ToSocketAddrs;
     let mut last = None;
+    let deadline = Instant::now() + timeout;
     for a in addr.to_socket_addrs()? {
-        match TcpStream::connect_timeout(&a, timeout) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        match TcpStream::connect_timeout(&a, left) {
             Ok(s) => return Ok(s),
             Err(e) => last = Some(e),
         }
@@ -369,7 +386,9 @@ fn read_frame(r: &mut impl Read) -> std::io::Result<Frame> {
                 "a malformed frame: dims {dims:?} (at most {MAX_FRAME_BYTES} bytes)"
             ))
         })?;
-    let mut bytes = Vec::new();
+    // Room for up to 64 MiB at once (no regrowth for an ordinary frame); past that it grows
+    // only as the bytes arrive.
+    let mut bytes = Vec::with_capacity(len.min(64 << 20) as usize);
     r.take(len).read_to_end(&mut bytes)?;
     if bytes.len() as u64 != len {
         return Err(std::io::Error::new(
