@@ -103,6 +103,34 @@ pub fn check_same_data(saved_json: &str, now_json: &str, checkpoint: &str) -> Re
     Ok(())
 }
 
+/// Errors when the checkpoint carries a `tokenizer.json` other than the one the dataset
+/// under `data.path` was tokenized with (its SHA-256 in `dataset.json`): the same ids would
+/// stand for other tokens. Checkpoints without one, and byte-tokenized datasets, pass.
+pub fn check_same_tokenizer(
+    checkpoint: &std::path::Path,
+    data: &braid_dataloader::dataset::DatasetInfo,
+) -> Result<()> {
+    use braid_dataloader::tokenize::files::{TOKENIZER_JSON, tokenizer_sha256};
+    let carried = checkpoint.join(TOKENIZER_JSON);
+    let (Some(want), true) = (&data.tokenizer.sha256, carried.is_file()) else {
+        return Ok(());
+    };
+    let bytes = braid_nn::files::read_limited(&carried, 1 << 30)
+        .map_err(crate::error::io_err(&carried, "read"))?;
+    let got = tokenizer_sha256(&bytes);
+    if &got != want {
+        return Err(invalid(
+            "data.path",
+            format!(
+                "the dataset there was tokenized with another tokenizer (sha256 {want}) than the one {} trained with (sha256 {got}): resume on the data the run started with, or start a new run",
+                checkpoint.display()
+            ),
+        )
+        .into());
+    }
+    Ok(())
+}
+
 /// The first dotted key where `a` and `b` differ (`(all)` when they are not both objects).
 fn first_difference(a: &serde_json::Value, b: &serde_json::Value, path: &str) -> Option<String> {
     use serde_json::Value as J;

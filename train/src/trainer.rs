@@ -22,7 +22,7 @@ use crate::metrics::{MetricsWriter, StepMetrics};
 use crate::mllm::{Freeze, Mllm, MllmConfig};
 use crate::optim::AdamW;
 use crate::parallel::layout::Layouts;
-use crate::resume::{check_resumable, check_same_data};
+use crate::resume::{check_resumable, check_same_data, check_same_tokenizer};
 use crate::run_lock::RunLock;
 use crate::stop::StopFlag;
 pub(crate) use crate::summary::LossTrail;
@@ -273,6 +273,9 @@ impl Trainer {
                         .map_err(io_err(&saved_data, "read"))?;
                     check_same_data(&text, &data_json, &dir.display().to_string())?;
                 }
+                // The tokenizer the checkpoint trained with against the dataset's: the same
+                // ids must mean the same tokens.
+                check_same_tokenizer(dir, &data)?;
                 let state = checkpoint::read_state(dir)?;
                 // Without the full model, each engine reads its own slices.
                 if let (Some(model), Some(optim)) = (model.as_mut(), optim.as_mut()) {

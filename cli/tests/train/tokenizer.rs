@@ -84,6 +84,19 @@ fn a_checkpoint_alone_is_enough_to_generate_once_the_tokenizer_is_gone() {
     };
     let o = generate();
     assert!(o.status.success(), "{}", text(&o));
+    // Resuming where the checkpoint's tokenizer is not the dataset's: refused, naming both
+    // hashes (the same ids would stand for other tokens).
+    let mut bytes = std::fs::read(ckpt.join("tokenizer.json")).unwrap();
+    bytes.push(b'\n');
+    std::fs::write(ckpt.join("tokenizer.json"), bytes).unwrap();
+    let mut c = train(&dir, &["--resume"]);
+    with_sets(
+        &mut c,
+        &[sets("packed-bpe"), vec!["train.steps=3".to_string()]].concat(),
+    );
+    let o = c.output().unwrap();
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("another tokenizer"), "{}", text(&o));
     // A checkpoint from before tokenizers were kept with it, and no tokenizer at the old
     // path either: the error names both places it looked.
     std::fs::remove_file(ckpt.join("tokenizer.json")).unwrap();
