@@ -70,12 +70,18 @@ pub enum PackJobError {
     },
 }
 
-fn too_many_damaged(damaged: &[String], files: usize, max_ratio: f64, rejects: &str) -> String {
+/// The first three of `files`, then how many more.
+fn some_files(files: &[String]) -> String {
     const SHOWN: usize = 3;
-    let mut names = damaged[..damaged.len().min(SHOWN)].join(", ");
-    if damaged.len() > SHOWN {
-        names.push_str(&format!(" and {} more", damaged.len() - SHOWN));
+    let mut names = files[..files.len().min(SHOWN)].join(", ");
+    if files.len() > SHOWN {
+        names.push_str(&format!(" and {} more", files.len() - SHOWN));
     }
+    names
+}
+
+fn too_many_damaged(damaged: &[String], files: usize, max_ratio: f64, rejects: &str) -> String {
+    let names = some_files(damaged);
     format!(
         "{} of {files} input files could not be read to the end ({names}): the records after the damage are lost and counted nowhere, so they count against pack.max_reject_ratio = {max_ratio} as files; no dataset was written (shards removed; each file's reason is in {rejects}, kind damaged_file). Repair or re-download them, remove them from the input, or raise pack.max_reject_ratio to keep what they held before the damage",
         damaged.len()
@@ -94,11 +100,7 @@ fn nothing_valid(samples: u64, damaged: &[String], rejects: &str) -> String {
     }
     // A file that cannot be read is one reject: say so, naming it, instead of counting it
     // as a sample.
-    const SHOWN: usize = 3;
-    let mut names = damaged[..damaged.len().min(SHOWN)].join(", ");
-    if damaged.len() > SHOWN {
-        names.push_str(&format!(" and {} more", damaged.len() - SHOWN));
-    }
+    let names = some_files(damaged);
     let others = samples.saturating_sub(damaged.len() as u64);
     let rest = if others == 0 {
         String::new()
