@@ -5,13 +5,24 @@
 
 use super::*;
 
-/// A port nobody listens on right now (the store of one test's world).
+/// A port nobody listens on (the store of one test's world), from 20,000-32,767: below Linux's ephemeral range
+/// (32,768-60,999), so the kernel never hands it to another test's `bind(":0")` or
+/// outgoing connection between our pick and the store binding it (a port learned
+/// from `bind(":0")` and dropped could be, and once was: "Address already in use").
+/// Each test process starts at its own offset and never repeats a pick.
 pub(super) fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const LOW: u32 = 20_000;
+    const SPAN: u32 = 12_768;
+    let start = std::process::id().wrapping_mul(97) % SPAN;
+    for _ in 0..SPAN {
+        let port = (LOW + (start + NEXT.fetch_add(1, Ordering::Relaxed)) % SPAN) as u16;
+        if std::net::TcpListener::bind(("0.0.0.0", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {LOW}..{}", LOW + SPAN)
 }
 
 /// `braid launch --nproc-per-node n -- train ...` of the fixture's run into `dir`.
