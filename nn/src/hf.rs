@@ -283,7 +283,7 @@ impl WeightFiles {
             let chunk = bytes.get(start..start + run).ok_or_else(|| {
                 Error::weights(path, name, "the stored bytes are shorter than the shape")
             })?;
-            data.extend(to_f32(entry.dtype, chunk).unwrap_or_default());
+            data.extend(float_data(entry, path, name, chunk)?);
         }
         self.release(entry);
         let mut dims = full.to_vec();
@@ -375,15 +375,28 @@ impl WeightFiles {
 }
 
 /// `bytes` (all or part of tensor `name`) as f32, or an error naming a dtype Braid does
-/// not read as floats.
+/// not read as floats, or the first value that is not finite: a NaN or an infinity in a
+/// weight or an optimizer moment (a damaged file, a run saved after it diverged, an f64
+/// beyond f32's range) would only surface steps later as a loss of NaN.
 fn float_data(entry: &Entry, path: &Path, name: &str, bytes: &[u8]) -> Result<Vec<f32>> {
-    to_f32(entry.dtype, bytes).ok_or_else(|| {
+    let data = to_f32(entry.dtype, bytes).ok_or_else(|| {
         Error::weights(
             path,
             name,
             format!("dtype {:?} is not a float type Braid reads", entry.dtype),
         )
-    })
+    })?;
+    if let Some(i) = data.iter().position(|v| !v.is_finite()) {
+        return Err(Error::weights(
+            path,
+            name,
+            format!(
+                "holds {} (at element {i} of this read): the file is damaged, or was saved after training diverged",
+                data[i]
+            ),
+        ));
+    }
+    Ok(data)
 }
 
 /// Decodes little-endian float bytes to f32.

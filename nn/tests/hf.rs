@@ -204,6 +204,88 @@ fn errors_name_file_tensor_and_shapes() -> TestResult {
     Ok(())
 }
 
+/// A NaN or an infinity in a stored float (f32, bf16, or an f64 beyond f32's range) is
+/// refused on every read path, naming the file and the tensor; finite neighbours load.
+#[test]
+fn non_finite_values_are_refused_on_every_read() -> TestResult {
+    use braid_nn::Shard;
+    let dir = tmpdir("nonfinite");
+    let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let bf16s = |v: &[f32]| {
+        v.iter()
+            .flat_map(|x| bf16::from_f32(*x).to_le_bytes())
+            .collect::<Vec<u8>>()
+    };
+    write_raw(
+        &dir.join("model.safetensors"),
+        &[
+            ("ok", Dtype::F32, vec![2, 2], f32s(&[1.0, 2.0, 3.0, 4.0])),
+            (
+                "nan",
+                Dtype::F32,
+                vec![2, 2],
+                f32s(&[1.0, 2.0, 3.0, f32::NAN]),
+            ),
+            (
+                "inf",
+                Dtype::BF16,
+                vec![2, 2],
+                bf16s(&[f32::NEG_INFINITY, 0.0, 0.0, 0.0]),
+            ),
+            ("big", Dtype::F64, vec![1], 1e300f64.to_le_bytes().to_vec()),
+        ],
+    );
+    let w = WeightFiles::open_dir(&dir)?;
+    assert_eq!(
+        w.load("ok", &[2, 2], Device::Cpu)?.to_vec_f32()?,
+        [1.0, 2.0, 3.0, 4.0]
+    );
+    let refused = |e: braid_nn::Error, name: &str, what: &str| {
+        let e = e.to_string();
+        assert!(
+            e.contains("model.safetensors") && e.contains(name) && e.contains(what),
+            "{e}"
+        );
+    };
+    refused(
+        w.load("nan", &[2, 2], Device::Cpu).unwrap_err(),
+        "nan",
+        "NaN",
+    );
+    refused(
+        w.load("inf", &[2, 2], Device::Cpu).unwrap_err(),
+        "inf",
+        "-inf",
+    );
+    refused(w.load("big", &[1], Device::Cpu).unwrap_err(), "big", "inf");
+    // The slice holding the NaN is refused; the other slice is clean and loads.
+    let row = |rank| Shard::Split {
+        dim: 0,
+        rank,
+        size: 2,
+    };
+    refused(
+        w.load_shard("nan", &[2, 2], row(1), Device::Cpu)
+            .unwrap_err(),
+        "nan",
+        "NaN",
+    );
+    assert_eq!(
+        w.load_shard("nan", &[2, 2], row(0), Device::Cpu)?
+            .to_vec_f32()?,
+        [1.0, 2.0]
+    );
+    let mut out = Vec::new();
+    refused(
+        w.read_f32_into("nan", 2..4, &mut out).unwrap_err(),
+        "nan",
+        "NaN",
+    );
+    w.read_f32_into("nan", 0..3, &mut out)?;
+    assert_eq!(out, [1.0, 2.0, 3.0]);
+    Ok(())
+}
+
 /// `load_shard` reads exactly the slice `cut_shard` cuts from the full tensor, for every
 /// dimension and group size of several shapes, in f32 and bf16 on disk; bad requests name
 /// the tensor.
