@@ -124,6 +124,26 @@ pub enum ClusterError {
     Invalid { path: String, msg: String },
 }
 
+/// A cluster file's text: a regular file of at most 1 MiB (`braid profile` writes ~2 KiB),
+/// so a device (`/dev/zero`), a folder or a FIFO nobody writes to fails at once instead
+/// of reading until memory runs out or waiting forever.
+fn read_cluster_file(path: &str) -> std::io::Result<String> {
+    use std::io::Read;
+    const MAX: u64 = 1 << 20;
+    let refuse = |msg: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, msg);
+    if !std::fs::metadata(path)?.is_file() {
+        return Err(refuse("not a regular file (a device, a FIFO or a folder)"));
+    }
+    let mut text = String::new();
+    std::fs::File::open(path)?
+        .take(MAX + 1)
+        .read_to_string(&mut text)?;
+    if text.len() as u64 > MAX {
+        return Err(refuse("more than 1 MiB, not a cluster file"));
+    }
+    Ok(text)
+}
+
 impl Cluster {
     /// A built-in description by name: `h100` or `h200` (8-GPU HGX nodes, NDR InfiniBand).
     pub fn preset(name: &str) -> Option<Cluster> {
@@ -190,9 +210,9 @@ impl Cluster {
             path: spec.to_string(),
             msg,
         };
-        let text = std::fs::read_to_string(spec).map_err(|e| {
+        let text = read_cluster_file(spec).map_err(|e| {
             bad(format!(
-                "not a preset (h100, h200) and not a readable file: {e}"
+                "not a preset (h100, h200) and not a readable cluster file: {e}"
             ))
         })?;
         let c: Cluster = toml::from_str(&text).map_err(|e| bad(e.to_string()))?;
@@ -249,8 +269,12 @@ impl Cluster {
         if !pos(self.attention_backward) {
             return Err("attention_backward must be > 0".into());
         }
-        if !fraction(self.attention_efficiency) {
-            return Err("attention_efficiency must be in (0, 1]".into());
+        // Below 0.1 % of the matmul rate (`braid profile`'s floor) no attention kernel
+        // runs: a smaller figure is a slip that would plan steps of 1e300 s.
+        if !(1e-3..=1.0).contains(&self.attention_efficiency) {
+            return Err(
+                "attention_efficiency must be in [0.001, 1] (a share of the matmul rate)".into(),
+            );
         }
         self.check_units()
     }
@@ -482,7 +506,8 @@ mod tests {
     #[test]
     fn values_in_the_wrong_unit_are_refused() {
         type Edit = (&'static str, fn(&mut Cluster));
-        let edits: [Edit; 9] = [
+        let edits: [Edit; 10] = [
+            ("attention_efficiency", |c| c.attention_efficiency = 1e-308),
             ("matmul tflops", |c| c.matmul[2].tflops = 989e12),
             ("matmul tflops", |c| c.matmul[0].tflops = 1e-12),
             ("matmul flops", |c| c.matmul[0].flops = 0.5),
@@ -516,5 +541,10 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("not a preset"), "{e}");
+        // A device or a folder fails at once (reading /dev/zero would never end).
+        for path in ["/dev/zero", "/tmp"] {
+            let e = Cluster::load(path).unwrap_err().to_string();
+            assert!(e.contains("not a regular file"), "{path}: {e}");
+        }
     }
 }

@@ -8,9 +8,9 @@ use braid_balancer::cluster::GIB;
 use braid_balancer::plan::bound::{BoundPart, Gap};
 use braid_balancer::plan::closest_to_baseline;
 use braid_balancer::plan::search::Found;
-use braid_balancer::{Layout, Module};
+use braid_balancer::{Layout, Module, Placement};
 use braid_train::RunConfig;
-use braid_train::planning::{PlanFile, PlanSchedule, Planned, llm_alone, plan};
+use braid_train::planning::{MAX_PLAN_CHECK, PlanFile, PlanSchedule, Planned, llm_alone, plan};
 use clap::Args;
 use serde_json::{Value, json};
 
@@ -93,7 +93,7 @@ fn bytes(x: f64) -> String {
 /// input or each other: a folder that does not exist, a path that is a folder, two flags
 /// naming one file, a file that is the config. (Found after the search, the plan file
 /// would already be written when the trace failed.)
-fn check_outputs(a: &PlanArgs) -> Result<(), String> {
+fn check_outputs(a: &PlanArgs, cluster: Option<&str>) -> Result<(), String> {
     let mut outs: Vec<(&str, &Path)> = vec![("--out", a.out.as_path())];
     outs.extend(a.baseline_out.as_deref().map(|p| ("--baseline-out", p)));
     outs.extend(a.trace.as_deref().map(|p| ("--trace", p)));
@@ -108,6 +108,8 @@ fn check_outputs(a: &PlanArgs) -> Result<(), String> {
         Some(parent.join(p.file_name()?))
     };
     let config = a.config.canonicalize().ok();
+    // A cluster file (not a preset's name) is an input too.
+    let cluster = cluster.and_then(|c| Path::new(c).canonicalize().ok());
     let mut seen: Vec<(&str, PathBuf)> = Vec::new();
     for (flag, path) in outs {
         let shown = path.display();
@@ -124,6 +126,11 @@ fn check_outputs(a: &PlanArgs) -> Result<(), String> {
                 "{flag} {shown} is the config itself: writing there would replace it"
             ));
         }
+        if cluster.as_ref() == Some(&k) {
+            return Err(format!(
+                "{flag} {shown} is the cluster file: writing there would replace it"
+            ));
+        }
         if let Some((other, _)) = seen.iter().find(|(_, p)| *p == k) {
             return Err(format!(
                 "{flag} {shown} names the same file as {other}: give each its own"
@@ -137,6 +144,11 @@ fn check_outputs(a: &PlanArgs) -> Result<(), String> {
 fn plan_cmd(a: &PlanArgs) -> Result<(), String> {
     let mut sets = a.sets.clone();
     if let Some(n) = a.check {
+        if n > MAX_PLAN_CHECK {
+            return Err(format!(
+                "--check {n}: at most {MAX_PLAN_CHECK} combinations (each is simulated)"
+            ));
+        }
         sets.push(format!("plan.check={n}"));
     }
     let cfg = RunConfig::from_file(&a.config, &sets).map_err(|e| e.to_string())?;
@@ -155,7 +167,18 @@ fn plan_cmd(a: &PlanArgs) -> Result<(), String> {
             ));
         }
     };
-    check_outputs(a)?;
+    let cluster = a
+        .cluster
+        .clone()
+        .or_else(|| cfg.plan.as_ref().map(|p| p.cluster.clone()));
+    check_outputs(a, cluster.as_deref())?;
+    let check = cfg.plan.as_ref().map_or(0, |p| p.check);
+    if check > 0 {
+        eprintln!(
+            "braid plan: after the search, simulating its {check} best-estimated combinations \
+             (plan.check / --check: tens of ms each at 1,024 GPUs)"
+        );
+    }
     let p = plan(
         &cfg,
         gpus,
@@ -313,6 +336,7 @@ fn to_json(
         "baseline_step_time_s": o.baseline.sim.step_s,
         "speedup": o.baseline.sim.step_s / o.best.sim.step_s,
         "search_step_time_s": o.searched.sim.step_s,
+        "search": found_json(&o.searched),
         "brute_force_step_time_s": o.brute.as_ref().map(|b| b.sim.step_s),
         "check_simulated": o.checked.as_ref().map(|c| c.0),
         "check_step_time_s": o.checked.as_ref().map(|c| c.1.sim.step_s),
@@ -463,6 +487,19 @@ fn print_text(p: &Planned, alone: Option<&Found>, closest: Option<&Found>, g: &G
         if let Some(l) = b.plan.layout(m) {
             let get = |v: &[(Module, f64)]| of_module(v, m).unwrap_or(0.0);
             let (mem, busy, most) = (get(&b.sim.memory), get(&b.sim.busy), get(&b.sim.busiest));
+            if b.plan.placement == Placement::LlmCentric && m != Module::Llm {
+                // Its replicas and their time are the LLM first stage's (counted there).
+                println!(
+                    "  {:<7} {:<22} {:>6} {:>11} {:>12} {:>12}",
+                    m.name(),
+                    format!("tp{} in LLM stage 0", l.tp),
+                    l.gpus(),
+                    "(in llm)",
+                    "(in llm)",
+                    "(in llm)"
+                );
+                continue;
+            }
             println!(
                 "  {:<7} {:<22} {:>6} {:>11} {:>12} {:>12}",
                 m.name(),
@@ -479,9 +516,9 @@ fn print_text(p: &Planned, alone: Option<&Found>, closest: Option<&Found>, g: &G
         _ => String::new(),
     };
     println!(
-        "\n  placement {:?}, schedule {:?}{interleaved}, {} microbatches, recompute llm {} / encoders {}",
-        b.plan.placement,
-        b.plan.schedule,
+        "\n  placement {}, schedule {}{interleaved}, {} microbatches, recompute llm {} / encoders {}",
+        b.plan.placement.name(),
+        b.plan.schedule.name(),
         b.plan.microbatches,
         b.plan.recompute,
         b.plan.recompute_encoders

@@ -24,8 +24,8 @@ pub struct TraceArgs {
     /// Only this step's spans (default: every step in the file).
     #[arg(long)]
     pub step: Option<u64>,
-    /// Picture width in pixels.
-    #[arg(long, default_value_t = 1600)]
+    /// Picture width in pixels (160-8192).
+    #[arg(long, default_value_t = 1600, value_parser = clap::value_parser!(u32).range(160..=8192))]
     pub width: u32,
 }
 
@@ -42,6 +42,11 @@ fn trace_file(path: &Path) -> PathBuf {
     path.to_path_buf()
 }
 
+/// Whether `a` and `b` name one existing file (two spellings, a link).
+pub(crate) fn same_file(a: &Path, b: &Path) -> bool {
+    matches!((a.canonicalize(), b.canonicalize()), (Ok(x), Ok(y)) if x == y)
+}
+
 /// Per rank (or a plan's lane): `(label, spans in seconds with their lane)`, in order;
 /// labelled by the file's process names where it has them.
 fn rows(file: &TraceFile, step: Option<u64>) -> Vec<Row> {
@@ -52,7 +57,7 @@ fn rows(file: &TraceFile, step: Option<u64>) -> Vec<Row> {
             && e.name == "process_name"
             && let Some(name) = e.args.get("name").and_then(serde_json::Value::as_str)
         {
-            labels.insert(e.pid, name.to_string());
+            labels.insert(e.pid, printable(name));
         }
         let Some(dur) = e.dur.filter(|_| e.ph == "X") else {
             continue;
@@ -78,23 +83,52 @@ fn rows(file: &TraceFile, step: Option<u64>) -> Vec<Row> {
         .collect()
 }
 
-/// One line per rank: its span of time and each kind's share of it.
+/// A name from a trace file as it may be printed: control characters (a terminal's
+/// escape sequences, a right-to-left override) as `?`, at most 80 characters.
+fn printable(name: &str) -> String {
+    let mut out: String = name
+        .chars()
+        .take(80)
+        .map(|c| if c.is_control() { '?' } else { c })
+        .collect();
+    if name.chars().nth(80).is_some() {
+        out.push_str("...");
+    }
+    out
+}
+
+/// The time covered by `spans` (start, end), overlaps counted once: nested or
+/// overlapping spans on one lane (a trace from another tool) never add up past the wall.
+fn covered(mut spans: Vec<(f64, f64)>) -> f64 {
+    spans.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (mut total, mut end) = (0.0, f64::NEG_INFINITY);
+    for (a, b) in spans {
+        if b > end {
+            total += b - a.max(end);
+            end = b;
+        }
+    }
+    total
+}
+
+/// One line per rank: its span of time and each kind's share of it (lanes the file
+/// numbers beyond Braid's own as "other").
 fn summary(rows: &[Row]) -> Vec<String> {
     rows.iter()
         .map(|(label, spans)| {
             let t0 = spans.iter().map(|s| s.0).fold(f64::INFINITY, f64::min);
             let t1 = spans.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
             let wall = (t1 - t0).max(1e-9);
-            let mut by_lane = vec![0.0f64; LANES.len()];
+            let mut by_lane = vec![Vec::new(); LANES.len() + 1];
             for s in spans {
-                if let Some(b) = by_lane.get_mut(s.2) {
-                    *b += s.1 - s.0;
-                }
+                by_lane[s.2.min(LANES.len())].push((s.0, s.1));
             }
             let parts: Vec<String> = LANES
                 .iter()
-                .zip(&by_lane)
-                .filter(|(_, t)| **t > 0.0)
+                .chain(&["other"])
+                .zip(by_lane)
+                .map(|(lane, spans)| (lane, covered(spans)))
+                .filter(|(_, t)| *t > 0.0)
                 .map(|(lane, t)| format!("{lane} {:.0} %", 100.0 * t / wall))
                 .collect();
             format!(
@@ -122,10 +156,19 @@ pub fn run(args: TraceArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Some(png) = &args.png
+        && same_file(png, &path)
+    {
+        eprintln!(
+            "braid trace: error: --png {} is the trace being read: writing there would replace it",
+            png.display()
+        );
+        return ExitCode::from(2);
+    }
     let rows = rows(&file, args.step);
     if rows.is_empty() {
         eprintln!(
-            "braid trace: error: {} holds no spans{}",
+            "braid trace: error: {} holds no spans{} (a span is a complete event: \"ph\": \"X\" with \"ts\" and \"dur\")",
             path.display(),
             args.step
                 .map(|s| format!(" of step {s}"))

@@ -66,6 +66,17 @@ pub enum Placement {
     LlmCentric,
 }
 
+impl Placement {
+    /// Its name in plan files (serde's).
+    pub fn name(self) -> &'static str {
+        match self {
+            Placement::Disjoint => "disjoint",
+            Placement::Colocated => "colocated",
+            Placement::LlmCentric => "llm_centric",
+        }
+    }
+}
+
 /// How a step is scheduled across modules.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

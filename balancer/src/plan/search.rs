@@ -378,7 +378,11 @@ pub fn search_beside(
             "every layout's estimate exceeds it".to_string()
         };
         format!(
-            "no plan fits {g} GPUs in {:.0} GiB each ({:.0} GiB usable; {why})",
+            "no {} plan fits {g} GPUs in {:.0} GiB each ({:.0} GiB usable; {why})",
+            match space.schedule {
+                Schedule::Phased => "phased",
+                Schedule::Overlapped => "overlapped (disjoint GPUs, 1F1B across modules)",
+            },
             problem.cluster.memory_gib,
             budget / GIB,
         )

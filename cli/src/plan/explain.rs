@@ -78,6 +78,14 @@ pub(super) fn explain(
             parts.join("; ")
         ));
     }
+    if b.plan.placement == Placement::LlmCentric {
+        out.push(format!(
+            "the plan is the LLM-centric layout itself: no per-module plan `braid train` runs simulated faster (the search's best, {}, takes {}: {:.2}x slower)",
+            plan_str(&o.searched),
+            secs(o.searched.sim.step_s),
+            o.searched.sim.step_s / step
+        ));
+    }
     out.push(format!(
         "the LLM-centric layout (llm {}{}, {} microbatch{}{}) runs every encoder inside the LLM's first pipeline stage with the LLM's TP, its items spread over that stage's DP x CP ranks; its step takes {} against {} here ({:.2}x)",
         layout_str(base.plan.llm),
@@ -174,6 +182,20 @@ fn baseline_wins(b: &Found, closest: Option<&Found>, usable: f64) -> String {
     }
 }
 
+/// A found plan in a few words: its placement, schedule and each module's layout.
+fn plan_str(f: &Found) -> String {
+    let layouts: Vec<String> = [Module::Llm, Module::Vision, Module::Audio]
+        .into_iter()
+        .filter_map(|m| Some(format!("{} {}", m.name(), layout_str(f.plan.layout(m)?))))
+        .collect();
+    format!(
+        "{}/{}: {}",
+        f.plan.placement.name(),
+        f.plan.schedule.name(),
+        layouts.join(", ")
+    )
+}
+
 /// Why the GPUs are split among the modules as they are: each module's share of the
 /// busy GPU-seconds against its share of the GPUs.
 fn split_reason(b: &Found) -> String {
@@ -192,6 +214,7 @@ fn split_reason(b: &Found) -> String {
     };
     let work_shares = list(&|w| format!("{} {:.0}%", w.0.name(), 100.0 * w.1 / total));
     match b.plan.placement {
+        Placement::LlmCentric => "why this split: the LLM-centric layout, every encoder inside the LLM's first pipeline stage at a TP dividing the LLM's, encoding each microbatch's items there just before its first forward".to_string(),
         Placement::Disjoint => {
             let gpus: usize = work.iter().map(|w| w.2).sum::<usize>().max(1);
             format!(

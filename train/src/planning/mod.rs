@@ -323,7 +323,9 @@ pub fn plan(
     fewer_gpus: bool,
 ) -> Result<Planned> {
     if gpus == 0 {
-        return Err(err("--gpus must be at least 1".into()));
+        return Err(err(
+            "GPUs to plan for (--gpus or plan.gpus) must be at least 1".into(),
+        ));
     }
     if gpus > MAX_GPUS {
         return Err(err(format!(
@@ -458,10 +460,33 @@ fn search_schedules(
         }
     }
     let mut o = best.ok_or_else(|| first_err.unwrap_or_else(|| "no schedule to search".into()))?;
+    if schedules.contains(&Schedule::Phased) {
+        take_runnable_baseline(problem, workload, space, &mut o);
+    }
     o.combinations = combinations;
     o.simulated = simulated;
     o.search_s = search_s;
     Ok((o, steps))
+}
+
+/// Where the LLM-centric baseline, or the colocated phased plan nearest it (its LLM grid,
+/// the encoders beside it at their TP), simulates faster than the search's pick, that is
+/// the plan to run: `braid train` runs both (`parallel.placement = "centric"`,
+/// `"colocated"`), and a planner that names a faster layout it can run but writes a
+/// slower one helps nobody. The search's own pick stays in `searched`.
+fn take_runnable_baseline(problem: &Problem, workload: &Workload, space: &Space, o: &mut Outcome) {
+    let batches: Vec<Vec<RowShape>> = (0..space.batches.max(1))
+        .map(|k| workload.batch(k))
+        .collect();
+    let budget = problem.cluster.usable_bytes();
+    let closest =
+        braid_balancer::plan::closest_to_baseline(problem, &o.baseline.plan, &batches, budget);
+    for f in closest.into_iter().chain([o.baseline.clone()]) {
+        let fits = f.sim.peak_memory <= budget && f.plan.gpus() <= space.gpus;
+        if fits && f.sim.step_s < o.best.sim.step_s {
+            o.best = f;
+        }
+    }
 }
 
 /// A search's outcome, and each schedule's best step in it.
@@ -474,7 +499,7 @@ const MAX_PLAN_SEQ_LEN: usize = 1 << 20;
 const MAX_PLAN_ROWS: usize = 1 << 18;
 
 /// The most combinations `--check` simulates (hours at 1,024 GPUs).
-const MAX_PLAN_CHECK: usize = 1_000_000;
+pub const MAX_PLAN_CHECK: usize = 1_000_000;
 
 /// The most synthetic samples the planner draws for them.
 const MAX_PLAN_SAMPLES: usize = 1 << 24;
