@@ -573,17 +573,37 @@ pub fn llm_alone(p: &Planned) -> Result<Option<Found>> {
     space.placements = vec![Placement::Colocated];
     // Where no layout of the LLM alone tiles every GPU, its best on as many of them as
     // one fits on (the LLM-centric search without encoders), as the baseline is taken.
-    match search(&problem, &p.workload, &space) {
-        Ok(o) => Ok(Some(o.best)),
+    let searched = match search(&problem, &p.workload, &space) {
+        Ok(o) => o.best,
         Err(_) => {
             let base = llm_centric(&problem, &p.workload, &space).map_err(err)?;
             space.gpus = base.plan.gpus();
-            Ok(Some(match search(&problem, &p.workload, &space) {
+            match search(&problem, &p.workload, &space) {
                 Ok(o) if o.best.sim.step_s < base.sim.step_s => o.best,
                 _ => base,
-            }))
+            }
         }
-    }
+    };
+    // The pick's and the baseline's own LLM grids, encoders removed, are layouts of the
+    // LLM alone too: with them the ceiling holds for every plan reported, even where the
+    // heuristic search of the LLM alone misses (a million GPUs: a report's 2.40x speedup
+    // against a "ceiling" of 2.07x).
+    let batches: Vec<Vec<RowShape>> = (0..p.batches.max(1)).map(|k| p.workload.batch(k)).collect();
+    let budget = problem.cluster.usable_bytes();
+    let alone_of = |f: &Found| {
+        let plan = braid_balancer::Plan {
+            placement: Placement::Colocated,
+            vision: None,
+            audio: None,
+            ..f.plan.clone()
+        };
+        let sim = braid_balancer::plan::mean_sim(&problem, &plan, &batches).ok()?;
+        (sim.peak_memory <= budget).then_some(Found { plan, sim })
+    };
+    let others = [&p.outcome.best, &p.outcome.baseline].map(alone_of);
+    Ok(Some(others.into_iter().flatten().fold(searched, |a, b| {
+        if b.sim.step_s < a.sim.step_s { b } else { a }
+    })))
 }
 
 #[cfg(test)]
