@@ -40,14 +40,33 @@ pub struct LaunchArgs {
 
 /// The signal that asked us to stop (0: none): set by the handlers, forwarded to every
 /// child.
-fn register_signals() -> Arc<AtomicUsize> {
+fn register_signals() -> Signals {
     let signal = Arc::new(AtomicUsize::new(0));
+    let count = Arc::new(AtomicUsize::new(0));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         if let Err(e) = signal_hook::flag::register_usize(sig, Arc::clone(&signal), sig as usize) {
             eprintln!("braid launch: cannot handle signal {sig}: {e}");
         }
+        let counter = Arc::clone(&count);
+        // SAFETY: the action only adds to an atomic, which is async-signal-safe (no
+        // allocation, no lock).
+        let counted = unsafe {
+            signal_hook::low_level::register(sig, move || {
+                counter.fetch_add(1, Ordering::SeqCst);
+            })
+        };
+        if let Err(e) = counted {
+            eprintln!("braid launch: cannot count signal {sig}: {e}");
+        }
     }
-    signal
+    Signals { signal, count }
+}
+
+/// The last stop signal received (0: none) and how many have come: a second one means
+/// "stop now", as it does to `braid train`.
+struct Signals {
+    signal: Arc<AtomicUsize>,
+    count: Arc<AtomicUsize>,
 }
 
 fn send_signal(child: &Child, sig: i32) {
@@ -184,7 +203,7 @@ pub fn run(args: LaunchArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let signal = register_signals();
+    let signals = register_signals();
     let mut children: Vec<(usize, Child)> = Vec::new();
     let mut relays = Vec::new();
     for local in 0..args.nproc_per_node {
@@ -226,8 +245,9 @@ pub fn run(args: LaunchArgs) -> ExitCode {
     }
     let (failures, forwarded) = supervise(
         &mut children,
-        &signal,
+        &signals,
         Duration::from_secs_f64(args.grace_s),
+        args.node_rank == 0,
     );
     for r in relays {
         let _ = r.join();
@@ -246,7 +266,8 @@ pub fn run(args: LaunchArgs) -> ExitCode {
             _ => "a signal",
         };
         eprintln!(
-            "braid launch: stopped by {name}, forwarded to the {world} rank(s); {} stopped on it",
+            "braid launch: stopped by {name}, forwarded to this node's {} rank(s); {} stopped on it",
+            args.nproc_per_node,
             if failures.is_empty() {
                 "they all exited 0".to_string()
             } else {
@@ -283,27 +304,45 @@ fn first_failure(failures: &[(usize, ExitStatus)]) -> Option<(usize, ExitStatus)
 }
 
 /// Waits for every child; returns the ranks that failed (rank, status) in the order they
-/// ended, and the signal forwarded to them (0: none). After a failure the rest get
-/// `grace` to end on their own, then SIGKILL.
+/// ended, and the signal forwarded to them (0: none). After a failure, or a stop signal
+/// forwarded, the rest get `grace` to end on their own, then SIGKILL; a second signal is
+/// forwarded too (ranks exit at once on it) and the rest are killed 5 s later. Where rank
+/// 0, which serves the rendezvous store (`serves_store`: this is node 0), fails, the others
+/// cannot learn of it from the store, so they get SIGTERM at once.
 fn supervise(
     children: &mut [(usize, Child)],
-    signal: &AtomicUsize,
+    signals: &Signals,
     grace: Duration,
+    serves_store: bool,
 ) -> (Vec<(usize, ExitStatus)>, usize) {
     let mut done: Vec<Option<ExitStatus>> = vec![None; children.len()];
     let mut failures: Vec<(usize, ExitStatus)> = Vec::new();
     let mut forwarded = 0usize;
+    let mut forwarded_count = 0usize;
     let mut deadline: Option<Instant> = None;
-    while done.iter().any(Option::is_none) {
-        let sig = signal.load(Ordering::SeqCst);
-        if sig != 0 && sig != forwarded {
-            for ((_, c), d) in children.iter().zip(&done) {
-                if d.is_none() {
-                    send_signal(c, sig as i32);
-                }
+    let signal_rest = |children: &[(usize, Child)], done: &[Option<ExitStatus>], sig: i32| {
+        for ((_, c), d) in children.iter().zip(done) {
+            if d.is_none() {
+                send_signal(c, sig);
             }
-            forwarded = sig;
         }
+    };
+    while done.iter().any(Option::is_none) {
+        let sig = signals.signal.load(Ordering::SeqCst);
+        let count = signals.count.load(Ordering::SeqCst);
+        if sig != 0 && count > forwarded_count {
+            signal_rest(children, &done, sig as i32);
+            let soon = Instant::now()
+                + if count >= 2 {
+                    Duration::from_secs(5)
+                } else {
+                    grace
+                };
+            deadline = Some(deadline.map_or(soon, |d| d.min(soon)));
+            forwarded = sig;
+            forwarded_count = count;
+        }
+        let mut store_lost = false;
         for (i, (rank, c)) in children.iter_mut().enumerate() {
             if done[i].is_some() {
                 continue;
@@ -313,19 +352,24 @@ fn supervise(
                 if !st.success() {
                     if failures.is_empty() {
                         deadline = Some(Instant::now() + grace);
+                        store_lost = *rank == 0 && serves_store;
                     }
                     failures.push((*rank, st));
                 }
             }
+        }
+        if store_lost && done.iter().any(Option::is_none) {
+            eprintln!(
+                "braid launch: rank 0, which serves the rendezvous store, failed: stopping the others now (SIGTERM)"
+            );
+            signal_rest(children, &done, libc::SIGTERM);
         }
         if let Some(d) = deadline
             && Instant::now() >= d
         {
             for (i, (rank, c)) in children.iter_mut().enumerate() {
                 if done[i].is_none() {
-                    eprintln!(
-                        "braid launch: rank {rank} still running {grace:?} after the failure: killing it"
-                    );
+                    eprintln!("braid launch: rank {rank} still running: killing it (--grace-s)");
                     let _ = c.kill();
                 }
             }

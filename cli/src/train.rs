@@ -478,13 +478,41 @@ pub fn run(args: TrainArgs) -> ExitCode {
             ExitCode::from(u8::try_from(128 + signal).unwrap_or(1))
         }
         Err(e) => {
-            progress.announce(&format!("braid train: error: {e}"));
+            progress.announce(&format!(
+                "braid train: error: {e}{}",
+                older_checkpoint(&e, &dir)
+            ));
             match e {
                 TrainError::Config(_) => ExitCode::from(2),
                 _ if launched.is_some() && stopped_by_a_peer(&e) => ExitCode::from(PEER_FAILED),
                 _ => ExitCode::FAILURE,
             }
         }
+    }
+}
+
+/// For a damaged checkpoint under `run_dir`: the one before it, which `--resume` takes
+/// once the damaged one is moved aside (never done for the user: which one to keep is
+/// theirs to decide).
+fn older_checkpoint(e: &TrainError, run_dir: &std::path::Path) -> String {
+    let path = match e {
+        TrainError::Checkpoint { path, .. } => path,
+        TrainError::Model(braid_nn::Error::Weights { path, .. }) => path,
+        _ => return String::new(),
+    };
+    let Ok(all) = braid_train::checkpoint::list(&run_dir.join("checkpoints")) else {
+        return String::new();
+    };
+    let Some(i) = all.iter().position(|(_, p)| path.starts_with(p)) else {
+        return String::new();
+    };
+    match i.checked_sub(1).map(|j| &all[j].1) {
+        Some(older) => format!(
+            "\n(the checkpoint before it is {}: move {} aside to resume from that one)",
+            older.display(),
+            all[i].1.display()
+        ),
+        None => String::new(),
     }
 }
 

@@ -393,37 +393,49 @@ fn slurm(var: &impl Fn(&str) -> Option<String>) -> Result<LaunchEnv, LaunchEnvEr
 }
 
 /// The first host of a SLURM host list: `node[01-04,07],gpu9` -> `node01`,
-/// `rack[1-2]-n[3-4]` -> `rack1-n3`, `a,b` -> `a`.
+/// `rack[1-2]-n[3-4]` -> `rack1-n3`, `a,b` -> `a`. `None` for a list SLURM would not
+/// write (an unclosed or stray bracket, a range that runs backwards or is not numeric,
+/// blanks inside), so the error names SLURM_JOB_NODELIST rather than a host that does
+/// not resolve.
 pub fn first_host(list: &str) -> Option<String> {
-    // The first entry: up to the first comma outside brackets.
-    let mut depth = 0usize;
-    let mut entry = String::new();
-    for c in list.trim().chars() {
-        match c {
-            '[' => depth += 1,
-            ']' => depth = depth.saturating_sub(1),
-            ',' if depth == 0 => break,
-            _ => {}
-        }
-        entry.push(c);
-    }
-    // Each bracket group becomes its first value (up to ',' or '-').
+    let list = list.trim();
+    let name_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_');
     let mut host = String::new();
-    let mut chars = entry.chars();
+    let mut chars = list.chars();
     while let Some(c) = chars.next() {
-        if c != '[' {
-            host.push(c);
-            continue;
+        match c {
+            ',' => break,
+            '[' => {
+                let group: String = chars.by_ref().take_while(|&c| c != ']').collect();
+                host.push_str(&first_of_group(&group)?);
+            }
+            c if name_char(c) => host.push(c),
+            _ => return None,
         }
-        let group: String = chars.by_ref().take_while(|&c| c != ']').collect();
-        let first: String = group
-            .chars()
-            .take_while(|&c| c != ',' && c != '-')
-            .collect();
-        if first.is_empty() {
+    }
+    // The rest of the list must be well formed too (a stray bracket is a typo).
+    let mut depth = 0i32;
+    for c in list.chars() {
+        depth += match c {
+            '[' => 1,
+            ']' => -1,
+            _ => 0,
+        };
+        if !(0..=1).contains(&depth) {
             return None;
         }
-        host.push_str(&first);
     }
-    (!host.is_empty()).then_some(host)
+    (depth == 0 && !host.is_empty()).then_some(host)
+}
+
+/// The first value of a bracket group of a SLURM host list (`01-04,07` -> `01`): digits,
+/// or a range of digits that does not run backwards; `None` otherwise.
+fn first_of_group(group: &str) -> Option<String> {
+    let first = group.split(',').next()?;
+    let (lo, hi) = first.split_once('-').unwrap_or((first, first));
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(lo) || !digits(hi) || lo.parse::<u64>().ok()? > hi.parse::<u64>().ok()? {
+        return None;
+    }
+    Some(lo.to_string())
 }

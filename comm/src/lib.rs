@@ -72,7 +72,8 @@ pub enum CommError {
     },
     /// A collective that waited longer than the world's timeout.
     #[error(
-        "{op} on world rank {rank} (group {group:?}) timed out after {waited_s:.1} s: {missing}"
+        "{op} on world rank {rank} (group {}) timed out after {waited_s:.1} s: {missing}",
+        rank_list(group)
     )]
     Timeout {
         op: &'static str,
@@ -102,6 +103,31 @@ pub fn rank_name(rank: usize) -> String {
     } else {
         format!("rank {rank}")
     }
+}
+
+/// Ranks for messages, runs as ranges: `[0, 1, 2, 3, 7]` -> `0-3, 7`; past 16 runs the
+/// rest is counted, so a million-rank world's error stays one short line.
+pub fn rank_list(ranks: &[usize]) -> String {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for &r in ranks {
+        match runs.last_mut() {
+            Some((_, hi)) if hi.checked_add(1) == Some(r) => *hi = r,
+            _ => runs.push((r, r)),
+        }
+    }
+    let mut parts: Vec<String> = runs
+        .iter()
+        .take(16)
+        .map(|&(lo, hi)| match hi - lo {
+            0 => lo.to_string(),
+            _ => format!("{lo}-{hi}"),
+        })
+        .collect();
+    if runs.len() > 16 {
+        let rest: usize = runs[16..].iter().map(|&(lo, hi)| hi - lo + 1).sum();
+        parts.push(format!("and {rest} more"));
+    }
+    format!("[{}]", parts.join(", "))
 }
 
 pub type Result<T, E = CommError> = std::result::Result<T, E>;
@@ -215,5 +241,21 @@ impl Comm for SingleRank {
             });
         }
         Ok(Arc::new(SingleRank))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rank_list;
+
+    #[test]
+    fn rank_lists_are_short_whatever_the_world() {
+        assert_eq!(rank_list(&[]), "[]");
+        assert_eq!(rank_list(&[4]), "[4]");
+        assert_eq!(rank_list(&[0, 1, 2, 3, 7, 9, 10]), "[0-3, 7, 9-10]");
+        assert_eq!(rank_list(&(1..1_000_000).collect::<Vec<_>>()), "[1-999999]");
+        let evens: Vec<usize> = (0..100).map(|r| 2 * r).collect();
+        let s = rank_list(&evens);
+        assert!(s.ends_with("30, and 84 more]"), "{s}");
     }
 }

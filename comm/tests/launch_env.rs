@@ -168,8 +168,13 @@ fn slurm_variables_and_host_lists() {
     ] {
         assert_eq!(first_host(list).as_deref(), Some(first), "{list}");
     }
-    assert_eq!(first_host(""), None);
-    assert_eq!(first_host("n[]"), None);
+    // Lists SLURM never writes are refused, not read as a host that cannot resolve.
+    for bad in [
+        "", "n[]", "a[3-1]", "a[1-2", "a]", "a[x-y]", "a b", "a[", "[]", "a[,]", ",", "a[-]",
+        "a[[1]]",
+    ] {
+        assert_eq!(first_host(bad), None, "{bad:?}");
+    }
 }
 
 #[test]

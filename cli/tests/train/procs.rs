@@ -395,7 +395,7 @@ fn a_checkpoint_of_4_processes_resumes_on_5_and_2_processes_and_on_threads() {
         // which reports the signal, not a rank's failure.
         assert_eq!(code, Some(143), "{out}");
         assert!(
-            out.contains("braid launch: stopped by SIGTERM, forwarded to the 4 rank(s)")
+            out.contains("braid launch: stopped by SIGTERM, forwarded to this node's 4 rank(s)")
                 && !out.contains("failed first"),
             "{out}"
         );

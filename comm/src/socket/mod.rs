@@ -167,16 +167,14 @@ impl SocketWorld {
             // Checked every turn: strays arriving back to back must not keep the loop from
             // its deadline.
             if Instant::now() >= deadline {
-                let missing: Vec<String> = (rank + 1..size)
-                    .filter(|&p| streams[p].is_none())
-                    .map(|p| p.to_string())
-                    .collect();
+                let missing: Vec<usize> =
+                    (rank + 1..size).filter(|&p| streams[p].is_none()).collect();
                 return Err(CommError::Timeout {
                     op: OP,
                     rank,
                     group: (0..size).collect(),
                     waited_s: timeout.as_secs_f64(),
-                    missing: format!("rank(s) {} never connected", missing.join(", ")),
+                    missing: format!("rank(s) {} never connected", crate::rank_list(&missing)),
                 });
             }
             if Instant::now() >= next_poll {

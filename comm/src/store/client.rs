@@ -18,9 +18,26 @@ impl StoreClient {
     /// Connects to `addr` (`host:port`), retrying until `timeout` (rank 0 may not be up
     /// yet when the others start).
     pub fn connect(addr: &str, timeout: Duration) -> Result<Self> {
+        Self::connect_noting(addr, timeout, Duration::MAX, |_| {})
+    }
+
+    /// [`StoreClient::connect`], calling `on_slow` once with the time waited if no store
+    /// has answered after `notice_after` (a rank says what it waits for instead of
+    /// staying silent for the whole timeout).
+    pub fn connect_noting(
+        addr: &str,
+        timeout: Duration,
+        notice_after: Duration,
+        mut on_slow: impl FnMut(Duration),
+    ) -> Result<Self> {
         let start = Instant::now();
         let mut last_err = None;
+        let mut noticed = false;
         while start.elapsed() < timeout {
+            if !noticed && start.elapsed() >= notice_after {
+                noticed = true;
+                on_slow(start.elapsed());
+            }
             let addrs: Vec<SocketAddr> = match addr.to_socket_addrs() {
                 Ok(a) => a.collect(),
                 Err(e) => {
@@ -70,6 +87,16 @@ impl StoreClient {
                 key: what,
                 waited_s: waited,
                 hint: "the store did not answer: rank 0, which serves it, is stopped, overloaded or cut off".into(),
+            },
+            std::io::ErrorKind::UnexpectedEof
+            | std::io::ErrorKind::ConnectionReset
+            | std::io::ErrorKind::ConnectionAborted
+            | std::io::ErrorKind::BrokenPipe => StoreError::Io {
+                addr,
+                what: format!(
+                    "{what} (the store closed the connection: rank 0, which serves it, exited or was killed; its log says why)"
+                ),
+                source,
             },
             _ => StoreError::Io { addr, what, source },
         }

@@ -108,6 +108,11 @@ impl SliceReader {
         })
     }
 
+    /// How many rank files were read (0: one `<kind>.safetensors`).
+    pub fn rank_files(&self) -> usize {
+        self.ranks
+    }
+
     /// How many full tensors the checkpoint holds.
     pub fn len(&self) -> usize {
         self.pieces.len()

@@ -69,11 +69,38 @@ impl Processes {
         } else {
             None
         };
-        let mut store =
-            StoreClient::connect(&env.store_addr(), env.store_timeout).map_err(store_err)?;
+        let mut store = connect(&env)?;
         same_job(&mut store, &env)?;
         Ok(Some(Processes { env, store, server }))
     }
+}
+
+/// This rank's connection to the rendezvous store. Rank 0 has just bound it on this
+/// host, so a MASTER_ADDR that does not reach it within seconds names another host (or a
+/// firewalled address): an error saying so, not the store's full wait in silence. The
+/// other ranks wait for rank 0 up to `BRAID_STORE_TIMEOUT_S`, saying so after 10 s.
+fn connect(env: &LaunchEnv) -> Result<StoreClient> {
+    let addr = env.store_addr();
+    if env.rank == 0 {
+        return StoreClient::connect(&addr, env.store_timeout.min(Duration::from_secs(15)))
+            .map_err(|e| {
+                TrainError::Config(crate::config::invalid(
+                    "environment",
+                    format!(
+                        "rank 0 serves the rendezvous store on this host, but cannot reach it at MASTER_ADDR={:?} ({addr}): set MASTER_ADDR (under SLURM, the job's first node) to an address of this host ({e})",
+                        env.master_addr
+                    ),
+                ))
+            });
+    }
+    let (rank, timeout) = (env.rank, env.store_timeout.as_secs_f64());
+    StoreClient::connect_noting(&addr, env.store_timeout, Duration::from_secs(10), |waited| {
+        eprintln!(
+            "braid train: rank {rank}: still waiting for rank 0's rendezvous store at {addr} after {:.0} s (up to {timeout:.0} s, BRAID_STORE_TIMEOUT_S): is rank 0 running, and MASTER_ADDR/MASTER_PORT the same on every rank?",
+            waited.as_secs_f64()
+        );
+    })
+    .map_err(store_err)
 }
 
 /// The store key of the job rank 0 belongs to ("" where its launcher names none).
@@ -115,9 +142,12 @@ fn resolves(env: &LaunchEnv) -> Result<()> {
     let addr = env.store_addr();
     let start = std::time::Instant::now();
     loop {
-        match addr.to_socket_addrs().map(|mut a| a.next().is_some()) {
-            Ok(true) => return Ok(()),
-            Ok(false) => {}
+        let found = addr.to_socket_addrs().and_then(|mut a| match a.next() {
+            Some(_) => Ok(()),
+            None => Err(std::io::Error::other("no address")),
+        });
+        match found {
+            Ok(()) => return Ok(()),
             Err(e) if start.elapsed() >= Duration::from_secs(10) => {
                 return Err(TrainError::Config(crate::config::invalid(
                     "environment",
