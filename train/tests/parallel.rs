@@ -221,6 +221,24 @@ fn a_checkpoint_resumes_under_another_layout() {
         "{e}"
     );
     let _ = std::fs::remove_dir_all(&lost);
+    // Losing the last rank's optimizer file leaves no gap in the numbering: resuming on
+    // several ranks names it all the same (it had read as a tensor missing a slice).
+    copy_dir(&dir, &lost);
+    std::fs::remove_file(lost.join("checkpoints/step-00000010/optim-rank-00007.safetensors"))
+        .unwrap();
+    let e = train(
+        config(&lost, &["parallel.world_size=4", "parallel.llm.dp=2"]),
+        true,
+        &mut Quiet,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("optim-rank-00007.safetensors (and any after it) is missing")
+            && e.contains("step-00000010"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&lost);
 
     // Resumed interleaved: each stage's two chunks load their layers by name.
     let second = [

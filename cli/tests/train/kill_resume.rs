@@ -107,3 +107,51 @@ fn a_crash_inside_a_checkpoint_write_resumes_from_the_previous_one() {
     assert_eq!(&losses(&dir), ref_losses);
     assert_eq!(logged(&dir), reference().logged);
 }
+
+/// A NaN in the newest checkpoint's weights (a damaged file, or a run saved after it
+/// diverged) is refused on `--resume`, naming the file and the tensor and the checkpoint
+/// before it, which resuming takes once the damaged one is moved aside.
+#[test]
+fn a_nan_in_a_checkpoint_is_refused_naming_the_one_before_it() {
+    let dir = fixture().join("runs/nan-checkpoint");
+    let _ = std::fs::remove_dir_all(&dir);
+    let o = train(&dir, &[]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let mut steps: Vec<PathBuf> = std::fs::read_dir(dir.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    steps.sort();
+    let [.., before, newest] = steps.as_slice() else {
+        panic!("two checkpoints expected: {steps:?}")
+    };
+    // The first value of the first tensor: past the 8-byte header length and the header.
+    let file = newest.join("model.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let meta: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header]).unwrap();
+    let (name, entry) = meta
+        .as_object()
+        .unwrap()
+        .iter()
+        .find(|(k, _)| *k != "__metadata__")
+        .unwrap();
+    let at = 8 + header + entry["data_offsets"][0].as_u64().unwrap() as usize;
+    bytes[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&file, bytes).unwrap();
+    let o = train(&dir, &["--resume"]).output().unwrap();
+    let out = text(&o);
+    assert!(!o.status.success(), "{out}");
+    assert!(
+        out.contains(&format!("tensor `{name}`: holds NaN")),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!("the checkpoint before it is {}", before.display())),
+        "{out}"
+    );
+    // Moved aside, the one before resumes.
+    std::fs::rename(newest, dir.join("damaged")).unwrap();
+    let o = train(&dir, &["--resume"]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+}

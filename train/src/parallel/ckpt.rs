@@ -82,6 +82,19 @@ impl SliceReader {
         } else {
             let paths = rank_files(dir, kind)?;
             let n = paths.len();
+            // Every rank writes both of its files: fewer of this kind than of the other
+            // are files lost at the end (a gap below the last is caught in `rank_files`).
+            let other = if kind == "model" { "optim" } else { "model" };
+            let theirs = rank_files(dir, other).map_or(0, |p| p.len());
+            if n < theirs {
+                return Err(ckpt_err(
+                    dir,
+                    format!(
+                        "{other} files of {theirs} ranks but {kind} files of {n}: {} (and any after it) is missing, the checkpoint is incomplete",
+                        rank_file(kind, n)
+                    ),
+                ));
+            }
             (paths, n)
         };
         if paths.is_empty() {
@@ -106,11 +119,6 @@ impl SliceReader {
             files,
             pieces,
         })
-    }
-
-    /// How many rank files were read (0: one `<kind>.safetensors`).
-    pub fn rank_files(&self) -> usize {
-        self.ranks
     }
 
     /// How many full tensors the checkpoint holds.
