@@ -45,6 +45,12 @@ fn gen_err(msg: String) -> TrainError {
 
 /// A checkpoint folder, or the newest checkpoint of a run folder.
 pub fn resolve_checkpoint(dir: &Path) -> Result<PathBuf> {
+    if dir.is_file() {
+        return Err(gen_err(format!(
+            "--checkpoint {}: a file; give a checkpoint folder (with state.json) or a run folder",
+            dir.display()
+        )));
+    }
     if dir.join(checkpoint::STATE_FILE).is_file() {
         return Ok(dir.to_path_buf());
     }
@@ -207,6 +213,12 @@ impl Generator {
         // (each new token reruns the whole sequence, so an unbounded ask runs for hours).
         let room = self.model.config.llm.max_position_embeddings;
         // Saturating: an ask near usize::MAX must not wrap around past the check.
+        if ids.len() > room {
+            return Err(gen_err(format!(
+                "the prompt alone takes {} tokens, past the model's {room} positions (model.llm.max_position_embeddings): shorten the prompt",
+                ids.len()
+            )));
+        }
         if ids.len().saturating_add(max_new_tokens) > room {
             return Err(gen_err(format!(
                 "the prompt takes {} tokens and --max-new-tokens asks {max_new_tokens} more, past the model's {room} positions (model.llm.max_position_embeddings): ask for at most {} or shorten the prompt",
