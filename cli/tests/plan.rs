@@ -416,6 +416,32 @@ fn bad_input_exits_2_naming_the_fix() {
             ],
             "--schedule",
         ),
+        (
+            vec![
+                "plan",
+                "--config",
+                "configs/plan-7b.toml",
+                "--gpus",
+                "8",
+                "--set",
+                "plan.seq_len=576",
+                "--out",
+                out,
+            ],
+            "one image is 576 LLM tokens",
+        ),
+        (
+            vec![
+                "plan",
+                "--config",
+                "configs/plan-7b.toml",
+                "--gpus",
+                "0",
+                "--out",
+                out,
+            ],
+            "must be at least 1",
+        ),
     ] {
         let res = braid(&args);
         assert_eq!(res.status.code(), Some(2), "{args:?}");

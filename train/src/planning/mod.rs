@@ -271,6 +271,19 @@ pub fn workload(cfg: &RunConfig, model: &MllmConfig, data: Option<&Path>) -> Res
     let seq_len = sec.seq_len.unwrap_or(4096);
     let dims = model_dims(model);
     let media = media_tokens(model, &dims);
+    // A sample drops media until it fits a row: rows too short for even one image (or
+    // the shortest clip) would plan a text-only workload while the mix asks for media.
+    let shortest_clip = (mix.clip_s[0] * 100.0 * media.llm_per_frame).ceil() as usize;
+    for (wanted, tokens, what, key) in [
+        (mix.image_prob > 0.0, media.image_llm, "one image", "image_prob"),
+        (mix.audio_prob > 0.0, shortest_clip, "the shortest clip", "audio_prob"),
+    ] {
+        if wanted && tokens.saturating_add(8) > seq_len {
+            return Err(err(format!(
+                "plan.seq_len = {seq_len} holds no media: {what} is {tokens} LLM tokens, which with the 8 of text every sample keeps overflow a row, and a sample drops media until it fits; raise plan.seq_len, or set plan.mix.{key} = 0"
+            )));
+        }
+    }
     // Enough samples for every sampled batch (rows hold ~seq_len / mean-sample tokens).
     let mean = mix.text_median * 1.3
         + mix.image_prob * (1.0 + mix.images_max as f64) / 2.0 * media.image_llm as f64
