@@ -2,6 +2,9 @@
 //! once, lanes beyond Braid's own count as "other", names are printed without control
 //! characters, and the picture never replaces the trace it reads.
 
+// Helpers below are plain functions, outside clippy's allow-unwrap-in-tests.
+#![allow(clippy::unwrap_used)]
+
 use std::path::Path;
 use std::process::Output;
 
