@@ -5,19 +5,13 @@
 #![allow(clippy::unwrap_used)]
 
 use std::path::PathBuf;
-use std::process::{Command, Output};
+mod common;
+use common::braid;
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("braid-demo-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     dir
-}
-
-fn braid(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_braid"))
-        .args(args)
-        .output()
-        .unwrap()
 }
 
 fn lines(path: &std::path::Path) -> usize {

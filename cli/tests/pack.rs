@@ -5,22 +5,8 @@
 #![allow(clippy::unwrap_used)]
 
 use std::path::Path;
-use std::process::{Command, Output};
-
-fn braid(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_braid"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
+mod common;
+use common::{braid, text};
 
 fn config() -> String {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -4,16 +4,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::process::{Command, Output};
-
 use braid_balancer::cluster::Cluster;
-
-fn braid(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_braid"))
-        .args(args)
-        .output()
-        .unwrap()
-}
+mod common;
+use common::braid;
 
 #[test]
 fn quick_profile_writes_a_cluster_the_planner_loads() {

@@ -6,22 +6,8 @@
 #![allow(clippy::unwrap_used)]
 
 use std::path::Path;
-use std::process::Output;
-
-fn braid(args: &[&str]) -> Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_braid"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
+mod common;
+use common::{braid, text};
 
 /// A rank whose vision lane (tid 1) holds three copies of one 100 µs span and a nested
 /// one, and a span on lane 99; the rank is named with an escape sequence.

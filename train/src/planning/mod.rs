@@ -275,8 +275,18 @@ pub fn workload(cfg: &RunConfig, model: &MllmConfig, data: Option<&Path>) -> Res
     // the shortest clip) would plan a text-only workload while the mix asks for media.
     let shortest_clip = (mix.clip_s[0] * 100.0 * media.llm_per_frame).ceil() as usize;
     for (wanted, tokens, what, key) in [
-        (mix.image_prob > 0.0, media.image_llm, "one image", "image_prob"),
-        (mix.audio_prob > 0.0, shortest_clip, "the shortest clip", "audio_prob"),
+        (
+            mix.image_prob > 0.0,
+            media.image_llm,
+            "one image",
+            "image_prob",
+        ),
+        (
+            mix.audio_prob > 0.0,
+            shortest_clip,
+            "the shortest clip",
+            "audio_prob",
+        ),
     ] {
         if wanted && tokens.saturating_add(8) > seq_len {
             return Err(err(format!(
