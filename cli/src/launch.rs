@@ -243,7 +243,7 @@ pub fn run(args: LaunchArgs) -> ExitCode {
             }
         }
     }
-    let (failures, forwarded) = supervise(
+    let (failures, forwarded, killed) = supervise(
         &mut children,
         &signals,
         Duration::from_secs_f64(args.grace_s),
@@ -279,11 +279,14 @@ pub fn run(args: LaunchArgs) -> ExitCode {
     match first_failure(&failures) {
         None => ExitCode::SUCCESS,
         Some((rank, status)) => {
-            eprintln!(
-                "braid launch: rank {rank} failed first ({}); {} rank(s) in all",
-                describe(status),
-                world
-            );
+            let how = if killed.contains(&rank) {
+                "still running --grace-s after the others stopped, so braid launch killed it: \
+                 stopped or hung?"
+                    .to_string()
+            } else {
+                describe(status)
+            };
+            eprintln!("braid launch: rank {rank} failed first ({how}); {world} rank(s) in all");
             let code = status.code().unwrap_or(1).clamp(1, 255);
             ExitCode::from(u8::try_from(code).unwrap_or(1))
         }
@@ -304,7 +307,7 @@ fn first_failure(failures: &[(usize, ExitStatus)]) -> Option<(usize, ExitStatus)
 }
 
 /// Waits for every child; returns the ranks that failed (rank, status) in the order they
-/// ended, and the signal forwarded to them (0: none). After a failure, or a stop signal
+/// ended, the signal forwarded to them (0: none) and the ranks it killed. After a failure, or a stop signal
 /// forwarded, the rest get `grace` to end on their own, then SIGKILL; a second signal is
 /// forwarded too (ranks exit at once on it) and the rest are killed 5 s later. Where rank
 /// 0, which serves the rendezvous store (`serves_store`: this is node 0), fails, the others
@@ -314,11 +317,12 @@ fn supervise(
     signals: &Signals,
     grace: Duration,
     serves_store: bool,
-) -> (Vec<(usize, ExitStatus)>, usize) {
+) -> (Vec<(usize, ExitStatus)>, usize, Vec<usize>) {
     let mut done: Vec<Option<ExitStatus>> = vec![None; children.len()];
     let mut failures: Vec<(usize, ExitStatus)> = Vec::new();
     let mut forwarded = 0usize;
     let mut forwarded_count = 0usize;
+    let mut killed: Vec<usize> = Vec::new();
     let mut deadline: Option<Instant> = None;
     let signal_rest = |children: &[(usize, Child)], done: &[Option<ExitStatus>], sig: i32| {
         for ((_, c), d) in children.iter().zip(done) {
@@ -371,11 +375,12 @@ fn supervise(
                 if done[i].is_none() {
                     eprintln!("braid launch: rank {rank} still running: killing it (--grace-s)");
                     let _ = c.kill();
+                    killed.push(*rank);
                 }
             }
             deadline = None;
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    (failures, forwarded)
+    (failures, forwarded, killed)
 }

@@ -188,7 +188,11 @@ fn a_stopped_rank_ends_every_process_after_the_timeout_naming_it() {
     // stopped rank after its grace period (20 s in these tests).
     assert!(took < Duration::from_secs(60), "took {took:?}: {out}");
     assert!(out.contains("rank 3 on 127.0.0.1 sent nothing"), "{out}");
-    assert!(out.contains("failed first"), "{out}");
+    // Named as the launcher's own kill, not as an outside SIGKILL.
+    assert!(
+        out.contains("braid launch: rank 3 failed first (still running --grace-s after the others stopped, so braid launch killed it"),
+        "{out}"
+    );
 }
 
 /// A rank that cannot set its share up (here the vision ranks: their Hugging Face file is
