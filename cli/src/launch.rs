@@ -307,9 +307,10 @@ fn first_failure(failures: &[(usize, ExitStatus)]) -> Option<(usize, ExitStatus)
 }
 
 /// Waits for every child; returns the ranks that failed (rank, status) in the order they
-/// ended, the signal forwarded to them (0: none) and the ranks it killed. After a failure, or a stop signal
-/// forwarded, the rest get `grace` to end on their own, then SIGKILL; a second signal is
-/// forwarded too (ranks exit at once on it) and the rest are killed 5 s later. Where rank
+/// ended, the signal forwarded to them (0: none) and the ranks it killed. After a failure
+/// the rest get `grace` to end on their own, then SIGKILL; a stop signal is forwarded
+/// (each rank finishes its step and checkpoints), and a second one too (ranks exit at
+/// once on it), after which the rest are killed 5 s later. Where rank
 /// 0, which serves the rendezvous store (`serves_store`: this is node 0), fails, the others
 /// cannot learn of it from the store, so they get SIGTERM at once.
 fn supervise(
@@ -334,17 +335,18 @@ fn supervise(
     while done.iter().any(Option::is_none) {
         let sig = signals.signal.load(Ordering::SeqCst);
         let count = signals.count.load(Ordering::SeqCst);
+        // One signal forwarded a turn: two arriving within one turn still reach the
+        // ranks as two (the second means "exit at once" to them too).
         if sig != 0 && count > forwarded_count {
             signal_rest(children, &done, sig as i32);
-            let soon = Instant::now()
-                + if count >= 2 {
-                    Duration::from_secs(5)
-                } else {
-                    grace
-                };
-            deadline = Some(deadline.map_or(soon, |d| d.min(soon)));
             forwarded = sig;
-            forwarded_count = count;
+            forwarded_count += 1;
+            // The first lets every rank finish its step and checkpoint, however long
+            // that takes; after the second, whatever still runs in 5 s is stuck.
+            if forwarded_count >= 2 {
+                let soon = Instant::now() + Duration::from_secs(5);
+                deadline = Some(deadline.map_or(soon, |d| d.min(soon)));
+            }
         }
         let mut store_lost = false;
         for (i, (rank, c)) in children.iter_mut().enumerate() {
@@ -355,8 +357,13 @@ fn supervise(
                 done[i] = Some(st);
                 if !st.success() {
                     if failures.is_empty() {
-                        deadline = Some(Instant::now() + grace);
-                        store_lost = *rank == 0 && serves_store;
+                        let soon = Instant::now() + grace;
+                        deadline = Some(deadline.map_or(soon, |d| d.min(soon)));
+                        // Not when it stopped on a forwarded signal (the others are
+                        // stopping too), nor when it stopped for another rank's failure
+                        // (that rank's own message says what happened).
+                        let follower = st.code() == Some(i32::from(crate::train::PEER_FAILED));
+                        store_lost = *rank == 0 && serves_store && forwarded == 0 && !follower;
                     }
                     failures.push((*rank, st));
                 }

@@ -495,9 +495,19 @@ pub fn run(args: TrainArgs) -> ExitCode {
 /// once the damaged one is moved aside (never done for the user: which one to keep is
 /// theirs to decide).
 fn older_checkpoint(e: &TrainError, run_dir: &std::path::Path) -> String {
+    // Only for damage (a lost rank file, a NaN): a checkpoint of another model or
+    // layout is refused the same way whichever one is taken.
     let path = match e {
-        TrainError::Checkpoint { path, .. } => path,
-        TrainError::Model(braid_nn::Error::Weights { path, .. }) => path,
+        TrainError::Checkpoint { path, reason }
+            if reason.contains("incomplete") || reason.contains("is missing") =>
+        {
+            path
+        }
+        TrainError::Model(braid_nn::Error::Weights { path, msg, .. })
+            if msg.starts_with("holds ") =>
+        {
+            path
+        }
         _ => return String::new(),
     };
     let Ok(all) = braid_train::checkpoint::list(&run_dir.join("checkpoints")) else {

@@ -213,9 +213,9 @@ impl Generator {
         // (each new token reruns the whole sequence, so an unbounded ask runs for hours).
         let room = self.model.config.llm.max_position_embeddings;
         // Saturating: an ask near usize::MAX must not wrap around past the check.
-        if ids.len() > room {
+        if ids.len() > room || (ids.len() == room && max_new_tokens > 0) {
             return Err(gen_err(format!(
-                "the prompt alone takes {} tokens, past the model's {room} positions (model.llm.max_position_embeddings): shorten the prompt",
+                "the prompt alone takes {} tokens of the model's {room} positions (model.llm.max_position_embeddings), leaving none to generate: shorten the prompt",
                 ids.len()
             )));
         }

@@ -5,24 +5,27 @@
 
 use super::*;
 
-/// A port nobody listens on (the store of one test's world), from 20,000-32,767: below Linux's ephemeral range
-/// (32,768-60,999), so the kernel never hands it to another test's `bind(":0")` or
-/// outgoing connection between our pick and the store binding it (a port learned
-/// from `bind(":0")` and dropped could be, and once was: "Address already in use").
-/// Each test process starts at its own offset and never repeats a pick.
+/// A port nobody listens on, nor on the next one (the store of one test's world: ranks
+/// started with torchrun's variables by hand serve it on MASTER_PORT + 1, beside
+/// torchrun's own store), from 20,000-32,767: below Linux's ephemeral range
+/// (32,768-60,999), so the kernel never hands either to another test's `bind(":0")` or
+/// outgoing connection between our pick and the store binding it (a port learned from
+/// `bind(":0")` and dropped could be, and once was: "Address already in use"). Each test
+/// process starts at its own offset and steps by 2, so no two picks share a port.
 pub(super) fn free_port() -> u16 {
     use std::sync::atomic::{AtomicU32, Ordering};
     static NEXT: AtomicU32 = AtomicU32::new(0);
     const LOW: u32 = 20_000;
-    const SPAN: u32 = 12_768;
-    let start = std::process::id().wrapping_mul(97) % SPAN;
-    for _ in 0..SPAN {
-        let port = (LOW + (start + NEXT.fetch_add(1, Ordering::Relaxed)) % SPAN) as u16;
-        if std::net::TcpListener::bind(("0.0.0.0", port)).is_ok() {
-            return port;
+    const PAIRS: u32 = 6_384;
+    let start = std::process::id().wrapping_mul(97) % PAIRS;
+    let free = |port: u32| std::net::TcpListener::bind(("0.0.0.0", port as u16)).is_ok();
+    for _ in 0..PAIRS {
+        let port = LOW + 2 * ((start + NEXT.fetch_add(1, Ordering::Relaxed)) % PAIRS);
+        if free(port) && free(port + 1) {
+            return port as u16;
         }
     }
-    panic!("no free port in {LOW}..{}", LOW + SPAN)
+    panic!("no two free ports in a row in {LOW}..{}", LOW + 2 * PAIRS)
 }
 
 /// `braid launch --nproc-per-node n -- train ...` of the fixture's run into `dir`.

@@ -273,7 +273,9 @@ pub fn workload(cfg: &RunConfig, model: &MllmConfig, data: Option<&Path>) -> Res
     let media = media_tokens(model, &dims);
     // A sample drops media until it fits a row: rows too short for even one image (or
     // the shortest clip) would plan a text-only workload while the mix asks for media.
-    let shortest_clip = (mix.clip_s[0] * 100.0 * media.llm_per_frame).ceil() as usize;
+    // As the workload counts a clip: whole mel frames, then LLM tokens rounded up.
+    let shortest_clip =
+        (f64::from((mix.clip_s[0] * 100.0) as u32) * media.llm_per_frame).ceil() as usize;
     for (wanted, tokens, what, key) in [
         (
             mix.image_prob > 0.0,
@@ -399,7 +401,7 @@ pub fn plan(
     space.check = sec.check;
     let schedules = schedule.unwrap_or(sec.schedule).schedules();
     let search = |problem: &Problem, workload: &Workload, space: &Space| {
-        search_schedules(problem, workload, space, &schedules)
+        search_schedules(problem, workload, space, &schedules, fewer_gpus)
     };
     // Where no layout tiles all the GPUs (1,000 for a model whose stages need 32 each), the
     // LLM-centric baseline runs on fewer, the rest idle, as a Megatron job would; so may
@@ -451,6 +453,7 @@ fn search_schedules(
     workload: &Workload,
     space: &Space,
     schedules: &[Schedule],
+    fewer_gpus: bool,
 ) -> std::result::Result<Searched, String> {
     let mut steps = Vec::new();
     let mut best: Option<Outcome> = None;
@@ -484,7 +487,7 @@ fn search_schedules(
     }
     let mut o = best.ok_or_else(|| first_err.unwrap_or_else(|| "no schedule to search".into()))?;
     if schedules.contains(&Schedule::Phased) {
-        take_runnable_baseline(problem, workload, space, &mut o);
+        take_runnable_baseline(problem, workload, space, fewer_gpus, &mut o);
     }
     o.combinations = combinations;
     o.simulated = simulated;
@@ -497,7 +500,13 @@ fn search_schedules(
 /// the plan to run: `braid train` runs both (`parallel.placement = "centric"`,
 /// `"colocated"`), and a planner that names a faster layout it can run but writes a
 /// slower one helps nobody. The search's own pick stays in `searched`.
-fn take_runnable_baseline(problem: &Problem, workload: &Workload, space: &Space, o: &mut Outcome) {
+fn take_runnable_baseline(
+    problem: &Problem,
+    workload: &Workload,
+    space: &Space,
+    fewer_gpus: bool,
+    o: &mut Outcome,
+) {
     let batches: Vec<Vec<RowShape>> = (0..space.batches.max(1))
         .map(|k| workload.batch(k))
         .collect();
@@ -505,7 +514,11 @@ fn take_runnable_baseline(problem: &Problem, workload: &Workload, space: &Space,
     let closest =
         braid_balancer::plan::closest_to_baseline(problem, &o.baseline.plan, &batches, budget);
     for f in closest.into_iter().chain([o.baseline.clone()]) {
-        let fits = f.sim.peak_memory <= budget && f.plan.gpus() <= space.gpus;
+        // The baseline may sit on fewer GPUs than the world (the most its grid tiles):
+        // taken only where the caller lets the plan leave GPUs idle (`braid plan`), not
+        // for `parallel.plan = "auto"`, whose world is launched already.
+        let gpus_ok = f.plan.gpus() == space.gpus || (fewer_gpus && f.plan.gpus() < space.gpus);
+        let fits = f.sim.peak_memory <= budget && gpus_ok;
         if fits && f.sim.step_s < o.best.sim.step_s {
             o.best = f;
         }

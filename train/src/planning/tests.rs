@@ -230,3 +230,23 @@ fn an_llm_centric_plan_file_sets_the_centric_placement() {
     assert_eq!((p.audio.tp, p.audio.dp), (2, 2));
     assert_eq!(cfg.train.microbatches, 4);
 }
+
+/// The LLM-centric baseline may tile fewer GPUs than asked (the 70B's grid: 80 of 83).
+/// `braid plan` may then write it (it says how many ranks to launch); `"auto"`, whose
+/// world is launched already, must keep a plan on every rank of it (a review found the
+/// 80-GPU baseline written for a world of 83, which the trainer then refused).
+#[test]
+fn a_plan_for_a_launched_world_uses_all_of_it() {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../configs/plan-70b.toml"
+    ))
+    .unwrap();
+    let cfg = RunConfig::from_toml(&text, "plan-70b.toml", &[]).unwrap();
+    let launched = plan(&cfg, 83, None, None, None, false).unwrap();
+    assert_eq!(launched.outcome.best.plan.gpus(), 83);
+    assert_eq!(launched.gpus, 83);
+    let free = plan(&cfg, 83, None, None, None, true).unwrap();
+    assert!(free.outcome.best.plan.gpus() <= 83);
+    assert!(free.outcome.best.sim.step_s <= launched.outcome.best.sim.step_s);
+}
