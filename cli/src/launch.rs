@@ -26,8 +26,8 @@ pub struct LaunchArgs {
     /// Host of rank 0 (node 0), reachable from every machine.
     #[arg(long, default_value = "127.0.0.1")]
     master_addr: String,
-    /// Port of the rendezvous store on the master.
-    #[arg(long, default_value_t = 29500)]
+    /// Port of the rendezvous store on the master (1-65535: every rank dials the same).
+    #[arg(long, default_value_t = 29500, value_parser = clap::value_parser!(u16).range(1..))]
     master_port: u16,
     /// Seconds the other ranks may outlive a failed one before they are killed (they stop
     /// on their own as soon as they notice; this bounds a hung one).
@@ -165,6 +165,14 @@ const MAX_GRACE_S: f64 = 86_400.0;
 const MAX_NPROC_PER_NODE: usize = 1024;
 
 pub fn run(args: LaunchArgs) -> ExitCode {
+    // A rank of a launch starting a launch of its own: its ranks would fight the outer
+    // world for the port and the GPUs.
+    if std::env::var_os("BRAID_LAUNCH").is_some() {
+        eprintln!(
+            "braid launch: already a rank of a `braid launch` (BRAID_LAUNCH is set): give the inner command without `launch`"
+        );
+        return ExitCode::from(2);
+    }
     if args.nproc_per_node == 0 || args.nnodes == 0 || args.node_rank >= args.nnodes {
         eprintln!(
             "braid launch: need --nproc-per-node >= 1 and --node-rank < --nnodes (got {}, {} of {})",

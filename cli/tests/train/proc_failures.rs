@@ -446,3 +446,54 @@ fn a_rank_that_reaches_another_jobs_store_stops_naming_both_jobs() {
         "the first job's rank 0 ended when the stray rank left"
     );
 }
+
+/// `braid launch` arguments no world can start with are refused before any rank starts,
+/// naming the flag, and so is a launch from inside a launched rank.
+#[test]
+fn launch_refuses_bad_arguments_and_nesting_before_starting_anything() {
+    for (args, says) in [
+        (vec!["--nproc-per-node", "0"], "--nproc-per-node >= 1"),
+        (
+            vec!["--nproc-per-node", "2", "--master-port", "0"],
+            "--master-port",
+        ),
+        (vec!["--nproc-per-node", "2", "--grace-s=-1"], "--grace-s"),
+        (
+            vec!["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "2"],
+            "--node-rank < --nnodes",
+        ),
+    ] {
+        let o = braid()
+            .arg("launch")
+            .args(&args)
+            .args(["--", "train", "--config", "missing.toml"])
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", text(&o));
+        assert!(text(&o).contains(says), "{args:?}: {}", text(&o));
+        assert!(
+            !text(&o).contains("[rank "),
+            "no rank started: {}",
+            text(&o)
+        );
+    }
+    let o = braid()
+        .env("BRAID_LAUNCH", "1")
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--",
+            "train",
+            "--config",
+            "missing.toml",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        text(&o).contains("already a rank of a `braid launch`"),
+        "{}",
+        text(&o)
+    );
+}
