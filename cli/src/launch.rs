@@ -284,6 +284,21 @@ pub fn run(args: LaunchArgs) -> ExitCode {
         );
         return ExitCode::from(u8::try_from(128 + forwarded).unwrap_or(1));
     }
+    // A stop signal sent to the ranks directly (a scheduler signalling the processes, not
+    // the launcher): they agree on a last step, checkpoint and all exit 128 + N, which is
+    // no rank's failure either.
+    let stop_codes = [128 + libc::SIGHUP, 128 + libc::SIGINT, 128 + libc::SIGTERM];
+    let code = failures.first().and_then(|(_, st)| st.code());
+    if failures.len() == children.len()
+        && code.is_some_and(|c| stop_codes.contains(&c))
+        && failures.iter().all(|(_, st)| st.code() == code)
+    {
+        let code = code.unwrap_or(1);
+        eprintln!(
+            "braid launch: every rank of this node stopped on a signal sent to the ranks directly, not through the launcher (exit code {code}; their logs say where they checkpointed)"
+        );
+        return ExitCode::from(u8::try_from(code).unwrap_or(1));
+    }
     match first_failure(&failures) {
         None => ExitCode::SUCCESS,
         Some((rank, status)) => {
