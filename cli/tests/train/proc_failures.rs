@@ -180,6 +180,21 @@ fn a_rank_killed_with_sigkill_ends_every_process_naming_it() {
     );
 }
 
+/// SIGTERM sent to one rank directly (a scheduler signalling the processes, not the
+/// launcher): every rank stops after the same step with a checkpoint and exits 143, and
+/// the launcher says so instead of blaming rank 0.
+#[test]
+fn sigterm_to_one_rank_stops_the_world_and_blames_nobody() {
+    let (out, took, code) = launch_and_signal("procs-sigterm-one", "-TERM", 3, 600);
+    assert_eq!(code, Some(143), "{out}");
+    assert!(took < Duration::from_secs(60), "took {took:?}: {out}");
+    assert!(
+        out.contains("stopped on a signal sent to the ranks directly")
+            && !out.contains("failed first"),
+        "{out}"
+    );
+}
+
 #[test]
 fn a_stopped_rank_ends_every_process_after_the_timeout_naming_it() {
     let (out, took, code) = launch_and_signal("procs-sigstop", "-STOP", 3, 5);
