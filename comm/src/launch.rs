@@ -319,22 +319,13 @@ fn torchrun(
     check_rank(name, rank, world_size, "RANK", "WORLD_SIZE")?;
     let local_rank = number(var, name, "LOCAL_RANK")?.unwrap_or(0);
     let local_world_size = number(var, name, "LOCAL_WORLD_SIZE")?;
-    match local_world_size {
-        Some(l) if local_rank >= l => {
-            return Err(err(
-                name,
-                format!("LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={l}"),
-            ));
-        }
-        Some(l) if l > world_size => {
-            return Err(err(
-                name,
-                format!(
-                    "LOCAL_WORLD_SIZE={l} is more than WORLD_SIZE={world_size}: a node cannot hold more ranks than the world"
-                ),
-            ));
-        }
-        _ => {}
+    if let Some(l) = local_world_size
+        && local_rank >= l
+    {
+        return Err(err(
+            name,
+            format!("LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={l}"),
+        ));
     }
     let master_addr = var("MASTER_ADDR")
         .filter(|s| !s.trim().is_empty())
@@ -377,8 +368,8 @@ fn slurm(var: &impl Fn(&str) -> Option<String>) -> Result<LaunchEnv, LaunchEnvEr
             })?)
         }
     };
-    // Not checked against SLURM_LOCALID and SLURM_NTASKS: `srun -n 2` inside an
-    // allocation made with `--ntasks-per-node=8` inherits the allocation's count.
+    // The node count is not checked against SLURM_LOCALID or SLURM_NTASKS: `srun -n 2`
+    // inside an allocation made with `--ntasks-per-node=8` inherits the allocation's 8.
     let master_addr = match var("MASTER_ADDR").filter(|s| !s.trim().is_empty()) {
         Some(a) => a.trim().to_string(),
         None => {

@@ -248,15 +248,6 @@ fn bad_or_missing_variables_are_named() {
             "LOCAL_RANK=3",
         ),
         (
-            vec![
-                ("RANK", "0"),
-                ("WORLD_SIZE", "1"),
-                ("MASTER_ADDR", "h"),
-                ("LOCAL_WORLD_SIZE", "4"),
-            ],
-            "LOCAL_WORLD_SIZE=4 is more than WORLD_SIZE=1",
-        ),
-        (
             vec![("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2")],
             "SLURM_JOB_NODELIST",
         ),
