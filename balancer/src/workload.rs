@@ -262,6 +262,11 @@ impl Workload {
             .collect()
     }
 
+    /// Its first `n` batches (at least one): what the planner averages a candidate over.
+    pub fn batches(&self, n: usize) -> Vec<Vec<RowShape>> {
+        (0..n.max(1)).map(|k| self.batch(k)).collect()
+    }
+
     /// Mean tokens, images and clips per row: the summary `braid plan` prints.
     pub fn summary(&self) -> (f64, f64, f64) {
         let n = self.rows.len().max(1) as f64;

@@ -38,25 +38,23 @@ pub struct LaunchArgs {
     command: Vec<String>,
 }
 
-/// The signal that asked us to stop (0: none): set by the handlers, forwarded to every
-/// child.
+/// Handlers for SIGINT and SIGTERM, which record the last one received and count them
+/// (forwarded to every child by [`supervise`]).
 fn register_signals() -> Signals {
     let signal = Arc::new(AtomicUsize::new(0));
     let count = Arc::new(AtomicUsize::new(0));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        if let Err(e) = signal_hook::flag::register_usize(sig, Arc::clone(&signal), sig as usize) {
-            eprintln!("braid launch: cannot handle signal {sig}: {e}");
-        }
-        let counter = Arc::clone(&count);
-        // SAFETY: the action only adds to an atomic, which is async-signal-safe (no
-        // allocation, no lock).
-        let counted = unsafe {
+        let (last, counter) = (Arc::clone(&signal), Arc::clone(&count));
+        // SAFETY: the action only stores to and adds to atomics, which is
+        // async-signal-safe (no allocation, no lock).
+        let registered = unsafe {
             signal_hook::low_level::register(sig, move || {
+                last.store(sig as usize, Ordering::SeqCst);
                 counter.fetch_add(1, Ordering::SeqCst);
             })
         };
-        if let Err(e) = counted {
-            eprintln!("braid launch: cannot count signal {sig}: {e}");
+        if let Err(e) = registered {
+            eprintln!("braid launch: cannot handle signal {sig}: {e}");
         }
     }
     Signals { signal, count }

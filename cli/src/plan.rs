@@ -192,11 +192,10 @@ fn plan_cmd(a: &PlanArgs) -> Result<(), String> {
     // Where the LLM-centric layout wins, what `braid train` can run nearest to it.
     let closest = (p.outcome.baseline.sim.step_s < p.outcome.best.sim.step_s)
         .then(|| {
-            let batches: Vec<_> = (0..p.batches).map(|b| p.workload.batch(b)).collect();
             closest_to_baseline(
                 &p.problem,
                 &p.outcome.baseline.plan,
-                &batches,
+                &p.workload.batches(p.batches),
                 p.problem.cluster.usable_bytes(),
             )
         })
@@ -297,9 +296,9 @@ fn found_json(f: &Found) -> Value {
 
 /// The pick's distance from the work-conserving bound, split into its parts.
 fn gap(p: &Planned) -> Gap {
-    let batches: Vec<_> = (0..p.batches.max(1)).map(|k| p.workload.batch(k)).collect();
     let b = &p.outcome.best;
-    p.problem.gap(&b.plan, &batches, &b.sim)
+    p.problem
+        .gap(&b.plan, &p.workload.batches(p.batches), &b.sim)
 }
 
 fn to_json(
@@ -484,32 +483,31 @@ fn print_text(p: &Planned, alone: Option<&Found>, closest: Option<&Found>, g: &G
         "module", "layout", "GPUs", "memory/GPU", "busy/step", "busiest GPU"
     );
     for m in [Module::Vision, Module::Audio, Module::Llm] {
-        if let Some(l) = b.plan.layout(m) {
-            let get = |v: &[(Module, f64)]| of_module(v, m).unwrap_or(0.0);
-            let (mem, busy, most) = (get(&b.sim.memory), get(&b.sim.busy), get(&b.sim.busiest));
+        let Some(l) = b.plan.layout(m) else { continue };
+        let get = |v: &[(Module, f64)]| of_module(v, m).unwrap_or(0.0);
+        // An LLM-centric encoder's replicas and time are the LLM first stage's (counted
+        // there).
+        let [layout, mem, busy, most] =
             if b.plan.placement == Placement::LlmCentric && m != Module::Llm {
-                // Its replicas and their time are the LLM first stage's (counted there).
-                println!(
-                    "  {:<7} {:<22} {:>6} {:>11} {:>12} {:>12}",
-                    m.name(),
+                [
                     format!("tp{} in LLM stage 0", l.tp),
-                    l.gpus(),
-                    "(in llm)",
-                    "(in llm)",
-                    "(in llm)"
-                );
-                continue;
-            }
-            println!(
-                "  {:<7} {:<22} {:>6} {:>11} {:>12} {:>12}",
-                m.name(),
-                layout_str(l),
-                l.gpus(),
-                bytes(mem),
-                secs(busy),
-                secs(most)
-            );
-        }
+                    "(in llm)".into(),
+                    "(in llm)".into(),
+                    "(in llm)".into(),
+                ]
+            } else {
+                [
+                    layout_str(l),
+                    bytes(get(&b.sim.memory)),
+                    secs(get(&b.sim.busy)),
+                    secs(get(&b.sim.busiest)),
+                ]
+            };
+        println!(
+            "  {:<7} {layout:<22} {:>6} {mem:>11} {busy:>12} {most:>12}",
+            m.name(),
+            l.gpus(),
+        );
     }
     let interleaved = match b.plan.llm_virtual_stages {
         v if v > 1 => format!(" (LLM interleaved: {v} chunks per stage)"),

@@ -43,7 +43,7 @@ fn trace_file(path: &Path) -> PathBuf {
 }
 
 /// Whether `a` and `b` name one existing file (two spellings, a link).
-pub(crate) fn same_file(a: &Path, b: &Path) -> bool {
+fn same_file(a: &Path, b: &Path) -> bool {
     matches!((a.canonicalize(), b.canonicalize()), (Ok(x), Ok(y)) if x == y)
 }
 

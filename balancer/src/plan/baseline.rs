@@ -31,9 +31,7 @@ pub(crate) fn first_stage_options(layers: usize, pp: usize) -> Vec<Option<usize>
 
 /// The best LLM-centric plan for `workload` alone (what [`search`] compares against).
 pub fn llm_centric(problem: &Problem, workload: &Workload, space: &Space) -> Result<Found, String> {
-    let batches: Vec<Vec<RowShape>> = (0..space.batches.max(1))
-        .map(|k| workload.batch(k))
-        .collect();
+    let batches = workload.batches(space.batches);
     baseline(problem, &batches, &Totals::of(&batches), space, &mut 0)
 }
 

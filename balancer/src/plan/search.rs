@@ -17,7 +17,7 @@ use crate::plan::layout::{Placement, Plan, Schedule};
 use crate::plan::options::{Knobs, Opt, Totals, pareto};
 use crate::plan::pick::{Combo, pick};
 use crate::plan::step::{Problem, StepSim};
-use crate::workload::{RowShape, Workload};
+use crate::workload::Workload;
 
 /// What the search may choose from.
 #[derive(Clone, Debug)]
@@ -215,9 +215,7 @@ pub fn search_beside(
     baseline: Option<&Found>,
 ) -> Result<Outcome, String> {
     let t0 = Instant::now();
-    let batches: Vec<Vec<RowShape>> = (0..space.batches.max(1))
-        .map(|k| workload.batch(k))
-        .collect();
+    let batches = workload.batches(space.batches);
     let t = Totals::of(&batches);
     let rows = workload.batch_rows;
     let g = space.gpus;

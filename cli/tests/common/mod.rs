@@ -11,6 +11,15 @@ pub fn braid(args: &[&str]) -> Output {
         .unwrap()
 }
 
+/// `braid ARGS..` from the repository root (where `configs/` is), to completion.
+pub fn braid_at_root(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_braid"))
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
 /// Stdout then stderr, as one text.
 pub fn text(o: &Output) -> String {
     format!(

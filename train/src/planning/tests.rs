@@ -1,6 +1,6 @@
 //! `parallel.plan` files and `"auto"`: what a plan sets, what it refuses, and a search on the tiny config.
 use super::*;
-use braid_balancer::Plan;
+use braid_balancer::{Placement, Plan};
 
 /// configs/tiny.toml's model and batch, with a synthetic mix to plan on.
 fn tiny(sets: &[&str]) -> RunConfig {
