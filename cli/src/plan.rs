@@ -347,6 +347,7 @@ fn to_json(
         "baseline_kind": "llm-centric: every encoder in the LLM's first pipeline stage at a TP dividing the LLM's (baseline.vision/audio.tp), a replica on every encoder-TP of the stage's GPUs, rows balanced and each microbatch's items balanced over its LLM replica's encoder replicas (what parallel.placement = \"centric\" runs)",
         "llm_alone_step_time_s": alone.map(|f| f.sim.step_s),
         "speedup_ceiling": alone.map(|f| o.baseline.sim.step_s / f.sim.step_s),
+        "llm_alone_from_bound": alone.map(|f| f.sim.step_s / g.bound_s.max(1e-12)),
         "plan_file": a.out.display().to_string(),
         "baseline_plan_file": a.baseline_out.as_ref().map(|p| p.display().to_string()),
         "closest_to_baseline": closest.map(|f| json!({

@@ -103,6 +103,10 @@ fn the_7b_reference_plans_on_64_gpus() {
     let ceiling = v["speedup_ceiling"].as_f64().unwrap();
     assert!(ceiling > v["speedup"].as_f64().unwrap(), "{v}");
     assert!((ceiling - v["baseline_step_time_s"].as_f64().unwrap() / alone).abs() < 1e-9);
+    // How far the LLM alone is from the bound: the nearest any plan can come to it.
+    let alone_from_bound = v["llm_alone_from_bound"].as_f64().unwrap();
+    assert!((alone_from_bound - alone / bound).abs() < 1e-9, "{v}");
+    assert!(alone_from_bound <= v["from_bound"].as_f64().unwrap(), "{v}");
     // Idle time excludes the collectives, which the non-computing share counts.
     let (idle, bubble) = (v["idle"].as_f64().unwrap(), v["bubble"].as_f64().unwrap());
     assert!((0.0..=bubble).contains(&idle) && bubble < 1.0, "{v}");

@@ -222,8 +222,11 @@ pub(crate) fn layouts(p: &Problem, m: Module, g: usize, rows: usize) -> Vec<Layo
         return Vec::new();
     };
     let node = p.cluster.gpus_per_node;
+    // Any CP up to 8 for the LLM (the trainer splits a row into `2 cp` chunks for every
+    // `cp`; a world of 3 nodes, 24 GPUs, runs the 7B fastest at cp3), 1 or 2 for the
+    // encoders, whose items are short.
     let cps: &[usize] = if m == Module::Llm {
-        &[1, 2, 4, 8]
+        &[1, 2, 3, 4, 5, 6, 7, 8]
     } else {
         &[1, 2]
     };

@@ -113,7 +113,7 @@ pub(super) fn explain(
             "this plan gets none of it".to_string()
         };
         out.push(format!(
-            "the LLM alone (its best layout on {}, the encoders' work free) takes {}: no per-module layout can beat the LLM-centric one by more than {:.2}x on this workload; {got}",
+            "the LLM alone (its best layout on {}, the encoders' work free) takes {}: no per-module layout can beat the LLM-centric one by more than {:.2}x on this workload; {got}{}",
             match (al.plan.gpus(), p.gpus) {
                 (_, 1) => "the one GPU".to_string(),
                 (n, g) if n < g => format!("{n} of the {g} GPUs, the most one tiles"),
@@ -121,6 +121,7 @@ pub(super) fn explain(
             },
             secs(al.sim.step_s),
             base.sim.step_s / al.sim.step_s,
+            alone_past_bound(al.sim.step_s, g.bound_s),
         ));
     }
     if base.sim.step_s < b.sim.step_s && b.sim.step_s <= 1.01 * base.sim.step_s {
@@ -240,4 +241,18 @@ fn split_reason(b: &Found) -> String {
 fn gain_share(baseline: f64, step: f64, alone: f64) -> Option<f64> {
     let room = baseline - alone;
     (room > 0.0).then(|| (baseline - step) / room)
+}
+
+/// Where the LLM alone already takes longer than the bound (its sync or its pipeline
+/// exposed, which the bound puts on lanes of their own), the nearest any plan can come to
+/// the bound under this cost model: a plan's step is never shorter than its LLM's.
+fn alone_past_bound(alone_s: f64, bound_s: f64) -> String {
+    let r = alone_s / bound_s.max(1e-12);
+    if r >= 1.005 {
+        format!(
+            "; the LLM alone is {r:.2}x the work-conserving bound, so no plan comes nearer the bound than that"
+        )
+    } else {
+        String::new()
+    }
 }

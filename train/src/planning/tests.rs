@@ -250,3 +250,108 @@ fn a_plan_for_a_launched_world_uses_all_of_it() {
     assert!(free.outcome.best.plan.gpus() <= 83);
     assert!(free.outcome.best.sim.step_s <= launched.outcome.best.sim.step_s);
 }
+
+/// Every layout of the LLM alone in the planner's space on `gpus` GPUs (TP a power of two
+/// within a node, CP up to 8, PP dividing the layers, interleaved chunks, the
+/// microbatch counts the search tries, recomputation), simulated: the least step among
+/// those that fit, and its plan.
+fn llm_alone_brute_force(p: &Planned, gpus: usize, rows: usize) -> (f64, Option<Plan>) {
+    let problem = Problem {
+        model: ModelDims {
+            vision: None,
+            audio: None,
+            ..p.problem.model.clone()
+        },
+        ..p.problem.clone()
+    };
+    let batches = p.workload.batches(p.batches);
+    let budget = problem.cluster.usable_bytes();
+    let mut best = (f64::INFINITY, None);
+    let divisors = |n: usize| (1..=n).filter(move |d| n.is_multiple_of(*d));
+    let node = problem.cluster.gpus_per_node;
+    for tp in divisors(node).filter(|t| t.is_power_of_two()) {
+        for cp in 1..=8 {
+            for pp in divisors(problem.model.llm.layers).filter(|&pp| pp <= 32) {
+                if !gpus.is_multiple_of(tp * cp * pp) {
+                    continue;
+                }
+                let dp = gpus / tp / cp / pp;
+                let per = rows / dp.max(1);
+                // The counts the search tries: powers of two up to the rows, and that.
+                let counts = (0..usize::BITS)
+                    .map(|k| 1usize << k)
+                    .take_while(|&m| m < per)
+                    .chain([per]);
+                for mbs in counts {
+                    for v in 1..=problem.model.llm.layers {
+                        for recompute in [false, true] {
+                            let plan = Plan {
+                                placement: Placement::Colocated,
+                                schedule: Schedule::Phased,
+                                microbatches: mbs,
+                                recompute,
+                                recompute_encoders: false,
+                                llm_first_stage_layers: None,
+                                llm_virtual_stages: v,
+                                zero1: true,
+                                llm: braid_balancer::Layout { tp, cp, pp, dp },
+                                vision: None,
+                                audio: None,
+                            };
+                            if plan
+                                .check(&problem.model, &problem.cluster, gpus, rows)
+                                .is_err()
+                            {
+                                continue;
+                            }
+                            let Ok(sim) = braid_balancer::plan::mean_sim(&problem, &plan, &batches)
+                            else {
+                                continue;
+                            };
+                            if sim.peak_memory <= budget && sim.step_s < best.0 {
+                                best = (sim.step_s, Some(plan));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    best
+}
+
+/// The LLM alone, whose step is the ceiling `braid plan` reports (no per-module plan's
+/// step is shorter than its LLM's), is the best of every LLM layout, not only the best the
+/// heuristic search found: on the tiny model, and on the 7B reference workload's model
+/// with a smaller batch, where layouts differ.
+#[test]
+fn the_llm_alone_is_the_best_of_every_llm_layout() {
+    let mix = "plan.mix={text_median=40.0,text_sigma=0.5,image_prob=0.8,audio_prob=0.3}";
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../configs/plan-7b.toml"
+    ))
+    .unwrap();
+    let sets = [
+        "train.batch_rows=32".to_string(),
+        "plan.batches=1".to_string(),
+    ];
+    let seven_b = RunConfig::from_toml(&text, "plan-7b.toml", &sets).unwrap();
+    let cases = [1, 2, 4, 6, 8]
+        .map(|g| (tiny(&[mix]), g))
+        .into_iter()
+        .chain([8, 16, 24].map(|g| (seven_b.clone(), g)));
+    for (cfg, gpus) in cases {
+        let rows = cfg.train.batch_rows.unwrap();
+        let p = plan(&cfg, gpus, None, None, None, false).unwrap();
+        let alone = llm_alone(&p).unwrap().unwrap();
+        let (brute, at) = llm_alone_brute_force(&p, gpus, rows);
+        assert!(
+            alone.sim.step_s <= brute * (1.0 + 1e-9),
+            "{} on {gpus} GPUs: the LLM alone {} s ({:?}) against {brute} s by brute force ({at:?})",
+            cfg.run.name,
+            alone.sim.step_s,
+            alone.plan
+        );
+    }
+}
