@@ -5,17 +5,17 @@
 use std::path::{Path, PathBuf};
 
 use braid_balancer::cluster::GIB;
-use braid_balancer::plan::bound::{BoundPart, Gap};
+use braid_balancer::plan::bound::Gap;
 use braid_balancer::plan::closest_to_baseline;
 use braid_balancer::plan::search::Found;
-use braid_balancer::{Layout, Module, Placement};
+use braid_balancer::{Module, Placement};
 use braid_train::RunConfig;
 use braid_train::planning::{MAX_PLAN_CHECK, PlanFile, PlanSchedule, Planned, llm_alone, plan};
 use clap::Args;
 use serde_json::{Value, json};
 
 mod explain;
-use explain::explain;
+use explain::{explain, idle_note, layout_str};
 
 #[derive(Debug, Args)]
 pub struct PlanArgs {
@@ -379,37 +379,6 @@ fn bound_layouts_json(g: &Gap) -> Value {
         );
     }
     Value::Object(out)
-}
-
-/// `llm tp2 cp1 pp8 v5 dp16 on 256 GPUs, recompute`: a module's layout in the bound.
-fn bound_layout_str(b: &BoundPart) -> String {
-    let l = b.layout;
-    let mut s = format!("{} tp{} cp{} pp{}", b.module.name(), l.tp, l.cp, l.pp);
-    if b.virtual_stages > 1 {
-        s += &format!(" v{}", b.virtual_stages);
-    }
-    s += &format!(" dp{} on {} GPUs", l.dp, l.gpus());
-    if let Some(f) = b.first_stage_layers {
-        s += &format!(", first stage {f} layers");
-    }
-    if b.recompute {
-        s += ", recompute";
-    }
-    s
-}
-
-/// `, on 992 of 1000 GPUs`: a layout that leaves GPUs idle because none tiles them all
-/// (nothing when it uses every one).
-fn idle_note(used: usize, gpus: usize) -> String {
-    if used < gpus {
-        format!(", on {used} of {gpus} GPUs: none that fits tiles them all")
-    } else {
-        String::new()
-    }
-}
-
-fn layout_str(l: Layout) -> String {
-    format!("tp{} cp{} pp{} dp{}", l.tp, l.cp, l.pp, l.dp)
 }
 
 fn print_text(p: &Planned, alone: Option<&Found>, closest: Option<&Found>, g: &Gap, a: &PlanArgs) {

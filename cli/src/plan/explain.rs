@@ -1,12 +1,12 @@
 //! `braid plan`'s explanation: what binds the chosen plan, why the GPUs are split as they
 //! are, and why it beats the LLM-centric layout or, where it does not, why not.
 
-use braid_balancer::plan::bound::Gap;
+use braid_balancer::plan::bound::{BoundPart, Gap};
 use braid_balancer::plan::search::Found;
-use braid_balancer::{Module, Placement, Schedule};
+use braid_balancer::{Layout, Module, Placement, Schedule};
 use braid_train::planning::Planned;
 
-use super::{bound_layout_str, bytes, idle_note, layout_str, secs};
+use super::{bytes, secs};
 
 /// What binds the chosen plan and why it beats the LLM-centric one (`g`: the pick's gap
 /// from the bound).
@@ -255,4 +255,35 @@ fn alone_past_bound(alone_s: f64, bound_s: f64) -> String {
     } else {
         String::new()
     }
+}
+
+/// `llm tp2 cp1 pp8 v5 dp16 on 256 GPUs, recompute`: a module's layout in the bound.
+fn bound_layout_str(b: &BoundPart) -> String {
+    let l = b.layout;
+    let mut s = format!("{} tp{} cp{} pp{}", b.module.name(), l.tp, l.cp, l.pp);
+    if b.virtual_stages > 1 {
+        s += &format!(" v{}", b.virtual_stages);
+    }
+    s += &format!(" dp{} on {} GPUs", l.dp, l.gpus());
+    if let Some(f) = b.first_stage_layers {
+        s += &format!(", first stage {f} layers");
+    }
+    if b.recompute {
+        s += ", recompute";
+    }
+    s
+}
+
+/// `, on 992 of 1000 GPUs`: a layout that leaves GPUs idle because none tiles them all
+/// (nothing when it uses every one).
+pub(super) fn idle_note(used: usize, gpus: usize) -> String {
+    if used < gpus {
+        format!(", on {used} of {gpus} GPUs: none that fits tiles them all")
+    } else {
+        String::new()
+    }
+}
+
+pub(super) fn layout_str(l: Layout) -> String {
+    format!("tp{} cp{} pp{} dp{}", l.tp, l.cp, l.pp, l.dp)
 }
