@@ -91,6 +91,18 @@ fn take_runnable_baseline(
 /// A search's outcome, and each schedule's best step in it.
 type Searched = (Outcome, Vec<(Schedule, f64)>);
 
+/// `p`'s problem with the encoders removed: the LLM alone on the same cluster and data.
+pub(crate) fn llm_alone_problem(p: &Planned) -> Problem {
+    Problem {
+        model: ModelDims {
+            vision: None,
+            audio: None,
+            ..p.problem.model.clone()
+        },
+        ..p.problem.clone()
+    }
+}
+
 /// The LLM's own best step on all `p.gpus` GPUs, its encoders' work taken as free (their
 /// tokens still reach the LLM): a ceiling on what any per-module layout can gain over the
 /// LLM-centric one, since a plan's step is never shorter than its LLM's. `None` for a
@@ -99,14 +111,7 @@ pub fn llm_alone(p: &Planned) -> Result<Option<Found>> {
     if p.problem.model.vision.is_none() && p.problem.model.audio.is_none() {
         return Ok(None);
     }
-    let problem = Problem {
-        model: ModelDims {
-            vision: None,
-            audio: None,
-            ..p.problem.model.clone()
-        },
-        ..p.problem.clone()
-    };
+    let problem = llm_alone_problem(p);
     let mut space = Space::new(p.gpus);
     space.batches = p.batches;
     space.placements = vec![Placement::Colocated];

@@ -256,14 +256,7 @@ fn a_plan_for_a_launched_world_uses_all_of_it() {
 /// microbatch counts the search tries, recomputation), simulated: the least step among
 /// those that fit, and its plan.
 fn llm_alone_brute_force(p: &Planned, gpus: usize, rows: usize) -> (f64, Option<Plan>) {
-    let problem = Problem {
-        model: ModelDims {
-            vision: None,
-            audio: None,
-            ..p.problem.model.clone()
-        },
-        ..p.problem.clone()
-    };
+    let problem = super::schedules::llm_alone_problem(p);
     let batches = p.workload.batches(p.batches);
     let budget = problem.cluster.usable_bytes();
     let mut best = (f64::INFINITY, None);
