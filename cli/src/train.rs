@@ -405,7 +405,10 @@ fn summary(s: &RunSummary, dir: &Path, plot: Option<&Path>) {
 }
 
 pub fn run(args: TrainArgs) -> ExitCode {
-    let cfg = match RunConfig::from_file(&args.config, &args.sets) {
+    // A device this machine lacks is refused before any work (no run folder, no logs).
+    let cfg = match RunConfig::from_file(&args.config, &args.sets)
+        .and_then(|c| c.parallel.check_device().map(|()| c))
+    {
         Ok(c) => c,
         Err(e) => {
             say!("braid train: error: {e}");

@@ -141,6 +141,7 @@ impl Trainer {
         }
         cfg.parallel.plan = None;
         cfg.validate()?;
+        cfg.parallel.check_device()?;
         // Thread ranks share one process's memory and cores: a world this large (from the
         // config or a plan file) is a typo or belongs to processes, and spawning it would
         // end in an allocation abort.

@@ -213,7 +213,11 @@ impl ParallelConfig {
         }
     }
 
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    /// Whether `parallel.device` can run on this machine: `"cuda"` needs a driver and a
+    /// GPU. Checked where a run starts, not when a config is read, so that a `"cuda"`
+    /// config plans on a login node (`braid plan`) and a GPU run's checkpoint answers on
+    /// a CPU (`braid generate` reads the config saved with it).
+    pub fn check_device(&self) -> Result<(), ConfigError> {
         if self.device == Device::Cuda
             && let Some(reason) = self.kernel_device().unavailable_reason()
         {
@@ -222,6 +226,10 @@ impl ParallelConfig {
                 format!("\"cuda\": no usable GPU here: {reason}; use \"cpu\""),
             ));
         }
+        Ok(())
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
         if self.world_size == 0 {
             return Err(invalid("parallel.world_size", "must be >= 1"));
         }

@@ -86,7 +86,6 @@ fn typos_and_bad_values_name_the_key() {
         (&["train.freeze=[\"visoin\"]"][..], "visoin"),
         (&["parallel.world_size=0"][..], "parallel.world_size"),
         (&["parallel.timeout_s=0"][..], "parallel.timeout_s"),
-        (&["parallel.device=\"cuda\""][..], "parallel.device"),
         (&["parallel.llm.tp=0"][..], "parallel.llm.tp"),
         (
             &["parallel.llm.virtual_stages=0"][..],
@@ -182,4 +181,25 @@ fn schema_errors_in_the_file_give_line_and_column() {
     let e = err(&["train.stpes=3"]);
     assert!(e.contains("stpes") && e.contains("--set"), "{e}");
     assert!(!e.contains("line "), "{e}");
+}
+
+/// A `"cuda"` config reads anywhere (`braid plan` on a login node, `braid generate` of a
+/// GPU run's checkpoint on a CPU); running it is refused, naming the key, where this
+/// machine has no usable GPU.
+#[test]
+fn a_cuda_config_reads_anywhere_and_runs_only_with_a_gpu() {
+    let c = RunConfig::from_toml(BASE, "base.toml", &["parallel.device=\"cuda\"".into()]).unwrap();
+    assert_eq!(c.parallel.device, Device::Cuda);
+    match braid_kernels::Device::Cuda(0).unavailable_reason() {
+        Some(_) => {
+            let e = c.parallel.check_device().unwrap_err().to_string();
+            assert!(
+                e.contains("parallel.device") && e.contains("no usable GPU"),
+                "{e}"
+            );
+        }
+        None => c.parallel.check_device().unwrap(),
+    }
+    let cpu = RunConfig::from_toml(BASE, "base.toml", &[]).unwrap();
+    cpu.parallel.check_device().unwrap();
 }

@@ -283,6 +283,7 @@ fn set_up(
 ) -> Result<(Trainer, Arc<dyn Comm>, String)> {
     let env = p.env.clone();
     let store_err = setup_err(env.rank);
+    cfg.parallel.check_device()?;
     let mut cfg = cfg;
     if cfg.parallel.world_size != 1 && cfg.parallel.world_size != env.world_size {
         return Err(TrainError::Config(crate::config::invalid(
