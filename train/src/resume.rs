@@ -61,7 +61,7 @@ pub fn check_resumable(saved_toml: &str, cfg: &RunConfig) -> Result<()> {
     if let Some(key) = first_difference(&json(saved)?, &json(now)?, "") {
         return Err(invalid(
             key,
-            "differs from the checkpoint's config; a resumed run must keep the model, data, batch, optimizer and seed (only run.name/dir, log, checkpoint, eval, fault, data.workers/prefetch/build/demo and train.steps may change)",
+            "differs from the checkpoint's config; a resumed run must keep the model, data, batch, optimizer and seed (only run.name/dir, log, checkpoint, eval, fault, data.workers/prefetch/build/demo, train.steps, train.precision and parallel may change)",
         )
         .into());
     }

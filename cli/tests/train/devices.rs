@@ -68,7 +68,10 @@ fn a_cuda_config_plans_and_its_checkpoint_generates_without_a_gpu() {
         packed.to_str().unwrap(),
         "--gpus",
         "8",
+        "--out",
+        fixture().join("cuda-plan-out.toml").to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("braid plan"), "{}", text(&o));
+    assert!(fixture().join("cuda-plan-out.toml").is_file());
 }
