@@ -473,6 +473,8 @@ fn modules_start_from_a_hugging_face_export() {
 
 #[path = "train/bad_configs.rs"]
 mod bad_configs;
+#[path = "train/damaged_checkpoints.rs"]
+mod damaged_checkpoints;
 #[path = "train/demo_resume.rs"]
 mod demo_resume;
 /// The multi-rank runs: in their own file, in this test binary (one fixture, one

@@ -138,6 +138,39 @@ pub fn list(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
     Ok(out)
 }
 
+/// Entries under `root` named like checkpoints (`step-*`) that [`list`] does not take, as
+/// (folder, why): damaged or hand-made, never left by a crash (a save that dies leaves a
+/// `.tmp-*` folder). Resuming past them, or a new run saving over them, would lose what
+/// they hold.
+pub fn unusable(root: &Path) -> Result<Vec<(PathBuf, String)>> {
+    let rd = match std::fs::read_dir(root) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_err(root, "list")(e)),
+    };
+    let mut out = Vec::new();
+    for entry in rd {
+        let entry = entry.map_err(io_err(root, "list"))?;
+        let name = entry.file_name().to_string_lossy().to_string();
+        let Some(n) = name.strip_prefix("step-") else {
+            continue;
+        };
+        let path = entry.path();
+        let why = if n.parse::<u64>().is_err() {
+            "its name is not step-<number>"
+        } else if !path.is_dir() {
+            "not a folder"
+        } else if !path.join(STATE_FILE).is_file() {
+            "no state.json in it"
+        } else {
+            continue;
+        };
+        out.push((path, why.to_string()));
+    }
+    out.sort();
+    Ok(out)
+}
+
 /// What every checkpoint holds besides tensors and state: the resolved run config, the
 /// data config, the tokenizer's files.
 pub(crate) fn files<'a>(
@@ -267,6 +300,16 @@ pub fn read_state(dir: &Path) -> Result<TrainState> {
             format!(
                 "says step {} but the folder holds step {n}: the checkpoint is damaged",
                 state.step
+            ),
+        ));
+    }
+    // Every step takes one batch: the loader cannot be further on than the step count.
+    if state.loader.epoch > state.step || state.loader.batch > state.step {
+        return Err(ckpt_err(
+            &p,
+            format!(
+                "loader epoch {} batch {} lie beyond step {}: the checkpoint is damaged",
+                state.loader.epoch, state.loader.batch, state.step
             ),
         ));
     }

@@ -171,6 +171,19 @@ impl Trainer {
             ));
         }
         let latest = checkpoint::latest(&ckpt_root)?;
+        // A damaged `step-*` entry (not a crash's leftover, which is `.tmp-*`): resuming
+        // from an older checkpoint or from step 0 would save over it, so nothing goes on
+        // until someone has looked at it.
+        if let Some((path, why)) = checkpoint::unusable(&ckpt_root)?.into_iter().next() {
+            return Err(TrainError::Checkpoint {
+                path,
+                reason: format!(
+                    "{why}: not a complete checkpoint, and {} would save over it; move it out of {} (nothing was changed)",
+                    if resume { "--resume" } else { "this run" },
+                    ckpt_root.display()
+                ),
+            });
+        }
         if !resume && latest.is_some() {
             return Err(invalid(
                 "run.dir",

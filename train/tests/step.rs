@@ -267,6 +267,14 @@ fn checkpoints_restore_weights_and_moments_exactly() {
             "\"optimizer_step\": 7,",
             "cannot exceed step 1",
         ),
+        // A loader further on than the steps taken (u64::MAX used to overflow the loader's
+        // epoch count and panic).
+        (
+            "\"epoch\": 0,",
+            "\"epoch\": 18446744073709551615,",
+            "lie beyond step 1",
+        ),
+        ("\"batch\": 1,", "\"batch\": 5,", "lie beyond step 1"),
         // A run of skipped steps longer than all skipped steps (u64::MAX used to wrap
         // round the stop guard on the next skip).
         (

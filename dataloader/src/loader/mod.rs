@@ -295,7 +295,8 @@ impl Loader {
         );
         self.state.batch += 1;
         if self.state.batch == self.batches_per_epoch() {
-            self.state.epoch += 1;
+            // Saturating: a state read from a damaged checkpoint must not overflow here.
+            self.state.epoch = self.state.epoch.saturating_add(1);
             self.state.batch = 0;
         }
         Ok(batch)
@@ -353,7 +354,7 @@ impl Producer {
                 }
                 b += 1;
             }
-            epoch += 1;
+            epoch = epoch.saturating_add(1);
             b = 0;
         }
     }
