@@ -94,10 +94,32 @@ pub enum DatasetError {
     Shard(#[from] ShardError),
 }
 
+/// The most bytes a `dataset.json` may hold (it lists shards and histograms: ~100 bytes a
+/// shard, so a million shards fit many times over).
+const MAX_DATASET_JSON: u64 = 1 << 30;
+
 impl DatasetInfo {
     /// Reads `dir/dataset.json`.
     pub fn read(dir: &Path) -> Result<DatasetInfo, DatasetError> {
         let path = dir.join(DATASET_JSON);
+        let invalid = |reason: String| DatasetError::Invalid {
+            path: path.display().to_string(),
+            reason,
+        };
+        // `braid pack` writes it as a regular file: a device or FIFO in its place (a
+        // symlink to /dev/zero) would be read without end.
+        match std::fs::metadata(&path) {
+            Ok(m) if !m.is_file() => {
+                return Err(invalid("not a regular file (a folder, FIFO or device)".into()));
+            }
+            Ok(m) if m.len() > MAX_DATASET_JSON => {
+                return Err(invalid(format!(
+                    "{} bytes, more than a dataset.json's {MAX_DATASET_JSON} at most",
+                    m.len()
+                )));
+            }
+            _ => {}
+        }
         let text = std::fs::read_to_string(&path).map_err(|e| DatasetError::Missing {
             dir: dir.display().to_string(),
             reason: e.to_string(),

@@ -195,3 +195,28 @@ fn an_input_unreadable_from_the_start_is_named_when_nothing_is_left() {
         "{text}"
     );
 }
+
+/// A `dataset.json` that is a device or a FIFO (a symlink to /dev/zero) is refused at
+/// once, naming it, instead of being read without end.
+#[cfg(unix)]
+#[test]
+fn a_dataset_json_that_is_a_device_or_fifo_is_refused_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let zero = tmp.path().join("zero");
+    std::fs::create_dir_all(&zero).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", zero.join("dataset.json")).unwrap();
+    let fifo = tmp.path().join("fifo");
+    std::fs::create_dir_all(&fifo).unwrap();
+    let made = std::process::Command::new("mkfifo")
+        .arg(fifo.join("dataset.json"))
+        .status()
+        .unwrap();
+    assert!(made.success());
+    for dir in [&zero, &fifo] {
+        let e = DatasetInfo::read(dir).unwrap_err().to_string();
+        assert!(
+            e.contains("dataset.json") && e.contains("not a regular file"),
+            "{e}"
+        );
+    }
+}
