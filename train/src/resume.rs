@@ -88,6 +88,15 @@ pub fn check_same_data(saved_json: &str, now_json: &str, checkpoint: &str) -> Re
                 .collect(),
         ))
     };
+    // Not JSON at all is damage (a cut or overwritten file), not a newer version's fields.
+    if let Err(e) = serde_json::from_str::<serde_json::Value>(saved_json) {
+        return Err(crate::error::TrainError::Checkpoint {
+            path: std::path::Path::new(checkpoint).join(crate::checkpoint::DATA_FILE),
+            reason: format!(
+                "not JSON ({e}): the checkpoint is damaged, so whether the dataset is the one it trained on cannot be checked"
+            ),
+        });
+    }
     let (Some(saved), Some(now)) = (rows(saved_json), rows(now_json)) else {
         return Ok(());
     };
@@ -217,7 +226,12 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("`image.size`"), "{e}");
-        // Not a data config this version reads: not compared.
-        check_same_data("not json", &saved, "ck").unwrap();
+        // JSON this version's data config does not read (a newer one's): not compared.
+        check_same_data(r#"{"pack": {"window": "wide"}}"#, &saved, "ck").unwrap();
+        // Not JSON at all (a cut file): damage, refused naming the file.
+        for cut in ["not json", &saved[..40]] {
+            let e = check_same_data(cut, &saved, "ck").unwrap_err().to_string();
+            assert!(e.contains("data.json") && e.contains("damaged"), "{e}");
+        }
     }
 }
