@@ -110,7 +110,9 @@ impl DatasetInfo {
         // symlink to /dev/zero) would be read without end.
         match std::fs::metadata(&path) {
             Ok(m) if !m.is_file() => {
-                return Err(invalid("not a regular file (a folder, FIFO or device)".into()));
+                return Err(invalid(
+                    "not a regular file (a folder, FIFO or device)".into(),
+                ));
             }
             Ok(m) if m.len() > MAX_DATASET_JSON => {
                 return Err(invalid(format!(

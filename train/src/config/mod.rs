@@ -115,6 +115,10 @@ pub struct DataSection {
     pub verify: bool,
 }
 
+/// Upper bounds of a rank's loader settings (see [`RunConfig::validate`]).
+const MAX_DATA_WORKERS: usize = 256;
+const MAX_DATA_PREFETCH: usize = 64;
+
 fn default_workers() -> usize {
     2
 }
@@ -327,11 +331,26 @@ impl RunConfig {
                 return Err(invalid(key, "must not be an empty path"));
             }
         }
-        if d.workers == 0 {
-            return Err(invalid("data.workers", "must be >= 1"));
+        // Each rank runs its own loader: more threads than a node has cores, or more
+        // decoded batches than a few steps' worth, is a typo (100,000 threads failed
+        // after a minute with an OS error that named no key).
+        if !(1..=MAX_DATA_WORKERS).contains(&d.workers) {
+            return Err(invalid(
+                "data.workers",
+                format!(
+                    "{} decoding threads: must be 1..={MAX_DATA_WORKERS}",
+                    d.workers
+                ),
+            ));
         }
-        if d.prefetch == 0 {
-            return Err(invalid("data.prefetch", "must be >= 1"));
+        if !(1..=MAX_DATA_PREFETCH).contains(&d.prefetch) {
+            return Err(invalid(
+                "data.prefetch",
+                format!(
+                    "{} batches kept ready: must be 1..={MAX_DATA_PREFETCH}",
+                    d.prefetch
+                ),
+            ));
         }
         if self.eval.batch_rows == 0 {
             return Err(invalid("eval.batch_rows", "must be >= 1"));

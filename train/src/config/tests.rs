@@ -85,6 +85,9 @@ fn typos_and_bad_values_name_the_key() {
         (&["train.microbatches=9"][..], "train.microbatches"),
         (&["train.freeze=[\"visoin\"]"][..], "visoin"),
         (&["parallel.world_size=0"][..], "parallel.world_size"),
+        (&["data.workers=100000"][..], "data.workers"),
+        (&["data.workers=0"][..], "data.workers"),
+        (&["data.prefetch=100000"][..], "data.prefetch"),
         (&["parallel.timeout_s=0"][..], "parallel.timeout_s"),
         (&["parallel.llm.tp=0"][..], "parallel.llm.tp"),
         (
