@@ -4,6 +4,7 @@ pub mod config;
 pub mod cost;
 pub mod dataset;
 pub mod demo;
+pub mod guard;
 pub mod job;
 pub mod job_output;
 pub mod loader;

@@ -6,7 +6,6 @@
 //! `catch_unwind`, so a third-party decoder that panics on hostile bytes rejects one sample.
 
 use std::io::Read;
-use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use serde::{Deserialize, Serialize};
 
@@ -370,8 +369,8 @@ fn guarded<T>(
     name: &str,
     f: impl FnOnce() -> Result<T, (&'static str, String)>,
 ) -> Result<T, (&'static str, String)> {
-    catch_unwind(AssertUnwindSafe(f))
-        .unwrap_or_else(|_| Err(("corrupt", format!("{name}: the decoder panicked"))))
+    crate::guard::catch(f)
+        .unwrap_or_else(|why| Err(("corrupt", format!("{name}: the decoder panicked: {why}"))))
 }
 
 /// f32 in [-1, 1] -> 16-bit PCM (clamped, rounded). The quantization step (2^-15 of full scale,

@@ -223,6 +223,23 @@ fn long_clips_are_rejected_or_truncated_per_config() {
     assert_eq!(got.len(), 40_000);
 }
 
+/// A header claiming 65,535 channels over a few samples: symphonia's WAV reader overflows
+/// on it (a panic where overflow checks are on). It is a reject naming the file, and a
+/// caught panic's reason carries the panic's own message and place, not just "panicked".
+#[test]
+fn a_wav_claiming_65535_channels_is_a_reject_with_the_reason() {
+    let mut b = wav(Fmt::I16, 16_000, 1, &sine(440.0, 16_000, 2000, 0.5));
+    // The canonical header's channel count (bytes 22-23, little-endian).
+    b[22] = 0xff;
+    b[23] = 0xff;
+    let e = decode_audio(&b, "ch65535.wav", &cfg()).unwrap_err();
+    let msg = e.to_string();
+    assert!(msg.contains("ch65535.wav"), "{msg}");
+    if msg.contains("panicked") {
+        assert!(msg.contains("overflow") && msg.contains("(at "), "{msg}");
+    }
+}
+
 #[test]
 fn absurd_rates_and_channel_counts_are_rejected() {
     let x = sine(440.0, 16_000, 2000, 0.5);

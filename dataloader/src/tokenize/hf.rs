@@ -2,7 +2,6 @@
 //! (built with `fancy-regex`: pure Rust, handles the look-ahead in Qwen's and Llama 3's
 //! pre-tokenizer regexes).
 
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
 
 use super::{Result, TokenizeError, Tokenizer};
@@ -39,8 +38,12 @@ impl HfTokenizer {
             reason,
         };
         // A malformed file is a load error, whatever the library does with it.
-        let parsed = catch_unwind(|| tokenizers::Tokenizer::from_bytes(bytes))
-            .map_err(|_| load_err("the tokenizers library panicked while parsing".into()))?;
+        let parsed =
+            crate::guard::catch(|| tokenizers::Tokenizer::from_bytes(bytes)).map_err(|why| {
+                load_err(format!(
+                    "the tokenizers library panicked while parsing: {why}"
+                ))
+            })?;
         let mut inner = parsed.map_err(|e| load_err(e.to_string()))?;
         // Samples are truncated (or rejected) by the packer, which counts them; a
         // truncation or padding setting saved in the file must not act silently.
@@ -91,8 +94,8 @@ impl Tokenizer for HfTokenizer {
             reason,
         };
         // Input text is untrusted: a panic inside the library is a rejected sample.
-        let enc = catch_unwind(AssertUnwindSafe(|| self.inner.encode_fast(text, false)))
-            .map_err(|_| err("the tokenizers library panicked".into()))?
+        let enc = crate::guard::catch(|| self.inner.encode_fast(text, false))
+            .map_err(|why| err(format!("the tokenizers library panicked: {why}")))?
             .map_err(|e| err(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
     }

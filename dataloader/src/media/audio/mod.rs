@@ -20,7 +20,6 @@
 //! reported as `Corrupt`; the default panic hook still prints it to stderr.
 
 use std::collections::HashMap;
-use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use rubato::audioadapter_buffers::direct::InterleavedSlice;
 use rubato::{
@@ -271,11 +270,11 @@ impl AudioDecoder {
         }
         // symphonia is safe Rust but documents that some malformed streams may panic; a panic
         // in a third-party decoder on hostile bytes must still be a reject, not a dead worker.
-        let decoded = catch_unwind(AssertUnwindSafe(|| decode_mono(bytes, name, &self.cfg)))
-            .unwrap_or_else(|_| {
+        let decoded =
+            crate::guard::catch(|| decode_mono(bytes, name, &self.cfg)).unwrap_or_else(|why| {
                 Err(AudioError::Corrupt {
                     name: name.into(),
-                    reason: "the decoder panicked on this stream".into(),
+                    reason: format!("the decoder panicked on this stream: {why}"),
                 })
             })?;
         let mut out = self.resample(decoded, name)?;
