@@ -71,7 +71,7 @@ mod tests {
         let overflow = catch(|| {
             let x: u8 = std::hint::black_box(255);
             x.checked_add(1)
-                .map_or_else(|| panic!("attempt to add with overflow"), |v| v)
+                .unwrap_or_else(|| panic!("attempt to add with overflow"))
         })
         .unwrap_err();
         assert!(overflow.contains("overflow"), "{overflow}");
