@@ -347,3 +347,20 @@ fn a_byte_order_mark_is_skipped() {
     assert!(bad.is_empty(), "{bad:?}");
     assert_eq!(ids(&good), ["c"]);
 }
+
+/// A device as the input (`--input /dev/zero`) is refused at once, naming it, in every
+/// format, instead of being read as one cut-off record after another without end.
+#[cfg(unix)]
+#[test]
+fn a_device_as_the_input_is_refused() {
+    for format in [Format::Jsonl, Format::Llava, Format::Wds, Format::Parquet] {
+        let e = match open(std::path::Path::new("/dev/zero"), &ReadConfig::new(format)) {
+            Ok(_) => panic!("{format:?}: /dev/zero opened"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains("/dev/zero"), "{format:?}: {e}");
+        if format == Format::Jsonl {
+            assert!(e.contains("not a file, pipe or folder"), "{e}");
+        }
+    }
+}

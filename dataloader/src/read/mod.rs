@@ -286,8 +286,20 @@ fn check_media_roots(roots: &[PathBuf]) -> Result<(), ReadError> {
 /// `input` itself, or the files directly inside it ending in `.ext`, sorted by name.
 fn input_files(input: &Path, ext: &'static str) -> Result<Vec<PathBuf>, ReadError> {
     let meta = std::fs::metadata(input).map_err(|e| ReadError::open(input, e))?;
-    if !meta.is_dir() {
+    #[cfg(unix)]
+    let pipe = std::os::unix::fs::FileTypeExt::is_fifo(&meta.file_type());
+    #[cfg(not(unix))]
+    let pipe = false;
+    // A file, or a pipe (`--input <(zcat x.jsonl.gz)`); a device (/dev/zero) would be read
+    // without end, one cut-off record after another.
+    if meta.is_file() || pipe {
         return Ok(vec![input.to_path_buf()]);
+    }
+    if !meta.is_dir() {
+        return Err(ReadError::invalid(
+            input,
+            "not a file, pipe or folder (a device or socket): pack reads files",
+        ));
     }
     let mut files = Vec::new();
     for entry in std::fs::read_dir(input).map_err(|e| ReadError::open(input, e))? {
