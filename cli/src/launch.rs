@@ -301,9 +301,7 @@ pub fn run(args: LaunchArgs) -> ExitCode {
         None => ExitCode::SUCCESS,
         Some((rank, status)) => {
             let how = if killed.contains(&rank) {
-                "still running --grace-s after the others stopped, so braid launch killed it: \
-                 stopped or hung?"
-                    .to_string()
+                "stopped or hung while the others failed, so braid launch killed it".to_string()
             } else {
                 describe(status)
             };
@@ -312,6 +310,22 @@ pub fn run(args: LaunchArgs) -> ExitCode {
             ExitCode::from(u8::try_from(code).unwrap_or(1))
         }
     }
+}
+
+/// Whether process `pid` is stopped (Linux: state `T` or `t` in `/proc/<pid>/stat`);
+/// false where that cannot be read.
+fn is_stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            // `pid (comm) state ...`: comm may hold spaces and parentheses, so the state
+            // follows the last ')'.
+            let rest = &s[s.rfind(')')? + 1..];
+            rest.split_whitespace()
+                .next()
+                .map(|st| st == "T" || st == "t")
+        })
+        .unwrap_or(false)
 }
 
 /// The rank that failed first by itself: ranks that exit with
@@ -395,6 +409,20 @@ fn supervise(
                 "braid launch: rank 0, which serves the rendezvous store, failed: stopping the others now (SIGTERM)"
             );
             signal_rest(children, &done, libc::SIGTERM);
+        }
+        // A rank stopped by SIGSTOP or a debugger does nothing in the grace period (its
+        // SIGTERM waits until it is continued): once another rank has failed, waiting
+        // `--grace-s` for it only delays the verdict.
+        if !failures.is_empty() {
+            for (i, (rank, c)) in children.iter_mut().enumerate() {
+                if done[i].is_none() && !killed.contains(rank) && is_stopped(c.id()) {
+                    eprintln!(
+                        "braid launch: rank {rank} is stopped (SIGSTOP or a debugger) while another rank has failed: killing it now"
+                    );
+                    let _ = c.kill();
+                    killed.push(*rank);
+                }
+            }
         }
         if let Some(d) = deadline
             && Instant::now() >= d
