@@ -209,6 +209,20 @@ pub fn run(args: LaunchArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // One machine's world is all this launcher's children: a job id of its own keeps a
+    // stray rank of another job on the same port out of its rendezvous (without one, a
+    // rank with another config joined, failed the config check and took the world down).
+    // Several machines' launchers share no id unless the user sets BRAID_JOB_ID.
+    let job_id = match std::env::var_os("BRAID_JOB_ID") {
+        None if args.nnodes == 1 => Some(format!(
+            "launch-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos())
+        )),
+        _ => None,
+    };
     let signals = register_signals();
     let mut children: Vec<(usize, Child)> = Vec::new();
     let mut relays = Vec::new();
@@ -224,6 +238,7 @@ pub fn run(args: LaunchArgs) -> ExitCode {
             .env("MASTER_ADDR", &args.master_addr)
             .env("MASTER_PORT", args.master_port.to_string())
             .env("BRAID_LAUNCH", "1")
+            .envs(job_id.iter().map(|id| ("BRAID_JOB_ID", id)))
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         // Own process group: a Ctrl-C in the terminal reaches the launcher only, which

@@ -517,3 +517,45 @@ fn launch_refuses_bad_arguments_and_nesting_before_starting_anything() {
         text(&o)
     );
 }
+
+/// A stray rank with no job id (another job's, started by hand on the same port) that
+/// reaches the store of a `braid launch` world is refused at once, naming the launch's
+/// own job id, and the world trains on. (Without the id it joined, failed the config
+/// check and took the world down with it.)
+#[test]
+fn a_stray_rank_cannot_join_a_braid_launch_world() {
+    reference();
+    let port = super::procs::free_port().to_string();
+    let dir = fixture().join("runs/launch-guarded");
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut world = braid();
+    world
+        .args(["launch", "--nproc-per-node", "4", "--master-port", &port])
+        .args(["--", "train", "--config", &config(), "--set"])
+        .arg(format!("run.dir={}", dir.display()))
+        .args(["--set", "parallel.llm.dp=2"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let world = world.spawn().unwrap();
+    let stray = train(
+        &fixture().join("runs/launch-stray"),
+        &["--set", "parallel.llm.dp=2"],
+    )
+    .env("RANK", "1")
+    .env("WORLD_SIZE", "4")
+    .env("MASTER_ADDR", "127.0.0.1")
+    .env("MASTER_PORT", &port)
+    // Torchrun's variables put the store on MASTER_PORT + 1: this one dials the
+    // launch's.
+    .env("BRAID_STORE_PORT", &port)
+    .output()
+    .unwrap();
+    let out = text(&stray);
+    let world = world.wait_with_output().unwrap();
+    assert_eq!(stray.status.code(), Some(2), "{out}");
+    assert!(
+        out.contains("rank 1 (no job id)") && out.contains("belongs to job launch-"),
+        "{out}"
+    );
+    assert!(world.status.success(), "{}", text(&world));
+}

@@ -86,7 +86,7 @@ impl StoreClient {
                 addr,
                 key: what,
                 waited_s: waited,
-                hint: "the store did not answer: rank 0, which serves it, is stopped, overloaded or cut off".into(),
+                hint: "the store did not answer: rank 0, which serves it, is stopped, overloaded or cut off, or another program that waits silently holds the port".into(),
             },
             std::io::ErrorKind::UnexpectedEof
             | std::io::ErrorKind::ConnectionReset

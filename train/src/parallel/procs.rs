@@ -103,6 +103,20 @@ fn connect(env: &LaunchEnv) -> Result<StoreClient> {
     .map_err(store_err)
 }
 
+/// Under SLURM, ranks that never connect are most often tasks never started: `braid
+/// train` run in a batch script itself is one process of the job's SLURM_NTASKS.
+fn never_started_hint(mut e: braid_comm::CommError, env: &LaunchEnv) -> braid_comm::CommError {
+    if env.launcher == braid_comm::launch::Launcher::Slurm
+        && let braid_comm::CommError::Timeout { missing, .. } = &mut e
+        && missing.contains("never connected")
+    {
+        missing.push_str(
+            " (under SLURM: were all SLURM_NTASKS tasks started with srun? `braid train` run in the batch script itself is one process)",
+        );
+    }
+    e
+}
+
 /// The store key of the job rank 0 belongs to ("" where its launcher names none).
 const JOB_KEY: &str = "!job";
 
@@ -121,11 +135,20 @@ fn same_job(store: &mut StoreClient, env: &LaunchEnv) -> Result<()> {
         )
         .map_err(store_err)?;
     let theirs = String::from_utf8_lossy(&theirs);
-    if !mine.is_empty() && !theirs.is_empty() && theirs != mine.as_str() {
+    // A store that names its job takes only ranks of that job: every rank of a world has
+    // the same launcher and so the same id (`braid launch` gives one machine's world an id
+    // of its own), and a rank with none is another job's (an empty BRAID_JOB_ID opts out).
+    let opted_out = mine.is_empty() && std::env::var_os("BRAID_JOB_ID").is_some();
+    if !opted_out && !theirs.is_empty() && theirs != mine.as_str() {
+        let who = if mine.is_empty() {
+            "no job id".to_string()
+        } else {
+            mine
+        };
         return Err(TrainError::Config(crate::config::invalid(
             "environment",
             format!(
-                "rank {} ({mine}) reached the store at {}, which belongs to {theirs}: two jobs share a node and a port; give each job its own MASTER_PORT (or BRAID_STORE_PORT)",
+                "rank {} ({who}) reached the store at {}, which belongs to {theirs}: two jobs share a node and a port; give each job its own MASTER_PORT (or BRAID_STORE_PORT)",
                 env.rank,
                 env.store_addr()
             ),
@@ -345,7 +368,8 @@ fn set_up(
         (Arc::new(world), vec![host])
     } else {
         let host = p.store.local_ip().map_err(&store_err)?;
-        let world = SocketWorld::connect(&mut p.store, env.rank, env.world_size, &host, timeout)?;
+        let world = SocketWorld::connect(&mut p.store, env.rank, env.world_size, &host, timeout)
+            .map_err(|e| never_started_hint(e, &env))?;
         let hosts = world.hosts().to_vec();
         (Arc::new(SocketComm::world(world)), hosts)
     };
