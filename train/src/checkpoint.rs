@@ -116,8 +116,9 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
         .map_err(io_err(path, "write"))
 }
 
-/// Complete checkpoints under `root`, oldest first, as (step, folder).
-pub fn list(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
+/// Every entry under `root` named `step-*`, as (what follows `step-`, path); none when
+/// `root` does not exist.
+fn step_entries(root: &Path) -> Result<Vec<(String, PathBuf)>> {
     let rd = match std::fs::read_dir(root) {
         Ok(rd) => rd,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -127,13 +128,33 @@ pub fn list(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
     for entry in rd {
         let entry = entry.map_err(io_err(root, "list"))?;
         let name = entry.file_name().to_string_lossy().to_string();
-        if let Some(n) = name.strip_prefix("step-")
-            && let Ok(step) = n.parse::<u64>()
-            && entry.path().join(STATE_FILE).is_file()
-        {
-            out.push((step, entry.path()));
+        if let Some(n) = name.strip_prefix("step-") {
+            out.push((n.to_string(), entry.path()));
         }
     }
+    Ok(out)
+}
+
+/// The step of a complete checkpoint's `step-*` entry, or why it is not one.
+fn step_of(suffix: &str, path: &Path) -> std::result::Result<u64, &'static str> {
+    let step = suffix
+        .parse::<u64>()
+        .map_err(|_| "its name is not step-<number>")?;
+    if !path.is_dir() {
+        return Err("not a folder");
+    }
+    if !path.join(STATE_FILE).is_file() {
+        return Err("no state.json in it");
+    }
+    Ok(step)
+}
+
+/// Complete checkpoints under `root`, oldest first, as (step, folder).
+pub fn list(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let mut out: Vec<(u64, PathBuf)> = step_entries(root)?
+        .into_iter()
+        .filter_map(|(n, path)| Some((step_of(&n, &path).ok()?, path)))
+        .collect();
     out.sort();
     Ok(out)
 }
@@ -143,30 +164,10 @@ pub fn list(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
 /// `.tmp-*` folder). Resuming past them, or a new run saving over them, would lose what
 /// they hold.
 pub fn unusable(root: &Path) -> Result<Vec<(PathBuf, String)>> {
-    let rd = match std::fs::read_dir(root) {
-        Ok(rd) => rd,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(io_err(root, "list")(e)),
-    };
-    let mut out = Vec::new();
-    for entry in rd {
-        let entry = entry.map_err(io_err(root, "list"))?;
-        let name = entry.file_name().to_string_lossy().to_string();
-        let Some(n) = name.strip_prefix("step-") else {
-            continue;
-        };
-        let path = entry.path();
-        let why = if n.parse::<u64>().is_err() {
-            "its name is not step-<number>"
-        } else if !path.is_dir() {
-            "not a folder"
-        } else if !path.join(STATE_FILE).is_file() {
-            "no state.json in it"
-        } else {
-            continue;
-        };
-        out.push((path, why.to_string()));
-    }
+    let mut out: Vec<(PathBuf, String)> = step_entries(root)?
+        .into_iter()
+        .filter_map(|(n, path)| Some((path.clone(), step_of(&n, &path).err()?.to_string())))
+        .collect();
     out.sort();
     Ok(out)
 }
