@@ -130,6 +130,12 @@ impl DatasetInfo {
             path: path.display().to_string(),
             reason: e.to_string(),
         })?;
+        if info.tokenizer.vocab_size == 0 {
+            return Err(DatasetError::Invalid {
+                path: path.display().to_string(),
+                reason: "tokenizer.vocab_size is 0: no token id could be stored".into(),
+            });
+        }
         if info.format_version != FORMAT_VERSION {
             return Err(DatasetError::Invalid {
                 path: path.display().to_string(),
@@ -180,7 +186,8 @@ impl DatasetInfo {
     /// Opens `dir`: its `dataset.json` and the pack index of its shards.
     pub fn open(dir: &Path) -> Result<(DatasetInfo, Dataset), DatasetError> {
         let info = DatasetInfo::read(dir)?;
-        let ds = Dataset::open(dir, &info.shards)?;
+        let mut ds = Dataset::open(dir, &info.shards)?;
+        ds.check_ids_below(info.tokenizer.vocab_size);
         if ds.packs().len() as u64 != info.packs {
             return Err(DatasetError::Invalid {
                 path: dir.join(DATASET_JSON).display().to_string(),

@@ -220,3 +220,31 @@ fn a_dataset_json_that_is_a_device_or_fifo_is_refused_at_once() {
         );
     }
 }
+
+/// A `dataset.json` edited to a smaller vocabulary than its shards' ids (or 0): reading a
+/// pack names the shard, the sample and the id, instead of an out-of-range id surfacing
+/// in a training step; 0 is refused when the file is read.
+#[test]
+fn token_ids_past_dataset_json_vocabulary_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (input, out) = (tmp.path().join("in"), tmp.path().join("out"));
+    shards(&input);
+    pack(&input, Format::Wds, &out, 0.5).unwrap();
+    let (_, ds) = DatasetInfo::open(&out).unwrap();
+    ds.read_pack(0).unwrap();
+    let json = out.join("dataset.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(&json).unwrap()).unwrap();
+    for (vocab, says) in [
+        (3, "past the tokenizer's vocabulary of 3"),
+        (0, "vocab_size is 0"),
+    ] {
+        v["tokenizer"]["vocab_size"] = serde_json::json!(vocab);
+        fs::write(&json, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+        let e = match DatasetInfo::open(&out) {
+            Ok((_, ds)) => ds.read_pack(0).unwrap_err().to_string(),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains(says), "{vocab}: {e}");
+    }
+}

@@ -59,6 +59,8 @@ pub struct Dataset {
     dir: PathBuf,
     shards: Vec<Shard>,
     packs: Vec<PackEntry>,
+    /// The tokenizer's vocabulary (`dataset.json`'s): every stored id is below it.
+    vocab: Option<usize>,
 }
 
 impl std::fmt::Debug for Dataset {
@@ -121,7 +123,15 @@ impl Dataset {
             dir: dir.to_path_buf(),
             shards,
             packs,
+            vocab: None,
         })
+    }
+
+    /// Checks every pack read against the tokenizer's vocabulary of `vocab` ids: an id past
+    /// it (a damaged shard read with `data.verify` off, or an edited `dataset.json`) is
+    /// an error naming the shard and the sample, not an out-of-range id deep in a step.
+    pub fn check_ids_below(&mut self, vocab: usize) {
+        self.vocab = Some(vocab);
     }
 
     pub fn dir(&self) -> &Path {
@@ -156,6 +166,19 @@ impl Dataset {
         for batch in reader {
             let batch = batch.map_err(|e| ShardError::parquet(path, e))?;
             decode_rows(path, &batch, &mut out)?;
+        }
+        if let Some(v) = self.vocab {
+            for s in &out {
+                if let Some(&id) = s.ids.iter().find(|&&id| id as usize >= v) {
+                    return Err(ShardError::invalid(
+                        path,
+                        format!(
+                            "pack {index}, sample {:?}: token id {id} is past the tokenizer's vocabulary of {v} (dataset.json's tokenizer.vocab_size): the shard is damaged or dataset.json was edited",
+                            s.id
+                        ),
+                    ));
+                }
+            }
         }
         if out.len() != entry.samples || out.iter().any(|s| s.pack != index as u64) {
             return Err(ShardError::invalid(

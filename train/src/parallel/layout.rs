@@ -118,8 +118,13 @@ fn centric_encoder(key: &str, e: &ModuleLayout, llm: &ModuleLayout) -> Result<()
         return Err(invalid(
             format!("parallel.{key}.dp"),
             format!(
-                "{}, but under \"centric\" placement the {key} encoder has a replica on every {} of the LLM's first-stage ranks (tp * cp * dp = {} * {} * {}): set dp = {dp}",
-                e.dp, e.tp, llm.tp, llm.cp, llm.dp
+                "{}, but under \"centric\" placement the {key} encoder has one replica per {} (its tp) of the LLM's {} first-stage ranks (tp * cp * dp = {} * {} * {}): set dp = {dp}",
+                e.dp,
+                e.tp,
+                llm.tp * llm.cp * llm.dp,
+                llm.tp,
+                llm.cp,
+                llm.dp
             ),
         ));
     }
