@@ -425,14 +425,14 @@ fn supervise(
             );
             signal_rest(children, &done, libc::SIGTERM);
         }
-        // A rank stopped by SIGSTOP or a debugger does nothing in the grace period (its
+        // A rank stopped by SIGSTOP does nothing in the grace period (its
         // SIGTERM waits until it is continued): once another rank has failed, waiting
         // `--grace-s` for it only delays the verdict.
         if !failures.is_empty() {
             for (i, (rank, c)) in children.iter_mut().enumerate() {
                 if done[i].is_none() && !killed.contains(rank) && is_stopped(c.id()) {
                     eprintln!(
-                        "braid launch: rank {rank} is stopped (SIGSTOP or a debugger) while another rank has failed: killing it now"
+                        "braid launch: rank {rank} is stopped (SIGSTOP) while another rank has failed: killing it now"
                     );
                     let _ = c.kill();
                     killed.push(*rank);

@@ -38,7 +38,9 @@ fn message(info: &PanicHookInfo<'_>) -> String {
 }
 
 /// Runs `f`; a panic inside it is `Err(its message)`, recorded instead of printed. Panics
-/// elsewhere (other threads, or this one outside `catch`) print as before.
+/// elsewhere (other threads, or this one outside `catch`) print as before. `f` must not
+/// hand work to a thread pool: a pool thread waiting in it could run another task, whose
+/// panic this thread's guard would then silence.
 pub fn catch<T>(f: impl FnOnce() -> T) -> Result<T, String> {
     HOOK.call_once(|| {
         let previous = std::panic::take_hook();
@@ -50,6 +52,8 @@ pub fn catch<T>(f: impl FnOnce() -> T) -> Result<T, String> {
             }
         }));
     });
+    // A panic caught inside `f` itself must not be taken for `f`'s own.
+    CAUGHT.with(|c| c.borrow_mut().take());
     GUARDED.with(|g| g.set(g.get() + 1));
     let out = catch_unwind(AssertUnwindSafe(f));
     GUARDED.with(|g| g.set(g.get() - 1));
@@ -68,13 +72,14 @@ mod tests {
     fn a_caught_panic_is_its_message_and_place() {
         let e = catch(|| -> u32 { panic!("bad header {}", 7) }).unwrap_err();
         assert!(e.contains("bad header 7") && e.contains("guard.rs"), "{e}");
-        let overflow = catch(|| {
-            let x: u8 = std::hint::black_box(255);
-            x.checked_add(1)
-                .unwrap_or_else(|| panic!("attempt to add with overflow"))
-        })
-        .unwrap_err();
-        assert!(overflow.contains("overflow"), "{overflow}");
+        // A panic caught (and handled) inside `f` is not reported as `f`'s.
+        let inner_then_ok = catch(|| {
+            let _ = std::panic::catch_unwind(|| panic!("handled inside"));
+            5
+        });
+        assert_eq!(inner_then_ok.unwrap(), 5);
+        let after = catch(|| -> u32 { std::panic::resume_unwind(Box::new(1u8)) }).unwrap_err();
+        assert!(!after.contains("handled inside"), "{after}");
         assert_eq!(catch(|| 3).unwrap(), 3);
         // Nested: the inner panic is the inner call's.
         let outer = catch(|| catch(|| -> () { panic!("inner") }).unwrap_err()).unwrap();

@@ -360,7 +360,7 @@ fn a_device_as_the_input_is_refused() {
         };
         assert!(e.contains("/dev/zero"), "{format:?}: {e}");
         if format == Format::Jsonl {
-            assert!(e.contains("not a file, pipe or folder"), "{e}");
+            assert!(e.contains("a device, not a file"), "{e}");
         }
     }
 }

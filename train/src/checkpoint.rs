@@ -160,13 +160,15 @@ pub fn list(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
 }
 
 /// Entries under `root` named like checkpoints (`step-*`) that [`list`] does not take, as
-/// (folder, why): damaged or hand-made, never left by a crash (a save that dies leaves a
-/// `.tmp-*` folder). Resuming past them, or a new run saving over them, would lose what
-/// they hold.
-pub fn unusable(root: &Path) -> Result<Vec<(PathBuf, String)>> {
-    let mut out: Vec<(PathBuf, String)> = step_entries(root)?
+/// (folder, step where the name is one, why): damaged or hand-made, never left by a crash
+/// (a save, and a deletion, that dies leaves a `.tmp-*` folder).
+pub fn unusable(root: &Path) -> Result<Vec<(PathBuf, Option<u64>, String)>> {
+    let mut out: Vec<(PathBuf, Option<u64>, String)> = step_entries(root)?
         .into_iter()
-        .filter_map(|(n, path)| Some((path.clone(), step_of(&n, &path).err()?.to_string())))
+        .filter_map(|(n, path)| {
+            let why = step_of(&n, &path).err()?;
+            Some((path, n.parse::<u64>().ok(), why.to_string()))
+        })
         .collect();
     out.sort();
     Ok(out)
@@ -267,7 +269,7 @@ pub fn finish(
 
     if dst.exists() {
         // The same step saved again (a resumed run re-reaching it): replace it whole.
-        std::fs::remove_dir_all(&dst).map_err(io_err(&dst, "remove"))?;
+        discard(root, &dst)?;
     }
     std::fs::rename(tmp, &dst).map_err(io_err(&dst, "rename into place"))?;
     sync_dir(root)?;
@@ -275,10 +277,25 @@ pub fn finish(
     let all = list(root)?;
     if all.len() > keep {
         for (_, old) in &all[..all.len() - keep] {
-            std::fs::remove_dir_all(old).map_err(io_err(old, "remove old checkpoint"))?;
+            discard(root, old)?;
         }
     }
     Ok(dst)
+}
+
+/// Deletes checkpoint folder `dir` of `root`: renamed to `.tmp-discard-*` first, so that a
+/// crash part-way through the deletion leaves a `.tmp-*` folder (removed at the next
+/// start, [`remove_partial`]), never a `step-*` folder without some of its files.
+fn discard(root: &Path, dir: &Path) -> Result<()> {
+    let name = dir
+        .file_name()
+        .map_or_else(String::new, |n| n.to_string_lossy().to_string());
+    let doomed = root.join(format!(".tmp-discard-{name}"));
+    if doomed.exists() {
+        std::fs::remove_dir_all(&doomed).map_err(io_err(&doomed, "remove"))?;
+    }
+    std::fs::rename(dir, &doomed).map_err(io_err(dir, "move aside to remove"))?;
+    std::fs::remove_dir_all(&doomed).map_err(io_err(&doomed, "remove old checkpoint"))
 }
 
 /// Reads `state.json` of a checkpoint folder.

@@ -171,10 +171,15 @@ impl Trainer {
             ));
         }
         let latest = checkpoint::latest(&ckpt_root)?;
-        // A damaged `step-*` entry (not a crash's leftover, which is `.tmp-*`): resuming
-        // from an older checkpoint or from step 0 would save over it, so nothing goes on
-        // until someone has looked at it.
-        if let Some((path, why)) = checkpoint::unusable(&ckpt_root)?.into_iter().next() {
+        // A damaged `step-*` entry past the newest complete checkpoint (not a crash's
+        // leftover, which is `.tmp-*`): resuming from an older one or from step 0 would
+        // save over it, so nothing goes on until someone has looked at it. Older ones,
+        // and names no save writes, are left alone.
+        let newest = latest.as_ref().map(|(step, _)| *step);
+        let ahead = checkpoint::unusable(&ckpt_root)?
+            .into_iter()
+            .find(|(_, step, _)| step.is_some_and(|s| newest.is_none_or(|n| s > n)));
+        if let Some((path, _, why)) = ahead {
             return Err(TrainError::Checkpoint {
                 path,
                 reason: format!(

@@ -1,6 +1,8 @@
 //! A run folder whose `step-*` entries are damaged: `braid train` refuses to go on (with
-//! `--resume` or without), naming the entry, and changes nothing, instead of resuming
-//! from an older checkpoint or from step 0 and saving over it.
+//! `--resume` or without) where a damaged one lies past the newest complete checkpoint,
+//! naming it, and changes nothing, instead of resuming from an older checkpoint or from
+//! step 0 and saving over it; damaged entries behind the newest, and names no save
+//! writes, are left alone.
 
 use super::*;
 
@@ -74,13 +76,13 @@ fn damaged_step_folders_stop_the_run_and_nothing_is_overwritten() {
         ),
         // Without --resume too: a new run would save over it.
         (
-            "fresh-run-over-a-bad-name",
+            "fresh-run-over-a-damaged-step",
             |c| {
                 std::fs::remove_dir_all(c.join("step-00000012")).unwrap();
                 std::fs::remove_dir_all(c.join("step-00000010")).unwrap();
-                std::fs::create_dir_all(c.join("step-99999999999999999999")).unwrap();
+                std::fs::create_dir_all(c.join("step-00000004")).unwrap();
             },
-            "not step-<number>",
+            "no state.json",
             false,
         ),
     ];
@@ -101,4 +103,20 @@ fn damaged_step_folders_stop_the_run_and_nothing_is_overwritten() {
         );
         assert_eq!(snapshot(&dir), before, "{name}: the run folder changed");
     }
+}
+
+/// What no save can reach is left alone: a damaged checkpoint older than the newest
+/// complete one (a deletion cut short before deletions were made crash-safe) and a name
+/// that is no step number. `--resume` goes on from the newest, and leaves both in place.
+#[test]
+fn damaged_entries_no_save_reaches_do_not_stop_a_resume() {
+    let dir = copy_of_reference("behind-the-newest");
+    let ckpts = dir.join("checkpoints");
+    std::fs::remove_file(ckpts.join("step-00000010/state.json")).unwrap();
+    std::fs::create_dir_all(ckpts.join("step-99999999999999999999")).unwrap();
+    let o = train(&dir, &["--resume"]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("resuming from"), "{}", text(&o));
+    assert!(ckpts.join("step-00000010/model.safetensors").is_file());
+    assert!(ckpts.join("step-99999999999999999999").is_dir());
 }

@@ -286,20 +286,23 @@ fn check_media_roots(roots: &[PathBuf]) -> Result<(), ReadError> {
 /// `input` itself, or the files directly inside it ending in `.ext`, sorted by name.
 fn input_files(input: &Path, ext: &'static str) -> Result<Vec<PathBuf>, ReadError> {
     let meta = std::fs::metadata(input).map_err(|e| ReadError::open(input, e))?;
+    // A device (/dev/zero) would be read without end, one cut-off record after another;
+    // files, pipes (`--input <(zcat x.jsonl.gz)`) and sockets stream to their end.
     #[cfg(unix)]
-    let pipe = std::os::unix::fs::FileTypeExt::is_fifo(&meta.file_type());
+    let device = {
+        use std::os::unix::fs::FileTypeExt;
+        meta.file_type().is_char_device() || meta.file_type().is_block_device()
+    };
     #[cfg(not(unix))]
-    let pipe = false;
-    // A file, or a pipe (`--input <(zcat x.jsonl.gz)`); a device (/dev/zero) would be read
-    // without end, one cut-off record after another.
-    if meta.is_file() || pipe {
-        return Ok(vec![input.to_path_buf()]);
-    }
-    if !meta.is_dir() {
+    let device = false;
+    if device {
         return Err(ReadError::invalid(
             input,
-            "not a file, pipe or folder (a device or socket): pack reads files",
+            "a device, not a file, pipe or folder: pack reads files",
         ));
+    }
+    if !meta.is_dir() {
+        return Ok(vec![input.to_path_buf()]);
     }
     let mut files = Vec::new();
     for entry in std::fs::read_dir(input).map_err(|e| ReadError::open(input, e))? {

@@ -116,8 +116,8 @@ pub struct DataSection {
 }
 
 /// Upper bounds of a rank's loader settings (see [`RunConfig::validate`]).
-const MAX_DATA_WORKERS: usize = 256;
-const MAX_DATA_PREFETCH: usize = 64;
+const MAX_DATA_WORKERS: usize = 1024;
+const MAX_DATA_PREFETCH: usize = 1024;
 
 fn default_workers() -> usize {
     2
@@ -331,9 +331,9 @@ impl RunConfig {
                 return Err(invalid(key, "must not be an empty path"));
             }
         }
-        // Each rank runs its own loader: more threads than a node has cores, or more
-        // decoded batches than a few steps' worth, is a typo (100,000 threads failed
-        // after a minute with an OS error that named no key).
+        // Each rank runs its own loader: more threads than the largest node has cores,
+        // or a thousand decoded batches, is a typo (100,000 threads failed after a minute
+        // with an OS error that named no key).
         if !(1..=MAX_DATA_WORKERS).contains(&d.workers) {
             return Err(invalid(
                 "data.workers",

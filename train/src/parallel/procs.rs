@@ -120,6 +120,10 @@ fn never_started_hint(mut e: braid_comm::CommError, env: &LaunchEnv) -> braid_co
 /// The store key of the job rank 0 belongs to ("" where its launcher names none).
 const JOB_KEY: &str = "!job";
 
+/// How a job named by one machine's `braid launch` reads in the store (`job launch-…`;
+/// `comm::launch::job_id` prefixes BRAID_JOB_ID with "job ").
+const LAUNCH_JOB_PREFIX: &str = "job launch-";
+
 /// Rank 0 posts its job; every other rank checks that the store it reached is its own
 /// job's: two jobs on one node with one MASTER_PORT would otherwise mix their ranks.
 fn same_job(store: &mut StoreClient, env: &LaunchEnv) -> Result<()> {
@@ -135,11 +139,17 @@ fn same_job(store: &mut StoreClient, env: &LaunchEnv) -> Result<()> {
         )
         .map_err(store_err)?;
     let theirs = String::from_utf8_lossy(&theirs);
-    // A store that names its job takes only ranks of that job: every rank of a world has
-    // the same launcher and so the same id (`braid launch` gives one machine's world an id
-    // of its own), and a rank with none is another job's (an empty BRAID_JOB_ID opts out).
+    // Two named jobs must be the same. A rank with no id may still be this job's (a
+    // node started over ssh lacks the SLURM job its first node saw), except at a store
+    // that one machine's `braid launch` named: all of that world's ranks are the
+    // launcher's children and carry its id. An empty BRAID_JOB_ID opts out.
     let opted_out = mine.is_empty() && std::env::var_os("BRAID_JOB_ID").is_some();
-    if !opted_out && !theirs.is_empty() && theirs != mine.as_str() {
+    let mismatch = if mine.is_empty() {
+        theirs.starts_with(LAUNCH_JOB_PREFIX)
+    } else {
+        !theirs.is_empty() && theirs != mine.as_str()
+    };
+    if !opted_out && mismatch {
         let who = if mine.is_empty() {
             "no job id".to_string()
         } else {

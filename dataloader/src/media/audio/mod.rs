@@ -17,7 +17,7 @@
 //! that ends on a packet boundary is indistinguishable from a short one and is accepted, and an
 //! MP3 whose length is only estimated (no Xing/VBRI tag) is held to 90% of the estimate.
 //! A panic inside symphonia (it documents that malformed streams may panic) is caught and
-//! reported as `Corrupt`; the default panic hook still prints it to stderr.
+//! reported as `Corrupt` with the panic's message ([`crate::guard`]), printed nowhere.
 
 use std::collections::HashMap;
 
