@@ -165,10 +165,15 @@ impl Trainer {
         };
         let ckpt_root = run_dir.join("checkpoints");
         for partial in checkpoint::remove_partial(&ckpt_root)? {
-            obs.log(&format!(
-                "removed {}: its save never finished",
-                partial.display()
-            ));
+            let what = if partial
+                .file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with(".tmp-discard-"))
+            {
+                "an old checkpoint whose deletion never finished"
+            } else {
+                "its save never finished"
+            };
+            obs.log(&format!("removed {}: {what}", partial.display()));
         }
         let latest = checkpoint::latest(&ckpt_root)?;
         // A damaged `step-*` entry past the newest complete checkpoint (not a crash's

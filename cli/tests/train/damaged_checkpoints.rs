@@ -114,9 +114,18 @@ fn damaged_entries_no_save_reaches_do_not_stop_a_resume() {
     let ckpts = dir.join("checkpoints");
     std::fs::remove_file(ckpts.join("step-00000010/state.json")).unwrap();
     std::fs::create_dir_all(ckpts.join("step-99999999999999999999")).unwrap();
+    // What a deletion cut short leaves now: removed at the start, and said so.
+    let cut = ckpts.join(".tmp-discard-step-00000008");
+    std::fs::create_dir_all(&cut).unwrap();
+    std::fs::write(cut.join("model.safetensors"), b"x").unwrap();
     let o = train(&dir, &["--resume"]).output().unwrap();
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("resuming from"), "{}", text(&o));
+    assert!(
+        text(&o).contains("whose deletion never finished") && !cut.exists(),
+        "{}",
+        text(&o)
+    );
     assert!(ckpts.join("step-00000010/model.safetensors").is_file());
     assert!(ckpts.join("step-99999999999999999999").is_dir());
 }
