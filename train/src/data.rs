@@ -168,7 +168,8 @@ pub fn ensure_dataset(
     demo: Option<&Path>,
     log: &mut dyn FnMut(&str),
 ) -> Result<(DatasetInfo, Prepared)> {
-    if path.join("dataset.json").is_file() {
+    // Anything named dataset.json is read (a FIFO or device there is refused by name).
+    if std::fs::symlink_metadata(path.join("dataset.json")).is_ok() {
         let info = DatasetInfo::read(path).map_err(|e| TrainError::Data(e.to_string()))?;
         if let Some(build) = build
             && let Ok(wanted) = DataConfig::from_file(build)
@@ -243,7 +244,8 @@ pub fn ensure_dataset(
     // unpacked dataset at once; one packs, the others wait and read what it wrote (a
     // dataset is there once its `dataset.json` is, which the pack writes last).
     let _lock = lock_dataset(path)?;
-    if path.join("dataset.json").is_file() {
+    // Anything named dataset.json is read (a FIFO or device there is refused by name).
+    if std::fs::symlink_metadata(path.join("dataset.json")).is_ok() {
         let info = DatasetInfo::read(path).map_err(|e| TrainError::Data(e.to_string()))?;
         return Ok((info, Prepared::Existing));
     }

@@ -59,6 +59,16 @@ pub fn resolve_checkpoint(dir: &Path) -> Result<PathBuf> {
             return Ok(p);
         }
     }
+    // Checkpoint folders, none complete: say which and why, not that there are none.
+    for root in [dir.join("checkpoints"), dir.to_path_buf()] {
+        if let Some((path, _, why)) = checkpoint::unusable(&root)?.into_iter().last() {
+            return Err(gen_err(format!(
+                "{}: no complete checkpoint; {} is not one ({why})",
+                dir.display(),
+                path.display()
+            )));
+        }
+    }
     Err(gen_err(format!(
         "{}: neither a checkpoint folder (with state.json) nor a run folder with checkpoints/",
         dir.display()

@@ -129,3 +129,29 @@ fn damaged_entries_no_save_reaches_do_not_stop_a_resume() {
     assert!(ckpts.join("step-00000010/model.safetensors").is_file());
     assert!(ckpts.join("step-99999999999999999999").is_dir());
 }
+
+/// `braid generate` on a run folder whose checkpoints are all incomplete says which one and
+/// why, instead of that the folder holds none.
+#[test]
+fn generate_names_an_incomplete_checkpoint() {
+    let dir = copy_of_reference("generate-none-complete");
+    let ckpts = dir.join("checkpoints");
+    for step in ["step-00000010", "step-00000012"] {
+        std::fs::remove_file(ckpts.join(step).join("state.json")).unwrap();
+    }
+    let o = run(&[
+        "generate",
+        "--checkpoint",
+        dir.to_str().unwrap(),
+        "--prompt",
+        "x",
+    ]);
+    let msg = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{msg}");
+    assert!(
+        msg.contains("no complete checkpoint")
+            && msg.contains("step-00000012")
+            && msg.contains("no state.json"),
+        "{msg}"
+    );
+}
