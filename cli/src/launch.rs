@@ -214,13 +214,7 @@ pub fn run(args: LaunchArgs) -> ExitCode {
     // rank with another config joined, failed the config check and took the world down).
     // Several machines' launchers share no id unless the user sets BRAID_JOB_ID.
     let job_id = match std::env::var_os("BRAID_JOB_ID") {
-        None if args.nnodes == 1 => Some(format!(
-            "launch-{}-{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos())
-        )),
+        None if args.nnodes == 1 => Some(braid_comm::launch::new_launch_job_id()),
         _ => None,
     };
     let signals = register_signals();

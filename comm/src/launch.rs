@@ -263,6 +263,24 @@ pub fn job_id(var: &impl Fn(&str) -> Option<String>, launcher: Launcher) -> Opti
         .or_else(|| slurm_job(var).map(|job| format!("SLURM job {job}")))
 }
 
+/// A fresh job id for one machine's `braid launch` world (its BRAID_JOB_ID): the launcher's
+/// pid and the time, so two launches on one node never share one.
+pub fn new_launch_job_id() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{LAUNCH_JOB}{}-{nanos}", std::process::id())
+}
+
+/// Whether `job` (as [`job_id`] names it) is one [`new_launch_job_id`] made: every rank of
+/// such a world is that launcher's child and carries it.
+pub fn made_by_braid_launch(job: &str) -> bool {
+    job.strip_prefix("job ")
+        .is_some_and(|id| id.starts_with(LAUNCH_JOB))
+}
+
+const LAUNCH_JOB: &str = "launch-";
+
 /// Under SLURM without MASTER_PORT: a port from the job's id and step (10000-29999, below
 /// Linux's ephemeral range), so that two jobs, or two steps of one, sharing a node do not
 /// both take 29500; every task of the step sees the same ids. [`DEFAULT_MASTER_PORT`]

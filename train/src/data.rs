@@ -158,6 +158,12 @@ pub enum Prepared {
     GeneratedAndPacked,
 }
 
+/// Whether `path` holds anything named `dataset.json`: such a folder is read, never
+/// packed over (a FIFO or device there is refused by name when read).
+fn has_dataset_json(path: &Path) -> bool {
+    std::fs::symlink_metadata(path.join("dataset.json")).is_ok()
+}
+
 /// Opens the dataset at `path`, or makes it: with `build` (a data config), packs `input`
 /// (default: the config's `[input] path`); when that input does not exist and `demo` is
 /// given, generates the demo data there first. `log` receives one line per action.
@@ -168,8 +174,7 @@ pub fn ensure_dataset(
     demo: Option<&Path>,
     log: &mut dyn FnMut(&str),
 ) -> Result<(DatasetInfo, Prepared)> {
-    // Anything named dataset.json is read (a FIFO or device there is refused by name).
-    if std::fs::symlink_metadata(path.join("dataset.json")).is_ok() {
+    if has_dataset_json(path) {
         let info = DatasetInfo::read(path).map_err(|e| TrainError::Data(e.to_string()))?;
         if let Some(build) = build
             && let Ok(wanted) = DataConfig::from_file(build)
@@ -244,8 +249,7 @@ pub fn ensure_dataset(
     // unpacked dataset at once; one packs, the others wait and read what it wrote (a
     // dataset is there once its `dataset.json` is, which the pack writes last).
     let _lock = lock_dataset(path)?;
-    // Anything named dataset.json is read (a FIFO or device there is refused by name).
-    if std::fs::symlink_metadata(path.join("dataset.json")).is_ok() {
+    if has_dataset_json(path) {
         let info = DatasetInfo::read(path).map_err(|e| TrainError::Data(e.to_string()))?;
         return Ok((info, Prepared::Existing));
     }

@@ -120,10 +120,6 @@ fn never_started_hint(mut e: braid_comm::CommError, env: &LaunchEnv) -> braid_co
 /// The store key of the job rank 0 belongs to ("" where its launcher names none).
 const JOB_KEY: &str = "!job";
 
-/// How a job named by one machine's `braid launch` reads in the store (`job launch-…`;
-/// `comm::launch::job_id` prefixes BRAID_JOB_ID with "job ").
-const LAUNCH_JOB_PREFIX: &str = "job launch-";
-
 /// Rank 0 posts its job; every other rank checks that the store it reached is its own
 /// job's: two jobs on one node with one MASTER_PORT would otherwise mix their ranks.
 fn same_job(store: &mut StoreClient, env: &LaunchEnv) -> Result<()> {
@@ -145,7 +141,7 @@ fn same_job(store: &mut StoreClient, env: &LaunchEnv) -> Result<()> {
     // launcher's children and carry its id. An empty BRAID_JOB_ID opts out.
     let opted_out = mine.is_empty() && std::env::var_os("BRAID_JOB_ID").is_some();
     let mismatch = if mine.is_empty() {
-        theirs.starts_with(LAUNCH_JOB_PREFIX)
+        braid_comm::launch::made_by_braid_launch(&theirs)
     } else {
         !theirs.is_empty() && theirs != mine.as_str()
     };

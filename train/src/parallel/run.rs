@@ -282,29 +282,6 @@ struct RankEnd {
     checkpoint: Option<std::path::PathBuf>,
 }
 
-/// Whether any rank has seen a stop request: every rank calls this after every step and
-/// gets the same answer, so all stop after the same step (a signal reaches the ranks, or
-/// the processes, at different moments).
-fn agree_to_stop(world: &dyn Comm, stop: &StopFlag) -> Result<Option<i32>> {
-    // How many ranks saw each signal (1..=64; anything else counts as 64): a rank that saw
-    // none yet names the one most ranks saw (the lowest on a tie), not a guess. The
-    // kernel's parent-death SIGHUP reaches the ranks of a killed launcher moments apart,
-    // and a rank that named it SIGTERM read as if someone had sent that.
-    const SIGNALS: usize = 65;
-    let mine = stop.requested();
-    let mut seen = vec![0.0f32; SIGNALS]; // (65,)
-    if let Some(s) = mine {
-        seen[usize::try_from(s).map_or(SIGNALS - 1, |s| s.min(SIGNALS - 1))] = 1.0;
-    }
-    let mut t = braid_kernels::Tensor::from_vec(seen, [SIGNALS], braid_kernels::Device::Cpu)?;
-    world.all_reduce_sum(&mut t)?;
-    let counts = t.to_vec_f32()?;
-    let most = (1..SIGNALS)
-        .filter(|&s| counts[s] > 0.0)
-        .max_by(|&a, &b| counts[a].total_cmp(&counts[b]).then(b.cmp(&a)));
-    Ok(most.map(|s| mine.unwrap_or(s as i32)))
-}
-
 /// Every rank learns whether every other rank set its share up: a rank that failed (a
 /// broken Hugging Face folder, a missing checkpoint slice) makes every rank stop at once,
 /// naming it, instead of leaving the others waiting in the first step's collectives.
@@ -475,7 +452,7 @@ fn rank_main(
             straggler,
         })));
         let every = cfg.checkpoint.interval;
-        let stopped = agree_to_stop(world.as_ref(), t.stop)?;
+        let stopped = crate::stop::agree(world.as_ref(), t.stop)?;
         if let Some(signal) = stopped
             && rank == 0
         {
@@ -571,31 +548,4 @@ fn copy_moments(engine: &mut Engine, full: &AdamW) -> Result<()> {
     }
     engine.optim.step = full.step;
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Ranks that saw no signal yet name the one the others saw (the kernel's SIGHUP to a
-    /// killed launcher's ranks arrives moments apart); a rank that saw one keeps its own.
-    #[test]
-    fn every_rank_names_the_signal_the_others_saw() {
-        let run = |seen: [Option<i32>; 3]| {
-            run_local(3, std::time::Duration::from_secs(30), |comm: LocalComm| {
-                let stop = StopFlag::new();
-                if let Some(s) = seen[comm.rank()] {
-                    stop.request(s);
-                }
-                agree_to_stop(&comm, &stop)
-            })
-            .unwrap()
-        };
-        assert_eq!(run([None, None, None]), [None, None, None]);
-        assert_eq!(run([None, Some(1), Some(1)]), [Some(1), Some(1), Some(1)]);
-        assert_eq!(run([None, Some(15), None]), [Some(15); 3]);
-        // Most seen wins for those that saw none; the lowest number on a tie.
-        assert_eq!(run([None, Some(2), Some(15)]), [Some(2), Some(2), Some(15)]);
-        assert_eq!(run([Some(99), None, None]), [Some(99), Some(64), Some(64)]);
-    }
 }
