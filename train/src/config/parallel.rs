@@ -137,7 +137,8 @@ pub struct ParallelConfig {
     /// How a step runs across modules: `"phased"` (every encoder forward, one bridge
     /// exchange, the LLM's 1F1B, the bridge back, every encoder backward) or
     /// `"overlapped"` (1F1B across the module graph: encoders work on later
-    /// microbatches while the LLM runs earlier ones; disjoint placement only).
+    /// microbatches while the LLM runs earlier ones; disjoint or colocated placement,
+    /// a colocated rank interleaving its modules' passes in one order).
     #[serde(default = "phased")]
     pub schedule: braid_balancer::Schedule,
     /// A plan file written by `braid plan` (or "auto": plan for `world_size` now); it
@@ -239,16 +240,7 @@ impl ParallelConfig {
         {
             return Err(invalid(
                 "parallel.schedule",
-                "\"overlapped\" runs each module on its own ranks; \"centric\" runs the encoders inside the LLM's first stage, microbatch by microbatch, under the phased schedule: set parallel.schedule = \"phased\" or parallel.placement = \"disjoint\"",
-            ));
-        }
-        if self.schedule == braid_balancer::Schedule::Overlapped
-            && self.placement == Placement::Colocated
-            && self.world_size > 1
-        {
-            return Err(invalid(
-                "parallel.schedule",
-                "\"overlapped\" runs each module on its own ranks: set parallel.placement = \"disjoint\" or parallel.schedule = \"phased\"",
+                "\"overlapped\" runs each module's own pipeline; \"centric\" runs the encoders inside the LLM's first stage, microbatch by microbatch, under the phased schedule: set parallel.schedule = \"phased\" or parallel.placement = \"disjoint\" or \"colocated\"",
             ));
         }
         for (name, l) in [

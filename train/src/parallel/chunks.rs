@@ -2,13 +2,14 @@
 
 use braid_bridge::Routes;
 use braid_dataloader::loader::Row;
+use braid_kernels::ops::copy_range;
 use braid_kernels::{Shape, Tensor};
 
 use super::encode::{EncoderStage, GradIn, Handed};
-use super::graph::{Graph, Msg, Role, Xfer};
+use super::graph::{Graph, Msg, Node, Role, Xfer};
 use super::llm_stage::{LlmIn, LlmStageRun, microbatch_placeholders};
 use super::overlapped::Mail;
-use super::plan::StepPlan;
+use super::plan::{ItemKind, StepPlan};
 use crate::error::{Result, TrainError};
 use crate::trace::Tracer;
 
@@ -32,12 +33,23 @@ pub(super) fn items_of_chunk(plan: &StepPlan, k: usize) -> Vec<usize> {
         .collect()
 }
 
-fn bridge_of(graph: &Graph, k: usize) -> Result<&Routes> {
+/// The plan items of `kind` in chunk `k`, ascending: item `j` of that encoder's routes
+/// of the chunk ([`Graph::bridge`]) is `[j]`.
+pub(super) fn items_of_kind(plan: &StepPlan, k: usize, kind: ItemKind) -> Vec<usize> {
+    (0..plan.items.len())
+        .filter(|&i| plan.items[i].mb == k && plan.items[i].kind == kind)
+        .collect()
+}
+
+fn bridge_of(graph: &Graph, k: usize, e: usize) -> Result<&Routes> {
     graph
-        .bridges
-        .get(k)
-        .and_then(Option::as_ref)
-        .ok_or_else(|| TrainError::Other(format!("chunk {k} has no bridge routes")))
+        .bridge(k, e)
+        .ok_or_else(|| TrainError::Other(format!("chunk {k} has no bridge routes for encoder {e}")))
+}
+
+/// The messages of `xs` that belong to `node`.
+fn of_node(xs: &[Xfer], node: Node) -> Vec<Xfer> {
+    xs.iter().filter(|x| x.node == node).copied().collect()
 }
 
 /// The one message of `xs` (a pipeline neighbour's).
@@ -54,6 +66,8 @@ fn single(xs: &[Xfer], what: &str) -> Result<Xfer> {
 /// An encoder rank's chunks.
 pub(super) struct EncoderChunks<'a, P: EncoderStage> {
     pub part: &'a mut P,
+    /// Its index in the graph's encoders.
+    pub e: usize,
     pub rows: &'a [Row],
     pub plan: &'a StepPlan,
     pub rank: usize,
@@ -91,7 +105,7 @@ impl<P: EncoderStage> Chunks for EncoderChunks<'_, P> {
         match handed {
             Handed::Next(h) => mail.put(single(&self.role.fwd_out[j], "a stage's output")?, h),
             Handed::Embeds(embeds) => {
-                let of_chunk = items_of_chunk(self.plan, k);
+                let of_chunk = items_of_kind(self.plan, k, P::KIND);
                 let produced = embeds
                     .iter()
                     .map(|(i, t)| {
@@ -101,8 +115,10 @@ impl<P: EncoderStage> Chunks for EncoderChunks<'_, P> {
                         Ok((j, t))
                     })
                     .collect::<Result<Vec<_>>>()?;
-                let sends = bridge_of(self.graph, k)?.forward_sends(self.rank, &produced)?;
-                mail.put_all(&self.role.fwd_out[j], Msg::Embed(k), sends)
+                let sends =
+                    bridge_of(self.graph, k, self.e)?.forward_sends(self.rank, &produced)?;
+                let node = Node::Encoder(self.e);
+                mail.put_all(&self.role.fwd_out[j], node, Msg::Embed(k), sends)
             }
         }
     }
@@ -119,8 +135,8 @@ impl<P: EncoderStage> Chunks for EncoderChunks<'_, P> {
             self.part.stage_backward(work, GradIn::Next(dh), self.c)?
         } else {
             let got = mail.take_all(&self.role.bwd_in[j])?;
-            let of_chunk = items_of_chunk(self.plan, k);
-            let grads: Vec<(usize, Tensor)> = bridge_of(self.graph, k)?
+            let of_chunk = items_of_kind(self.plan, k, P::KIND);
+            let grads: Vec<(usize, Tensor)> = bridge_of(self.graph, k, self.e)?
                 .backward_gather(self.rank, got)?
                 .into_iter()
                 .map(|(j, t)| (of_chunk[j], t))
@@ -147,6 +163,11 @@ pub(super) struct LlmChunks<'a> {
     pub rank: usize,
     pub role: &'a Role,
     pub graph: &'a Graph,
+    /// What each of the graph's encoders encodes.
+    pub kinds: Vec<ItemKind>,
+    /// Per chunk (first stage): the modality rows its forward took from each encoder,
+    /// in order, as (encoder, rows): how its backward splits their grads.
+    pub took: Vec<Vec<(usize, usize)>>,
 }
 
 impl Chunks for LlmChunks<'_> {
@@ -158,22 +179,31 @@ impl Chunks for LlmChunks<'_> {
         let k = self.role.chunks[j];
         let input = if self.run.stage().0 > 0 {
             LlmIn::Hidden(mail.take(single(&self.role.fwd_in[j], "a stage's input")?)?)
-        } else if self.role.fwd_in[j].is_empty() {
-            LlmIn::Tokens(None)
         } else {
-            let bridge = bridge_of(self.graph, k)?;
-            let rows = bridge.forward_gather(self.rank, mail.take_all(&self.role.fwd_in[j])?)?; // (M_k, C)
-            let of_chunk = items_of_chunk(self.plan, k);
-            let pos = microbatch_placeholders(
-                self.plan,
-                self.run.mbs[j],
-                self.run.cp(),
-                bridge,
-                &of_chunk,
-                self.rank,
-                rows.dims()[0],
-            )?;
-            LlmIn::Tokens(Some((rows, pos)))
+            // Each encoder's rows of this microbatch, with their placeholder positions.
+            let mut parts: Vec<(Tensor, Vec<u32>)> = Vec::new();
+            let mut took = Vec::new();
+            for (e, &kind) in self.kinds.iter().enumerate() {
+                let xs = of_node(&self.role.fwd_in[j], Node::Encoder(e));
+                if xs.is_empty() {
+                    continue;
+                }
+                let bridge = bridge_of(self.graph, k, e)?;
+                let rows = bridge.forward_gather(self.rank, mail.take_all(&xs)?)?; // (M_ke, C)
+                let pos = microbatch_placeholders(
+                    self.plan,
+                    self.run.mbs[j],
+                    self.run.cp(),
+                    bridge,
+                    &items_of_kind(self.plan, k, kind),
+                    self.rank,
+                    rows.dims()[0],
+                )?;
+                took.push((e, rows.dims()[0]));
+                parts.push((rows, pos));
+            }
+            self.took[j] = took;
+            LlmIn::Tokens(concat_rows(parts)?)
         };
         if let Some(out) = self.run.forward(0, j, input, trace)? {
             mail.put(single(&self.role.fwd_out[j], "a stage's output")?, out)?;
@@ -198,16 +228,60 @@ impl Chunks for LlmChunks<'_> {
                 dx.ok_or_else(no_grad)?,
             );
         }
-        if self.role.fwd_in[j].is_empty() {
+        let took = std::mem::take(&mut self.took[j]);
+        if took.is_empty() {
             return Ok(());
         }
-        // The modality rows' grads, in the order they came: back over the bridge.
-        let dmod = dx.ok_or_else(no_grad)?;
-        let sends = bridge_of(self.graph, k)?.backward_sends(self.rank, &dmod)?;
-        mail.put_all(&self.role.bwd_out[j], Msg::EmbedGrad(k), sends)
+        // The modality rows' grads, in the order they came: each encoder's back over
+        // its bridge.
+        let dmod = dx.ok_or_else(no_grad)?; // (M_k, C)
+        let whole = took.len() == 1;
+        let mut at = 0;
+        for (e, n) in took {
+            let d = if whole {
+                None
+            } else {
+                Some(rows_of(&dmod, at, n)?)
+            };
+            let d = d.as_ref().unwrap_or(&dmod);
+            at += n;
+            let sends = bridge_of(self.graph, k, e)?.backward_sends(self.rank, d)?;
+            let node = Node::Encoder(e);
+            let xs = of_node(&self.role.bwd_out[j], node);
+            mail.put_all(&xs, node, Msg::EmbedGrad(k), sends)?;
+        }
+        Ok(())
     }
 
     fn loss(&self) -> f64 {
         self.run.loss
     }
+}
+
+/// `parts`' rows one after another `(sum M, C)` with their positions; `None` without any.
+fn concat_rows(mut parts: Vec<(Tensor, Vec<u32>)>) -> Result<Option<(Tensor, Vec<u32>)>> {
+    if parts.len() <= 1 {
+        return Ok(parts.pop());
+    }
+    let c = parts[0].0.dims()[1];
+    let m: usize = parts.iter().map(|p| p.0.dims()[0]).sum();
+    let (dtype, device) = (parts[0].0.dtype(), parts[0].0.device());
+    let mut rows = Tensor::zeros([m, c], dtype, device)?; // (M, C)
+    let mut pos = Vec::with_capacity(m);
+    let mut at = 0;
+    for (t, p) in parts {
+        let n = t.elem_count();
+        copy_range(&t, 0, &mut rows, at, n)?;
+        at += n;
+        pos.extend(p);
+    }
+    Ok(Some((rows, pos)))
+}
+
+/// Rows `at..at + n` of `x` (M, C), as a tensor of their own.
+fn rows_of(x: &Tensor, at: usize, n: usize) -> Result<Tensor> {
+    let c = x.dims()[1];
+    let mut out = Tensor::zeros([n, c], x.dtype(), x.device())?; // (n, C)
+    copy_range(x, at * c, &mut out, 0, n * c)?;
+    Ok(out)
 }

@@ -67,8 +67,8 @@ pub struct Engine {
     pub freeze: Freeze,
     bucket_elems: usize,
     zero1: bool,
-    /// This run takes the overlapped schedule (`parallel.schedule`, on disjoint modules
-    /// of several ranks); otherwise the phased one.
+    /// This run takes the overlapped schedule (`parallel.schedule`, on several ranks,
+    /// disjoint or colocated); otherwise the phased one.
     overlapped: bool,
     /// Where this rank's shards live and the dtype they compute in: what the bridge
     /// carries (fixed at construction, not looked up every step).
@@ -96,7 +96,7 @@ impl Engine {
         let device = super::model::device_of(&model);
         let zero1 = cfg.parallel.zero1;
         let overlapped = cfg.parallel.schedule == Schedule::Overlapped
-            && layouts.placement == Placement::Disjoint
+            && layouts.placement != Placement::Centric
             && layouts.world > 1;
         let placement = layouts.placement;
         let plan = ShardPlan::new(&model, zero1);

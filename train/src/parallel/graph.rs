@@ -16,6 +16,10 @@
 //! of ranks exchanges its messages in one order. Today's executor
 //! ([`super::overlapped`]) runs an exchange as its sends, then its receives: the same
 //! thing on Braid's transports, whose sends never wait for the receiver.
+//!
+//! That is a rank's program under disjoint placement, where it holds one module. A
+//! colocated rank holds a stage of every module; [`super::order`] merges their programs
+//! into one global order.
 
 use braid_bridge::Routes;
 use braid_comm::grid::Grid;
@@ -35,10 +39,20 @@ pub enum Msg {
     EmbedGrad(usize),
 }
 
-/// One message to or from `peer` (a world rank).
+/// A module of the graph: the LLM, or encoder `e` of [`Graph::encoders`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Node {
+    Llm,
+    Encoder(usize),
+}
+
+/// One message to or from `peer` (a world rank). `node` tells apart what one pair of
+/// ranks exchanges for two modules when a rank holds several (colocated placement): a
+/// stage's activations and grads are its module's, a bridge message its encoder's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Xfer {
     pub peer: usize,
+    pub node: Node,
     pub msg: Msg,
 }
 
@@ -48,13 +62,20 @@ pub enum Step {
     /// Sends and receives posted together (one NCCL group): the previous compute's
     /// outputs and the next compute's inputs.
     Exchange { send: Vec<Xfer>, recv: Vec<Xfer> },
-    /// A forward or backward of the chunk at this position of [`Role::chunks`].
-    Run(Op),
+    /// A forward or backward of module `Node`'s chunk at this position of its role's
+    /// [`Role::chunks`].
+    Run(Node, Op),
 }
 
 /// One rank's place in the graph for one step.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Role {
+    /// The module, and this rank's pipeline stage and replica in its grid: the ranks of
+    /// one (module, stage, replica) run the same computes, together (their TP and CP
+    /// collectives).
+    pub node: Node,
+    pub stage: usize,
+    pub replica: usize,
     /// The chunks this rank runs, ascending (ids below `of`).
     pub chunks: Vec<usize>,
     /// The step's chunk count: every rank orders its work by the same chunk ids, those it
@@ -109,7 +130,7 @@ impl Role {
                     recv: recv.clone(),
                 });
             }
-            steps.push(Step::Run(op));
+            steps.push(Step::Run(self.node, op));
             pending = out.clone();
         }
         if !pending.is_empty() {
@@ -142,28 +163,63 @@ pub struct Graph {
     pub llm_chunks: Vec<Vec<usize>>,
     /// Per encoder, per replica, its chunks ascending.
     pub encoder_chunks: Vec<Vec<Vec<usize>>>,
-    /// Per chunk id (`0..` the step's chunk count): the routes of its items
-    /// ([`Routes::subset`]); `None` without items.
-    pub bridges: Vec<Option<Routes>>,
+    /// Per chunk id (`0..` the step's chunk count), per encoder: the routes of that
+    /// encoder's items of the chunk ([`Routes::subset`]); `None` without items. One
+    /// table per encoder, so that a rank holding two encoders' last stages (colocated)
+    /// sends each encoder's rows after its own compute.
+    pub bridges: Vec<Vec<Option<Routes>>>,
 }
 
-fn xfers(peers: impl IntoIterator<Item = usize>, msg: Msg) -> Vec<Xfer> {
-    peers.into_iter().map(|peer| Xfer { peer, msg }).collect()
+fn xfers(peers: impl IntoIterator<Item = usize>, node: Node, msg: Msg) -> Vec<Xfer> {
+    peers
+        .into_iter()
+        .map(|peer| Xfer { peer, node, msg })
+        .collect()
 }
 
 impl Graph {
-    fn bridge(&self, k: usize) -> Option<&Routes> {
-        self.bridges.get(k).and_then(Option::as_ref)
+    /// Encoder `e`'s routes of chunk `k`, if it has items there.
+    pub fn bridge(&self, k: usize, e: usize) -> Option<&Routes> {
+        self.bridges
+            .get(k)
+            .and_then(|b| b.get(e))
+            .and_then(Option::as_ref)
     }
 
-    /// `rank`'s role (disjoint placement: one module per rank).
+    /// `rank`'s one role (disjoint placement: one module per rank).
     pub fn role(&self, rank: usize) -> Result<Role, String> {
-        let llm_pp = self.llm.dims.pp;
-        let neighbor = |g: &Grid, d: isize| {
-            g.pp_neighbor(rank, d)
-                .ok_or_else(|| format!("rank {rank} has no pipeline neighbour {d}"))
-        };
-        let mut role = Role {
+        let mut roles = self.roles(rank)?;
+        match roles.len() {
+            1 => Ok(roles.remove(0)),
+            n => Err(format!(
+                "rank {rank} holds {n} modules; its program comes from the step's global order"
+            )),
+        }
+    }
+
+    /// `rank`'s roles: the LLM's first, then each encoder's, for the modules it holds
+    /// (one under disjoint placement, several colocated).
+    pub fn roles(&self, rank: usize) -> Result<Vec<Role>, String> {
+        let mut roles = Vec::new();
+        if self.llm.coord(rank).is_some() {
+            roles.push(self.llm_role(rank)?);
+        }
+        for e in 0..self.encoders.len() {
+            if self.encoders[e].grid.coord(rank).is_some() {
+                roles.push(self.encoder_role(rank, e)?);
+            }
+        }
+        if roles.is_empty() {
+            return Err(format!("rank {rank} holds no module of the graph"));
+        }
+        Ok(roles)
+    }
+
+    fn empty_role(&self, node: Node, stage: usize, replica: usize) -> Role {
+        Role {
+            node,
+            stage,
+            replica,
             chunks: Vec::new(),
             of: self.bridges.len(),
             depth: 0,
@@ -172,88 +228,120 @@ impl Graph {
             fwd_out: Vec::new(),
             bwd_in: Vec::new(),
             bwd_out: Vec::new(),
-        };
-        if let Some(c) = self.llm.coord(rank) {
-            let (first, last) = (c.pp == 0, c.pp + 1 == llm_pp);
-            role.chunks = self.llm_chunks.get(c.dp).cloned().unwrap_or_default();
-            role.depth = llm_pp - c.pp;
-            for &k in &role.chunks {
-                let b = self.bridge(k);
-                role.fwd_in.push(if first {
-                    let src = b.map(|b| b.forward_sources(rank)).unwrap_or_default();
-                    xfers(src.into_iter().map(|p| p.0), Msg::Embed(k))
-                } else {
-                    xfers([neighbor(&self.llm, -1)?], Msg::Act(k))
-                });
-                role.fwd_out.push(if last {
-                    Vec::new()
-                } else {
-                    xfers([neighbor(&self.llm, 1)?], Msg::Act(k))
-                });
-                role.bwd_in.push(if last {
-                    Vec::new()
-                } else {
-                    xfers([neighbor(&self.llm, 1)?], Msg::Grad(k))
-                });
-                role.bwd_out.push(if first {
-                    let to = b.map(|b| b.backward_targets(rank)).unwrap_or_default();
-                    xfers(to, Msg::EmbedGrad(k))
-                } else {
-                    xfers([neighbor(&self.llm, -1)?], Msg::Grad(k))
-                });
-            }
-            return Ok(role);
         }
-        for (e, node) in self.encoders.iter().enumerate() {
-            let Some(c) = node.grid.coord(rank) else {
-                continue;
-            };
-            let stages = node.grid.dims.pp;
-            let (first, last) = (c.pp == 0, c.pp + 1 == stages);
-            role.chunks = self.encoder_chunks[e]
-                .get(c.dp)
-                .cloned()
-                .unwrap_or_default();
-            role.depth = stages - c.pp + llm_pp;
-            role.backward = if last {
-                node.branch_trains
-            } else {
-                node.trains
-            };
-            for &k in &role.chunks {
-                let b = self.bridge(k);
-                role.fwd_in.push(if first {
-                    Vec::new()
-                } else {
-                    xfers([neighbor(&node.grid, -1)?], Msg::Act(k))
-                });
-                role.fwd_out.push(if last {
-                    let to = b.map(|b| b.forward_targets(rank)).unwrap_or_default();
-                    xfers(to, Msg::Embed(k))
-                } else {
-                    xfers([neighbor(&node.grid, 1)?], Msg::Act(k))
-                });
-                role.bwd_in.push(match (role.backward, last) {
-                    (false, _) => Vec::new(),
-                    (true, true) => {
-                        let src = b.map(|b| b.backward_sources(rank)).unwrap_or_default();
-                        xfers(src.into_iter().map(|p| p.0), Msg::EmbedGrad(k))
-                    }
-                    (true, false) => xfers([neighbor(&node.grid, 1)?], Msg::Grad(k)),
-                });
-                role.bwd_out
-                    .push(if role.backward && node.trains && !first {
-                        xfers([neighbor(&node.grid, -1)?], Msg::Grad(k))
-                    } else {
-                        Vec::new()
-                    });
-            }
-            return Ok(role);
-        }
-        Err(format!("rank {rank} holds no module of the graph"))
     }
+
+    fn llm_role(&self, rank: usize) -> Result<Role, String> {
+        let g = &self.llm;
+        let c = g
+            .coord(rank)
+            .ok_or_else(|| format!("rank {rank} holds no LLM stage"))?;
+        let node = Node::Llm;
+        let neighbor = |d: isize| neighbor(g, rank, d);
+        let (first, last) = (c.pp == 0, c.pp + 1 == g.dims.pp);
+        let mut role = self.empty_role(node, c.pp, c.dp);
+        role.chunks = self.llm_chunks.get(c.dp).cloned().unwrap_or_default();
+        role.depth = g.dims.pp - c.pp;
+        for &k in &role.chunks {
+            // The bridge's messages, encoder by encoder.
+            let bridge = |to_llm: bool| -> Vec<Xfer> {
+                (0..self.encoders.len())
+                    .flat_map(|e| {
+                        let b = self.bridge(k, e);
+                        let peers: Vec<usize> = match (b, to_llm) {
+                            (None, _) => Vec::new(),
+                            (Some(b), true) => {
+                                b.forward_sources(rank).into_iter().map(|p| p.0).collect()
+                            }
+                            (Some(b), false) => b.backward_targets(rank),
+                        };
+                        let msg = if to_llm {
+                            Msg::Embed(k)
+                        } else {
+                            Msg::EmbedGrad(k)
+                        };
+                        xfers(peers, Node::Encoder(e), msg)
+                    })
+                    .collect()
+            };
+            role.fwd_in.push(if first {
+                bridge(true)
+            } else {
+                xfers([neighbor(-1)?], node, Msg::Act(k))
+            });
+            role.fwd_out.push(if last {
+                Vec::new()
+            } else {
+                xfers([neighbor(1)?], node, Msg::Act(k))
+            });
+            role.bwd_in.push(if last {
+                Vec::new()
+            } else {
+                xfers([neighbor(1)?], node, Msg::Grad(k))
+            });
+            role.bwd_out.push(if first {
+                bridge(false)
+            } else {
+                xfers([neighbor(-1)?], node, Msg::Grad(k))
+            });
+        }
+        Ok(role)
+    }
+
+    fn encoder_role(&self, rank: usize, e: usize) -> Result<Role, String> {
+        let enc = &self.encoders[e];
+        let g = &enc.grid;
+        let c = g
+            .coord(rank)
+            .ok_or_else(|| format!("rank {rank} holds no stage of encoder {e}"))?;
+        let node = Node::Encoder(e);
+        let neighbor = |d: isize| neighbor(g, rank, d);
+        let stages = g.dims.pp;
+        let (first, last) = (c.pp == 0, c.pp + 1 == stages);
+        let mut role = self.empty_role(node, c.pp, c.dp);
+        role.chunks = self.encoder_chunks[e]
+            .get(c.dp)
+            .cloned()
+            .unwrap_or_default();
+        role.depth = stages - c.pp + self.llm.dims.pp;
+        role.backward = if last { enc.branch_trains } else { enc.trains };
+        for &k in &role.chunks {
+            let b = self.bridge(k, e);
+            role.fwd_in.push(if first {
+                Vec::new()
+            } else {
+                xfers([neighbor(-1)?], node, Msg::Act(k))
+            });
+            role.fwd_out.push(if last {
+                let to = b.map(|b| b.forward_targets(rank)).unwrap_or_default();
+                xfers(to, node, Msg::Embed(k))
+            } else {
+                xfers([neighbor(1)?], node, Msg::Act(k))
+            });
+            role.bwd_in.push(match (role.backward, last) {
+                (false, _) => Vec::new(),
+                (true, true) => {
+                    let src = b.map(|b| b.backward_sources(rank)).unwrap_or_default();
+                    xfers(src.into_iter().map(|p| p.0), node, Msg::EmbedGrad(k))
+                }
+                (true, false) => xfers([neighbor(1)?], node, Msg::Grad(k)),
+            });
+            role.bwd_out.push(if role.backward && enc.trains && !first {
+                xfers([neighbor(-1)?], node, Msg::Grad(k))
+            } else {
+                Vec::new()
+            });
+        }
+        Ok(role)
+    }
+}
+
+/// `rank`'s pipeline neighbour `d` stages on in grid `g`.
+fn neighbor(g: &Grid, rank: usize, d: isize) -> Result<usize, String> {
+    g.pp_neighbor(rank, d)
+        .ok_or_else(|| format!("rank {rank} has no pipeline neighbour {d}"))
 }
 
 #[cfg(test)]
 #[path = "graph_tests.rs"]
-mod tests;
+pub(crate) mod tests;

@@ -11,21 +11,64 @@ use rand_chacha::ChaCha8Rng;
 use super::*;
 use crate::parallel::schedule::max_in_flight;
 
-/// A random graph: an LLM and 0-2 encoders, each with its own TP/CP/PP/DP, items of
-/// random replicas and microbatches.
-fn random_graph(rng: &mut ChaCha8Rng, max_pp: usize, m: usize) -> Graph {
-    let dims = |rng: &mut ChaCha8Rng| GridDims {
+/// Random grid dims with TP and CP 1-2, PP 1-`max_pp`, DP 1-3.
+fn random_dims(rng: &mut ChaCha8Rng, max_pp: usize) -> GridDims {
+    GridDims {
         tp: rng.random_range(1..=2),
         cp: rng.random_range(1..=2),
         pp: rng.random_range(1..=max_pp),
         dp: rng.random_range(1..=3),
+    }
+}
+
+/// Random grid dims of exactly `world` ranks (a colocated grid): PP 1-`max_pp`, TP and
+/// CP 1-2, DP the rest, each dividing what is left.
+fn dims_of_world(rng: &mut ChaCha8Rng, world: usize, max_pp: usize) -> GridDims {
+    let mut left = world;
+    let mut pick = |left: &mut usize, max: usize| {
+        let d: Vec<usize> = (1..=max.min(*left))
+            .filter(|d| left.is_multiple_of(*d))
+            .collect();
+        let x = d[rng.random_range(0..d.len())];
+        *left /= x;
+        x
+    };
+    let pp = pick(&mut left, max_pp);
+    let tp = pick(&mut left, 2);
+    let cp = pick(&mut left, 2);
+    GridDims {
+        tp,
+        cp,
+        pp,
+        dp: left,
+    }
+}
+
+/// A random graph: an LLM and 0-2 encoders, each with its own TP/CP/PP/DP, items of
+/// random replicas and microbatches. Disjoint: each module on its own ranks; colocated:
+/// every grid spans one world of 1-12 ranks.
+pub(crate) fn random_graph(
+    rng: &mut ChaCha8Rng,
+    max_pp: usize,
+    m: usize,
+    colocated: bool,
+) -> Graph {
+    let world = rng.random_range(1..=12);
+    let dims = |rng: &mut ChaCha8Rng| {
+        if colocated {
+            dims_of_world(rng, world, max_pp)
+        } else {
+            random_dims(rng, max_pp)
+        }
     };
     let n_enc = rng.random_range(0..=2);
     let mut offset = 0;
     let mut encoders = Vec::new();
     for _ in 0..n_enc {
         let grid = Grid::new(dims(rng), offset).unwrap();
-        offset += grid.size();
+        if !colocated {
+            offset += grid.size();
+        }
         let trains = rng.random_bool(0.7);
         encoders.push(EncoderNode {
             grid,
@@ -35,7 +78,6 @@ fn random_graph(rng: &mut ChaCha8Rng, max_pp: usize, m: usize) -> Graph {
     }
     let llm = Grid::new(dims(rng), offset).unwrap();
     let world = offset + llm.size();
-    // Each LLM replica runs a random non-empty subset of the m microbatches.
     let llm_chunks: Vec<Vec<usize>> = (0..llm.dims.dp)
         .map(|_| {
             loop {
@@ -92,8 +134,14 @@ fn random_graph(rng: &mut ChaCha8Rng, max_pp: usize, m: usize) -> Graph {
     let routes = routes_for(&placements, 3, world).unwrap();
     let bridges = (0..m)
         .map(|k| {
-            let of_k: Vec<usize> = (0..items.len()).filter(|&i| items[i].3 == k).collect();
-            (!of_k.is_empty()).then(|| routes.subset(&of_k).unwrap())
+            (0..encoders.len())
+                .map(|e| {
+                    let of: Vec<usize> = (0..items.len())
+                        .filter(|&i| items[i].3 == k && items[i].0 == e)
+                        .collect();
+                    (!of.is_empty()).then(|| routes.subset(&of).unwrap())
+                })
+                .collect()
         })
         .collect();
     let encoder_chunks = encoders
@@ -123,7 +171,7 @@ fn random_graph(rng: &mut ChaCha8Rng, max_pp: usize, m: usize) -> Graph {
     }
 }
 
-fn world_of(g: &Graph) -> usize {
+pub(crate) fn world_of(g: &Graph) -> usize {
     g.llm.offset + g.llm.size()
 }
 
@@ -162,10 +210,9 @@ fn stuck(programs: &[Vec<Step>]) -> Option<String> {
                     }
                     let b = x.peer;
                     if let Some(Step::Exchange { recv, .. }) = current(&pc, b)
-                        && let Some(ri) = recv
-                            .iter()
-                            .enumerate()
-                            .position(|(ri, y)| y.peer == a && y.msg == x.msg && !done[b].1[ri])
+                        && let Some(ri) = recv.iter().enumerate().position(|(ri, y)| {
+                            y.peer == a && y.node == x.node && y.msg == x.msg && !done[b].1[ri]
+                        })
                     {
                         done[a].0[si] = true;
                         done[b].1[ri] = true;
@@ -177,7 +224,7 @@ fn stuck(programs: &[Vec<Step>]) -> Option<String> {
         for r in 0..n {
             let finished_step = match current(&pc, r) {
                 None => false,
-                Some(Step::Run(_)) => true,
+                Some(Step::Run(..)) => true,
                 Some(Step::Exchange { .. }) => {
                     done[r].0.iter().all(|&d| d) && done[r].1.iter().all(|&d| d)
                 }
@@ -199,7 +246,7 @@ fn stuck(programs: &[Vec<Step>]) -> Option<String> {
 }
 
 /// Per ordered pair of ranks (sender, receiver), its messages in order.
-type PairOrders = HashMap<(usize, usize), Vec<Msg>>;
+type PairOrders = HashMap<(usize, usize), Vec<(Node, Msg)>>;
 
 /// Per ordered pair of ranks, the messages in the order the sender sends them and in
 /// the order the receiver receives them: a FIFO transport needs them equal.
@@ -209,10 +256,14 @@ fn pair_orders(programs: &[Vec<Step>]) -> (PairOrders, PairOrders) {
         for s in p {
             if let Step::Exchange { send, recv } = s {
                 for x in send {
-                    sent.entry((r, x.peer)).or_insert_with(Vec::new).push(x.msg);
+                    sent.entry((r, x.peer))
+                        .or_insert_with(Vec::new)
+                        .push((x.node, x.msg));
                 }
                 for x in recv {
-                    got.entry((x.peer, r)).or_insert_with(Vec::new).push(x.msg);
+                    got.entry((x.peer, r))
+                        .or_insert_with(Vec::new)
+                        .push((x.node, x.msg));
                 }
             }
         }
@@ -227,7 +278,7 @@ fn programs_are_complete_bounded_and_deadlock_free_without_buffering() {
     for max_pp in 1..=5 {
         for m in 1..=8 {
             for _ in 0..20 {
-                let g = random_graph(&mut rng, max_pp, m);
+                let g = random_graph(&mut rng, max_pp, m, false);
                 let world = world_of(&g);
                 let roles: Vec<Role> = (0..world).map(|r| g.role(r).unwrap()).collect();
                 let programs: Vec<Vec<Step>> = roles.iter().map(Role::program).collect();
@@ -235,7 +286,7 @@ fn programs_are_complete_bounded_and_deadlock_free_without_buffering() {
                     let ops: Vec<Op> = p
                         .iter()
                         .filter_map(|s| match s {
-                            Step::Run(op) => Some(*op),
+                            Step::Run(_, op) => Some(*op),
                             Step::Exchange { .. } => None,
                         })
                         .collect();
@@ -308,7 +359,7 @@ fn ungrouped_sends_deadlock_under_rendezvous() {
         encoders: Vec::new(),
         llm_chunks: vec![vec![0, 1, 2]],
         encoder_chunks: Vec::new(),
-        bridges: vec![None, None, None],
+        bridges: vec![Vec::new(); 3],
     };
     let grouped: Vec<Vec<Step>> = (0..2).map(|r| g.role(r).unwrap().program()).collect();
     assert!(run_rendezvous(&grouped));
@@ -318,7 +369,7 @@ fn ungrouped_sends_deadlock_under_rendezvous() {
         .map(|p| {
             p.iter()
                 .flat_map(|s| match s {
-                    Step::Run(_) => vec![s.clone()],
+                    Step::Run(..) => vec![s.clone()],
                     Step::Exchange { send, recv } => send
                         .iter()
                         .map(|x| Step::Exchange {
@@ -360,7 +411,7 @@ fn encoder_warm_up_spans_the_llm_pipeline() {
         }],
         llm_chunks: vec![(0..6).collect()],
         encoder_chunks: vec![vec![(0..6).collect()]],
-        bridges: vec![None; 6],
+        bridges: vec![vec![None]; 6],
     };
     // Encoder stage 0 of 2 before a 3-stage LLM: 2 - 0 - 1 + 3 = 4 forwards ahead.
     let ops = g.role(0).unwrap().ops();

@@ -25,6 +25,7 @@ pub mod layout;
 mod llm_stage;
 mod load;
 pub mod model;
+mod order;
 mod overlapped;
 pub mod plan;
 pub mod procs;

@@ -1,4 +1,4 @@
-//! The overlapped step on one rank (`parallel.schedule = "overlapped"`, disjoint placement): this rank's program from [`super::graph`], run compute by compute, its messages moved in grouped exchanges.
+//! The overlapped step on one rank (`parallel.schedule = "overlapped"`, disjoint or colocated placement): this rank's program from [`super::graph`] (or, colocated, its part of [`super::order`]'s global order), run compute by compute, its messages moved in grouped exchanges.
 //!
 //! Encoder replicas encode microbatch `k`'s images and clips as their chunk `k`, each
 //! chunk's embeddings go point to point to the LLM's first-stage ranks that hold its
@@ -7,32 +7,34 @@
 //! LLM pipeline works on earlier ones. The results are those of the phased step: the
 //! same computations on the same rows, only in another order.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use braid_bridge::Routes;
 use braid_comm::Comm;
 use braid_dataloader::loader::Row;
 use braid_kernels::{Shape, Tensor};
 
-use super::chunks::{Chunks, EncoderChunks, LlmChunks};
+use super::chunks::{Chunks, EncoderChunks, LlmChunks, items_of_kind};
 use super::encode::EncoderStage;
-use super::graph::{EncoderNode, Graph, Msg, Role, Step, Xfer};
+use super::graph::{EncoderNode, Graph, Msg, Node, Role, Step, Xfer};
 use super::layout::Layouts;
 use super::llm_stage::LlmStageRun;
 use super::model::{ModuleGroups, RankModel};
+use super::order::rank_program;
 use super::plan::{ItemKind, StepPlan};
 use super::schedule::Op;
 use crate::error::{Result, TrainError};
 use crate::mllm::Freeze;
 use crate::trace::Tracer;
 
-/// The step's graph: chunks, who runs which, and each chunk's bridge routes.
+/// The step's graph (chunks, who runs which, each chunk's bridge routes per encoder),
+/// and what each of its encoders encodes.
 pub(crate) fn step_graph(
     layouts: &Layouts,
     plan: &StepPlan,
     routes: &Routes,
     freeze: Freeze,
-) -> Result<Graph> {
+) -> Result<(Graph, Vec<ItemKind>)> {
     let chunks = plan
         .microbatches
         .iter()
@@ -40,26 +42,13 @@ pub(crate) fn step_graph(
         .chain(plan.items.iter().map(|it| it.mb + 1))
         .max()
         .unwrap_or(0);
-    let bridges = (0..chunks)
-        .map(|k| {
-            let items: Vec<usize> = (0..plan.items.len())
-                .filter(|&i| plan.items[i].mb == k)
-                .collect();
-            if items.is_empty() {
-                return Ok(None);
-            }
-            routes
-                .subset(&items)
-                .map(Some)
-                .map_err(|e| TrainError::Other(format!("chunk {k}: {e}")))
-        })
-        .collect::<Result<Vec<_>>>()?;
     let llm = layouts.llm;
     let llm_chunks = (0..llm.dims.dp)
         .map(|d| plan.microbatches_of(d).iter().map(|m| m.mb).collect())
         .collect();
     let mut encoders = Vec::new();
     let mut encoder_chunks = Vec::new();
+    let mut kinds = Vec::new();
     let branches = [
         (
             layouts.vision,
@@ -76,6 +65,7 @@ pub(crate) fn step_graph(
     ];
     for (grid, kind, enc_frozen, proj_frozen) in branches {
         let Some(grid) = grid else { continue };
+        kinds.push(kind);
         encoders.push(EncoderNode {
             grid,
             trains: !enc_frozen,
@@ -97,13 +87,31 @@ pub(crate) fn step_graph(
                 .collect(),
         );
     }
-    Ok(Graph {
+    let bridges = (0..chunks)
+        .map(|k| {
+            kinds
+                .iter()
+                .map(|&kind| {
+                    let items = items_of_kind(plan, k, kind);
+                    if items.is_empty() {
+                        return Ok(None);
+                    }
+                    routes
+                        .subset(&items)
+                        .map(Some)
+                        .map_err(|e| TrainError::Other(format!("chunk {k}: {e}")))
+                })
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let graph = Graph {
         llm,
         encoders,
         llm_chunks,
         encoder_chunks,
         bridges,
-    })
+    };
+    Ok((graph, kinds))
 }
 
 /// Messages in flight on this rank: made by a compute and not yet sent, or received and
@@ -118,6 +126,14 @@ impl Mail {
     pub fn put(&mut self, to: Xfer, t: Tensor) -> Result<()> {
         if self.outbox.insert(to, t).is_some() {
             return Err(TrainError::Other(format!("{to:?} was made twice")));
+        }
+        Ok(())
+    }
+
+    /// Files a received message (`peer` its sender).
+    pub fn put_in(&mut self, from: Xfer, t: Tensor) -> Result<()> {
+        if self.inbox.insert(from, t).is_some() {
+            return Err(TrainError::Other(format!("{from:?} came twice")));
         }
         Ok(())
     }
@@ -137,6 +153,7 @@ impl Mail {
     pub fn put_all(
         &mut self,
         expected: &[Xfer],
+        node: Node,
         msg: Msg,
         sends: Vec<(usize, Tensor)>,
     ) -> Result<()> {
@@ -148,7 +165,7 @@ impl Mail {
             )));
         }
         for (peer, t) in sends {
-            let x = Xfer { peer, msg };
+            let x = Xfer { peer, node, msg };
             if !expected.contains(&x) {
                 return Err(TrainError::Other(format!("unexpected message {x:?}")));
             }
@@ -158,27 +175,42 @@ impl Mail {
     }
 }
 
+/// A module's chunks on this rank, with its role.
+type Module<'a> = (&'a Role, Box<dyn Chunks + 'a>);
+
+/// The module of `node` among this rank's.
+fn module_of<'m, 'a>(modules: &'m mut [Module<'a>], node: Node) -> Result<&'m mut Module<'a>> {
+    modules
+        .iter_mut()
+        .find(|m| m.0.node == node)
+        .ok_or_else(|| TrainError::Other(format!("this rank runs no {node:?} stage")))
+}
+
 /// The shape of message `x` on this rank.
-fn shape_of(x: &Xfer, role: &Role, graph: &Graph, rank: usize, m: &dyn Chunks) -> Result<Shape> {
-    let (k, bridge_rows) = match x.msg {
-        Msg::Act(k) | Msg::Grad(k) => {
+fn shape_of(x: &Xfer, graph: &Graph, rank: usize, modules: &mut [Module<'_>]) -> Result<Shape> {
+    let (k, e, bridge_rows) = match (x.msg, x.node) {
+        (Msg::Act(k) | Msg::Grad(k), node) => {
+            let (role, m) = module_of(modules, node)?;
             let j = role.chunks.binary_search(&k).map_err(|_| {
                 TrainError::Other(format!("rank {rank}: {x:?} is for a chunk it does not run"))
             })?;
             return m.hidden_shape(j);
         }
-        Msg::Embed(k) => (
-            k,
-            graph.bridges[k].as_ref().map(|b| b.forward_sources(rank)),
-        ),
-        Msg::EmbedGrad(k) => (
-            k,
-            graph.bridges[k].as_ref().map(|b| b.backward_sources(rank)),
-        ),
+        (Msg::Embed(k), Node::Encoder(e)) => {
+            (k, e, graph.bridge(k, e).map(|b| b.forward_sources(rank)))
+        }
+        (Msg::EmbedGrad(k), Node::Encoder(e)) => {
+            (k, e, graph.bridge(k, e).map(|b| b.backward_sources(rank)))
+        }
+        (_, Node::Llm) => {
+            return Err(TrainError::Other(format!(
+                "rank {rank}: {x:?} is a bridge message without its encoder"
+            )));
+        }
     };
-    let b = graph.bridges[k]
-        .as_ref()
-        .ok_or_else(|| TrainError::Other(format!("chunk {k} has no bridge routes")))?;
+    let b = graph.bridge(k, e).ok_or_else(|| {
+        TrainError::Other(format!("chunk {k} has no bridge routes for encoder {e}"))
+    })?;
     let n = bridge_rows
         .unwrap_or_default()
         .into_iter()
@@ -201,57 +233,80 @@ pub(crate) fn run_overlapped(
     trace: &mut Tracer,
 ) -> Result<f64> {
     let rank = world.rank();
-    let graph = step_graph(layouts, plan, routes, freeze)?;
-    let role = graph
-        .role(rank)
+    let (graph, kinds) = step_graph(layouts, plan, routes, freeze)?;
+    let mut prog = rank_program(&graph, world.size(), rank)
         .map_err(|e| TrainError::Other(format!("overlapped schedule: {e}")))?;
+    let roles = std::mem::take(&mut prog.roles);
     let c = routes.width();
     let RankModel { vision, audio, llm } = model;
-    let mut module: Box<dyn Chunks + '_> = if let Some(part) = llm.as_mut() {
-        let run = LlmStageRun::new(part, rows, plan, norm);
-        let got: Vec<usize> = run.mbs.iter().map(|m| m.mb).collect();
-        if got != role.chunks {
-            return Err(TrainError::Other(format!(
-                "rank {rank}: llm microbatches {got:?} but the schedule's chunks are {:?}",
-                role.chunks
-            )));
-        }
-        Box::new(LlmChunks {
-            run,
-            plan,
-            rank,
-            role: &role,
-            graph: &graph,
-        })
-    } else if let Some(part) = vision.as_mut() {
-        let ctx = (rows, plan, rank, c, &role, &graph);
-        encoder_chunks(part, freeze.vision, ctx)?
-    } else if let Some(part) = audio.as_mut() {
-        let ctx = (rows, plan, rank, c, &role, &graph);
-        encoder_chunks(part, freeze.audio, ctx)?
-    } else {
-        return Err(TrainError::Other(format!("rank {rank} holds no module")));
-    };
+    let (mut vision, mut audio, mut llm) = (vision.as_mut(), audio.as_mut(), llm.as_mut());
+    let missing = |what: &str| TrainError::Other(format!("rank {rank} holds no {what}"));
+    let mut modules: Vec<Module<'_>> = Vec::new();
+    for role in &roles {
+        let m: Box<dyn Chunks + '_> = match role.node {
+            Node::Llm => {
+                let part = llm.take().ok_or_else(|| missing("LLM stage"))?;
+                let run = LlmStageRun::new(part, rows, plan, norm);
+                let got: Vec<usize> = run.mbs.iter().map(|m| m.mb).collect();
+                if got != role.chunks {
+                    return Err(TrainError::Other(format!(
+                        "rank {rank}: llm microbatches {got:?} but the schedule's chunks are {:?}",
+                        role.chunks
+                    )));
+                }
+                Box::new(LlmChunks {
+                    took: vec![Vec::new(); role.chunks.len()],
+                    run,
+                    plan,
+                    rank,
+                    role,
+                    graph: &graph,
+                    kinds: kinds.clone(),
+                })
+            }
+            Node::Encoder(e) => {
+                let ctx = (rows, plan, rank, c, role, &graph);
+                match kinds.get(e) {
+                    Some(ItemKind::Image) => {
+                        let part = vision.take().ok_or_else(|| missing("vision stage"))?;
+                        encoder_chunks(part, e, freeze.vision, ctx)?
+                    }
+                    Some(ItemKind::Clip) => {
+                        let part = audio.take().ok_or_else(|| missing("audio stage"))?;
+                        encoder_chunks(part, e, freeze.audio, ctx)?
+                    }
+                    None => return Err(missing(&format!("encoder {e}"))),
+                }
+            }
+        };
+        modules.push((role, m));
+    }
 
     let mut mail = Mail::default();
-    for step in role.program() {
+    let steps = std::mem::take(&mut prog.steps);
+    let incoming = &mut prog.incoming;
+    for step in &steps {
         match step {
             Step::Exchange { send, recv } => {
                 let t0 = trace.start();
-                for x in &send {
+                for x in send {
                     let t = mail
                         .outbox
                         .remove(x)
                         .ok_or_else(|| TrainError::Other(format!("{x:?} was never made")))?;
-                    world.send(&t, x.peer)?;
+                    if x.peer == rank {
+                        // One module of this rank to another (colocated bridge).
+                        mail.put_in(*x, t)?;
+                    } else {
+                        world.send(&t, x.peer)?;
+                    }
                 }
-                for x in &recv {
-                    let shape = shape_of(x, &role, &graph, rank, module.as_ref())?;
-                    mail.inbox.insert(*x, world.recv(&shape, x.peer)?);
+                for x in recv {
+                    receive(x, incoming, &mut mail, world, &graph, &mut modules)?;
                 }
                 let bridge = send
                     .iter()
-                    .chain(&recv)
+                    .chain(recv)
                     .any(|x| matches!(x.msg, Msg::Embed(_) | Msg::EmbedGrad(_)));
                 let what = recv.first().or(send.first()).map(|x| x.msg);
                 let name = match what {
@@ -261,25 +316,86 @@ pub(crate) fn run_overlapped(
                 };
                 trace.end(t0, name, if bridge { "bridge" } else { "comm" })?;
             }
-            Step::Run(Op::Forward(j)) => module.forward(j, &mut mail, trace)?,
-            Step::Run(Op::Backward(j)) => module.backward(j, &mut mail, trace)?,
+            Step::Run(node, Op::Forward(j)) => {
+                module_of(&mut modules, *node)?
+                    .1
+                    .forward(*j, &mut mail, trace)?;
+            }
+            Step::Run(node, Op::Backward(j)) => {
+                module_of(&mut modules, *node)?
+                    .1
+                    .backward(*j, &mut mail, trace)?;
+            }
         }
     }
-    if let Some(x) = mail.outbox.keys().chain(mail.inbox.keys()).next() {
+    let unread = incoming.values().flatten().next();
+    if let Some(x) = mail
+        .outbox
+        .keys()
+        .chain(mail.inbox.keys())
+        .chain(unread)
+        .next()
+    {
         return Err(TrainError::Other(format!(
             "rank {rank}: {x:?} was left over at the end of the step"
         )));
     }
-    Ok(module.loss())
+    Ok(modules.iter().map(|m| m.1.loss()).sum())
+}
+
+/// Receives message `x` into the inbox. Under disjoint placement it is the next message
+/// from its peer. When ranks hold several modules, a peer sends in the step's global
+/// order, which may differ from the order this rank uses them: its messages are taken
+/// in that order ([`super::order::RankProgram::incoming`]) until `x` has come, the others kept.
+fn receive(
+    x: &Xfer,
+    incoming: &mut HashMap<usize, VecDeque<Xfer>>,
+    mail: &mut Mail,
+    world: &dyn Comm,
+    graph: &Graph,
+    modules: &mut [Module<'_>],
+) -> Result<()> {
+    let rank = world.rank();
+    if x.peer == rank || mail.inbox.contains_key(x) {
+        return if mail.inbox.contains_key(x) {
+            Ok(())
+        } else {
+            Err(TrainError::Other(format!(
+                "rank {rank}: {x:?} was never made"
+            )))
+        };
+    }
+    if incoming.is_empty() {
+        let shape = shape_of(x, graph, rank, modules)?;
+        return mail.put_in(*x, world.recv(&shape, x.peer)?);
+    }
+    loop {
+        let next = incoming
+            .get_mut(&x.peer)
+            .and_then(VecDeque::pop_front)
+            .ok_or_else(|| {
+                TrainError::Other(format!(
+                    "rank {rank}: rank {} never sends {x:?} in the step's order",
+                    x.peer
+                ))
+            })?;
+        let shape = shape_of(&next, graph, rank, modules)?;
+        mail.put_in(next, world.recv(&shape, next.peer)?)?;
+        if next == *x {
+            return Ok(());
+        }
+    }
 }
 
 /// What an encoder rank's chunks run with: the batch, its plan, the rank, the bridge's
 /// row width, its role and the step's graph.
 type Ctx<'a> = (&'a [Row], &'a StepPlan, usize, usize, &'a Role, &'a Graph);
 
-/// An encoder rank's chunks, after checking its weights train as the schedule assumes.
+/// An encoder rank's chunks (encoder `e` of the graph), after checking its weights
+/// train as the schedule assumes.
 fn encoder_chunks<'a, P: EncoderStage>(
     part: &'a mut P,
+    e: usize,
     frozen: bool,
     (rows, plan, rank, c, role, graph): Ctx<'a>,
 ) -> Result<Box<dyn Chunks + 'a>> {
@@ -287,6 +403,7 @@ fn encoder_chunks<'a, P: EncoderStage>(
     let items = chunk_items(plan, P::KIND, part.groups().coord.dp, &role.chunks);
     Ok(Box::new(EncoderChunks {
         part,
+        e,
         rows,
         plan,
         rank,

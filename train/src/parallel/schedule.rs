@@ -7,7 +7,7 @@
 //! receive waits on a message the neighbour sends earlier in its own order.
 
 /// One unit of pipeline work on a stage.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Op {
     Forward(usize),
     Backward(usize),

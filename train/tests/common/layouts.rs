@@ -163,10 +163,12 @@ pub const LAYOUTS: &[(&str, &[&str], bool)] = &[
     ),
 ];
 
-/// Disjoint layouts run with the overlapped schedule (1F1B across the module graph),
-/// checked like [`LAYOUTS`]: encoder PP, encoder CP and TP, uneven DP between modules,
+/// Layouts run with the overlapped schedule (1F1B across the module graph), checked
+/// like [`LAYOUTS`]. Disjoint: encoder PP, encoder CP and TP, uneven DP between modules,
 /// a frozen encoder, LLM PP with TP and CP, and a deep LLM pipeline under more
-/// microbatches than stages.
+/// microbatches than stages. Colocated (each rank interleaving its modules' passes in
+/// the step's global order): LLM TP and PP with a pipelined encoder, every module on
+/// PP with CP or TP and DP, and a four-stage LLM with a frozen pipelined encoder.
 pub const OVERLAPPED: &[(&str, &[&str], bool)] = &[
     (
         "ov-encoders-pp2-llm-pp2-mb3-recompute",
@@ -237,6 +239,55 @@ pub const OVERLAPPED: &[(&str, &[&str], bool)] = &[
             "train.microbatches=4",
         ],
         false,
+    ),
+    (
+        "ov-colocated-llm-tp2-pp2-audio-pp2-mb3",
+        &[
+            "parallel.schedule=\"overlapped\"",
+            "parallel.placement=\"colocated\"",
+            "parallel.world_size=4",
+            "parallel.llm.tp=2",
+            "parallel.llm.pp=2",
+            "parallel.vision.dp=4",
+            "parallel.audio.pp=2",
+            "parallel.audio.dp=2",
+            "train.microbatches=3",
+        ],
+        false,
+    ),
+    (
+        "ov-colocated-8-every-module-pp2",
+        &[
+            "parallel.schedule=\"overlapped\"",
+            "parallel.placement=\"colocated\"",
+            "parallel.world_size=8",
+            "parallel.llm.cp=2",
+            "parallel.llm.pp=2",
+            "parallel.llm.dp=2",
+            "parallel.vision.pp=2",
+            "parallel.vision.cp=2",
+            "parallel.vision.dp=2",
+            "parallel.vision.recompute=true",
+            "parallel.audio.tp=2",
+            "parallel.audio.pp=2",
+            "parallel.audio.dp=2",
+            "train.microbatches=4",
+        ],
+        false,
+    ),
+    (
+        "ov-colocated-frozen-vision-llm-pp4",
+        &[
+            "parallel.schedule=\"overlapped\"",
+            "parallel.placement=\"colocated\"",
+            "parallel.world_size=4",
+            "parallel.llm.pp=4",
+            "parallel.vision.pp=2",
+            "parallel.vision.dp=2",
+            "parallel.audio.dp=4",
+            r#"train.freeze=["vision"]"#,
+        ],
+        true,
     ),
 ];
 
