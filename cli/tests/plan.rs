@@ -43,13 +43,13 @@ fn the_7b_reference_plans_on_64_gpus() {
     let searched = v["search_step_time_s"].as_f64().unwrap();
     assert!(searched <= 1.05 * checked, "{v}");
     // The plan written (and reported) is the fastest of the two and of the runnable
-    // LLM-centric layout (here 0.1 % faster than both: the plan is that layout).
+    // LLM-centric layout: here the check's, colocated and overlapped (the encoders in
+    // the LLM pipeline's fill and drain), 2 % faster than the LLM-centric layout.
     let step = v["step_time_s"].as_f64().unwrap();
     let baseline = v["baseline_step_time_s"].as_f64().unwrap();
     let fastest = searched.min(checked).min(baseline);
     assert!((step - fastest).abs() <= 1e-12 * step, "{v}");
-    assert!(baseline < searched.min(checked), "{v}");
-    assert_eq!(v["speedup"].as_f64(), Some(1.0), "{v}");
+    assert!(v["speedup"].as_f64().unwrap() >= 1.0, "{v}");
     // The work-conserving bound sits below the step, which its parts add up to.
     let (step, bound) = (
         v["step_time_s"].as_f64().unwrap(),
@@ -110,10 +110,10 @@ fn the_7b_reference_plans_on_64_gpus() {
     // Idle time excludes the collectives, which the non-computing share counts.
     let (idle, bubble) = (v["idle"].as_f64().unwrap(), v["bubble"].as_f64().unwrap());
     assert!((0.0..=bubble).contains(&idle) && bubble < 1.0, "{v}");
-    // Here the LLM-centric layout simulates 0.1 % faster than the search's per-module
-    // pick, so it is the plan; the pick's modules are under "search".
-    assert_eq!(v["placement"].as_str(), Some("llm_centric"), "{v}");
-    assert_eq!(v["llm"], v["baseline"]["llm"], "{v}");
+    // Here the check's plan, colocated and overlapped, is the fastest (the LLM-centric
+    // layout simulates 0.1 % faster than the search's own pick, under "search").
+    assert_eq!(v["placement"].as_str(), Some("colocated"), "{v}");
+    assert_eq!(v["schedule"].as_str(), Some("overlapped"), "{v}");
     let pick = &v["search"];
     let mut gpus = Vec::new();
     for m in ["llm", "vision", "audio"] {
@@ -216,6 +216,8 @@ fn where_the_baseline_wins_it_is_the_plan_or_the_report_says_why() {
         "5",
         "--schedule",
         "overlapped",
+        "--set",
+        "plan.placement=\"disjoint\"",
     ];
     let v = plan_json_with(&mut args, &overlapped);
     assert!(v["speedup"].as_f64().unwrap() < 1.0, "{v}");
@@ -321,17 +323,45 @@ fn where_no_layout_tiles_the_gpus_the_plan_says_how_many_to_launch() {
     );
     assert!(overlapped < phased, "{best}");
     assert_eq!(best["schedule"].as_str(), Some("overlapped"), "{best}");
-    assert_eq!(best["gpus"].as_u64(), Some(100), "{best}");
+    // Colocated and overlapped on the 96 GPUs, each GPU's encoder passes in the LLM
+    // pipeline's waits, beats the disjoint overlapped plans that tile all 100.
+    assert_eq!(best["placement"].as_str(), Some("colocated"), "{best}");
+    assert_eq!(best["gpus"].as_u64(), Some(96), "{best}");
+    let mut disjoint = [&base[..], &["--set", "plan.placement=\"disjoint\""]].concat();
+    let d = plan_json_with(&mut disjoint, &out);
+    assert_eq!(d["gpus"].as_u64(), Some(100), "{d}");
+    assert_eq!(d["placement"].as_str(), Some("disjoint"), "{d}");
+    assert!(d["step_time_s"].as_f64().unwrap() > overlapped, "{d}");
 }
 
-/// The overlapped schedule (1F1B across modules on disjoint GPUs) plans the 70B
+/// The overlapped schedule (1F1B across modules) on disjoint GPUs plans the 70B
 /// reference, whose 6B ViT fits only when the batch is cut into many chunks: the search
-/// ranks GPU splits at the LLM's own microbatch counts.
+/// ranks GPU splits at the LLM's own microbatch counts. Colocated, the same schedule is
+/// faster here (every GPU interleaving its modules' passes).
 #[test]
 fn the_70b_reference_plans_the_overlapped_schedule_on_64_gpus() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("plan.toml");
-    let v = plan_json("configs/plan-70b.toml", &["--schedule", "overlapped"], &out);
+    let colocated = plan_json("configs/plan-70b.toml", &["--schedule", "overlapped"], &out);
+    assert_eq!(
+        colocated["placement"].as_str(),
+        Some("colocated"),
+        "{colocated}"
+    );
+    let v = plan_json(
+        "configs/plan-70b.toml",
+        &[
+            "--schedule",
+            "overlapped",
+            "--set",
+            "plan.placement=\"disjoint\"",
+        ],
+        &out,
+    );
+    assert!(
+        colocated["step_time_s"].as_f64().unwrap() < v["step_time_s"].as_f64().unwrap(),
+        "{colocated}\n{v}"
+    );
     assert_eq!(v["schedule"].as_str(), Some("overlapped"), "{v}");
     assert_eq!(v["placement"].as_str(), Some("disjoint"), "{v}");
     assert!(

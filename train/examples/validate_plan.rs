@@ -117,6 +117,19 @@ const LAYOUTS: &[(&str, &[&str])] = &[
             "parallel.schedule=\"overlapped\"",
         ],
     ),
+    // Colocated and overlapped: each rank interleaves its modules' passes.
+    (
+        "colocated 4, llm pp2 dp2, overlapped",
+        &[
+            "parallel.world_size=4",
+            "parallel.placement=\"colocated\"",
+            "parallel.llm.pp=2",
+            "parallel.llm.dp=2",
+            "parallel.vision.dp=4",
+            "parallel.audio.dp=4",
+            "parallel.schedule=\"overlapped\"",
+        ],
+    ),
     // The LLM-centric placement (the planner's baseline): encoders inside the LLM's
     // first stage, microbatch by microbatch.
     (
@@ -166,8 +179,8 @@ fn plan_of(cfg: &RunConfig, dims: &braid_balancer::ModelDims) -> Plan {
         _ if p.world_size == 1 || p.placement == RunPlacement::Colocated => Placement::Colocated,
         _ => Placement::Disjoint,
     };
-    // The trainer runs the overlapped schedule only on disjoint modules of several ranks.
-    let schedule = if placement == Placement::Disjoint {
+    // The trainer runs the overlapped schedule on several ranks, disjoint or colocated.
+    let schedule = if p.world_size > 1 && placement != Placement::LlmCentric {
         p.schedule
     } else {
         Schedule::Phased

@@ -120,6 +120,61 @@ impl Dag {
         self.edges.push((t as u32, dep as u32));
     }
 
+    /// Makes lanes that share devices take turns in one order global to the step, the
+    /// one `braid train`'s colocated overlapped step runs (`train/src/parallel/order.rs`):
+    /// round after round, every lane's next task whose dependencies are in the sequence
+    /// joins it (the lanes of `first` first, in that order, then the rest; a lane of no
+    /// devices, the network's, takes every ready task at once), and the lanes of each
+    /// group of `groups` (those one device holds) then run their tasks in the sequence's
+    /// order. An error names a lane stuck waiting.
+    pub fn share_devices(&mut self, first: &[usize], groups: &[Vec<usize>]) -> Result<(), String> {
+        let n = self.tasks.len();
+        let lanes = self.lanes.len();
+        let (dependents, mut pending) = self.dependents();
+        let mut lane_order: Vec<usize> = first.iter().copied().filter(|&l| l < lanes).collect();
+        let mut listed = vec![false; lanes];
+        lane_order.iter().for_each(|&l| listed[l] = true);
+        lane_order.extend((0..lanes).filter(|&l| !listed[l]));
+        let mut next = vec![0usize; lanes];
+        let mut pos = vec![usize::MAX; n];
+        let mut placed = 0;
+        while placed < n {
+            let mut progressed = false;
+            for &l in &lane_order {
+                while let Some(&t) = self.order[l].get(next[l]) {
+                    if pending[t] > 0 {
+                        break;
+                    }
+                    pos[t] = placed;
+                    placed += 1;
+                    next[l] += 1;
+                    progressed = true;
+                    for u in dependents.of(t) {
+                        pending[u] -= 1;
+                    }
+                    if self.lanes[l].ranks > 0 {
+                        break;
+                    }
+                }
+            }
+            if !progressed {
+                return Err(self.stuck(&next));
+            }
+        }
+        for group in groups {
+            let mut tasks: Vec<usize> = group
+                .iter()
+                .filter(|&&l| l < lanes)
+                .flat_map(|&l| self.order[l].iter().copied())
+                .collect();
+            tasks.sort_unstable_by_key(|&t| pos[t]);
+            for w in tasks.windows(2) {
+                self.wait(w[1], w[0]);
+            }
+        }
+        Ok(())
+    }
+
     /// Runs the schedule; an error names a lane stuck waiting (a schedule that deadlocks).
     pub fn simulate(&self, shared: bool) -> Result<Timeline, String> {
         if shared {
@@ -323,5 +378,44 @@ mod tests {
         g.push(b, c(1.0), &[y]);
         assert!(g.simulate(false).unwrap_err().contains("deadlocks"));
         assert!(g.simulate(true).unwrap_err().contains("deadlocks"));
+    }
+
+    /// Two lanes on one device (an LLM stage and an encoder stage, colocated) take
+    /// turns in round-robin order, the first lane's task first in each round; a lane on
+    /// another device runs on.
+    #[test]
+    fn lanes_sharing_a_device_take_turns_in_rounds() {
+        let mut g = Dag::default();
+        let (llm, enc, other) = (g.lane(1, "llm"), g.lane(1, "enc"), g.lane(1, "other"));
+        // The encoder's two passes feed the LLM's two; the other device's one pass.
+        let e0 = g.push(enc, c(1.0), &[]);
+        let e1 = g.push(enc, c(1.0), &[]);
+        let l0 = g.push(llm, c(2.0), &[e0]);
+        let l1 = g.push(llm, c(2.0), &[e1]);
+        let o = g.push(other, c(5.0), &[]);
+        // Without turns the encoder's second pass runs beside the LLM's first.
+        let free = g.simulate(false).unwrap();
+        assert!(free.start[e1] < free.end[l0] && free.start[l0] < free.end[e1]);
+        g.share_devices(&[llm], &[vec![llm, enc], vec![other]])
+            .unwrap();
+        let t = g.simulate(false).unwrap();
+        // Rounds: e0 | l0, e1 | l1: on the shared device e0, l0, e1, l1 one at a time.
+        let order = [e0, l0, e1, l1];
+        for w in order.windows(2) {
+            assert!(t.start[w[1]] >= t.end[w[0]] - 1e-12, "{w:?}: {:?}", t.start);
+        }
+        assert_eq!(t.makespan, 6.0);
+        assert_eq!(t.start[o], 0.0);
+    }
+
+    #[test]
+    fn sharing_devices_reports_a_cycle() {
+        let mut g = Dag::default();
+        let (a, b) = (g.lane(1, "a"), g.lane(1, "b"));
+        g.push(a, c(1.0), &[]);
+        g.push(a, c(1.0), &[2]);
+        g.push(b, c(1.0), &[1]);
+        let e = g.share_devices(&[a], &[vec![a, b]]).unwrap_err();
+        assert!(e.contains("deadlocks"), "{e}");
     }
 }

@@ -84,6 +84,31 @@ pub(crate) fn sharing_lanes(a: Layout, b: Layout) -> Vec<((usize, usize), (usize
     out
 }
 
+/// The lanes each GPU holds, one list per distinct set, for grids placed from the same
+/// first GPU (colocated): `modules` gives each module's layout and lanes
+/// `[replica][stage]`; GPU `x` is in the lane of replica `x % (tp cp dp) / (tp cp)`,
+/// stage `x / (tp cp dp)` of each (the grid order is TP, CP, DP, PP).
+pub(crate) fn device_groups(
+    modules: &[(Layout, &[Vec<LaneTasks>])],
+    gpus: usize,
+) -> Vec<Vec<usize>> {
+    let mut groups: Vec<Vec<usize>> = (0..gpus)
+        .map(|x| {
+            modules
+                .iter()
+                .filter_map(|(l, lanes)| {
+                    let per_stage = l.tp * l.cp * l.dp;
+                    let (r, s) = (x % per_stage / l.block(), x / per_stage);
+                    lanes.get(r).and_then(|st| st.get(s)).map(|t| t.lane)
+                })
+                .collect()
+        })
+        .collect();
+    groups.sort_unstable();
+    groups.dedup();
+    groups
+}
+
 /// GPU-seconds each replica's lane waits for the busiest replica of its module stage:
 /// `modules` holds each module's lanes as `[replica][stage]`, `busy` each lane's busy
 /// seconds, `ranks` the GPUs a lane stands for.

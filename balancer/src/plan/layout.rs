@@ -85,7 +85,8 @@ pub enum Schedule {
     /// the encoders' backward (`braid train`'s default, `parallel.schedule = "phased"`).
     Phased,
     /// 1F1B over the module graph: an encoder's microbatch feeds the LLM's first stage as
-    /// soon as it is done (disjoint placement only; `parallel.schedule = "overlapped"`).
+    /// soon as it is done (disjoint or colocated placement, a colocated GPU running its
+    /// modules' passes in one global order; `parallel.schedule = "overlapped"`).
     Overlapped,
 }
 
@@ -212,8 +213,11 @@ impl Plan {
         {
             return Err("colocated grids must each span every GPU".into());
         }
-        if self.schedule == Schedule::Overlapped && self.placement != Placement::Disjoint {
-            return Err("the overlapped schedule needs disjoint placement".into());
+        if self.schedule == Schedule::Overlapped && self.placement == Placement::LlmCentric {
+            return Err(
+                "the overlapped schedule needs disjoint or colocated placement (the LLM-centric one runs phased)"
+                    .into(),
+            );
         }
         let v = self.llm_virtual_stages;
         if v == 0 {

@@ -152,8 +152,9 @@ fn combine(
 
 /// The step estimate of a combination: the modules' pipelines in the schedule's order;
 /// the LLM's gradient sync overlaps the encoders' backward (two thirds of their time).
+/// Colocated, under either schedule, the modules take turns on every GPU.
 ///
-/// Overlapped, the encoders' stages feed the LLM's as one 1F1B pipeline, and the step
+/// Overlapped on disjoint GPUs, the encoders' stages feed the LLM's as one 1F1B pipeline, and the step
 /// is bound by whichever side is slower: the LLM's pipeline between the encoders' first
 /// chunk (their forward) and their last (their backward, behind which the LLM's sync
 /// runs), or the slowest encoder's pipeline plus its stall waiting for the LLM's first
@@ -165,6 +166,10 @@ fn combo_estimate(placement: Placement, schedule: Schedule, l: &Opt, enc: &[(Mod
     let enc_sync = enc.iter().map(|e| e.1.sync).fold(0.0, f64::max);
     let tail = |enc_t: f64| (l.sync - 2.0 / 3.0 * enc_t).max(enc_sync).max(0.0);
     match (placement, schedule) {
+        // Colocated, every module takes turns on every GPU, as in the phased step (the
+        // turns the encoders take in the LLM's fill and drain are the simulation's to
+        // find).
+        (Placement::Colocated, _) => l.time + enc_sum + tail(enc_sum),
         (_, Schedule::Overlapped) => {
             // One microbatch through every stage of a module (its pipeline fill).
             let first = |o: &Opt| o.time - o.microbatches.saturating_sub(1) as f64 * o.worst;
@@ -180,7 +185,6 @@ fn combo_estimate(placement: Placement, schedule: Schedule, l: &Opt, enc: &[(Mod
                 .fold(0.0, f64::max);
             llm_bound.max(enc_bound)
         }
-        (Placement::Colocated, _) => l.time + enc_sum + tail(enc_sum),
         _ => l.time + enc_max + tail(enc_max),
     }
 }
@@ -252,7 +256,7 @@ pub fn search_beside(
         // Per placement: (GPUs of each encoder, GPUs of the LLM) splits to consider, and
         // which of them the pruned search takes.
         let splits: Vec<(Vec<usize>, usize, bool)> = match placement {
-            Placement::Colocated if !overlapped => vec![(vec![g; encoders.len()], g, true)],
+            Placement::Colocated => vec![(vec![g; encoders.len()], g, true)],
             Placement::Disjoint => {
                 // Encoder GPU counts on a geometric grid: powers of two, and 3 x powers
                 // of two in whole nodes, at most half the GPUs; splits ranked by the best
@@ -379,7 +383,7 @@ pub fn search_beside(
             "no {} plan fits {g} GPUs in {:.0} GiB each ({:.0} GiB usable; {why})",
             match space.schedule {
                 Schedule::Phased => "phased",
-                Schedule::Overlapped => "overlapped (disjoint GPUs, 1F1B across modules)",
+                Schedule::Overlapped => "overlapped (1F1B across modules)",
             },
             problem.cluster.memory_gib,
             budget / GIB,

@@ -13,8 +13,8 @@ use crate::plan::cost::{Cost, StageCost};
 use crate::plan::dag::Dag;
 pub use crate::plan::lanes::PlanTimeline;
 use crate::plan::lanes::{
-    LaneTasks, Load, imbalance_gpu_s, items, link_stages, llm_pipeline_lanes, one_f_one_b,
-    sharing_lanes, stage_lane, window_max,
+    LaneTasks, Load, device_groups, imbalance_gpu_s, items, link_stages, llm_pipeline_lanes,
+    one_f_one_b, sharing_lanes, stage_lane, window_max,
 };
 use crate::plan::layout::{Layout, Placement, Plan, Schedule};
 use crate::plan::options::chunk0_held;
@@ -377,8 +377,9 @@ impl Problem {
             // stage lanes whose GPUs overlap, the second's forwards start after the
             // first's, and the first's backwards (all after the LLM, from chunk 0) after
             // the second's. Lanes on other GPUs run on.
-            if let (true, [first, second], Some(l1), Some(l2)) = (
+            if let (true, false, [first, second], Some(l1), Some(l2)) = (
                 colocated,
+                overlapped,
                 enc_lanes.as_slice(),
                 encoders.first().and_then(|&e| plan.layout(e)),
                 encoders.get(1).and_then(|&e| plan.layout(e)),
@@ -388,6 +389,22 @@ impl Problem {
                     set(&mut g, two.f[0], one.f[m - 1]);
                     set(&mut g, one.b[0], two.b[m - 1]);
                 }
+            }
+            // Colocated and overlapped, each GPU runs its modules' passes in the step's
+            // global order (the LLM's stages first in each round), as the trainer does.
+            if colocated && overlapped {
+                let mut first: Vec<usize> = (0..llm.pp)
+                    .flat_map(|s| llm_lanes.iter().map(move |r| r[s].lane))
+                    .collect();
+                let mut modules: Vec<(Layout, &[Vec<LaneTasks>])> = vec![(llm, &llm_lanes)];
+                for (k, &e) in encoders.iter().enumerate() {
+                    let (Some(l), Some(reps)) = (plan.layout(e), enc_lanes.get(k)) else {
+                        continue;
+                    };
+                    first.extend((0..l.pp).flat_map(|s| reps.iter().map(move |r| r[s].lane)));
+                    modules.push((l, reps));
+                }
+                g.share_devices(&first, &device_groups(&modules, plan.gpus()))?;
             }
         }
         // The gradient sync after each lane's last backward: what of it the lane's last

@@ -82,6 +82,7 @@ fn typos_and_bad_values_name_the_key() {
         (&["optim.beta2=1.5"][..], "optim.beta2"),
         (&["optim.warmup_steps=50"][..], "optim.warmup_steps"),
         (&["optim.schedule=\"cosin\""][..], "cosin"),
+        (&["plan.placement=\"disjiont\""][..], "disjiont"),
         (&["train.microbatches=9"][..], "train.microbatches"),
         (&["train.freeze=[\"visoin\"]"][..], "visoin"),
         (&["parallel.world_size=0"][..], "parallel.world_size"),

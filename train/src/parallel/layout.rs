@@ -298,7 +298,7 @@ impl Layouts {
                     return Err(invalid(
                         "parallel.world_size",
                         format!(
-                            "{world}, but disjoint grids need {} = {need} ranks (tp * cp * pp * dp per module): change world_size or a module's dp",
+                            "{world}, but disjoint grids need {} = {need} ranks (tp * cp * pp * dp per module): change world_size (under a launcher, the processes it starts: --nproc-per-node, WORLD_SIZE, SLURM's tasks) or a module's dp",
                             listed.join(" + ")
                         ),
                     ));

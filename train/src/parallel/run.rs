@@ -71,6 +71,7 @@ fn run_ranks(
     for line in trainer.layouts.describe() {
         obs.log(&line);
     }
+    obs.log(&schedule_line(&trainer));
     if trainer.cfg.eval.interval > 0 && trainer.cfg.eval.path.is_some() {
         // The model is sharded over the ranks during training; the full model exists again
         // (from the last checkpoint) only at the end.
@@ -548,4 +549,40 @@ fn copy_moments(engine: &mut Engine, full: &AdamW) -> Result<()> {
     }
     engine.optim.step = full.step;
     Ok(())
+}
+
+/// The start-up line naming how a step runs across the modules (what
+/// [`crate::parallel::engine::Engine`] takes: one rank, or centric placement, runs
+/// phased).
+fn schedule_line(t: &Trainer) -> String {
+    use crate::config::Placement;
+    use braid_balancer::Schedule;
+    let l = &t.layouts;
+    let overlapped = t.cfg.parallel.schedule == Schedule::Overlapped
+        && l.placement != Placement::Centric
+        && l.world > 1;
+    let (name, how) = match (overlapped, l.placement) {
+        (false, Placement::Centric) => (
+            "phased",
+            "the encoders inside the LLM's first stage, microbatch by microbatch",
+        ),
+        (false, _) => (
+            "phased",
+            "every encoder forward, the bridge, the LLM's pipeline, the bridge back, every encoder backward",
+        ),
+        (true, Placement::Colocated) => (
+            "overlapped",
+            "1F1B across the modules, each rank interleaving its modules' passes in one order",
+        ),
+        (true, _) => (
+            "overlapped",
+            "1F1B across the modules, each on ranks of its own",
+        ),
+    };
+    let placement = match l.placement {
+        Placement::Disjoint => "disjoint",
+        Placement::Colocated => "colocated",
+        Placement::Centric => "centric",
+    };
+    format!("schedule {name}, {placement} placement: {how}")
 }

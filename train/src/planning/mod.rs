@@ -9,7 +9,7 @@ use braid_balancer::cluster::Cluster;
 use braid_balancer::plan::baseline::llm_centric;
 use braid_balancer::plan::search::{Outcome, Space};
 use braid_balancer::workload::{MediaTokens, Mix, RowShape, Workload, generate};
-use braid_balancer::{ModelDims, Module, ModuleDims, Problem, Schedule};
+use braid_balancer::{ModelDims, Module, ModuleDims, Placement, Problem, Schedule};
 use braid_dataloader::dataset::DatasetInfo;
 use serde::{Deserialize, Serialize};
 
@@ -40,10 +40,15 @@ pub struct PlanSection {
     #[serde(default = "default_batches")]
     pub batches: usize,
     /// `best` (both searched, the faster plan taken), `phased` or `overlapped` (1F1B
-    /// across modules, disjoint placement only); `braid train` runs either
-    /// (`parallel.schedule`, which a plan file sets).
+    /// across modules); `braid train` runs either (`parallel.schedule`, which a plan
+    /// file sets).
     #[serde(default)]
     pub schedule: PlanSchedule,
+    /// Where the modules may go: `any` (both searched, the default), `colocated` (every
+    /// module on every GPU, in turns) or `disjoint` (each module on GPUs of its own).
+    /// The LLM-centric baseline is searched whatever this says.
+    #[serde(default)]
+    pub placement: PlanPlacement,
     /// The synthetic sample distribution used without `--data`.
     #[serde(default)]
     pub mix: Option<Mix>,
@@ -72,6 +77,27 @@ fn default_cluster() -> String {
 fn default_batches() -> usize {
     3
 }
+/// The placements `braid plan` searches.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PlanPlacement {
+    /// Both.
+    #[default]
+    Any,
+    Colocated,
+    Disjoint,
+}
+
+impl PlanPlacement {
+    fn placements(self) -> Vec<Placement> {
+        match self {
+            PlanPlacement::Any => vec![Placement::Colocated, Placement::Disjoint],
+            PlanPlacement::Colocated => vec![Placement::Colocated],
+            PlanPlacement::Disjoint => vec![Placement::Disjoint],
+        }
+    }
+}
+
 /// The schedules `braid plan` searches.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -101,6 +127,7 @@ impl Default for PlanSection {
             seq_len: None,
             batches: default_batches(),
             schedule: PlanSchedule::default(),
+            placement: PlanPlacement::default(),
             mix: None,
             overlap_grad_sync: None,
             sequence_parallel: None,
@@ -402,6 +429,7 @@ pub fn plan(
     let mut space = Space::new(gpus);
     space.batches = sec.batches.max(1);
     space.check = sec.check;
+    space.placements = sec.placement.placements();
     let schedules = schedule.unwrap_or(sec.schedule).schedules();
     let search = |problem: &Problem, workload: &Workload, space: &Space| {
         search_schedules(problem, workload, space, &schedules, fewer_gpus)

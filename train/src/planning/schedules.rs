@@ -10,7 +10,7 @@ use braid_balancer::{ModelDims, Placement, Problem, Schedule};
 use super::{Planned, err};
 use crate::error::Result;
 
-/// [`search`] under each of `schedules` (the overlapped one on disjoint placement), the
+/// [`search`] under each of `schedules` (each on `space`'s placements), the
 /// outcome whose plan is fastest (the baseline searched once); its counts and time are
 /// those of all the searches.
 pub(super) fn search_schedules(
@@ -27,9 +27,6 @@ pub(super) fn search_schedules(
     for &s in schedules {
         let mut on = space.clone();
         on.schedule = s;
-        if s == Schedule::Overlapped {
-            on.placements = vec![Placement::Disjoint];
-        }
         // The baseline is the same under every schedule: searched once.
         let baseline = best.as_ref().map(|b| &b.baseline);
         match search_beside(problem, workload, &on, baseline) {

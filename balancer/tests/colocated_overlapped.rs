@@ -1,0 +1,90 @@
+//! The simulator's colocated overlapped step: every GPU runs its modules' passes one at a time, in the step's global order, with encoder passes between the LLM's.
+#![allow(clippy::unwrap_used)]
+
+use braid_balancer::{Layout, Placement, Plan, Schedule};
+
+mod common;
+use common::{plan, small};
+
+/// The GPUs of a lane "<module> r<replica> s<stage>" of layout `l` (grid order TP, CP,
+/// DP, PP, every grid from GPU 0).
+fn gpus_of(l: Layout, label: &str) -> std::ops::Range<usize> {
+    let num = |p: &str| {
+        let t = label.split(' ').find(|t| t.starts_with(p)).unwrap();
+        t[1..].parse::<usize>().unwrap()
+    };
+    let start = num("s") * l.tp * l.cp * l.dp + num("r") * l.tp * l.cp;
+    start..start + l.tp * l.cp
+}
+
+#[test]
+fn every_gpu_runs_one_pass_at_a_time_and_encoders_fill_the_llm_waits() {
+    let (p, w) = small();
+    let batch = w.batch(0);
+    let lay = |tp, cp, pp, dp| Layout { tp, cp, pp, dp };
+    let (mut checked, mut interleaved) = (0, 0);
+    for (llm, vision, audio) in [
+        (lay(2, 1, 2, 4), lay(1, 1, 1, 16), lay(1, 1, 1, 16)),
+        (lay(2, 2, 4, 1), lay(1, 1, 2, 8), lay(1, 1, 2, 8)),
+        (lay(1, 2, 4, 2), lay(2, 1, 2, 4), lay(1, 1, 4, 4)),
+        (lay(4, 1, 2, 2), lay(1, 2, 4, 2), lay(2, 1, 1, 8)),
+    ] {
+        for m in [2, 4, 8] {
+            let plan = Plan {
+                placement: Placement::Colocated,
+                schedule: Schedule::Overlapped,
+                vision: Some(vision),
+                audio: Some(audio),
+                ..plan(llm, m)
+            };
+            plan.check(&p.model, &p.cluster, 16, batch.len()).unwrap();
+            let (sim, tl) = p.timeline(&plan, &batch).unwrap();
+            let at = format!("llm {llm:?} vision {vision:?} audio {audio:?} {m} mb");
+            let layout_of = |label: &str| match label.split(' ').next() {
+                Some("llm") => Some(llm),
+                Some("vision") => Some(vision),
+                Some("audio") => Some(audio),
+                _ => None,
+            };
+            let mut busiest = 0.0f64;
+            for gpu in 0..16 {
+                // Every compute span on this GPU, in time order.
+                let mut spans: Vec<(f64, f64, &str)> = tl
+                    .spans
+                    .iter()
+                    .filter(|(lane, name, ..)| {
+                        let label = &tl.lanes[*lane].0;
+                        !name.contains("grad sync")
+                            && layout_of(label).is_some_and(|l| gpus_of(l, label).contains(&gpu))
+                    })
+                    .map(|(_, name, a, b)| (*a, *b, name.as_str()))
+                    .collect();
+                spans.sort_by(|x, y| x.0.total_cmp(&y.0));
+                for s in spans.windows(2) {
+                    assert!(
+                        s[1].0 >= s[0].1 - 1e-9,
+                        "{at}, GPU {gpu}: {} and {} overlap",
+                        s[0].2,
+                        s[1].2
+                    );
+                }
+                busiest = busiest.max(spans.iter().map(|s| s.1 - s.0).sum());
+                // An encoder pass between two of the LLM's on this GPU.
+                let llm_at: Vec<usize> = (0..spans.len())
+                    .filter(|&i| spans[i].2.starts_with("llm"))
+                    .collect();
+                if let (Some(&a), Some(&b)) = (llm_at.first(), llm_at.last()) {
+                    interleaved += usize::from(spans[a..b].iter().any(|s| !s.2.starts_with("llm")));
+                }
+            }
+            assert!(
+                sim.step_s >= busiest - 1e-9,
+                "{at}: {} < {busiest}",
+                sim.step_s
+            );
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 12);
+    assert!(interleaved > 100, "only {interleaved} GPUs interleave");
+}
