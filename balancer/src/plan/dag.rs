@@ -33,6 +33,75 @@ pub struct Dag {
     names: Option<Vec<String>>,
 }
 
+/// [`Dag::share_devices`]'s sequence as it grows: each task's position, each lane's next
+/// task, each task's unsequenced dependencies.
+struct Sequence {
+    dependents: Dependents,
+    pending: Vec<usize>,
+    next: Vec<usize>,
+    pos: Vec<usize>,
+    placed: usize,
+    stacked: Vec<bool>,
+}
+
+impl Sequence {
+    fn new(g: &Dag) -> Sequence {
+        let (dependents, pending) = g.dependents();
+        let n = g.tasks.len();
+        Sequence {
+            dependents,
+            pending,
+            next: vec![0; g.lanes.len()],
+            pos: vec![usize::MAX; n],
+            placed: 0,
+            stacked: vec![false; n],
+        }
+    }
+
+    /// Sequences task `t` (ready, its lane's next), then every network task that makes
+    /// ready, at once.
+    fn place(&mut self, g: &Dag, t: usize) {
+        self.mark(g, t);
+        self.release(g, t);
+    }
+
+    /// Takes `t` into the sequence; its dependents learn of it at [`Sequence::release`].
+    fn mark(&mut self, g: &Dag, t: usize) {
+        self.stacked[t] = true;
+        self.pos[t] = self.placed;
+        self.placed += 1;
+        self.next[g.tasks[t].lane] += 1;
+    }
+
+    /// `t`'s dependents learn of it; network tasks it makes ready join at once.
+    fn release(&mut self, g: &Dag, t: usize) {
+        let mut stack = vec![t];
+        let mut first = true;
+        while let Some(t) = stack.pop() {
+            let l = g.tasks[t].lane;
+            if !first {
+                self.mark(g, t);
+            }
+            first = false;
+            for u in self.dependents.of(t) {
+                self.pending[u] -= 1;
+            }
+            let after = g.order[l].get(self.next[l]).copied();
+            for u in self.dependents.of(t).chain(after) {
+                let ul = g.tasks[u].lane;
+                if g.lanes[ul].ranks == 0
+                    && self.pending[u] == 0
+                    && !self.stacked[u]
+                    && g.order[ul].get(self.next[ul]) == Some(&u)
+                {
+                    self.stacked[u] = true;
+                    stack.push(u);
+                }
+            }
+        }
+    }
+}
+
 /// Compressed adjacency: the tasks waiting on each task.
 struct Dependents {
     start: Vec<u32>,
@@ -122,45 +191,48 @@ impl Dag {
 
     /// Makes lanes that share devices take turns in one order global to the step, the
     /// one `braid train`'s colocated overlapped step runs (`train/src/parallel/order.rs`):
-    /// round after round, every lane's next task whose dependencies are in the sequence
-    /// joins it (the lanes of `first` first, in that order, then the rest; a lane of no
-    /// devices, the network's, takes every ready task at once), and the lanes of each
-    /// group of `groups` (those one device holds) then run their tasks in the sequence's
-    /// order. An error names a lane stuck waiting.
+    /// round after round, every device lane's next task whose dependencies earlier rounds
+    /// sequenced joins it (the lanes of `first` first, in that order, then the rest), a
+    /// task of the network's lanes (no devices: the bridge) joining at the end of the
+    /// round that makes it ready, as a message sent in one round is received in the
+    /// next; the lanes of each group of `groups` (those one device holds) then run their
+    /// tasks in the sequence's order. An error names a lane stuck waiting.
     pub fn share_devices(&mut self, first: &[usize], groups: &[Vec<usize>]) -> Result<(), String> {
-        let n = self.tasks.len();
         let lanes = self.lanes.len();
-        let (dependents, mut pending) = self.dependents();
         let mut lane_order: Vec<usize> = first.iter().copied().filter(|&l| l < lanes).collect();
         let mut listed = vec![false; lanes];
         lane_order.iter().for_each(|&l| listed[l] = true);
         lane_order.extend((0..lanes).filter(|&l| !listed[l]));
-        let mut next = vec![0usize; lanes];
-        let mut pos = vec![usize::MAX; n];
-        let mut placed = 0;
-        while placed < n {
-            let mut progressed = false;
-            for &l in &lane_order {
-                while let Some(&t) = self.order[l].get(next[l]) {
-                    if pending[t] > 0 {
-                        break;
-                    }
-                    pos[t] = placed;
-                    placed += 1;
-                    next[l] += 1;
-                    progressed = true;
-                    for u in dependents.of(t) {
-                        pending[u] -= 1;
-                    }
-                    if self.lanes[l].ranks > 0 {
-                        break;
-                    }
-                }
-            }
-            if !progressed {
-                return Err(self.stuck(&next));
+        lane_order.retain(|&l| self.lanes[l].ranks > 0);
+        let mut seq = Sequence::new(self);
+        // Network tasks that wait on nothing.
+        for l in (0..lanes).filter(|&l| self.lanes[l].ranks == 0) {
+            if let Some(&t) = self.order[l].first()
+                && seq.pending[t] == 0
+            {
+                seq.place(self, t);
             }
         }
+        while seq.placed < self.tasks.len() {
+            let before = seq.placed;
+            // A round sees only what earlier rounds sequenced.
+            let mut round = Vec::new();
+            for &l in &lane_order {
+                if let Some(&t) = self.order[l].get(seq.next[l])
+                    && seq.pending[t] == 0
+                {
+                    seq.mark(self, t);
+                    round.push(t);
+                }
+            }
+            for t in round {
+                seq.release(self, t);
+            }
+            if seq.placed == before {
+                return Err(self.stuck(&seq.next));
+            }
+        }
+        let pos = seq.pos;
         for group in groups {
             let mut tasks: Vec<usize> = group
                 .iter()
@@ -406,6 +478,34 @@ mod tests {
         }
         assert_eq!(t.makespan, 6.0);
         assert_eq!(t.start[o], 0.0);
+    }
+
+    /// A message sent in one round is received in the next, over the network's lanes too
+    /// (the bridge takes no round of its own), as the trainer's order has it.
+    #[test]
+    fn a_message_is_received_the_round_after_it_is_sent() {
+        let mut g = Dag::default();
+        let (llm, enc) = (g.lane(1, "llm"), g.lane(1, "enc"));
+        let (fwd, back) = (g.lane(0, "bridge 0"), g.lane(0, "bridge back 0"));
+        // The encoder two chunks ahead (F0 F1 B0 B1), the LLM alternating (F0 B0 F1 B1).
+        let ef0 = g.push(enc, c(1.0), &[]);
+        let ef1 = g.push(enc, c(1.0), &[]);
+        let b0 = g.push(fwd, c(0.0), &[ef0]);
+        let lf0 = g.push(llm, c(1.0), &[b0]);
+        let lb0 = g.push(llm, c(1.0), &[]);
+        let lf1 = g.push(llm, c(1.0), &[]);
+        let lb1 = g.push(llm, c(1.0), &[]);
+        let bb0 = g.push(back, c(0.0), &[lb0]);
+        let eb0 = g.push(enc, c(1.0), &[bb0]);
+        let eb1 = g.push(enc, c(1.0), &[]);
+        g.share_devices(&[llm], &[vec![llm, enc]]).unwrap();
+        let t = g.simulate(false).unwrap();
+        // Rounds: ef0 | lf0 ef1 | lb0 | lf1 eb0 | lb1 eb1.
+        let order = [ef0, lf0, ef1, lb0, lf1, eb0, lb1, eb1];
+        for w in order.windows(2) {
+            assert!(t.start[w[1]] >= t.end[w[0]] - 1e-12, "{w:?}: {:?}", t.start);
+        }
+        assert_eq!(t.makespan, 8.0);
     }
 
     #[test]

@@ -179,7 +179,8 @@ fn baseline_wins(b: &Found, closest: Option<&Found>, usable: f64) -> String {
             "the LLM-centric layout is faster here: its encoders share the first pipeline stage's GPUs one microbatch at a time, and {}",
             bridge(b)
         ),
-        None => "the LLM-centric layout is faster here: its encoders share the first pipeline stage's GPUs one microbatch at a time, and the overlapped plans' disjoint GPUs split the work only as coarsely as whole grids allow".to_string(),
+        None if b.plan.placement == Placement::Disjoint => "the LLM-centric layout is faster here: its encoders share the first pipeline stage's GPUs one microbatch at a time, and the overlapped plans' disjoint GPUs split the work only as coarsely as whole grids allow".to_string(),
+        None => "the LLM-centric layout is faster here: its encoders share the first pipeline stage's GPUs one microbatch at a time, where the colocated overlapped plan's LLM stages wait each round for their GPUs' encoder passes".to_string(),
     }
 }
 

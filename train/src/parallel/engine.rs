@@ -95,9 +95,7 @@ impl Engine {
         model.set_compute_dtype(compute_dtype)?;
         let device = super::model::device_of(&model);
         let zero1 = cfg.parallel.zero1;
-        let overlapped = cfg.parallel.schedule == Schedule::Overlapped
-            && layouts.placement != Placement::Centric
-            && layouts.world > 1;
+        let overlapped = runs_overlapped(cfg.parallel.schedule, &layouts);
         let placement = layouts.placement;
         let plan = ShardPlan::new(&model, zero1);
         let optim = AdamW::new_owned(cfg.optim.clone(), &model, &|p| plan.owns(&p.name), zero1)?;
@@ -352,6 +350,12 @@ impl Engine {
         }
         Ok(())
     }
+}
+
+/// Whether a run of `schedule` on `layouts` takes the overlapped step: on several ranks,
+/// disjoint or colocated (one rank, and centric placement, run phased).
+pub(crate) fn runs_overlapped(schedule: Schedule, layouts: &Layouts) -> bool {
+    schedule == Schedule::Overlapped && layouts.placement != Placement::Centric && layouts.world > 1
 }
 
 /// The assigner of `parallel.assign`: under the overlapped schedule the balanced one

@@ -100,18 +100,7 @@ impl Role {
     /// step's chunk ids with `depth - 1` warm-up forwards (or forwards only), keeping
     /// the chunks this rank runs.
     pub fn ops(&self) -> Vec<Op> {
-        let all = if self.backward {
-            one_f_one_b(0, self.depth, self.of)
-        } else {
-            (0..self.of).map(Op::Forward).collect()
-        };
-        let pos = |k: usize| self.chunks.binary_search(&k).ok();
-        all.into_iter()
-            .filter_map(|op| match op {
-                Op::Forward(k) => pos(k).map(Op::Forward),
-                Op::Backward(k) => pos(k).map(Op::Backward),
-            })
-            .collect()
+        pass_order(&self.chunks, self.of, self.depth, self.backward)
     }
 
     /// The program: each compute preceded by one exchange of the previous compute's
@@ -141,6 +130,24 @@ impl Role {
         }
         steps
     }
+}
+
+/// A stage's computes over `chunks` (ascending ids below `of`), as positions in
+/// `chunks`: 1F1B over all `of` chunk ids with `depth - 1` warm-up forwards (or forwards
+/// only without `backward`), keeping the chunks it runs.
+pub fn pass_order(chunks: &[usize], of: usize, depth: usize, backward: bool) -> Vec<Op> {
+    let all = if backward {
+        one_f_one_b(0, depth, of)
+    } else {
+        (0..of).map(Op::Forward).collect()
+    };
+    let pos = |k: usize| chunks.binary_search(&k).ok();
+    all.into_iter()
+        .filter_map(|op| match op {
+            Op::Forward(k) => pos(k).map(Op::Forward),
+            Op::Backward(k) => pos(k).map(Op::Backward),
+        })
+        .collect()
 }
 
 /// An encoder of the graph.

@@ -62,21 +62,44 @@ pub(crate) fn random_graph(
         }
     };
     let n_enc = rng.random_range(0..=2);
+    let encoders: Vec<(GridDims, bool, bool)> = (0..n_enc)
+        .map(|_| {
+            let d = dims(rng);
+            let trains = rng.random_bool(0.7);
+            (d, trains, trains || rng.random_bool(0.5))
+        })
+        .collect();
+    let llm = dims(rng);
+    let items = rng.random_range(0..=3 * m);
+    graph_of(rng, llm, &encoders, m, colocated, items)
+}
+
+/// A graph of these grids (disjoint: one after another, encoders first; colocated: all
+/// from rank 0), each encoder `(dims, trains, branch_trains)` with `n_items` items of
+/// random replicas and chunks, each LLM replica running a random 70 % of the `m` chunks.
+pub(crate) fn graph_of(
+    rng: &mut ChaCha8Rng,
+    llm: GridDims,
+    encoders: &[(GridDims, bool, bool)],
+    m: usize,
+    colocated: bool,
+    n_items: usize,
+) -> Graph {
     let mut offset = 0;
-    let mut encoders = Vec::new();
-    for _ in 0..n_enc {
-        let grid = Grid::new(dims(rng), offset).unwrap();
+    let mut nodes = Vec::new();
+    for &(dims, trains, branch_trains) in encoders {
+        let grid = Grid::new(dims, offset).unwrap();
         if !colocated {
             offset += grid.size();
         }
-        let trains = rng.random_bool(0.7);
-        encoders.push(EncoderNode {
+        nodes.push(EncoderNode {
             grid,
             trains,
-            branch_trains: trains || rng.random_bool(0.5),
+            branch_trains,
         });
     }
-    let llm = Grid::new(dims(rng), offset).unwrap();
+    let encoders = nodes;
+    let llm = Grid::new(llm, offset).unwrap();
     let world = offset + llm.size();
     let llm_chunks: Vec<Vec<usize>> = (0..llm.dims.dp)
         .map(|_| {
@@ -91,7 +114,7 @@ pub(crate) fn random_graph(
     // Items: (encoder, replica, llm replica, chunk).
     let mut items = Vec::new();
     for (e, node) in encoders.iter().enumerate() {
-        for _ in 0..rng.random_range(0..=3 * m) {
+        for _ in 0..n_items {
             let d = rng.random_range(0..llm.dims.dp);
             let k = llm_chunks[d][rng.random_range(0..llm_chunks[d].len())];
             items.push((e, rng.random_range(0..node.grid.dims.dp), d, k));

@@ -328,7 +328,7 @@ pub(crate) fn run_overlapped(
             }
         }
     }
-    let unread = incoming.values().flatten().next();
+    let unread = incoming.iter().flat_map(|i| i.values().flatten()).next();
     if let Some(x) = mail
         .outbox
         .keys()
@@ -349,7 +349,7 @@ pub(crate) fn run_overlapped(
 /// in that order ([`super::order::RankProgram::incoming`]) until `x` has come, the others kept.
 fn receive(
     x: &Xfer,
-    incoming: &mut HashMap<usize, VecDeque<Xfer>>,
+    incoming: &mut Option<HashMap<usize, VecDeque<Xfer>>>,
     mail: &mut Mail,
     world: &dyn Comm,
     graph: &Graph,
@@ -365,10 +365,10 @@ fn receive(
             )))
         };
     }
-    if incoming.is_empty() {
+    let Some(incoming) = incoming else {
         let shape = shape_of(x, graph, rank, modules)?;
         return mail.put_in(*x, world.recv(&shape, x.peer)?);
-    }
+    };
     loop {
         let next = incoming
             .get_mut(&x.peer)

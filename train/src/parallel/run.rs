@@ -556,11 +556,8 @@ fn copy_moments(engine: &mut Engine, full: &AdamW) -> Result<()> {
 /// phased).
 fn schedule_line(t: &Trainer) -> String {
     use crate::config::Placement;
-    use braid_balancer::Schedule;
     let l = &t.layouts;
-    let overlapped = t.cfg.parallel.schedule == Schedule::Overlapped
-        && l.placement != Placement::Centric
-        && l.world > 1;
+    let overlapped = crate::parallel::engine::runs_overlapped(t.cfg.parallel.schedule, l);
     let (name, how) = match (overlapped, l.placement) {
         (false, Placement::Centric) => (
             "phased",

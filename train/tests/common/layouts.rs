@@ -168,7 +168,9 @@ pub const LAYOUTS: &[(&str, &[&str], bool)] = &[
 /// a frozen encoder, LLM PP with TP and CP, and a deep LLM pipeline under more
 /// microbatches than stages. Colocated (each rank interleaving its modules' passes in
 /// the step's global order): LLM TP and PP with a pipelined encoder, every module on
-/// PP with CP or TP and DP, and a four-stage LLM with a frozen pipelined encoder.
+/// PP with CP or TP and DP, both encoders' last stages beside the LLM's first (two
+/// bridges staying on one rank in a chunk), and a four-stage LLM with a frozen
+/// pipelined encoder.
 pub const OVERLAPPED: &[(&str, &[&str], bool)] = &[
     (
         "ov-encoders-pp2-llm-pp2-mb3-recompute",
@@ -272,6 +274,18 @@ pub const OVERLAPPED: &[(&str, &[&str], bool)] = &[
             "parallel.audio.pp=2",
             "parallel.audio.dp=2",
             "train.microbatches=4",
+        ],
+        false,
+    ),
+    (
+        "ov-colocated-2-both-encoders-beside-llm-stage-0",
+        &[
+            "parallel.schedule=\"overlapped\"",
+            "parallel.placement=\"colocated\"",
+            "parallel.world_size=2",
+            "parallel.llm.pp=2",
+            "parallel.vision.dp=2",
+            "parallel.audio.dp=2",
         ],
         false,
     ),
