@@ -106,30 +106,37 @@ impl Role {
     /// The program: each compute preceded by one exchange of the previous compute's
     /// sends and its own receives; a last exchange sends what the last compute made.
     pub fn program(&self) -> Vec<Step> {
-        let mut steps = Vec::new();
-        let mut pending: Vec<Xfer> = Vec::new();
-        for op in self.ops() {
-            let (recv, out) = match op {
-                Op::Forward(j) => (&self.fwd_in[j], &self.fwd_out[j]),
-                Op::Backward(j) => (&self.bwd_in[j], &self.bwd_out[j]),
-            };
-            if !pending.is_empty() || !recv.is_empty() {
-                steps.push(Step::Exchange {
-                    send: std::mem::take(&mut pending),
-                    recv: recv.clone(),
-                });
-            }
-            steps.push(Step::Run(self.node, op));
-            pending = out.clone();
-        }
-        if !pending.is_empty() {
+        assemble(self.ops().into_iter().map(|op| (self, op)))
+    }
+}
+
+/// A rank's program from its computes in order, each `(role, op)` of one of its roles:
+/// each compute preceded by one exchange of the previous compute's sends and its own
+/// receives; a last exchange sends what the last compute made.
+pub fn assemble<'a>(passes: impl IntoIterator<Item = (&'a Role, Op)>) -> Vec<Step> {
+    let mut steps = Vec::new();
+    let mut pending: Vec<Xfer> = Vec::new();
+    for (role, op) in passes {
+        let (recv, out) = match op {
+            Op::Forward(j) => (&role.fwd_in[j], &role.fwd_out[j]),
+            Op::Backward(j) => (&role.bwd_in[j], &role.bwd_out[j]),
+        };
+        if !pending.is_empty() || !recv.is_empty() {
             steps.push(Step::Exchange {
-                send: pending,
-                recv: Vec::new(),
+                send: std::mem::take(&mut pending),
+                recv: recv.clone(),
             });
         }
-        steps
+        steps.push(Step::Run(role.node, op));
+        pending = out.clone();
     }
+    if !pending.is_empty() {
+        steps.push(Step::Exchange {
+            send: pending,
+            recv: Vec::new(),
+        });
+    }
+    steps
 }
 
 /// A stage's computes over `chunks` (ascending ids below `of`), as positions in

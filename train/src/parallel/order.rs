@@ -30,7 +30,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
-use super::graph::{Graph, Msg, Node, Role, Step, Xfer, pass_order};
+use super::graph::{Graph, Msg, Node, Role, Step, Xfer, assemble, pass_order};
 use super::schedule::Op;
 
 /// One rank's part of the global order.
@@ -253,8 +253,7 @@ fn colocated_program(graph: &Graph, rank: usize) -> Result<RankProgram, String> 
         .enumerate()
         .map(|(i, r)| ((r.node, r.stage, r.replica), i))
         .collect();
-    let mut steps = Vec::new();
-    let mut pending: Vec<Xfer> = Vec::new();
+    let mut passes = Vec::new();
     for &(key, k, fwd) in &seq {
         let Some(&i) = mine.get(&key) else {
             continue;
@@ -264,26 +263,9 @@ fn colocated_program(graph: &Graph, rank: usize) -> Result<RankProgram, String> 
             .chunks
             .binary_search(&k)
             .map_err(|_| format!("rank {rank}: {key:?} chunk {k} is not in its role"))?;
-        let (op, recv, out) = if fwd {
-            (Op::Forward(j), &role.fwd_in[j], &role.fwd_out[j])
-        } else {
-            (Op::Backward(j), &role.bwd_in[j], &role.bwd_out[j])
-        };
-        if !pending.is_empty() || !recv.is_empty() {
-            steps.push(Step::Exchange {
-                send: std::mem::take(&mut pending),
-                recv: recv.clone(),
-            });
-        }
-        steps.push(Step::Run(role.node, op));
-        pending = out.clone();
+        passes.push((role, if fwd { Op::Forward(j) } else { Op::Backward(j) }));
     }
-    if !pending.is_empty() {
-        steps.push(Step::Exchange {
-            send: pending,
-            recv: Vec::new(),
-        });
-    }
+    let steps = assemble(passes);
     // Each peer sends in the order its producing passes come in the sequence (one pass's
     // messages to this rank in its module order).
     let mut from: HashMap<usize, Vec<(usize, Node, Xfer)>> = HashMap::new();
