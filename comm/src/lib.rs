@@ -172,6 +172,19 @@ pub trait Comm: Send + Sync + fmt::Debug {
             msg: format!("this group ({self:?}) cannot make the subgroup {members:?}"),
         })
     }
+
+    /// A group of the same members whose messages never meet this group's on the wire
+    /// (MPI's `MPI_Comm_dup`), the same on every member for one `name` (every member
+    /// calls it, with the same name). The overlapped schedule sends its point-to-point
+    /// messages on one, so that none is taken for a collective's of a module group with
+    /// the same members. Default: a subgroup of every member, which is a communicator of
+    /// its own where the transport makes one per subgroup (NCCL), and where it keeps
+    /// point-to-point messages apart from collectives (threads).
+    fn channel(&self, name: &str) -> Result<Arc<dyn Comm>> {
+        let _ = name;
+        let all: Vec<usize> = (0..self.size()).collect();
+        self.subgroup(&all)
+    }
 }
 
 /// The group of one rank: every collective is the identity.

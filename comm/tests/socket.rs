@@ -183,6 +183,47 @@ fn subgroups_run_side_by_side() {
     }
 }
 
+/// A channel of a group ([`Comm::channel`]) queues its messages apart: a send on it, not
+/// yet received while every member runs a collective on the group (and on a subgroup of
+/// every member, keyed like the group), is not taken for the collective's. Sent on the
+/// group itself, it would be.
+#[test]
+fn a_channel_keeps_its_messages_apart_from_the_groups_collectives() {
+    for on_channel in [true, false] {
+        let out = run_sockets(
+            2,
+            Duration::from_secs(20),
+            move |c| -> braid_comm::Result<_> {
+                let p2p = if on_channel {
+                    c.channel("p2p")?
+                } else {
+                    Arc::new(c.clone())
+                };
+                let all = c.subgroup(&[0, 1])?;
+                if c.rank() == 0 {
+                    p2p.send(&t(vec![7.0; 5], &[5]), 1)?;
+                }
+                let mut x = t(vec![c.rank() as f32 + 1.0; 3], &[3]);
+                all.all_reduce_sum(&mut x)?;
+                c.all_reduce_sum(&mut x)?;
+                let got = if c.rank() == 1 {
+                    p2p.recv(&Shape::new([5]), 0)?.to_vec_f32()?
+                } else {
+                    Vec::new()
+                };
+                Ok((x.to_vec_f32()?, got))
+            },
+        );
+        if on_channel {
+            let (x1, got) = out[1].as_ref().unwrap();
+            assert_eq!(out[0].as_ref().unwrap().0, vec![6.0; 3]);
+            assert_eq!((x1.clone(), got.clone()), (vec![6.0; 3], vec![7.0; 5]));
+        } else {
+            assert!(out.iter().any(Result::is_err), "{out:?}");
+        }
+    }
+}
+
 #[test]
 fn a_peer_that_goes_away_fails_every_wait_on_it_at_once() {
     let t0 = Instant::now();

@@ -307,9 +307,8 @@ fn scatter_parts(l: &Layout, parts: &[Tensor]) -> Result<Tensor> {
             return Err(Error::input(
                 "CpPlan",
                 format!(
-                    "rank {r}'s part {} must be ({n}, ...) like rank 0's rows {}",
-                    part.shape(),
-                    first.shape()
+                    "CP rank {r}'s part is {}, but the token split gives it {n} of the {t} tokens, {row} values each",
+                    part.shape()
                 ),
             ));
         }

@@ -216,6 +216,38 @@ fn colocated_processes_match_threads_bit_for_bit() {
     );
 }
 
+/// Colocated and overlapped, a module group of every rank (the LLM's TP of 2, its CP of
+/// 3) runs its collectives while the step's point-to-point messages are in flight
+/// between the same ranks: those go on the world's own channel, or the collective took
+/// them (a probe's crash).
+#[test]
+fn colocated_overlapped_processes_match_threads_bit_for_bit() {
+    // TP 2 needs 2 KV heads and an even vocabulary (as in the TP test above).
+    let tp2: &[&str] = &[
+        "parallel.llm.tp=2",
+        "model.llm.kv_heads=2",
+        "model.llm.vocab=262",
+    ];
+    for (name, n, llm) in [
+        ("co-ov-tp2", 2, tp2),
+        ("co-ov-cp3", 3, &["parallel.llm.cp=3"][..]),
+    ] {
+        let (vision, audio) = (
+            format!("parallel.vision.dp={n}"),
+            format!("parallel.audio.dp={n}"),
+        );
+        let mut layout = vec![
+            "parallel.placement=\"colocated\"",
+            "parallel.schedule=\"overlapped\"",
+            &vision,
+            &audio,
+            "train.microbatches=2",
+        ];
+        layout.extend_from_slice(llm);
+        threads_and_processes_agree(name, n, &layout);
+    }
+}
+
 #[test]
 fn centric_processes_match_threads_bit_for_bit() {
     // Megatron's layout: the encoders inside the LLM's first stage (here every rank:

@@ -175,6 +175,16 @@ impl Comm for SocketComm {
         self.gather_all("barrier", &token).map(|_| ())
     }
 
+    /// The same members under another key: its frames queue apart from this group's
+    /// (groups are keyed by their member list, so a module group of every rank would
+    /// otherwise share the world's queues).
+    fn channel(&self, name: &str) -> Result<Arc<dyn Comm>> {
+        Ok(Arc::new(SocketComm {
+            key: super::channel_key(self.key, name),
+            ..self.clone()
+        }))
+    }
+
     fn subgroup(&self, members: &[usize]) -> Result<Arc<dyn Comm>> {
         const OP: &str = "subgroup";
         let (world, rank) = crate::subgroup_members(&self.members, members, self.world.rank)

@@ -347,6 +347,18 @@ fn group_key(members: &[usize]) -> u64 {
     h
 }
 
+/// The key of channel `name` of the group keyed `key` ([`crate::Comm::channel`]): FNV-1a
+/// on from the group's key over nine 0xff bytes (no rank's 8 bytes are all 0xff, so no
+/// member list continues so) and the name.
+fn channel_key(key: u64, name: &str) -> u64 {
+    let mut h = key;
+    for b in [0xffu8; 9].iter().chain(name.as_bytes()) {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
 /// One group of a [`SocketWorld`]: the whole world or a subgroup.
 #[derive(Clone)]
 pub struct SocketComm {

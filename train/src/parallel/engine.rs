@@ -70,6 +70,10 @@ pub struct Engine {
     /// This run takes the overlapped schedule (`parallel.schedule`, on several ranks,
     /// disjoint or colocated); otherwise the phased one.
     overlapped: bool,
+    /// The world's channel for the overlapped step's point-to-point messages (a module
+    /// group of every rank, colocated, must not take them for its collectives'); made
+    /// once, by every rank, when the run is overlapped.
+    p2p: Option<Arc<dyn Comm>>,
     /// Where this rank's shards live and the dtype they compute in: what the bridge
     /// carries (fixed at construction, not looked up every step).
     device: Device,
@@ -96,6 +100,11 @@ impl Engine {
         let device = super::model::device_of(&model);
         let zero1 = cfg.parallel.zero1;
         let overlapped = runs_overlapped(cfg.parallel.schedule, &layouts);
+        let p2p = if overlapped {
+            Some(world.channel("overlapped p2p")?)
+        } else {
+            None
+        };
         let placement = layouts.placement;
         let plan = ShardPlan::new(&model, zero1);
         let optim = AdamW::new_owned(cfg.optim.clone(), &model, &|p| plan.owns(&p.name), zero1)?;
@@ -115,6 +124,7 @@ impl Engine {
             bucket_elems: ((cfg.parallel.bucket_mb * 1024.0 * 1024.0) / 4.0).max(1.0) as usize,
             zero1,
             overlapped,
+            p2p,
             device,
             compute_dtype,
             trace: Tracer::new(rank, device, cfg.log.trace, cfg.log.trace_steps),
@@ -195,10 +205,10 @@ impl Engine {
             .with_dtype(self.compute_dtype);
         self.model.zero_grads()?;
         let norm = plan.targets.max(1);
-        let loss_local = if self.overlapped {
+        let loss_local = if let Some(p2p) = self.p2p.as_ref().filter(|_| self.overlapped) {
             run_overlapped(
                 &mut self.model,
-                self.world.as_ref(),
+                p2p.as_ref(),
                 &self.layouts,
                 rows,
                 &plan,
