@@ -32,7 +32,7 @@ pub struct PlanArgs {
     #[arg(long)]
     data: Option<PathBuf>,
     /// `best` (both searched, the faster plan written; default: plan.schedule), `phased`
-    /// (braid train's default) or `overlapped` (1F1B across modules, disjoint GPUs).
+    /// (braid train's default) or `overlapped` (1F1B across modules; colocated or disjoint, as plan.placement allows).
     #[arg(long)]
     schedule: Option<String>,
     /// Where to write the plan file.
