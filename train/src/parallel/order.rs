@@ -8,7 +8,7 @@
 //! message sent in one round is used in the next, so a round is like a tick of time,
 //! each rank running about one pass of each of its modules per round. (Taking a message
 //! in the round it is sent instead lets a microbatch's forward run through every stage
-//! in one round; the planner's simulations of the reference workloads were 1-20 %
+//! in one round; the planner's simulations of the reference workloads were up to 20 %
 //! slower with it.)
 //! It is built from the gangs' chunks and the bridge's routes alone, and a rank reads
 //! only its own roles' messages: about 0.06 s a step at 1,024 ranks with 64 chunks,
