@@ -361,15 +361,44 @@ pub fn search_beside(
         );
     }
     let mut simulated = 0;
-    let best = pick(
-        problem,
-        &batches,
-        &mut pruned,
-        space.top_k,
-        Some(g),
-        budget,
-        &mut simulated,
-    )?
+    let best = if overlapped {
+        // Colocated and disjoint estimates do not rank against each other (the colocated
+        // one leaves what the encoders fill of the LLM's waits to the simulation): each
+        // placement's best-estimated candidates are simulated on their own.
+        let (mut co, mut dis): (Vec<Combo>, Vec<Combo>) = pruned
+            .drain(..)
+            .partition(|c| c.plan.placement == Placement::Colocated);
+        let mut one = |c: &mut Vec<Combo>| {
+            pick(
+                problem,
+                &batches,
+                c,
+                space.top_k,
+                Some(g),
+                budget,
+                &mut simulated,
+            )
+        };
+        let (a, b) = (one(&mut co)?, one(&mut dis)?);
+        pruned = co;
+        pruned.extend(dis);
+        pruned.sort_by(|x, y| x.est.total_cmp(&y.est));
+        match (a, b) {
+            (Ok(x), Ok(y)) => Ok(if x.sim.step_s <= y.sim.step_s { x } else { y }),
+            (Ok(x), Err(_)) | (Err(_), Ok(x)) => Ok(x),
+            (Err(l1), Err(l2)) => Err(l1.min(l2)),
+        }
+    } else {
+        pick(
+            problem,
+            &batches,
+            &mut pruned,
+            space.top_k,
+            Some(g),
+            budget,
+            &mut simulated,
+        )?
+    }
     .map_err(|least| {
         let why = if least.is_finite() {
             format!(
