@@ -67,12 +67,10 @@ pub struct Engine {
     pub freeze: Freeze,
     bucket_elems: usize,
     zero1: bool,
-    /// This run takes the overlapped schedule (`parallel.schedule`, on several ranks,
-    /// disjoint or colocated); otherwise the phased one.
-    overlapped: bool,
-    /// The world's channel for the overlapped step's point-to-point messages (a module
-    /// group of every rank, colocated, must not take them for its collectives'); made
-    /// once, by every rank, when the run is overlapped.
+    /// Present when this run takes the overlapped schedule (`parallel.schedule`, on
+    /// several ranks, disjoint or colocated; otherwise the phased one): the world's
+    /// channel for its point-to-point messages (a module group of every rank, colocated,
+    /// must not take them for its collectives'), made once, by every rank.
     p2p: Option<Arc<dyn Comm>>,
     /// Where this rank's shards live and the dtype they compute in: what the bridge
     /// carries (fixed at construction, not looked up every step).
@@ -123,7 +121,6 @@ impl Engine {
             freeze: Freeze::from_names(&cfg.train.freeze)?,
             bucket_elems: ((cfg.parallel.bucket_mb * 1024.0 * 1024.0) / 4.0).max(1.0) as usize,
             zero1,
-            overlapped,
             p2p,
             device,
             compute_dtype,
@@ -140,7 +137,7 @@ impl Engine {
         let assigner = assigner(
             self.assign_policy,
             &self.mconfig,
-            self.overlapped,
+            self.p2p.is_some(),
             self.layouts.placement,
         );
         let replicas = self.replicas();
@@ -205,7 +202,7 @@ impl Engine {
             .with_dtype(self.compute_dtype);
         self.model.zero_grads()?;
         let norm = plan.targets.max(1);
-        let loss_local = if let Some(p2p) = self.p2p.as_ref().filter(|_| self.overlapped) {
+        let loss_local = if let Some(p2p) = &self.p2p {
             run_overlapped(
                 &mut self.model,
                 p2p.as_ref(),

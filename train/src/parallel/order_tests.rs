@@ -7,6 +7,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use super::*;
+use crate::parallel::graph::assemble;
 use crate::parallel::graph::tests::{random_graph, world_of};
 use crate::parallel::schedule::max_in_flight;
 
@@ -127,8 +128,8 @@ fn rank_sequence(graph: &Graph, world: usize) -> Result<RankSequence, String> {
 /// rank's own messages: the reference [`rank_program`]'s gang-level sequence must equal.
 fn reference_programs(graph: &Graph, world: usize) -> Result<Vec<RankProgram>, String> {
     let (roles, gangs, seq) = rank_sequence(graph, world)?;
-    let mut steps: Vec<Vec<Step>> = vec![Vec::new(); world];
-    let mut pending: Vec<Vec<Xfer>> = vec![Vec::new(); world];
+    // Each rank's passes in the sequence, assembled as the trainer assembles them.
+    let mut passes: Vec<Vec<(&Role, Op)>> = vec![Vec::new(); world];
     for &(gi, op) in &seq {
         let g = &gangs[gi];
         for &r in &g.members {
@@ -136,28 +137,10 @@ fn reference_programs(graph: &Graph, world: usize) -> Result<Vec<RankProgram>, S
                 .iter()
                 .find(|x| x.node == g.node)
                 .ok_or_else(|| format!("rank {r} has no {:?} role", g.node))?;
-            let (recv, out) = match op {
-                Op::Forward(j) => (&role.fwd_in[j], &role.fwd_out[j]),
-                Op::Backward(j) => (&role.bwd_in[j], &role.bwd_out[j]),
-            };
-            if !pending[r].is_empty() || !recv.is_empty() {
-                steps[r].push(Step::Exchange {
-                    send: std::mem::take(&mut pending[r]),
-                    recv: recv.clone(),
-                });
-            }
-            steps[r].push(Step::Run(g.node, op));
-            pending[r] = out.clone();
+            passes[r].push((role, op));
         }
     }
-    for (r, p) in pending.into_iter().enumerate() {
-        if !p.is_empty() {
-            steps[r].push(Step::Exchange {
-                send: p,
-                recv: Vec::new(),
-            });
-        }
-    }
+    let steps: Vec<Vec<Step>> = passes.into_iter().map(assemble).collect();
     // Per receiver, per sender: the sender's send order.
     let mut incoming: Vec<HashMap<usize, VecDeque<Xfer>>> = vec![HashMap::new(); world];
     for (r, p) in steps.iter().enumerate() {

@@ -356,14 +356,13 @@ fn receive(
     modules: &mut [Module<'_>],
 ) -> Result<()> {
     let rank = world.rank();
-    if x.peer == rank || mail.inbox.contains_key(x) {
-        return if mail.inbox.contains_key(x) {
-            Ok(())
-        } else {
-            Err(TrainError::Other(format!(
-                "rank {rank}: {x:?} was never made"
-            )))
-        };
+    if mail.inbox.contains_key(x) {
+        return Ok(());
+    }
+    if x.peer == rank {
+        return Err(TrainError::Other(format!(
+            "rank {rank}: {x:?} was never made"
+        )));
     }
     let Some(incoming) = incoming else {
         let shape = shape_of(x, graph, rank, modules)?;

@@ -558,24 +558,19 @@ fn schedule_line(t: &Trainer) -> String {
     use crate::config::Placement;
     let l = &t.layouts;
     let overlapped = crate::parallel::engine::runs_overlapped(t.cfg.parallel.schedule, l);
-    let (name, how) = match (overlapped, l.placement) {
-        (false, Placement::Centric) => (
-            "phased",
-            "the encoders inside the LLM's first stage, microbatch by microbatch",
-        ),
-        (false, _) => (
-            "phased",
-            "every encoder forward, the bridge, the LLM's pipeline, the bridge back, every encoder backward",
-        ),
-        (true, Placement::Colocated) => (
-            "overlapped",
-            "1F1B across the modules, each rank interleaving its modules' passes in one order",
-        ),
-        (true, _) => (
-            "overlapped",
-            "1F1B across the modules, each on ranks of its own",
-        ),
+    let how = match (overlapped, l.placement) {
+        (false, Placement::Centric) => {
+            "the encoders inside the LLM's first stage, microbatch by microbatch"
+        }
+        (false, _) => {
+            "every encoder forward, the bridge, the LLM's pipeline, the bridge back, every encoder backward"
+        }
+        (true, Placement::Colocated) => {
+            "1F1B across the modules, each rank interleaving its modules' passes in one order"
+        }
+        (true, _) => "1F1B across the modules, each on ranks of its own",
     };
+    let name = if overlapped { "overlapped" } else { "phased" };
     let placement = match l.placement {
         Placement::Disjoint => "disjoint",
         Placement::Colocated => "colocated",
