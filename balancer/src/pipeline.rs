@@ -107,6 +107,29 @@ pub fn interleaved_1f1b(
     out
 }
 
+/// How many microbatches a module feeding stage 0 (an encoder whose embeddings enter
+/// the LLM's first chunk, overlapped) must forward before it first needs a grad back:
+/// the most, over microbatches `i`, of the chunk-0 forwards stage 0 of `stages` runs
+/// (with `chunks` model chunks over `n` microbatches) before microbatch `i`'s chunk-0
+/// backward, less the `i` earlier backwards. A feeder running 1F1B with fewer forwards
+/// ahead waits for a grad the LLM sends only after an input the feeder has not yet made:
+/// a deadlock. 1F1B's lead is `stages` (its warm-up and one); the interleaved order's
+/// about `2 stages`, since its warm-up runs two groups through chunk 0. At least 1.
+pub fn feeder_lead(stages: usize, chunks: usize, n: usize) -> usize {
+    let (mut seen, mut lead, mut backwards) = (0usize, 1usize, 0usize);
+    for p in interleaved_1f1b(0, stages.max(1), chunks, n, true) {
+        match (p.chunk, p.forward) {
+            (0, true) => seen = seen.max(p.mb + 1),
+            (0, false) => {
+                lead = lead.max(seen.saturating_sub(backwards));
+                backwards += 1;
+            }
+            _ => {}
+        }
+    }
+    lead
+}
+
 /// The most chunk activations held at once (forwards done, their backwards not yet).
 pub fn max_in_flight(passes: &[ChunkPass]) -> usize {
     let (mut now, mut max) = (0usize, 0usize);
@@ -126,6 +149,88 @@ mod tests {
     use std::collections::{HashMap, VecDeque};
 
     use super::*;
+
+    #[test]
+    fn a_feeder_leads_by_the_chunk0_forwards_before_each_backward() {
+        // 1F1B: stage 0 runs `stages` forwards before its first backward, then one
+        // more per backward.
+        for stages in 1..6 {
+            for n in stages..12 {
+                assert_eq!(feeder_lead(stages, 1, n), stages, "p {stages} n {n}");
+            }
+        }
+        // Interleaved: two groups through chunk 0 in the warm-up.
+        assert_eq!(feeder_lead(2, 2, 8), 4);
+        assert_eq!(feeder_lead(4, 3, 16), 8);
+        // Never more than the microbatches, never below one.
+        assert_eq!(feeder_lead(4, 2, 3), 3);
+        assert_eq!(feeder_lead(3, 1, 0), 1);
+        // A feeder in 1F1B with `lead` forwards before its first backward runs every
+        // pipeline to the end; with one fewer it waits for a grad the pipeline sends
+        // only after an input the feeder has not made, wherever the lead binds.
+        let mut binds = 0;
+        for stages in 1..6 {
+            for chunks in 1..4 {
+                if chunks > 1 && stages < 2 {
+                    continue;
+                }
+                for n in 0..14 {
+                    let lead = feeder_lead(stages, chunks, n);
+                    assert!(lead <= n.max(1));
+                    let at = format!("p {stages} v {chunks} n {n} lead {lead}");
+                    assert!(fed(stages, chunks, n, lead), "{at}: stuck");
+                    if lead >= 2 && lead < n {
+                        assert!(!fed(stages, chunks, n, lead - 1), "{at}: one fewer ran");
+                        binds += 1;
+                    }
+                }
+            }
+        }
+        assert!(binds > 50, "the lead binds in {binds} cases");
+    }
+
+    /// Whether a feeder (one stage, 1F1B with `lead` forwards before its first backward)
+    /// in front of a pipeline of `p` stages of `v` chunks runs `n` microbatches to the
+    /// end with buffered sends: the first stage's chunk-0 forward of a microbatch takes
+    /// the feeder's forward of it, the feeder's backward takes that chunk's backward.
+    fn fed(p: usize, v: usize, n: usize, lead: usize) -> bool {
+        let feeder: Vec<ChunkPass> = interleaved_1f1b(0, lead, 1, n, true);
+        let mut orders: Vec<Vec<ChunkPass>> =
+            (0..p).map(|s| interleaved_1f1b(s, p, v, n, true)).collect();
+        orders.push(feeder);
+        let f = p; // the feeder's index
+        let mut pc = vec![0usize; p + 1];
+        // done[s][(backward, chunk, mb)]
+        let mut done: Vec<std::collections::HashSet<(bool, usize, usize)>> =
+            vec![Default::default(); p + 1];
+        loop {
+            let mut progressed = false;
+            for s in 0..=p {
+                let Some(&x) = orders[s].get(pc[s]) else {
+                    continue;
+                };
+                let need = if s == f {
+                    // The feeder's backward waits for the first stage's chunk 0.
+                    (!x.forward).then_some((0, (false, 0, x.mb)))
+                } else if x.forward && s == 0 && x.chunk == 0 {
+                    Some((f, (true, 0, x.mb)))
+                } else {
+                    upstream(s, x.chunk, p, v, x.forward)
+                        .map(|(src, c)| (src, (x.forward, c, x.mb)))
+                };
+                let ready =
+                    need.is_none_or(|(src, (fwd, c, mb))| done[src].contains(&(!fwd, c, mb)));
+                if ready {
+                    done[s].insert((!x.forward, x.chunk, x.mb));
+                    pc[s] += 1;
+                    progressed = true;
+                }
+            }
+            if !progressed {
+                return (0..=p).all(|s| pc[s] == orders[s].len());
+            }
+        }
+    }
 
     /// A message between stages: (forward?, chunk of the receiver, microbatch).
     type Msg = (bool, usize, usize);

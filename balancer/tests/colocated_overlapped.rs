@@ -1,4 +1,4 @@
-//! The simulator's colocated overlapped step: every GPU runs its modules' passes one at a time, in the step's global order, with encoder passes between the LLM's.
+//! The simulator's colocated overlapped step: every GPU runs its modules' passes one at a time, in the step's global order, with encoder passes between the LLM's, with one model chunk per LLM stage or several (interleaved).
 #![allow(clippy::unwrap_used)]
 
 use braid_balancer::{Layout, Placement, Plan, Schedule};
@@ -22,24 +22,37 @@ fn every_gpu_runs_one_pass_at_a_time_and_encoders_fill_the_llm_waits() {
     let (p, w) = small();
     let batch = w.batch(0);
     let lay = |tp, cp, pp, dp| Layout { tp, cp, pp, dp };
-    let (mut checked, mut interleaved) = (0, 0);
+    let (mut checked, mut interleaved, mut virtual_stages) = (0, 0, 0);
     for (llm, vision, audio) in [
         (lay(2, 1, 2, 4), lay(1, 1, 1, 16), lay(1, 1, 1, 16)),
         (lay(2, 2, 4, 1), lay(1, 1, 2, 8), lay(1, 1, 2, 8)),
         (lay(1, 2, 4, 2), lay(2, 1, 2, 4), lay(1, 1, 4, 4)),
         (lay(4, 1, 2, 2), lay(1, 2, 4, 2), lay(2, 1, 1, 8)),
     ] {
-        for m in [2, 4, 8] {
+        for (m, v) in [2, 4, 8].into_iter().flat_map(|m| [(m, 1), (m, 2)]) {
+            if v > 1 && llm.pp < 2 {
+                continue;
+            }
             let plan = Plan {
                 placement: Placement::Colocated,
                 schedule: Schedule::Overlapped,
                 vision: Some(vision),
                 audio: Some(audio),
+                llm_virtual_stages: v,
                 ..plan(llm, m)
             };
             plan.check(&p.model, &p.cluster, 16, batch.len()).unwrap();
             let (sim, tl) = p.timeline(&plan, &batch).unwrap();
-            let at = format!("llm {llm:?} vision {vision:?} audio {audio:?} {m} mb");
+            let at = format!("llm {llm:?} v{v} vision {vision:?} audio {audio:?} {m} mb");
+            // Every pass of every lane ran: the interleaved LLM's `v` chunks of each
+            // microbatch forward and backward on every stage.
+            let llm_passes = tl
+                .spans
+                .iter()
+                .filter(|(_, name, ..)| name.starts_with("llm "))
+                .count();
+            assert_eq!(llm_passes, 2 * v * m * llm.pp * llm.dp, "{at}");
+            virtual_stages += usize::from(v > 1);
             let layout_of = |label: &str| match label.split(' ').next() {
                 Some("llm") => Some(llm),
                 Some("vision") => Some(vision),
@@ -85,6 +98,7 @@ fn every_gpu_runs_one_pass_at_a_time_and_encoders_fill_the_llm_waits() {
             checked += 1;
         }
     }
-    assert_eq!(checked, 12);
+    assert_eq!(checked, 24);
+    assert_eq!(virtual_stages, 12);
     assert!(interleaved > 100, "only {interleaved} GPUs interleave");
 }

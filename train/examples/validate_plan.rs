@@ -130,6 +130,29 @@ const LAYOUTS: &[(&str, &[&str])] = &[
             "parallel.schedule=\"overlapped\"",
         ],
     ),
+    // Interleaved LLM stages under the overlapped schedule, disjoint and colocated.
+    (
+        "llm pp2 m4 v2, overlapped",
+        &[
+            "parallel.world_size=4",
+            "parallel.llm.pp=2",
+            "parallel.llm.virtual_stages=2",
+            "parallel.schedule=\"overlapped\"",
+        ],
+    ),
+    (
+        "colocated 4, llm pp2 dp2 v2, overlapped",
+        &[
+            "parallel.world_size=4",
+            "parallel.placement=\"colocated\"",
+            "parallel.llm.pp=2",
+            "parallel.llm.dp=2",
+            "parallel.llm.virtual_stages=2",
+            "parallel.vision.dp=4",
+            "parallel.audio.dp=4",
+            "parallel.schedule=\"overlapped\"",
+        ],
+    ),
     // The LLM-centric placement (the planner's baseline): encoders inside the LLM's
     // first stage, microbatch by microbatch.
     (

@@ -230,9 +230,6 @@ impl Plan {
                     self.llm.pp, model.llm.layers
                 ));
             }
-            if self.schedule == Schedule::Overlapped {
-                return Err("llm_virtual_stages > 1 runs under the phased schedule only".into());
-            }
             if self.llm_first_stage_layers.is_some() {
                 return Err(
                     "llm_virtual_stages > 1 splits the stages evenly: no llm_first_stage_layers"

@@ -288,8 +288,9 @@ impl Problem {
 
     /// Time, slowest stage, sync and memory of a pipeline of `sc.layout.pp` stages
     /// running `mbs` microbatches of `load = (tokens, sq)` each. Stage `s` holds 1F1B's
-    /// `pp - s + beyond` microbatches' activations (`beyond`: stages downstream of this module, the
-    /// LLM's for an overlapped encoder; `usize::MAX`: every microbatch, phased encoders).
+    /// `pp - s + lead` microbatches' activations (`lead`: what the module downstream
+    /// needs ahead, [`crate::pipeline::feeder_lead`] of the LLM for an overlapped
+    /// encoder; `usize::MAX`: every microbatch, phased encoders).
     /// `extra` adds encoders' work (LLM-centric) to stage 0, each with its own load.
     /// `peak`: the fullest microbatch against `load` (whole rows or items are dealt out),
     /// which sets the memory.
@@ -300,7 +301,7 @@ impl Problem {
         load: (f64, f64),
         peak: f64,
         extra: &[(StageCost, (f64, f64))],
-        beyond: usize,
+        lead: usize,
     ) -> PipeEst {
         let l = sc.layout;
         let v = sc.chunks.max(1);
@@ -314,12 +315,12 @@ impl Problem {
             // aside, which this rounds up).
             let mut t = f + b + 2.0 * v as f64 * sc.send(load.0);
             let mut stage_sync = sc.exposed_sync(s, b, f);
-            // Chunk activations held: 1F1B's `pp - s` (and `beyond`) microbatches, or
+            // Chunk activations held: 1F1B's `pp - s` (and `lead`) microbatches, or
             // the interleaved warm-up and one, each a `1 / v` of the stage's.
             let held = if v > 1 {
                 (warmup(s, l.pp, v) + 1).min(v * mbs) as f64 / v as f64
             } else {
-                (l.pp - s).saturating_add(beyond).min(mbs) as f64
+                (l.pp - s).saturating_add(lead).min(mbs) as f64
             };
             // A held chunk's working set is one chunk.
             let big = load.0 * peak;
@@ -356,13 +357,14 @@ impl Problem {
     /// Options for module `m` on `g` GPUs: the LLM with every microbatch count (powers of
     /// two up to its rows per replica, and that count); an encoder with `chunks` chunks
     /// (the LLM's microbatches), held to the end unless `overlapped`.
-    /// `beyond`: the LLM's stages downstream of an overlapped encoder.
+    /// `lead`: the microbatches an overlapped encoder runs ahead for the LLM
+    /// ([`crate::pipeline::feeder_lead`]).
     pub(crate) fn options(
         &self,
         m: Module,
         g: usize,
         chunks: usize,
-        beyond: usize,
+        lead: usize,
         k: &Knobs,
     ) -> Vec<Opt> {
         let (t, rows) = (k.totals, k.rows);
@@ -395,14 +397,14 @@ impl Problem {
                         (_, false) => (layout.dp, layout.dp),
                     };
                     let (load, peak) = t.dealt(m, layout.dp * mb, slots, mem_slots);
-                    let beyond = match (m, k.overlapped) {
+                    let lead = match (m, k.overlapped) {
                         (Module::Llm, _) => 0,
-                        (_, true) => beyond,
+                        (_, true) => lead,
                         (_, false) => usize::MAX,
                     };
-                    for v in llm_chunk_options(m, layout, mb, self, k.overlapped) {
+                    for v in llm_chunk_options(m, layout, mb, self) {
                         let sc = StageCost { chunks: v, ..sc };
-                        let e = self.estimate(&sc, mb, load, peak, &[], beyond);
+                        let e = self.estimate(&sc, mb, load, peak, &[], lead);
                         out.push(Opt {
                             layout,
                             microbatches: mb,
@@ -429,18 +431,12 @@ pub(crate) fn chunk0_held(pp: usize, v: usize, m: usize) -> usize {
 }
 
 /// Model chunks per stage the LLM may take at `layout` with `mbs` microbatches: 1, and
-/// under the phased schedule with two or more stages and whole groups of microbatches (a
-/// multiple of the stages: a partial last group gains less than the estimate's `1 / v`
-/// of the bubble), every count that splits a stage's blocks evenly (what
-/// `parallel.llm.virtual_stages` accepts). Encoders: 1.
-fn llm_chunk_options(
-    m: Module,
-    layout: Layout,
-    mbs: usize,
-    p: &Problem,
-    overlapped: bool,
-) -> Vec<usize> {
-    if m != Module::Llm || overlapped {
+/// with two or more stages and whole groups of microbatches (a multiple of the stages: a
+/// partial last group gains less than the estimate's `1 / v` of the bubble), every count
+/// that splits a stage's blocks evenly (what `parallel.llm.virtual_stages` accepts), under
+/// either schedule. Encoders: 1.
+fn llm_chunk_options(m: Module, layout: Layout, mbs: usize, p: &Problem) -> Vec<usize> {
+    if m != Module::Llm {
         return vec![1];
     }
     llm_chunk_counts(p.model.llm.layers, layout.pp, mbs)

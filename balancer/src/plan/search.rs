@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use crate::cluster::GIB;
 use crate::dims::Module;
+use crate::pipeline::feeder_lead;
 use crate::plan::baseline::baseline as llm_baseline;
 use crate::plan::layout::{Placement, Plan, Schedule};
 use crate::plan::options::{Knobs, Opt, Totals, pareto};
@@ -178,7 +179,8 @@ fn combo_estimate(placement: Placement, schedule: Schedule, l: &Opt, enc: &[(Mod
             let enc_bound = enc
                 .iter()
                 .map(|(_, e)| {
-                    let warmup = (e.layout.pp + l.layout.pp).min(e.microbatches.max(1)) - 1;
+                    let lead = feeder_lead(l.layout.pp, l.chunks, l.microbatches);
+                    let warmup = (e.layout.pp + lead).min(e.microbatches.max(1)) - 1;
                     let stall = (first(l) - warmup as f64 * e.worst / 3.0).max(0.0);
                     e.time + stall + e.sync
                 })
@@ -239,11 +241,17 @@ pub fn search_beside(
         rows,
         overlapped,
     };
+    // An overlapped encoder's options depend on how far it runs ahead of the LLM
+    // (its activations held); a phased one's do not (every chunk held).
+    let lead_of = |l: &Opt| match overlapped {
+        true => feeder_lead(l.layout.pp, l.chunks, l.microbatches),
+        false => 0,
+    };
     let mut cache: HashMap<(Module, usize, usize, usize), Vec<Opt>> = HashMap::new();
-    let mut opts = |m: Module, gm: usize, chunks: usize, beyond: usize| -> Vec<Opt> {
+    let mut opts = |m: Module, gm: usize, chunks: usize, lead: usize| -> Vec<Opt> {
         cache
-            .entry((m, gm, chunks, beyond))
-            .or_insert_with(|| problem.options(m, gm, chunks, beyond, &knobs))
+            .entry((m, gm, chunks, lead))
+            .or_insert_with(|| problem.options(m, gm, chunks, lead, &knobs))
             .clone()
     };
     let same = |a: &Opt, b: &Opt| {
@@ -278,8 +286,11 @@ pub fn search_beside(
                     let gl = g - s.iter().sum::<usize>();
                     let llm = opts(Module::Llm, gl, 1, 0);
                     let mut est = f64::INFINITY;
+                    // Ranked by plain 1F1B LLM options: an interleaved one's longer
+                    // encoder lead could leave no encoder option that fits where one
+                    // chunk would, and drop the count.
                     for m in microbatch_counts(&llm) {
-                        let with_m = llm.iter().filter(|o| o.microbatches == m);
+                        let with_m = llm.iter().filter(|o| o.microbatches == m && o.chunks == 1);
                         let Some(l) = fastest(with_m, budget) else {
                             continue;
                         };
@@ -287,7 +298,8 @@ pub fn search_beside(
                             .iter()
                             .enumerate()
                             .map(|(k, &e)| {
-                                Some((e, fastest(&opts(e, s[k], m, l.layout.pp), budget)?))
+                                let lead = lead_of(&l);
+                                Some((e, fastest(&opts(e, s[k], m, lead), budget)?))
                             })
                             .collect();
                         if let Some(enc) = enc {
@@ -321,23 +333,24 @@ pub fn search_beside(
             let llm = opts(Module::Llm, gl, 1, 0);
             // Dominance only among equal microbatch counts: the count also sets the
             // encoders' chunks.
-            let front: Vec<Opt> = microbatch_counts(&llm)
+            // Overlapped, also only among plain or among interleaved options: those two
+            // are simulated as groups of their own (below), and an interleaved option's
+            // estimate leaves out the encoders' longer lead, so it must not prune the
+            // plain ones.
+            let class = |o: &Opt| (o.microbatches, overlapped && o.chunks > 1);
+            let mut classes: Vec<(usize, bool)> = llm.iter().map(class).collect();
+            classes.sort_unstable();
+            classes.dedup();
+            let front: Vec<Opt> = classes
                 .into_iter()
-                .flat_map(|m| {
-                    pareto(
-                        llm.iter()
-                            .filter(|o| o.microbatches == m)
-                            .copied()
-                            .collect(),
-                    )
-                })
+                .flat_map(|c| pareto(llm.iter().filter(|o| class(o) == c).copied().collect()))
                 .collect();
             for l in &llm {
                 // Encoders run the LLM's microbatches as their chunks.
                 let enc: Vec<(Module, Vec<Opt>)> = encoders
                     .iter()
                     .enumerate()
-                    .map(|(k, &e)| (e, opts(e, s[k], l.microbatches, l.layout.pp)))
+                    .map(|(k, &e)| (e, opts(e, s[k], l.microbatches, lead_of(l))))
                     .collect();
                 let one = std::slice::from_ref(l);
                 if searched && front.iter().any(|f| same(f, l)) {
@@ -363,31 +376,36 @@ pub fn search_beside(
     let mut simulated = 0;
     let best = if overlapped {
         // Colocated and disjoint estimates do not rank against each other (the colocated
-        // one leaves what the encoders fill of the LLM's waits to the simulation): each
-        // placement's best-estimated candidates are simulated on their own.
-        let (mut co, mut dis): (Vec<Combo>, Vec<Combo>) = pruned
-            .drain(..)
-            .partition(|c| c.plan.placement == Placement::Colocated);
-        let mut one = |c: &mut Vec<Combo>| {
-            pick(
+        // one leaves what the encoders fill of the LLM's waits to the simulation), nor do
+        // plain and interleaved LLM stages under one (the estimate takes interleaving's
+        // shorter fill and drain, not the encoder lead it costs): each group's
+        // best-estimated candidates are simulated on their own.
+        let mut groups: Vec<Vec<Combo>> = (0..4).map(|_| Vec::new()).collect();
+        for c in pruned.drain(..) {
+            let at = 2 * usize::from(c.plan.placement == Placement::Colocated)
+                + usize::from(c.plan.llm_virtual_stages > 1);
+            groups[at].push(c);
+        }
+        let mut best: Result<Found, f64> = Err(f64::INFINITY);
+        for group in &mut groups {
+            let found = pick(
                 problem,
                 &batches,
-                c,
+                group,
                 space.top_k,
                 Some(g),
                 budget,
                 &mut simulated,
-            )
-        };
-        let (a, b) = (one(&mut co)?, one(&mut dis)?);
-        pruned = co;
-        pruned.extend(dis);
-        pruned.sort_by(|x, y| x.est.total_cmp(&y.est));
-        match (a, b) {
-            (Ok(x), Ok(y)) => Ok(if x.sim.step_s <= y.sim.step_s { x } else { y }),
-            (Ok(x), Err(_)) | (Err(_), Ok(x)) => Ok(x),
-            (Err(l1), Err(l2)) => Err(l1.min(l2)),
+            )?;
+            best = match (best, found) {
+                (Ok(x), Ok(y)) => Ok(if x.sim.step_s <= y.sim.step_s { x } else { y }),
+                (Ok(x), Err(_)) | (Err(_), Ok(x)) => Ok(x),
+                (Err(l1), Err(l2)) => Err(l1.min(l2)),
+            };
         }
+        pruned = groups.into_iter().flatten().collect();
+        pruned.sort_by(|x, y| x.est.total_cmp(&y.est));
+        best
     } else {
         pick(
             problem,

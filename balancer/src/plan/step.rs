@@ -8,7 +8,7 @@ use crate::assign::{Assigner, Replicas};
 use crate::balance::{Centric, lpt_after};
 use crate::cluster::Cluster;
 use crate::dims::{ModelDims, Module};
-use crate::pipeline::{interleaved_1f1b, max_in_flight};
+use crate::pipeline::{feeder_lead, interleaved_1f1b, max_in_flight};
 use crate::plan::cost::{Cost, StageCost};
 use crate::plan::dag::Dag;
 pub use crate::plan::lanes::PlanTimeline;
@@ -159,8 +159,10 @@ impl Problem {
         let overlapped = plan.schedule == Schedule::Overlapped;
         // Encoders run the items of LLM microbatch i as their chunk i: in the phased
         // schedule every chunk's forward before the bridge (GPipe), in the overlapped one
-        // 1F1B with the LLM downstream.
+        // 1F1B with the LLM downstream, `lead` chunks ahead of the LLM's first stage
+        // (what its chunk 0 takes before its first backward).
         let chunks = m;
+        let lead = feeder_lead(llm.pp, plan.llm_virtual_stages.max(1), m);
         // Per encoder: (R_dp, chunks) loads (the LLM-centric baseline's replicas are
         // inside the LLM's: `B_dp x B_tp / tp x B_cp` of them).
         let mut enc_load: Vec<Vec<Vec<Load>>> = Vec::new();
@@ -248,7 +250,7 @@ impl Problem {
                     for s in 0..l.pp {
                         // Phased: every forward, then (after the LLM) every backward.
                         let depth = if overlapped {
-                            l.pp - s + llm.pp
+                            l.pp - s + lead
                         } else {
                             usize::MAX
                         };
@@ -548,7 +550,7 @@ impl Problem {
                 // Phased: every chunk's activations wait for the LLM; overlapped: 1F1B
                 // keeps a window of consecutive chunks in flight.
                 let held = if overlapped {
-                    let w = (l.pp - s + llm.pp).min(chunks).max(1);
+                    let w = (l.pp - s + lead).min(chunks).max(1);
                     enc_load[k]
                         .iter()
                         .map(|d| window_max(d, w))

@@ -219,7 +219,9 @@ fn colocated_processes_match_threads_bit_for_bit() {
 /// Colocated and overlapped, a module group of every rank (the LLM's TP of 2, its CP of
 /// 3) runs its collectives while the step's point-to-point messages are in flight
 /// between the same ranks: those go on the world's own channel, or the collective took
-/// them (a probe's crash).
+/// them (a probe's crash). And interleaved LLM stages (two model chunks on each of 2
+/// stages, 4 layers): every message between the two processes goes both ways round the
+/// ring, the stages' and the bridge's, taken in the sender's order.
 #[test]
 fn colocated_overlapped_processes_match_threads_bit_for_bit() {
     // TP 2 needs 2 KV heads and an even vocabulary (as in the TP test above).
@@ -231,6 +233,15 @@ fn colocated_overlapped_processes_match_threads_bit_for_bit() {
     for (name, n, llm) in [
         ("co-ov-tp2", 2, tp2),
         ("co-ov-cp3", 3, &["parallel.llm.cp=3"][..]),
+        (
+            "co-ov-pp2-v2",
+            2,
+            &[
+                "parallel.llm.pp=2",
+                "parallel.llm.virtual_stages=2",
+                "model.llm.layers=4",
+            ][..],
+        ),
     ] {
         let (vision, audio) = (
             format!("parallel.vision.dp={n}"),

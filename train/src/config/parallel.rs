@@ -272,22 +272,14 @@ impl ParallelConfig {
                 ));
             }
         }
-        if self.llm.virtual_stages > 1 {
-            if self.llm.pp < 2 {
-                return Err(invalid(
-                    "parallel.llm.virtual_stages",
-                    format!(
-                        "{} chunks per stage need at least two pipeline stages (parallel.llm.pp = {}): set virtual_stages = 1 or pp >= 2",
-                        self.llm.virtual_stages, self.llm.pp
-                    ),
-                ));
-            }
-            if self.schedule == braid_balancer::Schedule::Overlapped {
-                return Err(invalid(
-                    "parallel.llm.virtual_stages",
-                    "the interleaved pipeline runs under parallel.schedule = \"phased\" only: set virtual_stages = 1 or schedule = \"phased\"",
-                ));
-            }
+        if self.llm.virtual_stages > 1 && self.llm.pp < 2 {
+            return Err(invalid(
+                "parallel.llm.virtual_stages",
+                format!(
+                    "{} chunks per stage need at least two pipeline stages (parallel.llm.pp = {}): set virtual_stages = 1 or pp >= 2",
+                    self.llm.virtual_stages, self.llm.pp
+                ),
+            ));
         }
         // Bounded both ways: a wait is a `Duration`, and a timeout below a millisecond
         // fails every collective.

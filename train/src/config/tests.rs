@@ -100,14 +100,6 @@ fn typos_and_bad_values_name_the_key() {
             "at least two pipeline stages",
         ),
         (
-            &[
-                "parallel.llm.pp=2",
-                "parallel.llm.virtual_stages=2",
-                "parallel.schedule=\"overlapped\"",
-            ][..],
-            "\"phased\" only",
-        ),
-        (
             &["parallel.vision.virtual_stages=2"][..],
             "parallel.vision.virtual_stages",
         ),

@@ -14,11 +14,12 @@ use crate::error::{Result, TrainError};
 use crate::trace::Tracer;
 
 /// What a module's computes need from the executor: the shape of each hidden-state
-/// message, and the forward and backward of a chunk (at its position in the role).
+/// message (of the chunk at position `j` of the role), and the forward and backward of
+/// a pass (`p`, [`Role::pass`]: the chunk's position on an encoder).
 pub(super) trait Chunks {
     fn hidden_shape(&self, j: usize) -> Result<Shape>;
-    fn forward(&mut self, j: usize, mail: &mut Mail, trace: &mut Tracer) -> Result<()>;
-    fn backward(&mut self, j: usize, mail: &mut Mail, trace: &mut Tracer) -> Result<()>;
+    fn forward(&mut self, p: usize, mail: &mut Mail, trace: &mut Tracer) -> Result<()>;
+    fn backward(&mut self, p: usize, mail: &mut Mail, trace: &mut Tracer) -> Result<()>;
     /// The loss sum this rank contributes (the LLM's last stage).
     fn loss(&self) -> f64 {
         0.0
@@ -175,16 +176,17 @@ impl Chunks for LlmChunks<'_> {
         self.run.hidden_shape(j)
     }
 
-    fn forward(&mut self, j: usize, mail: &mut Mail, trace: &mut Tracer) -> Result<()> {
+    fn forward(&mut self, p: usize, mail: &mut Mail, trace: &mut Tracer) -> Result<()> {
+        let (m, j) = self.role.unpass(p);
         let k = self.role.chunks[j];
-        let input = if self.run.stage().0 > 0 {
-            LlmIn::Hidden(mail.take(single(&self.role.fwd_in[j], "a stage's input")?)?)
+        let input = if self.run.stage().0 > 0 || m > 0 {
+            LlmIn::Hidden(mail.take(single(&self.role.fwd_in[p], "a stage's input")?)?)
         } else {
             // Each encoder's rows of this microbatch, with their placeholder positions.
             let mut parts: Vec<(Tensor, Vec<u32>)> = Vec::new();
             let mut took = Vec::new();
             for (e, &kind) in self.kinds.iter().enumerate() {
-                let xs = of_node(&self.role.fwd_in[j], Node::Encoder(e));
+                let xs = of_node(&self.role.fwd_in[p], Node::Encoder(e));
                 if xs.is_empty() {
                     continue;
                 }
@@ -205,26 +207,30 @@ impl Chunks for LlmChunks<'_> {
             self.took[j] = took;
             LlmIn::Tokens(concat_rows(parts)?)
         };
-        if let Some(out) = self.run.forward(0, j, input, trace)? {
-            mail.put(single(&self.role.fwd_out[j], "a stage's output")?, out)?;
+        if let Some(out) = self.run.forward(m, j, input, trace)? {
+            mail.put(single(&self.role.fwd_out[p], "a stage's output")?, out)?;
         }
         Ok(())
     }
 
-    fn backward(&mut self, j: usize, mail: &mut Mail, trace: &mut Tracer) -> Result<()> {
+    fn backward(&mut self, p: usize, mail: &mut Mail, trace: &mut Tracer) -> Result<()> {
+        let (m, j) = self.role.unpass(p);
         let k = self.role.chunks[j];
-        let (stage, stages) = self.run.stage();
-        let dout = if stage + 1 == stages {
+        let stage = self.run.stage().0;
+        let dout = if self.run.ends_model(m) {
             None
         } else {
-            Some(mail.take(single(&self.role.bwd_in[j], "a stage's output grad")?)?)
+            Some(mail.take(single(&self.role.bwd_in[p], "a stage's output grad")?)?)
         };
-        let dx = self.run.backward(0, j, dout, trace)?;
-        let no_grad =
-            || TrainError::Other(format!("llm stage {stage} microbatch {k}: no input grad"));
-        if stage > 0 {
+        let dx = self.run.backward(m, j, dout, trace)?;
+        let no_grad = || {
+            TrainError::Other(format!(
+                "llm stage {stage} chunk {m} microbatch {k}: no input grad"
+            ))
+        };
+        if stage > 0 || m > 0 {
             return mail.put(
-                single(&self.role.bwd_out[j], "a stage's input grad")?,
+                single(&self.role.bwd_out[p], "a stage's input grad")?,
                 dx.ok_or_else(no_grad)?,
             );
         }
@@ -247,7 +253,7 @@ impl Chunks for LlmChunks<'_> {
             at += n;
             let sends = bridge_of(self.graph, k, e)?.backward_sends(self.rank, d)?;
             let node = Node::Encoder(e);
-            let xs = of_node(&self.role.bwd_out[j], node);
+            let xs = of_node(&self.role.bwd_out[p], node);
             mail.put_all(&xs, node, Msg::EmbedGrad(k), sends)?;
         }
         Ok(())

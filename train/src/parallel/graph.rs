@@ -4,18 +4,34 @@
 //! microbatches, an encoder replica runs, as its chunk `k`, the images (or clips) of
 //! microbatch `k` it encodes. Every stage runs its chunks in 1F1B with a warm-up as deep
 //! as the stages left to the end of the graph: the LLM's stage `s` of `P` runs `P - s - 1`
-//! forwards ahead (Megatron's 1F1B), an encoder's stage `s` of `E` runs `E - s - 1 + P`, so
-//! an encoder encodes later chunks while the LLM works on earlier ones, and a stage holds
-//! at most `depth` chunks' activations (what the planner counts).
+//! forwards ahead (Megatron's 1F1B), an encoder's stage `s` of `E` runs `E - s - 1 + L`
+//! (`L`: the LLM's lead, `P` here), so an encoder encodes later chunks while the LLM
+//! works on earlier ones, and a stage holds at most `depth` chunks' activations (what
+//! the planner counts).
+//!
+//! With `V` model chunks per LLM stage (`parallel.llm.virtual_stages`), the LLM's stages
+//! run the interleaved 1F1B of [`braid_balancer::pipeline`], messages name the receiving
+//! stage's model chunk, and the last stage's chunk `c` feeds the first stage's `c + 1`.
+//! A stage holds at most its warm-up and one chunks' activations. The order is the
+//! phased step's over the step's chunk ids, with the ids a replica does not run left
+//! out (the phased step numbers a replica's own microbatches; the two differ only where
+//! a replica skips an id, and both are deadlock-free). The first stage takes about
+//! `2 P` chunks' embeddings before it sends a grad back, so an encoder's lead `L` is
+//! that ([`braid_balancer::pipeline::feeder_lead`]); with less it would wait for a grad
+//! the LLM sends only after an embedding the encoder has not made.
 //!
 //! Messages go in grouped exchanges: the sends a compute produced are posted together
 //! with the receives the next compute needs (Megatron's `send_forward_recv_backward`).
-//! The tests run every program with *rendezvous* sends (a send completes only when its
-//! receive is posted), so the order cannot deadlock on a transport that needs an
-//! exchange posted as one group (NCCL's `ncclGroupStart/End`), and check that each pair
-//! of ranks exchanges its messages in one order. Today's executor
-//! ([`super::overlapped`]) runs an exchange as its sends, then its receives: the same
-//! thing on Braid's transports, whose sends never wait for the receiver.
+//! The tests run every program of one model chunk per stage with *rendezvous* sends (a
+//! send completes only when its receive is posted), so the order cannot deadlock on a
+//! transport that needs an exchange posted as one group (NCCL's
+//! `ncclGroupStart/End`), and check that each pair of ranks exchanges its messages in
+//! one order. Interleaved stages need buffered sends, as the phased interleaved step
+//! does (a rendezvous would need Megatron's four-way exchange of a forward's and a
+//! backward's messages at once); the tests run those with buffered sends. Today's
+//! executor ([`super::overlapped`]) runs an exchange as its sends, then its receives:
+//! Braid's transports never make a send wait for the receiver (NCCL's through a thread
+//! per channel, `braid_comm`'s `nccl/p2p.rs`).
 //!
 //! That is a rank's program under disjoint placement, where it holds one module. A
 //! colocated rank holds a stage of every module; [`super::order`] merges their programs
@@ -24,15 +40,20 @@
 use braid_bridge::Routes;
 use braid_comm::grid::Grid;
 
-use super::schedule::{Op, one_f_one_b};
+use braid_balancer::pipeline::{feeder_lead, interleaved_1f1b};
+
+use super::schedule::Op;
 
 /// What a message carries, and of which chunk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Msg {
-    /// A stage's output to the next stage of its module.
-    Act(usize),
-    /// The grad of that output, back to the stage that sent it.
-    Grad(usize),
+    /// A stage's output to the next stage of its module: (chunk, the receiving stage's
+    /// model chunk). Model chunks are the LLM's interleaved virtual stages (0 elsewhere):
+    /// the last stage's chunk `c` feeds the first stage's `c + 1`.
+    Act(usize, usize),
+    /// The grad of that output, back to the stage that sent it: (chunk, the receiving
+    /// stage's model chunk).
+    Grad(usize, usize),
     /// The chunk's embedding rows, an encoder's last stage -> the LLM's first (bridge).
     Embed(usize),
     /// Their grads, the LLM's first stage -> the encoder's last.
@@ -62,8 +83,7 @@ pub enum Step {
     /// Sends and receives posted together (one NCCL group): the previous compute's
     /// outputs and the next compute's inputs.
     Exchange { send: Vec<Xfer>, recv: Vec<Xfer> },
-    /// A forward or backward of module `Node`'s chunk at this position of its role's
-    /// [`Role::chunks`].
+    /// A forward or backward of module `Node`'s pass `p` ([`Role::pass`]).
     Run(Node, Op),
 }
 
@@ -83,12 +103,17 @@ pub struct Role {
     /// orders line up however the items fall (without it an encoder with few chunks
     /// runs far ahead and a rendezvous send can deadlock).
     pub of: usize,
-    /// Stages from this one to the end of the graph (1 on the LLM's last stage).
+    /// Stages from this one to the end of the graph (1 on the LLM's last stage); an
+    /// encoder's counts the microbatches the LLM needs ahead
+    /// ([`braid_balancer::pipeline::feeder_lead`]) as its stages.
     pub depth: usize,
+    /// Model chunks on this stage: the LLM's virtual stages
+    /// (`parallel.llm.virtual_stages`, interleaved 1F1B), 1 on an encoder's.
+    pub model_chunks: usize,
     /// Whether this stage runs backwards (a frozen encoder's stages do not).
     pub backward: bool,
-    /// Per chunk (as in `chunks`): what its forward receives and sends, what its
-    /// backward receives and sends.
+    /// Per pass `p = c * chunks.len() + j` (model chunk `c`, chunk `chunks[j]`): what its
+    /// forward receives and sends, what its backward receives and sends.
     pub fwd_in: Vec<Vec<Xfer>>,
     pub fwd_out: Vec<Vec<Xfer>>,
     pub bwd_in: Vec<Vec<Xfer>>,
@@ -96,11 +121,35 @@ pub struct Role {
 }
 
 impl Role {
-    /// The order of this stage's computes, as positions in `chunks`: 1F1B over all the
-    /// step's chunk ids with `depth - 1` warm-up forwards (or forwards only), keeping
-    /// the chunks this rank runs.
+    /// The order of this stage's passes ([`Role::pass`] numbers): over all the step's
+    /// chunk ids, keeping the chunks this rank runs, the LLM's stage in (interleaved)
+    /// 1F1B, an encoder's stage in 1F1B with `depth - 1` warm-up forwards (or forwards
+    /// only).
     pub fn ops(&self) -> Vec<Op> {
-        pass_order(&self.chunks, self.of, self.depth, self.backward)
+        match self.node {
+            Node::Llm => pass_order(
+                &self.chunks,
+                self.of,
+                (self.stage, self.stage + self.depth),
+                self.model_chunks,
+                self.backward,
+            ),
+            Node::Encoder(_) => {
+                pass_order(&self.chunks, self.of, (0, self.depth), 1, self.backward)
+            }
+        }
+    }
+
+    /// The pass number of model chunk `c` on chunk position `j` (into `fwd_in` and the
+    /// others, and what [`Op`] carries).
+    pub fn pass(&self, c: usize, j: usize) -> usize {
+        c * self.chunks.len() + j
+    }
+
+    /// Pass `p`'s (model chunk, position in `chunks`).
+    pub fn unpass(&self, p: usize) -> (usize, usize) {
+        let n = self.chunks.len().max(1);
+        (p / n, p % n)
     }
 
     /// The program: each compute preceded by one exchange of the previous compute's
@@ -139,20 +188,29 @@ pub fn assemble<'a>(passes: impl IntoIterator<Item = (&'a Role, Op)>) -> Vec<Ste
     steps
 }
 
-/// A stage's computes over `chunks` (ascending ids below `of`), as positions in
-/// `chunks`: 1F1B over all `of` chunk ids with `depth - 1` warm-up forwards (or forwards
-/// only without `backward`), keeping the chunks it runs.
-pub fn pass_order(chunks: &[usize], of: usize, depth: usize, backward: bool) -> Vec<Op> {
-    let all = if backward {
-        one_f_one_b(0, depth, of)
-    } else {
-        (0..of).map(Op::Forward).collect()
-    };
-    let pos = |k: usize| chunks.binary_search(&k).ok();
-    all.into_iter()
-        .filter_map(|op| match op {
-            Op::Forward(k) => pos(k).map(Op::Forward),
-            Op::Backward(k) => pos(k).map(Op::Backward),
+/// A stage's passes over `chunks` (ascending ids below `of`) with `v` model chunks, as
+/// pass numbers `c * chunks.len() + j` ([`Role::pass`]): stage `stage` of `stages`'
+/// (interleaved) 1F1B over all `of` chunk ids (forwards only without `backward`),
+/// keeping the chunks it runs. Every stage of a pipeline keeps the same ids, so their
+/// orders still line up.
+pub fn pass_order(
+    chunks: &[usize],
+    of: usize,
+    (stage, stages): (usize, usize),
+    v: usize,
+    backward: bool,
+) -> Vec<Op> {
+    let n = chunks.len();
+    interleaved_1f1b(stage, stages, v, of, backward)
+        .into_iter()
+        .filter_map(|p| {
+            let j = chunks.binary_search(&p.mb).ok()?;
+            let i = p.chunk * n + j;
+            Some(if p.forward {
+                Op::Forward(i)
+            } else {
+                Op::Backward(i)
+            })
         })
         .collect()
 }
@@ -172,6 +230,8 @@ pub struct EncoderNode {
 #[derive(Clone, Debug)]
 pub struct Graph {
     pub llm: Grid,
+    /// Model chunks per LLM stage (`parallel.llm.virtual_stages`; 1: plain 1F1B).
+    pub llm_model_chunks: usize,
     pub encoders: Vec<EncoderNode>,
     /// Per LLM replica, its chunks ascending.
     pub llm_chunks: Vec<Vec<usize>>,
@@ -198,6 +258,18 @@ impl Graph {
             .get(k)
             .and_then(|b| b.get(e))
             .and_then(Option::as_ref)
+    }
+
+    /// The chunks an encoder's last stage runs ahead of the LLM's first: what the LLM's
+    /// first stage forwards through its chunk 0 before each backward
+    /// ([`feeder_lead`]; its 1F1B's stages, about twice that interleaved), or it would
+    /// wait on an encoder that waits for its grads.
+    pub fn encoder_lead(&self) -> usize {
+        feeder_lead(
+            self.llm.dims.pp,
+            self.llm_model_chunks.max(1),
+            self.bridges.len(),
+        )
     }
 
     /// `rank`'s one role (disjoint placement: one module per rank).
@@ -237,6 +309,7 @@ impl Graph {
             chunks: Vec::new(),
             of: self.bridges.len(),
             depth: 0,
+            model_chunks: 1,
             backward: true,
             fwd_in: Vec::new(),
             fwd_out: Vec::new(),
@@ -251,53 +324,66 @@ impl Graph {
             .coord(rank)
             .ok_or_else(|| format!("rank {rank} holds no LLM stage"))?;
         let node = Node::Llm;
-        let neighbor = |d: isize| neighbor(g, rank, d);
-        let (first, last) = (c.pp == 0, c.pp + 1 == g.dims.pp);
+        let (stages, v) = (g.dims.pp, self.llm_model_chunks.max(1));
+        // The stage `d` steps away round the ring (the model's chunks go round it `v`
+        // times: the last stage's chunk `c` feeds the first stage's `c + 1`).
+        let ring = |d: isize| {
+            let to = (c.pp as isize + d).rem_euclid(stages as isize);
+            neighbor(g, rank, to - c.pp as isize)
+        };
+        let (first, last) = (c.pp == 0, c.pp + 1 == stages);
         let mut role = self.empty_role(node, c.pp, c.dp);
         role.chunks = self.llm_chunks.get(c.dp).cloned().unwrap_or_default();
-        role.depth = g.dims.pp - c.pp;
-        for &k in &role.chunks {
-            // The bridge's messages, encoder by encoder.
-            let bridge = |to_llm: bool| -> Vec<Xfer> {
-                (0..self.encoders.len())
-                    .flat_map(|e| {
-                        let b = self.bridge(k, e);
-                        let peers: Vec<usize> = match (b, to_llm) {
-                            (None, _) => Vec::new(),
-                            (Some(b), true) => {
-                                b.forward_sources(rank).into_iter().map(|p| p.0).collect()
-                            }
-                            (Some(b), false) => b.backward_targets(rank),
-                        };
-                        let msg = if to_llm {
-                            Msg::Embed(k)
-                        } else {
-                            Msg::EmbedGrad(k)
-                        };
-                        xfers(peers, Node::Encoder(e), msg)
-                    })
-                    .collect()
-            };
-            role.fwd_in.push(if first {
-                bridge(true)
-            } else {
-                xfers([neighbor(-1)?], node, Msg::Act(k))
-            });
-            role.fwd_out.push(if last {
-                Vec::new()
-            } else {
-                xfers([neighbor(1)?], node, Msg::Act(k))
-            });
-            role.bwd_in.push(if last {
-                Vec::new()
-            } else {
-                xfers([neighbor(1)?], node, Msg::Grad(k))
-            });
-            role.bwd_out.push(if first {
-                bridge(false)
-            } else {
-                xfers([neighbor(-1)?], node, Msg::Grad(k))
-            });
+        role.depth = stages - c.pp;
+        role.model_chunks = v;
+        for m in 0..v {
+            let (model_first, model_last) = (first && m == 0, last && m + 1 == v);
+            // The model chunk a message to the next (previous) stage feeds there.
+            let (next_chunk, prev_chunk) =
+                (m + usize::from(last), m.wrapping_sub(usize::from(first)));
+            for &k in &role.chunks {
+                // The bridge's messages, encoder by encoder.
+                let bridge = |to_llm: bool| -> Vec<Xfer> {
+                    (0..self.encoders.len())
+                        .flat_map(|e| {
+                            let b = self.bridge(k, e);
+                            let peers: Vec<usize> = match (b, to_llm) {
+                                (None, _) => Vec::new(),
+                                (Some(b), true) => {
+                                    b.forward_sources(rank).into_iter().map(|p| p.0).collect()
+                                }
+                                (Some(b), false) => b.backward_targets(rank),
+                            };
+                            let msg = if to_llm {
+                                Msg::Embed(k)
+                            } else {
+                                Msg::EmbedGrad(k)
+                            };
+                            xfers(peers, Node::Encoder(e), msg)
+                        })
+                        .collect()
+                };
+                role.fwd_in.push(if model_first {
+                    bridge(true)
+                } else {
+                    xfers([ring(-1)?], node, Msg::Act(k, m))
+                });
+                role.fwd_out.push(if model_last {
+                    Vec::new()
+                } else {
+                    xfers([ring(1)?], node, Msg::Act(k, next_chunk))
+                });
+                role.bwd_in.push(if model_last {
+                    Vec::new()
+                } else {
+                    xfers([ring(1)?], node, Msg::Grad(k, m))
+                });
+                role.bwd_out.push(if model_first {
+                    bridge(false)
+                } else {
+                    xfers([ring(-1)?], node, Msg::Grad(k, prev_chunk))
+                });
+            }
         }
         Ok(role)
     }
@@ -317,20 +403,20 @@ impl Graph {
             .get(c.dp)
             .cloned()
             .unwrap_or_default();
-        role.depth = stages - c.pp + self.llm.dims.pp;
+        role.depth = stages - c.pp + self.encoder_lead();
         role.backward = if last { enc.branch_trains } else { enc.trains };
         for &k in &role.chunks {
             let b = self.bridge(k, e);
             role.fwd_in.push(if first {
                 Vec::new()
             } else {
-                xfers([neighbor(-1)?], node, Msg::Act(k))
+                xfers([neighbor(-1)?], node, Msg::Act(k, 0))
             });
             role.fwd_out.push(if last {
                 let to = b.map(|b| b.forward_targets(rank)).unwrap_or_default();
                 xfers(to, node, Msg::Embed(k))
             } else {
-                xfers([neighbor(1)?], node, Msg::Act(k))
+                xfers([neighbor(1)?], node, Msg::Act(k, 0))
             });
             role.bwd_in.push(match (role.backward, last) {
                 (false, _) => Vec::new(),
@@ -338,10 +424,10 @@ impl Graph {
                     let src = b.map(|b| b.backward_sources(rank)).unwrap_or_default();
                     xfers(src.into_iter().map(|p| p.0), node, Msg::EmbedGrad(k))
                 }
-                (true, false) => xfers([neighbor(1)?], node, Msg::Grad(k)),
+                (true, false) => xfers([neighbor(1)?], node, Msg::Grad(k, 0)),
             });
             role.bwd_out.push(if role.backward && enc.trains && !first {
-                xfers([neighbor(-1)?], node, Msg::Grad(k))
+                xfers([neighbor(-1)?], node, Msg::Grad(k, 0))
             } else {
                 Vec::new()
             });

@@ -1,4 +1,4 @@
-//! The overlapped schedule's programs on random graphs: 1-5 stages per module, 1-8 microbatches, random items, frozen encoders; run with rendezvous (unbuffered) sends.
+//! The overlapped schedule's programs on random graphs: 1-5 stages per module, 1-8 microbatches, 1-3 model chunks per LLM stage (interleaved), random items, frozen encoders; run with rendezvous (unbuffered) sends, or buffered ones where the LLM interleaves.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::HashMap;
@@ -9,6 +9,10 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::*;
+use braid_balancer::pipeline::warmup;
+
+use crate::parallel::order::RankProgram;
+use crate::parallel::order::tests::run_buffered;
 use crate::parallel::schedule::max_in_flight;
 
 /// Random grid dims with TP and CP 1-2, PP 1-`max_pp`, DP 1-3.
@@ -45,8 +49,9 @@ fn dims_of_world(rng: &mut ChaCha8Rng, world: usize, max_pp: usize) -> GridDims 
 }
 
 /// A random graph: an LLM and 0-2 encoders, each with its own TP/CP/PP/DP, items of
-/// random replicas and microbatches. Disjoint: each module on its own ranks; colocated:
-/// every grid spans one world of 1-12 ranks.
+/// random replicas and microbatches, and with two LLM stages or more half the time 2 or
+/// 3 model chunks a stage (interleaved 1F1B). Disjoint: each module on its own ranks;
+/// colocated: every grid spans one world of 1-12 ranks.
 pub(crate) fn random_graph(
     rng: &mut ChaCha8Rng,
     max_pp: usize,
@@ -71,7 +76,11 @@ pub(crate) fn random_graph(
         .collect();
     let llm = dims(rng);
     let items = rng.random_range(0..=3 * m);
-    graph_of(rng, llm, &encoders, m, colocated, items)
+    let mut g = graph_of(rng, llm, &encoders, m, colocated, items);
+    if g.llm.dims.pp >= 2 && rng.random_bool(0.5) {
+        g.llm_model_chunks = rng.random_range(2..=3);
+    }
+    g
 }
 
 /// A graph of these grids (disjoint: one after another, encoders first; colocated: all
@@ -187,6 +196,7 @@ pub(crate) fn graph_of(
         .collect();
     Graph {
         llm,
+        llm_model_chunks: 1,
         encoders,
         llm_chunks,
         encoder_chunks,
@@ -297,7 +307,7 @@ fn pair_orders(programs: &[Vec<Step>]) -> (PairOrders, PairOrders) {
 #[test]
 fn programs_are_complete_bounded_and_deadlock_free_without_buffering() {
     let mut rng = ChaCha8Rng::seed_from_u64(0x0f1b);
-    let (mut cases, mut overlapping) = (0, 0);
+    let (mut cases, mut overlapping, mut interleaved) = (0, 0, 0);
     for max_pp in 1..=5 {
         for m in 1..=8 {
             for _ in 0..20 {
@@ -313,20 +323,27 @@ fn programs_are_complete_bounded_and_deadlock_free_without_buffering() {
                             Step::Exchange { .. } => None,
                         })
                         .collect();
-                    let n = role.chunks.len();
-                    // Every chunk forward once, backward once (when it trains), in order.
-                    for j in 0..n {
-                        let f = ops.iter().position(|&o| o == Op::Forward(j));
-                        let b = ops.iter().position(|&o| o == Op::Backward(j));
-                        assert!(f.is_some(), "rank {r}: no forward of chunk {j}");
-                        assert_eq!(b.is_some(), role.backward, "rank {r} chunk {j}");
+                    let (n, v) = (role.chunks.len(), role.model_chunks);
+                    // Every pass (model chunk, chunk) forward once, backward once (when it
+                    // trains), in order.
+                    for p in 0..n * v {
+                        let f = ops.iter().position(|&o| o == Op::Forward(p));
+                        let b = ops.iter().position(|&o| o == Op::Backward(p));
+                        assert!(f.is_some(), "rank {r}: no forward of pass {p}");
+                        assert_eq!(b.is_some(), role.backward, "rank {r} pass {p}");
                         if let (Some(f), Some(b)) = (f, b) {
-                            assert!(f < b, "rank {r} chunk {j}: backward before forward");
+                            assert!(f < b, "rank {r} pass {p}: backward before forward");
                         }
                     }
-                    assert_eq!(ops.len(), n * (1 + usize::from(role.backward)));
+                    assert_eq!(ops.len(), n * v * (1 + usize::from(role.backward)));
+                    // At most 1F1B's depth of chunks in flight, or interleaved, its
+                    // warm-up and one (what the planner counts).
+                    let cap = match v {
+                        1 => role.depth,
+                        _ => warmup(role.stage, role.stage + role.depth, v) + 1,
+                    };
                     if role.backward {
-                        assert!(max_in_flight(&ops) <= role.depth.min(n.max(1)), "rank {r}");
+                        assert!(max_in_flight(&ops) <= cap.min((n * v).max(1)), "rank {r}");
                     }
                 }
                 let (sent, got) = pair_orders(&programs);
@@ -334,7 +351,36 @@ fn programs_are_complete_bounded_and_deadlock_free_without_buffering() {
                     sent, got,
                     "every send has its receive, in one order per pair"
                 );
-                if let Some(at) = stuck(&programs) {
+                if g.llm_model_chunks > 1 {
+                    // Interleaved stages need buffered sends (as the phased interleaved
+                    // schedule does): run them so, each receiver taking a peer's messages
+                    // in the one order the pair uses, and a pass waiting for its gang.
+                    let ranks: Vec<RankProgram> = roles
+                        .iter()
+                        .zip(&programs)
+                        .enumerate()
+                        .map(|(r, (role, steps))| RankProgram {
+                            roles: vec![role.clone()],
+                            steps: steps.clone(),
+                            incoming: Some(
+                                sent.iter()
+                                    .filter(|((_, to), _)| *to == r)
+                                    .map(|(&(from, _), xs)| {
+                                        let xs = xs.iter().map(|&(node, msg)| Xfer {
+                                            peer: from,
+                                            node,
+                                            msg,
+                                        });
+                                        (from, xs.collect())
+                                    })
+                                    .collect(),
+                            ),
+                        })
+                        .collect();
+                    if let Err(at) = run_buffered(&ranks) {
+                        panic!("interleaved, buffered: stuck:\n{at}\ngraph {g:?}");
+                    }
+                } else if let Some(at) = stuck(&programs) {
                     let roles: Vec<String> = roles
                         .iter()
                         .map(|r| {
@@ -353,6 +399,7 @@ fn programs_are_complete_bounded_and_deadlock_free_without_buffering() {
                         .iter()
                         .any(|r| r.chunks.len() > 1 && r.depth > g.llm.dims.pp && r.backward),
                 );
+                interleaved += usize::from(g.llm_model_chunks > 1);
                 cases += 1;
             }
         }
@@ -360,6 +407,10 @@ fn programs_are_complete_bounded_and_deadlock_free_without_buffering() {
     assert!(
         overlapping > 50,
         "only {overlapping} of {cases} graphs overlap"
+    );
+    assert!(
+        interleaved > 100,
+        "only {interleaved} of {cases} graphs interleave"
     );
 }
 
@@ -379,6 +430,7 @@ fn ungrouped_sends_deadlock_under_rendezvous() {
     .unwrap();
     let g = Graph {
         llm,
+        llm_model_chunks: 1,
         encoders: Vec::new(),
         llm_chunks: vec![vec![0, 1, 2]],
         encoder_chunks: Vec::new(),
@@ -427,6 +479,7 @@ fn encoder_warm_up_spans_the_llm_pipeline() {
     };
     let g = Graph {
         llm: grid(3, 2),
+        llm_model_chunks: 1,
         encoders: vec![EncoderNode {
             grid: grid(2, 0),
             trains: true,

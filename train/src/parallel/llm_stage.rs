@@ -169,7 +169,7 @@ impl<'a> LlmStageRun<'a> {
     }
 
     /// Whether chunk `k` of this stage ends the model (takes the loss).
-    fn ends_model(&self, k: usize) -> bool {
+    pub fn ends_model(&self, k: usize) -> bool {
         let (stage, stages) = self.stage();
         stage + 1 == stages && k + 1 == self.chunks()
     }

@@ -49,10 +49,12 @@ pub struct RankProgram {
 /// A gang: (module, pipeline stage, replica).
 type GangKey = (Node, usize, usize);
 
-/// One pass: its gang, chunk id and direction (forward?).
-type Pass = (GangKey, usize, bool);
+/// One pass: its gang, chunk id, model chunk (the LLM's virtual stage; 0 elsewhere) and
+/// direction (forward?).
+type Pass = (GangKey, usize, usize, bool);
 
-/// A gang's chunks (ascending ids) and its 1F1B order over them.
+/// A gang's chunks (ascending ids) and its 1F1B order over them ([`Role::pass`]
+/// numbers).
 struct Gang {
     key: GangKey,
     chunks: Vec<usize>,
@@ -62,11 +64,12 @@ struct Gang {
 /// Every gang of the graph, LLM first, then by module, stage and replica.
 fn gangs(graph: &Graph) -> Vec<Gang> {
     let of = graph.bridges.len();
-    let llm_pp = graph.llm.dims.pp;
+    let (llm_pp, v) = (graph.llm.dims.pp, graph.llm_model_chunks.max(1));
+    let lead = graph.encoder_lead();
     let mut out = Vec::new();
     for s in 0..llm_pp {
         for (d, chunks) in graph.llm_chunks.iter().enumerate() {
-            let ops = pass_order(chunks, of, llm_pp - s, true);
+            let ops = pass_order(chunks, of, (s, llm_pp), v, true);
             out.push(Gang {
                 key: (Node::Llm, s, d),
                 chunks: chunks.clone(),
@@ -83,7 +86,7 @@ fn gangs(graph: &Graph) -> Vec<Gang> {
                 enc.trains
             };
             for (r, chunks) in graph.encoder_chunks[e].iter().enumerate() {
-                let ops = pass_order(chunks, of, pp - s + llm_pp, backward);
+                let ops = pass_order(chunks, of, (0, pp - s + lead), 1, backward);
                 out.push(Gang {
                     key: (Node::Encoder(e), s, r),
                     chunks: chunks.clone(),
@@ -141,34 +144,49 @@ fn bridge_links(graph: &Graph) -> Result<(Links, Links), String> {
     Ok((fwd, bwd))
 }
 
-/// The passes pass `(key, k, fwd)` waits for: the same chunk on the stage before
-/// (forward) or after (backward), and across the bridge.
-fn inputs(graph: &Graph, links: &(Links, Links), (key, k, fwd): Pass) -> Vec<Pass> {
+/// The pass before `(key, k, c, fwd)` in its module, round the LLM's ring of model
+/// chunks: the stage before (forward) or after (backward), the last stage's chunk
+/// `c - 1` before the first stage's `c` (forward; backward the other way); `None` at
+/// the module's ends.
+fn module_neighbor(graph: &Graph, (key, k, c, fwd): Pass) -> Option<Pass> {
     let (node, s, r) = key;
+    let (stages, v) = match node {
+        Node::Llm => (graph.llm.dims.pp, graph.llm_model_chunks.max(1)),
+        Node::Encoder(e) => (graph.encoders.get(e).map_or(1, |x| x.grid.dims.pp), 1),
+    };
+    let (s, c) = match fwd {
+        true if s > 0 => (s - 1, c),
+        true if c > 0 => (stages - 1, c - 1),
+        false if s + 1 < stages => (s + 1, c),
+        false if c + 1 < v => (0, c + 1),
+        _ => return None,
+    };
+    Some(((node, s, r), k, c, fwd))
+}
+
+/// The passes pass `(key, k, c, fwd)` waits for: the same chunk on the stage before
+/// (forward) or after (backward), round the ring of model chunks
+/// ([`module_neighbor`]), and across the bridge (the LLM's first stage's chunk 0).
+fn inputs(graph: &Graph, links: &(Links, Links), pass: Pass) -> Vec<Pass> {
+    let ((node, s, r), k, c, fwd) = pass;
     let stages = match node {
         Node::Llm => graph.llm.dims.pp,
         Node::Encoder(e) => graph.encoders.get(e).map_or(1, |x| x.grid.dims.pp),
     };
-    let mut out = Vec::new();
-    if fwd && s > 0 {
-        out.push(((node, s - 1, r), k, true));
-    }
-    if !fwd && s + 1 < stages {
-        out.push(((node, s + 1, r), k, false));
-    }
+    let mut out: Vec<Pass> = module_neighbor(graph, pass).into_iter().collect();
     match (node, fwd) {
-        (Node::Llm, true) if s == 0 => {
+        (Node::Llm, true) if s == 0 && c == 0 => {
             let from = links.0.get(k).into_iter().flatten();
             out.extend(from.filter(|l| l.0 == r).map(|&(_, e, er)| {
                 let last = graph.encoders[e].grid.dims.pp - 1;
-                ((Node::Encoder(e), last, er), k, true)
+                ((Node::Encoder(e), last, er), k, 0, true)
             }));
         }
         (Node::Encoder(e), false) if s + 1 == stages => {
             let from = links.1.get(k).into_iter().flatten();
             out.extend(
                 from.filter(|l| l.0 == e && l.1 == r)
-                    .map(|&(_, _, d)| ((Node::Llm, 0, d), k, false)),
+                    .map(|&(_, _, d)| ((Node::Llm, 0, d), k, 0, false)),
             );
         }
         _ => {}
@@ -181,9 +199,13 @@ fn inputs(graph: &Graph, links: &(Links, Links), (key, k, fwd): Pass) -> Vec<Pas
 fn sequence(graph: &Graph) -> Result<Vec<Pass>, String> {
     let gangs = gangs(graph);
     let links = bridge_links(graph)?;
-    let pass_of = |g: &Gang, op: Op| match op {
-        Op::Forward(j) => (g.key, g.chunks[j], true),
-        Op::Backward(j) => (g.key, g.chunks[j], false),
+    let pass_of = |g: &Gang, op: Op| {
+        let (p, fwd) = match op {
+            Op::Forward(p) => (p, true),
+            Op::Backward(p) => (p, false),
+        };
+        let n = g.chunks.len().max(1);
+        (g.key, g.chunks[p % n], p / n, fwd)
     };
     let total: usize = gangs.iter().map(|g| g.ops.len()).sum();
     let mut done: HashSet<Pass> = HashSet::with_capacity(total);
@@ -226,17 +248,21 @@ fn producer(graph: &Graph, role: &Role, x: &Xfer) -> Result<Pass, String> {
             .map(|c| (c.pp, c.dp))
             .ok_or_else(|| format!("{x:?}: rank {} is outside its module", x.peer))
     };
+    let along = |k: usize, c: usize, fwd: bool| {
+        let this = ((x.node, role.stage, role.replica), k, c, fwd);
+        module_neighbor(graph, this).ok_or_else(|| format!("{x:?}: no stage sends it"))
+    };
     Ok(match (x.msg, x.node) {
-        (Msg::Act(k), node) => ((node, role.stage.wrapping_sub(1), role.replica), k, true),
-        (Msg::Grad(k), node) => ((node, role.stage + 1, role.replica), k, false),
+        (Msg::Act(k, c), _) => along(k, c, true)?,
+        (Msg::Grad(k, c), _) => along(k, c, false)?,
         (Msg::Embed(k), Node::Encoder(e)) => {
             let grid = &graph.encoders.get(e).ok_or("no such encoder")?.grid;
             let (pp, dp) = replica_in(grid)?;
-            ((Node::Encoder(e), pp, dp), k, true)
+            ((Node::Encoder(e), pp, dp), k, 0, true)
         }
         (Msg::EmbedGrad(k), Node::Encoder(_)) => {
             let (pp, dp) = replica_in(&graph.llm)?;
-            ((Node::Llm, pp, dp), k, false)
+            ((Node::Llm, pp, dp), k, 0, false)
         }
         (_, Node::Llm) => return Err(format!("{x:?}: a bridge message without its encoder")),
     })
@@ -254,7 +280,7 @@ fn colocated_program(graph: &Graph, rank: usize) -> Result<RankProgram, String> 
         .map(|(i, r)| ((r.node, r.stage, r.replica), i))
         .collect();
     let mut passes = Vec::new();
-    for &(key, k, fwd) in &seq {
+    for &(key, k, c, fwd) in &seq {
         let Some(&i) = mine.get(&key) else {
             continue;
         };
@@ -263,7 +289,8 @@ fn colocated_program(graph: &Graph, rank: usize) -> Result<RankProgram, String> 
             .chunks
             .binary_search(&k)
             .map_err(|_| format!("rank {rank}: {key:?} chunk {k} is not in its role"))?;
-        passes.push((role, if fwd { Op::Forward(j) } else { Op::Backward(j) }));
+        let p = role.pass(c, j);
+        passes.push((role, if fwd { Op::Forward(p) } else { Op::Backward(p) }));
     }
     let steps = assemble(passes);
     // Each peer sends in the order its producing passes come in the sequence (one pass's
@@ -328,4 +355,4 @@ pub fn rank_program(graph: &Graph, world: usize, rank: usize) -> Result<RankProg
 
 #[cfg(test)]
 #[path = "order_tests.rs"]
-mod tests;
+pub(crate) mod tests;

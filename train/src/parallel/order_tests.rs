@@ -9,6 +9,8 @@ use rand_chacha::ChaCha8Rng;
 use super::*;
 use crate::parallel::graph::assemble;
 use crate::parallel::graph::tests::{random_graph, world_of};
+use braid_balancer::pipeline::warmup;
+
 use crate::parallel::schedule::max_in_flight;
 
 /// A message in flight: (sender, receiver, module, message).
@@ -50,9 +52,17 @@ fn rank_sequence(graph: &Graph, world: usize) -> Result<RankSequence, String> {
         let first = role_of(members[0], node)?;
         for &m in &members[1..] {
             let other = role_of(m, node)?;
-            if (&other.chunks, other.depth, other.backward)
-                != (&first.chunks, first.depth, first.backward)
-            {
+            if (
+                &other.chunks,
+                other.depth,
+                other.model_chunks,
+                other.backward,
+            ) != (
+                &first.chunks,
+                first.depth,
+                first.model_chunks,
+                first.backward,
+            ) {
                 return Err(format!(
                     "{node:?} stage {stage} replica {replica}: ranks {} and {m} disagree on their chunks",
                     members[0]
@@ -177,7 +187,7 @@ type GangPass = ((Node, usize, usize), Op);
 /// the sender's messages in the sender's order ([`RankProgram::incoming`]) until it
 /// has its own, and a pass waits for every rank of its gang to reach it. Returns where
 /// the ranks stop if they do not all finish.
-fn run_buffered(programs: &[RankProgram]) -> Result<(), String> {
+pub(crate) fn run_buffered(programs: &[RankProgram]) -> Result<(), String> {
     let n = programs.len();
     let gang = |r: usize, node: Node| {
         let role = programs[r].roles.iter().find(|x| x.node == node).unwrap();
@@ -286,11 +296,12 @@ fn run_buffered(programs: &[RankProgram]) -> Result<(), String> {
 #[test]
 fn colocated_programs_finish_in_order_with_bounded_memory() {
     let mut rng = ChaCha8Rng::seed_from_u64(0xc010);
-    let (mut cases, mut interleaved) = (0, 0);
+    let (mut cases, mut interleaved, mut virtual_stages) = (0, 0, 0);
     for max_pp in 1..=5 {
         for m in 1..=8 {
             for _ in 0..12 {
                 let g = random_graph(&mut rng, max_pp, m, true);
+                virtual_stages += usize::from(g.llm_model_chunks > 1);
                 let world = world_of(&g);
                 let programs = reference_programs(&g, world).unwrap();
                 // Each rank's own program, from the gangs' sequence and its own roles, is
@@ -314,10 +325,14 @@ fn colocated_programs_finish_in_order_with_bounded_memory() {
                             })
                             .collect();
                         assert_eq!(ops, role.ops(), "rank {r} {:?}", role.node);
-                        let n = role.chunks.len();
-                        assert_eq!(ops.len(), n * (1 + usize::from(role.backward)));
+                        let (n, v) = (role.chunks.len(), role.model_chunks);
+                        assert_eq!(ops.len(), n * v * (1 + usize::from(role.backward)));
+                        let cap = match v {
+                            1 => role.depth,
+                            _ => warmup(role.stage, role.stage + role.depth, v) + 1,
+                        };
                         if role.backward {
-                            assert!(max_in_flight(&ops) <= role.depth.min(n.max(1)));
+                            assert!(max_in_flight(&ops) <= cap.min((n * v).max(1)));
                         }
                     }
                     // An encoder pass between two of the LLM's: the rank interleaves.
@@ -345,6 +360,10 @@ fn colocated_programs_finish_in_order_with_bounded_memory() {
     assert!(
         interleaved > 100,
         "only {interleaved} ranks of {cases} graphs interleave encoder passes with the LLM's"
+    );
+    assert!(
+        virtual_stages > 50,
+        "only {virtual_stages} of {cases} graphs have LLM stages of several model chunks"
     );
 }
 
@@ -376,7 +395,7 @@ fn crossed_receives_are_caught() {
     let x = |peer, k| Xfer {
         peer,
         node: Node::Llm,
-        msg: Msg::Act(k),
+        msg: Msg::Act(k, 0),
     };
     let role = |stage| Role {
         node: Node::Llm,
@@ -385,6 +404,7 @@ fn crossed_receives_are_caught() {
         chunks: Vec::new(),
         of: 0,
         depth: 1,
+        model_chunks: 1,
         backward: false,
         fwd_in: Vec::new(),
         fwd_out: Vec::new(),

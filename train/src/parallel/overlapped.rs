@@ -106,6 +106,7 @@ pub(crate) fn step_graph(
         .collect::<Result<Vec<_>>>()?;
     let graph = Graph {
         llm,
+        llm_model_chunks: layouts.llm_chunks.max(1),
         encoders,
         llm_chunks,
         encoder_chunks,
@@ -189,7 +190,7 @@ fn module_of<'m, 'a>(modules: &'m mut [Module<'a>], node: Node) -> Result<&'m mu
 /// The shape of message `x` on this rank.
 fn shape_of(x: &Xfer, graph: &Graph, rank: usize, modules: &mut [Module<'_>]) -> Result<Shape> {
     let (k, e, bridge_rows) = match (x.msg, x.node) {
-        (Msg::Act(k) | Msg::Grad(k), node) => {
+        (Msg::Act(k, _) | Msg::Grad(k, _), node) => {
             let (role, m) = module_of(modules, node)?;
             let j = role.chunks.binary_search(&k).map_err(|_| {
                 TrainError::Other(format!("rank {rank}: {x:?} is for a chunk it does not run"))
@@ -254,6 +255,13 @@ pub(crate) fn run_overlapped(
                         role.chunks
                     )));
                 }
+                if run.chunks() != role.model_chunks {
+                    return Err(TrainError::Other(format!(
+                        "rank {rank}: the llm stage holds {} model chunks but the schedule runs {}",
+                        run.chunks(),
+                        role.model_chunks
+                    )));
+                }
                 Box::new(LlmChunks {
                     took: vec![Vec::new(); role.chunks.len()],
                     run,
@@ -309,9 +317,16 @@ pub(crate) fn run_overlapped(
                     .chain(recv)
                     .any(|x| matches!(x.msg, Msg::Embed(_) | Msg::EmbedGrad(_)));
                 let what = recv.first().or(send.first()).map(|x| x.msg);
+                // The model chunk where an LLM stage has several, as its passes name it.
+                let chunk = |c: usize| match graph.llm_model_chunks {
+                    1 => String::new(),
+                    _ => format!(" c{c}"),
+                };
                 let name = match what {
-                    Some(Msg::Embed(k)) | Some(Msg::Act(k)) => format!("wait fwd mb{k}"),
-                    Some(Msg::EmbedGrad(k)) | Some(Msg::Grad(k)) => format!("wait bwd mb{k}"),
+                    Some(Msg::Embed(k)) => format!("wait fwd mb{k}"),
+                    Some(Msg::Act(k, c)) => format!("wait fwd{} mb{k}", chunk(c)),
+                    Some(Msg::EmbedGrad(k)) => format!("wait bwd mb{k}"),
+                    Some(Msg::Grad(k, c)) => format!("wait bwd{} mb{k}", chunk(c)),
                     None => "exchange".into(),
                 };
                 trace.end(t0, name, if bridge { "bridge" } else { "comm" })?;

@@ -178,10 +178,15 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
             saved.display()
         ));
     }
+    let chunks = match p.llm_virtual_stages {
+        0 | 1 => String::new(),
+        v => format!(" x {v} chunks a stage"),
+    };
     notes.push(format!(
-        "parallel.plan {spec}: {} GPUs, {:?}, llm {}, {} microbatches, recompute llm {} / encoders {} (predicted {:.3} s/step on {})",
+        "parallel.plan {spec}: {} GPUs, {:?} {}, llm {}{chunks}, {} microbatches, recompute llm {} / encoders {} (predicted {:.3} s/step on {})",
         file.gpus,
         p.placement,
+        p.schedule.name(),
         p.llm,
         p.microbatches,
         p.recompute,

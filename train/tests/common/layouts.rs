@@ -170,7 +170,9 @@ pub const LAYOUTS: &[(&str, &[&str], bool)] = &[
 /// the step's global order): LLM TP and PP with a pipelined encoder, every module on
 /// PP with CP or TP and DP, both encoders' last stages beside the LLM's first (two
 /// bridges staying on one rank in a chunk), and a four-stage LLM with a frozen
-/// pipelined encoder.
+/// pipelined encoder. Interleaved LLM stages (two model chunks a stage): disjoint with
+/// TP, a pipelined encoder and a partial microbatch group, colocated with CP, DP and
+/// pipelined encoders, and colocated on two ranks with a frozen encoder.
 pub const OVERLAPPED: &[(&str, &[&str], bool)] = &[
     (
         "ov-encoders-pp2-llm-pp2-mb3-recompute",
@@ -288,6 +290,52 @@ pub const OVERLAPPED: &[(&str, &[&str], bool)] = &[
             "parallel.audio.dp=2",
         ],
         false,
+    ),
+    (
+        "ov-vision-pp2-llm-tp2-pp2-virtual2-mb3",
+        &[
+            "parallel.schedule=\"overlapped\"",
+            "parallel.world_size=7",
+            "parallel.vision.pp=2",
+            "parallel.llm.tp=2",
+            "parallel.llm.pp=2",
+            "parallel.llm.virtual_stages=2",
+            "train.microbatches=3",
+        ],
+        false,
+    ),
+    (
+        "ov-colocated-8-llm-cp2-pp2-dp2-virtual2",
+        &[
+            "parallel.schedule=\"overlapped\"",
+            "parallel.placement=\"colocated\"",
+            "parallel.world_size=8",
+            "parallel.llm.cp=2",
+            "parallel.llm.pp=2",
+            "parallel.llm.dp=2",
+            "parallel.llm.virtual_stages=2",
+            "parallel.vision.pp=2",
+            "parallel.vision.dp=4",
+            "parallel.audio.pp=2",
+            "parallel.audio.tp=2",
+            "parallel.audio.dp=2",
+            "train.microbatches=4",
+        ],
+        false,
+    ),
+    (
+        "ov-colocated-2-frozen-vision-llm-pp2-virtual2",
+        &[
+            "parallel.schedule=\"overlapped\"",
+            "parallel.placement=\"colocated\"",
+            "parallel.world_size=2",
+            "parallel.llm.pp=2",
+            "parallel.llm.virtual_stages=2",
+            "parallel.vision.dp=2",
+            "parallel.audio.pp=2",
+            r#"train.freeze=["vision"]"#,
+        ],
+        true,
     ),
     (
         "ov-colocated-frozen-vision-llm-pp4",
