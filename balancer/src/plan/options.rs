@@ -5,7 +5,7 @@
 //! stage), its gradient sync and its fullest GPU's memory.
 
 use crate::dims::Module;
-use crate::pipeline::{chunks_split_evenly, warmup};
+use crate::pipeline::{chunks_split_evenly, feeder_lead, warmup};
 use crate::plan::cost::StageCost;
 use crate::plan::layout::Layout;
 use crate::plan::step::Problem;
@@ -19,6 +19,10 @@ pub(crate) struct Opt {
     pub recompute: bool,
     /// Model chunks per pipeline stage (the LLM's interleaved 1F1B; 1 elsewhere).
     pub chunks: usize,
+    /// The LLM's: the microbatches an overlapped encoder must run ahead of its first
+    /// stage ([`crate::pipeline::feeder_lead`], worked out once here: the search reads it
+    /// for every combination); 0 elsewhere.
+    pub lead: usize,
     /// Seconds of the pipeline, of the gradient sync after it, bytes on the fullest GPU.
     pub time: f64,
     pub sync: f64,
@@ -410,6 +414,10 @@ impl Problem {
                             microbatches: mb,
                             recompute: rc,
                             chunks: v,
+                            lead: match m {
+                                Module::Llm => feeder_lead(layout.pp, v, mb),
+                                _ => 0,
+                            },
                             time: e.time,
                             sync: e.sync,
                             mem: e.mem,

@@ -12,7 +12,6 @@ use std::time::Instant;
 
 use crate::cluster::GIB;
 use crate::dims::Module;
-use crate::pipeline::feeder_lead;
 use crate::plan::baseline::baseline as llm_baseline;
 use crate::plan::layout::{Placement, Plan, Schedule};
 use crate::plan::options::{Knobs, Opt, Totals, pareto};
@@ -179,8 +178,7 @@ fn combo_estimate(placement: Placement, schedule: Schedule, l: &Opt, enc: &[(Mod
             let enc_bound = enc
                 .iter()
                 .map(|(_, e)| {
-                    let lead = feeder_lead(l.layout.pp, l.chunks, l.microbatches);
-                    let warmup = (e.layout.pp + lead).min(e.microbatches.max(1)) - 1;
+                    let warmup = (e.layout.pp + l.lead).min(e.microbatches.max(1)) - 1;
                     let stall = (first(l) - warmup as f64 * e.worst / 3.0).max(0.0);
                     e.time + stall + e.sync
                 })
@@ -243,10 +241,7 @@ pub fn search_beside(
     };
     // An overlapped encoder's options depend on how far it runs ahead of the LLM
     // (its activations held); a phased one's do not (every chunk held).
-    let lead_of = |l: &Opt| match overlapped {
-        true => feeder_lead(l.layout.pp, l.chunks, l.microbatches),
-        false => 0,
-    };
+    let lead_of = |l: &Opt| if overlapped { l.lead } else { 0 };
     let mut cache: HashMap<(Module, usize, usize, usize), Vec<Opt>> = HashMap::new();
     let mut opts = |m: Module, gm: usize, chunks: usize, lead: usize| -> Vec<Opt> {
         cache
@@ -294,13 +289,11 @@ pub fn search_beside(
                         let Some(l) = fastest(with_m, budget) else {
                             continue;
                         };
+                        let lead = lead_of(&l);
                         let enc: Option<Vec<(Module, Opt)>> = encoders
                             .iter()
                             .enumerate()
-                            .map(|(k, &e)| {
-                                let lead = lead_of(&l);
-                                Some((e, fastest(&opts(e, s[k], m, lead), budget)?))
-                            })
+                            .map(|(k, &e)| Some((e, fastest(&opts(e, s[k], m, lead), budget)?)))
                             .collect();
                         if let Some(enc) = enc {
                             est = est.min(combo_estimate(placement, space.schedule, &l, &enc));
@@ -374,50 +367,42 @@ pub fn search_beside(
         );
     }
     let mut simulated = 0;
-    let best = if overlapped {
-        // Colocated and disjoint estimates do not rank against each other (the colocated
-        // one leaves what the encoders fill of the LLM's waits to the simulation), nor do
-        // plain and interleaved LLM stages under one (the estimate takes interleaving's
-        // shorter fill and drain, not the encoder lead it costs): each group's
-        // best-estimated candidates are simulated on their own.
-        let mut groups: Vec<Vec<Combo>> = (0..4).map(|_| Vec::new()).collect();
-        for c in pruned.drain(..) {
-            let at = 2 * usize::from(c.plan.placement == Placement::Colocated)
-                + usize::from(c.plan.llm_virtual_stages > 1);
-            groups[at].push(c);
+    // Overlapped, colocated and disjoint estimates do not rank against each other (the
+    // colocated one leaves what the encoders fill of the LLM's waits to the
+    // simulation), nor do plain and interleaved LLM stages (the estimate takes
+    // interleaving's shorter fill and drain, not the encoder lead it costs): each
+    // group's best-estimated candidates are simulated on their own. Phased: one group.
+    let group_of = |c: &Combo| match overlapped {
+        true => {
+            2 * usize::from(c.plan.placement == Placement::Colocated)
+                + usize::from(c.plan.llm_virtual_stages > 1)
         }
-        let mut best: Result<Found, f64> = Err(f64::INFINITY);
-        for group in &mut groups {
-            let found = pick(
-                problem,
-                &batches,
-                group,
-                space.top_k,
-                Some(g),
-                budget,
-                &mut simulated,
-            )?;
-            best = match (best, found) {
-                (Ok(x), Ok(y)) => Ok(if x.sim.step_s <= y.sim.step_s { x } else { y }),
-                (Ok(x), Err(_)) | (Err(_), Ok(x)) => Ok(x),
-                (Err(l1), Err(l2)) => Err(l1.min(l2)),
-            };
-        }
-        pruned = groups.into_iter().flatten().collect();
-        pruned.sort_by(|x, y| x.est.total_cmp(&y.est));
-        best
-    } else {
-        pick(
+        false => 0,
+    };
+    let mut groups: Vec<Vec<Combo>> = (0..4).map(|_| Vec::new()).collect();
+    for c in pruned.drain(..) {
+        groups[group_of(&c)].push(c);
+    }
+    let mut best: Result<Found, f64> = Err(f64::INFINITY);
+    for group in groups.iter_mut().filter(|g| !g.is_empty()) {
+        let found = pick(
             problem,
             &batches,
-            &mut pruned,
+            group,
             space.top_k,
             Some(g),
             budget,
             &mut simulated,
-        )?
+        )?;
+        best = match (best, found) {
+            (Ok(x), Ok(y)) => Ok(if x.sim.step_s <= y.sim.step_s { x } else { y }),
+            (Ok(x), Err(_)) | (Err(_), Ok(x)) => Ok(x),
+            (Err(l1), Err(l2)) => Err(l1.min(l2)),
+        };
     }
-    .map_err(|least| {
+    pruned = groups.into_iter().flatten().collect();
+    pruned.sort_by(|x, y| x.est.total_cmp(&y.est));
+    let best = best.map_err(|least| {
         let why = if least.is_finite() {
             format!(
                 "the {simulated} candidates simulated needed at least {:.1} GiB",

@@ -337,23 +337,21 @@ fn read_loop(stream: TcpStream, peer: Arc<Peer>) {
 
 /// FNV-1a of a member list: the group's key on the wire (same members, same key).
 fn group_key(members: &[usize]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &m in members {
-        for b in (m as u64).to_le_bytes() {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    h
+    let bytes = members.iter().flat_map(|&m| (m as u64).to_le_bytes());
+    fnv1a(0xcbf2_9ce4_8422_2325, bytes)
 }
 
 /// The key of channel `name` of the group keyed `key` ([`crate::Comm::channel`]): FNV-1a
 /// on from the group's key over nine 0xff bytes (no rank's 8 bytes are all 0xff, so no
 /// member list continues so) and the name.
 fn channel_key(key: u64, name: &str) -> u64 {
-    let mut h = key;
-    for b in [0xffu8; 9].iter().chain(name.as_bytes()) {
-        h ^= u64::from(*b);
+    fnv1a(key, [0xffu8; 9].into_iter().chain(name.bytes()))
+}
+
+/// FNV-1a (64-bit) of `bytes`, from state `h`.
+fn fnv1a(mut h: u64, bytes: impl IntoIterator<Item = u8>) -> u64 {
+    for b in bytes {
+        h ^= u64::from(b);
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
     h

@@ -225,6 +225,18 @@ pub struct EncoderNode {
     pub branch_trains: bool,
 }
 
+impl EncoderNode {
+    /// Whether pipeline stage `stage` runs backwards: the last (with the projector) when
+    /// the branch trains, the others when the encoder's own weights do.
+    pub fn backward_at(&self, stage: usize) -> bool {
+        if stage + 1 == self.grid.dims.pp {
+            self.branch_trains
+        } else {
+            self.trains
+        }
+    }
+}
+
 /// The graph of one step: the modules' grids, which chunks each replica runs, and the
 /// bridge's routes of each chunk's items.
 #[derive(Clone, Debug)]
@@ -404,7 +416,7 @@ impl Graph {
             .cloned()
             .unwrap_or_default();
         role.depth = stages - c.pp + self.encoder_lead();
-        role.backward = if last { enc.branch_trains } else { enc.trains };
+        role.backward = enc.backward_at(c.pp);
         for &k in &role.chunks {
             let b = self.bridge(k, e);
             role.fwd_in.push(if first {

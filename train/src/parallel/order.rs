@@ -80,11 +80,7 @@ fn gangs(graph: &Graph) -> Vec<Gang> {
     for (e, enc) in graph.encoders.iter().enumerate() {
         let pp = enc.grid.dims.pp;
         for s in 0..pp {
-            let backward = if s + 1 == pp {
-                enc.branch_trains
-            } else {
-                enc.trains
-            };
+            let backward = enc.backward_at(s);
             for (r, chunks) in graph.encoder_chunks[e].iter().enumerate() {
                 let ops = pass_order(chunks, of, (0, pp - s + lead), 1, backward);
                 out.push(Gang {
