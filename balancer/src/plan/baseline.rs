@@ -119,7 +119,7 @@ fn baseline_combos(
         rows,
         overlapped: false,
     };
-    for o in p.options(Module::Llm, g, 1, 0, &knobs) {
+    for o in p.options(Module::Llm, g, (1, 0), None, &knobs) {
         let Some(sc) = p.cost(Module::Llm, o.layout, o.recompute, space.zero1) else {
             continue;
         };
@@ -189,7 +189,7 @@ fn baseline_combos(
                     first_stage_layers: first,
                     ..sc
                 };
-                let e = p.estimate(&sc, o.microbatches, load, peak, &extra, 0);
+                let e = p.estimate(&sc, o.microbatches, load, peak, &extra, 0, None);
                 if e.mem <= budget {
                     combos.push(Combo {
                         est: e.time + e.sync,

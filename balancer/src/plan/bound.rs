@@ -203,7 +203,7 @@ impl Problem {
         let mut ways = Vec::new();
         for &g in &inp.counts {
             for &c in chunks {
-                for o in self.options(m, g, c, 0, k) {
+                for o in self.options(m, g, (c, 0), None, k) {
                     let Some(sc) = self.cost(m, o.layout, o.recompute, k.zero1) else {
                         continue;
                     };
@@ -274,7 +274,7 @@ impl Problem {
     fn llm_memory(&self, sc: &StageCost, mbs: usize, totals: &Totals) -> f64 {
         let dp = sc.layout.dp;
         let (load, peak) = totals.dealt(Module::Llm, dp * mbs, dp, dp * mbs);
-        self.estimate(sc, mbs, load, peak, &[], 0).mem
+        self.estimate(sc, mbs, load, peak, &[], 0, None).mem
     }
 
     /// Module `m` run alone as `sc` says, its batch load (`totals`, the mean over the
@@ -451,4 +451,4 @@ impl Problem {
 
 #[cfg(test)]
 #[path = "bound_tests.rs"]
-mod tests;
+pub(crate) mod tests;

@@ -403,7 +403,8 @@ fn the_span_s_rates_are_fast_and_monotone() {
     }
 }
 
-fn dims(layers: usize, hidden: usize, heads: usize) -> ModuleDims {
+/// A causal SwiGLU block stack of `layers` x `hidden` with `heads` heads, no vocabulary.
+pub(crate) fn dims(layers: usize, hidden: usize, heads: usize) -> ModuleDims {
     ModuleDims {
         layers,
         hidden,

@@ -12,6 +12,7 @@ mod options;
 mod pick;
 mod span;
 pub mod step;
+mod windows;
 
 pub use cost::{Cost, Memory, StageCost};
 pub use layout::{Layout, Placement, Plan, Schedule};

@@ -9,6 +9,7 @@ use crate::pipeline::{chunks_split_evenly, feeder_lead, warmup};
 use crate::plan::cost::StageCost;
 use crate::plan::layout::Layout;
 use crate::plan::step::Problem;
+use crate::plan::windows::{ChunkMedia, held_window};
 use crate::workload::{RowShape, shape_of};
 
 /// One module's option: a layout with its microbatch (chunk) count and estimates.
@@ -297,7 +298,10 @@ impl Problem {
     /// encoder; `usize::MAX`: every microbatch, phased encoders).
     /// `extra` adds encoders' work (LLM-centric) to stage 0, each with its own load.
     /// `peak`: the fullest microbatch against `load` (whole rows or items are dealt out),
-    /// which sets the memory.
+    /// which sets the memory; `window`, where given, the tokens one replica holds of the
+    /// fullest `w` consecutive microbatches (an overlapped encoder's, read off the
+    /// batches: [`held_window`]), where the chunks' media differ.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn estimate(
         &self,
         sc: &StageCost,
@@ -306,6 +310,7 @@ impl Problem {
         peak: f64,
         extra: &[(StageCost, (f64, f64))],
         lead: usize,
+        window: Option<&dyn Fn(usize) -> f64>,
     ) -> PipeEst {
         let l = sc.layout;
         let v = sc.chunks.max(1);
@@ -327,8 +332,16 @@ impl Problem {
                 (l.pp - s).saturating_add(lead).min(mbs) as f64
             };
             // A held chunk's working set is one chunk.
-            let big = load.0 * peak;
-            let mut bytes = sc.memory(s, big * held, big).total();
+            // A window holds at least its fullest chunk (a window's mean item can be
+            // smaller than its largest).
+            let (big, held) = match window {
+                Some(f) if v == 1 => {
+                    let big = f(1).max(load.0 * peak);
+                    (big, f(held as usize).max(big))
+                }
+                _ => (load.0 * peak, load.0 * peak * held),
+            };
+            let mut bytes = sc.memory(s, held, big).total();
             if s == 0 {
                 for (ec, e) in extra {
                     let (ef, eb) = (
@@ -362,18 +375,21 @@ impl Problem {
     /// two up to its rows per replica, and that count); an encoder with `chunks` chunks
     /// (the LLM's microbatches), held to the end unless `overlapped`.
     /// `lead`: the microbatches an overlapped encoder runs ahead for the LLM
-    /// ([`crate::pipeline::feeder_lead`]).
+    /// ([`crate::pipeline::feeder_lead`]); `media`: an overlapped encoder's chunks
+    /// ([`Problem::chunk_media`]), which set what its stages hold where given.
     pub(crate) fn options(
         &self,
         m: Module,
         g: usize,
-        chunks: usize,
-        lead: usize,
+        (chunks, lead): (usize, usize),
+        media: Option<&ChunkMedia>,
         k: &Knobs,
     ) -> Vec<Opt> {
         let (t, rows) = (k.totals, k.rows);
         let mut out = Vec::new();
         for layout in layouts(self, m, g, rows) {
+            let held = |w: usize| media.map_or(0.0, |c| held_window(c, w, layout.dp));
+            let window = media.is_some().then_some(&held as &dyn Fn(usize) -> f64);
             let per_rep = rows / layout.dp;
             let mbs: Vec<usize> = if m == Module::Llm {
                 let mut v: Vec<usize> = (0..12)
@@ -408,7 +424,7 @@ impl Problem {
                     };
                     for v in llm_chunk_options(m, layout, mb, self) {
                         let sc = StageCost { chunks: v, ..sc };
-                        let e = self.estimate(&sc, mb, load, peak, &[], lead);
+                        let e = self.estimate(&sc, mb, load, peak, &[], lead, window);
                         out.push(Opt {
                             layout,
                             microbatches: mb,

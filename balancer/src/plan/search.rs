@@ -17,6 +17,7 @@ use crate::plan::layout::{Placement, Plan, Schedule};
 use crate::plan::options::{Knobs, Opt, Totals, pareto};
 use crate::plan::pick::{Combo, pick};
 use crate::plan::step::{Problem, StepSim};
+use crate::plan::windows::ChunkMedia;
 use crate::workload::Workload;
 
 /// What the search may choose from.
@@ -242,12 +243,28 @@ pub fn search_beside(
     // An overlapped encoder's options depend on how far it runs ahead of the LLM
     // (its activations held); a phased one's do not (every chunk held).
     let lead_of = |l: &Opt| if overlapped { l.lead } else { 0 };
-    let mut cache: HashMap<(Module, usize, usize, usize), Vec<Opt>> = HashMap::new();
-    let mut opts = |m: Module, gm: usize, chunks: usize, lead: usize| -> Vec<Opt> {
-        cache
-            .entry((m, gm, chunks, lead))
-            .or_insert_with(|| problem.options(m, gm, chunks, lead, &knobs))
-            .clone()
+    // An overlapped encoder's options also depend on the LLM's replicas, which set how
+    // full its chunks run (`Problem::chunk_media`).
+    let mut media: HashMap<(usize, usize), [ChunkMedia; 2]> = HashMap::new();
+    let mut cache: HashMap<(Module, usize, usize, usize, usize), Vec<Opt>> = HashMap::new();
+    let mut opts = |m: Module, gm: usize, chunks: usize, lead: usize, llm_dp: usize| {
+        let llm_dp = if overlapped && m != Module::Llm {
+            llm_dp
+        } else {
+            0
+        };
+        if let Some(o) = cache.get(&(m, gm, chunks, lead, llm_dp)) {
+            return o.clone();
+        }
+        let fed = (llm_dp > 0).then(|| {
+            let both = media
+                .entry((llm_dp, chunks))
+                .or_insert_with(|| problem.chunk_media(&batches, llm_dp, chunks));
+            &both[usize::from(m == Module::Audio)]
+        });
+        let o = problem.options(m, gm, (chunks, lead), fed, &knobs);
+        cache.insert((m, gm, chunks, lead, llm_dp), o.clone());
+        o
     };
     let same = |a: &Opt, b: &Opt| {
         a.layout == b.layout
@@ -279,7 +296,7 @@ pub fn search_beside(
                 let mut ranked: Vec<(f64, Vec<usize>)> = Vec::new();
                 for s in all {
                     let gl = g - s.iter().sum::<usize>();
-                    let llm = opts(Module::Llm, gl, 1, 0);
+                    let llm = opts(Module::Llm, gl, 1, 0, 0);
                     let mut est = f64::INFINITY;
                     // Ranked by plain 1F1B LLM options: an interleaved one's longer
                     // encoder lead could leave no encoder option that fits where one
@@ -293,7 +310,10 @@ pub fn search_beside(
                         let enc: Option<Vec<(Module, Opt)>> = encoders
                             .iter()
                             .enumerate()
-                            .map(|(k, &e)| Some((e, fastest(&opts(e, s[k], m, lead), budget)?)))
+                            .map(|(k, &e)| {
+                                let o = opts(e, s[k], m, lead, l.layout.dp);
+                                Some((e, fastest(&o, budget)?))
+                            })
                             .collect();
                         if let Some(enc) = enc {
                             est = est.min(combo_estimate(placement, space.schedule, &l, &enc));
@@ -323,7 +343,7 @@ pub fn search_beside(
         };
         let colocated = placement == Placement::Colocated;
         for (s, gl, searched) in splits {
-            let llm = opts(Module::Llm, gl, 1, 0);
+            let llm = opts(Module::Llm, gl, 1, 0, 0);
             // Dominance only among equal microbatch counts: the count also sets the
             // encoders' chunks.
             // Overlapped, also only among plain or among interleaved options: those two
@@ -343,7 +363,7 @@ pub fn search_beside(
                 let enc: Vec<(Module, Vec<Opt>)> = encoders
                     .iter()
                     .enumerate()
-                    .map(|(k, &e)| (e, opts(e, s[k], l.microbatches, lead_of(l))))
+                    .map(|(k, &e)| (e, opts(e, s[k], l.microbatches, lead_of(l), l.layout.dp)))
                     .collect();
                 let one = std::slice::from_ref(l);
                 if searched && front.iter().any(|f| same(f, l)) {
