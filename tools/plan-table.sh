@@ -27,7 +27,10 @@ def lay(m, chunks=1):
         parts.insert(-1, f"v{chunks}")  # interleaved: chunks per stage
     return f"{m} " + " ".join(parts)
 mods = [x for x in (lay("llm", v.get("llm_virtual_stages") or 1), lay("vision"), lay("audio")) if x]
-rec = " (enc. recompute)" if v["recompute_encoders"] else ""
+# The vision encoder's recomputation, and the audio one's (its own where it differs).
+vis, aud = v["recompute_encoders"], v.get("recompute_audio", v["recompute_encoders"])
+rec = {(True, True): " (enc. recompute)", (True, False): " (vision recompute)",
+       (False, True): " (audio recompute)"}.get((vis, aud), "") if v["vision"] or v["audio"] else ""
 chosen = f"{v['placement']}/{v['schedule']}: {mods[0]}, {v['microbatches']} mb; {', '.join(mods[1:])}{rec}"
 b = v["baseline"]["llm"]
 bv = v["baseline"].get("llm_virtual_stages") or 1

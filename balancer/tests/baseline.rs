@@ -23,6 +23,7 @@ fn the_nearest_runnable_plan_to_the_baseline_tiles_its_grid_with_colocated_encod
         microbatches: 2,
         recompute: false,
         recompute_encoders: false,
+        recompute_audio: None,
         llm_first_stage_layers: None,
         llm_virtual_stages: 1,
         zero1: true,
@@ -43,6 +44,7 @@ fn the_nearest_runnable_plan_to_the_baseline_tiles_its_grid_with_colocated_encod
     let sim = |rc: bool| {
         let plan = Plan {
             recompute_encoders: rc,
+            recompute_audio: None,
             ..near.plan.clone()
         };
         mean_sim(&p, &plan, &batches).unwrap()
@@ -119,6 +121,7 @@ fn the_baseline_runs_an_encoder_replica_on_every_encoder_tp_of_the_first_stage()
         microbatches: 1,
         recompute: false,
         recompute_encoders: false,
+        recompute_audio: None,
         llm_first_stage_layers: None,
         llm_virtual_stages: 1,
         zero1: true,

@@ -102,3 +102,45 @@ fn every_gpu_runs_one_pass_at_a_time_and_encoders_fill_the_llm_waits() {
     assert_eq!(virtual_stages, 12);
     assert!(interleaved > 100, "only {interleaved} GPUs interleave");
 }
+
+/// Each encoder recomputes on its own (`parallel.vision.recompute`,
+/// `parallel.audio.recompute`): a plan whose audio encoder keeps its activations while
+/// the ViT recomputes holds and spends, per module, what the plans with both or neither
+/// recomputing do for that module.
+#[test]
+fn each_encoder_recomputes_on_its_own() {
+    let (p, w) = small();
+    let batch = w.batch(0);
+    let lay = |tp, cp, pp, dp| Layout { tp, cp, pp, dp };
+    let with = |encoders: bool, audio: Option<bool>| {
+        let plan = Plan {
+            placement: Placement::Colocated,
+            schedule: Schedule::Overlapped,
+            recompute_encoders: encoders,
+            recompute_audio: audio,
+            vision: Some(lay(1, 1, 2, 8)),
+            audio: Some(lay(1, 1, 2, 8)),
+            ..plan(lay(2, 1, 2, 4), 4)
+        };
+        plan.check(&p.model, &p.cluster, 16, batch.len()).unwrap();
+        p.simulate(&plan, &batch).unwrap()
+    };
+    let of = |v: &[(braid_balancer::Module, f64)], m| v.iter().find(|x| x.0 == m).unwrap().1;
+    let (both, neither, vision_only) =
+        (with(true, None), with(false, None), with(true, Some(false)));
+    let (vision, audio) = (
+        braid_balancer::Module::Vision,
+        braid_balancer::Module::Audio,
+    );
+    assert_eq!(of(&vision_only.memory, vision), of(&both.memory, vision));
+    assert_eq!(of(&vision_only.memory, audio), of(&neither.memory, audio));
+    assert_eq!(of(&vision_only.busy, audio), of(&neither.busy, audio));
+    assert_eq!(of(&vision_only.busy, vision), of(&both.busy, vision));
+    // Recomputing saves memory and costs time.
+    assert!(of(&both.memory, audio) < of(&neither.memory, audio));
+    assert!(of(&both.busy, audio) > of(&neither.busy, audio));
+    // And the other way round.
+    let audio_only = with(false, Some(true));
+    assert_eq!(of(&audio_only.memory, audio), of(&both.memory, audio));
+    assert_eq!(of(&audio_only.memory, vision), of(&neither.memory, vision));
+}

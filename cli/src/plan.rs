@@ -283,6 +283,7 @@ fn found_json(f: &Found) -> Value {
         "microbatches": f.plan.microbatches,
         "recompute": f.plan.recompute,
         "recompute_encoders": f.plan.recompute_encoders,
+        "recompute_audio": f.plan.recomputes(Module::Audio),
         "llm_first_stage_layers": f.plan.llm_first_stage_layers,
         "llm_virtual_stages": f.plan.llm_virtual_stages,
         "bubble": f.sim.bubble,
@@ -484,12 +485,16 @@ fn print_text(p: &Planned, alone: Option<&Found>, closest: Option<&Found>, g: &G
         _ => String::new(),
     };
     println!(
-        "\n  placement {}, schedule {}{interleaved}, {} microbatches, recompute llm {} / encoders {}",
+        "\n  placement {}, schedule {}{interleaved}, {} microbatches, recompute llm {} / encoders {}{}",
         b.plan.placement.name(),
         b.plan.schedule.name(),
         b.plan.microbatches,
         b.plan.recompute,
-        b.plan.recompute_encoders
+        b.plan.recompute_encoders,
+        match b.plan.recompute_audio {
+            Some(a) if a != b.plan.recompute_encoders => format!(" (audio {a})"),
+            _ => String::new(),
+        }
     );
     println!(
         "  predicted step   {:>10}   (idle {:.0}%, peak {})",

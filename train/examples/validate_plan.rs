@@ -213,8 +213,8 @@ fn plan_of(cfg: &RunConfig, dims: &braid_balancer::ModelDims) -> Plan {
         schedule,
         microbatches: cfg.train.microbatches,
         recompute: p.llm.recompute,
-        // The plan has one switch for both encoders; the layouts above set them alike.
-        recompute_encoders: p.vision.recompute || p.audio.recompute,
+        recompute_encoders: p.vision.recompute,
+        recompute_audio: (p.audio.recompute != p.vision.recompute).then_some(p.audio.recompute),
         llm_first_stage_layers: p.llm.first_stage_layers,
         llm_virtual_stages: p.llm.virtual_stages,
         zero1: p.zero1,

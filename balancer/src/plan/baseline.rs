@@ -199,6 +199,7 @@ fn baseline_combos(
                             microbatches: o.microbatches,
                             recompute: o.recompute,
                             recompute_encoders: rc,
+                            recompute_audio: None,
                             llm_first_stage_layers: first,
                             llm_virtual_stages: o.chunks,
                             zero1: space.zero1,

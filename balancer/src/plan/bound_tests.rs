@@ -50,6 +50,7 @@ fn pipeline(pp: usize, dp: usize, m: usize, recompute: bool, first: Option<usize
         microbatches: m,
         recompute,
         recompute_encoders: false,
+        recompute_audio: None,
         llm_first_stage_layers: first,
         llm_virtual_stages: 1,
         zero1: true,

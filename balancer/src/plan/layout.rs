@@ -108,9 +108,16 @@ pub struct Plan {
     pub schedule: Schedule,
     /// LLM microbatches per replica per step.
     pub microbatches: usize,
-    /// Full activation recomputation (per block) in the LLM, and in the encoders.
+    /// Full activation recomputation (per block) in the LLM, and in the encoders (each
+    /// stage from its input): the vision encoder, and the audio one unless
+    /// `recompute_audio` says otherwise.
     pub recompute: bool,
     pub recompute_encoders: bool,
+    /// The audio encoder's own choice where it differs from the vision one's (a small
+    /// encoder may keep its activations where the ViT cannot); absent: as
+    /// `recompute_encoders`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recompute_audio: Option<bool>,
     /// The LLM's first pipeline stage holds this many blocks, the others the rest evenly
     /// (the LLM-centric baseline's option, as Megatron's first-stage layer count);
     /// absent: an even split.
@@ -138,6 +145,15 @@ fn is_one(v: &usize) -> bool {
 }
 
 impl Plan {
+    /// Whether module `m` recomputes its activations in the backward.
+    pub fn recomputes(&self, m: Module) -> bool {
+        match m {
+            Module::Llm => self.recompute,
+            Module::Vision => self.recompute_encoders,
+            Module::Audio => self.recompute_audio.unwrap_or(self.recompute_encoders),
+        }
+    }
+
     pub fn layout(&self, m: Module) -> Option<Layout> {
         match m {
             Module::Llm => Some(self.llm),

@@ -89,12 +89,18 @@ fn plan_of(
     enc: &[(Module, Opt)],
 ) -> Plan {
     let get = |m: Module| enc.iter().find(|e| e.0 == m).map(|e| e.1.layout);
+    let recomputes = |m: Module| enc.iter().find(|e| e.0 == m).map(|e| e.1.recompute);
+    // The vision encoder's choice (the audio one's where there is no vision encoder),
+    // and the audio one's where it differs.
+    let encoders = recomputes(Module::Vision).or(recomputes(Module::Audio));
+    let audio = recomputes(Module::Audio).filter(|&a| Some(a) != encoders);
     Plan {
         placement,
         schedule,
         microbatches: llm.microbatches,
         recompute: llm.recompute,
-        recompute_encoders: enc.iter().any(|e| e.1.recompute),
+        recompute_encoders: encoders.unwrap_or(false),
+        recompute_audio: audio,
         llm_first_stage_layers: None,
         llm_virtual_stages: llm.chunks,
         zero1,
@@ -107,8 +113,9 @@ fn plan_of(
 /// Turns a combination into its estimate and plan.
 type MakePlan<'a> = dyn Fn(&Opt, &[(Module, Opt)]) -> (f64, Plan) + 'a;
 
-/// Combinations of one option per module with the same recomputation, under the memory
-/// budget (summed on colocated GPUs), ranked by `est`.
+/// Combinations of one option per module (each encoder with its own recomputation, as
+/// `parallel.<module>.recompute` runs it), under the memory budget (summed on colocated
+/// GPUs), ranked by `est`.
 fn combine(
     llm: &[Opt],
     enc: &[(Module, Vec<Opt>)],
@@ -122,15 +129,12 @@ fn combine(
         loop {
             let chosen: Vec<(Module, Opt)> =
                 enc.iter().zip(&idx).map(|(e, &i)| (e.0, e.1[i])).collect();
-            let same = chosen
-                .windows(2)
-                .all(|w| w[0].1.recompute == w[1].1.recompute);
             let mem = if colocated {
                 l.mem + chosen.iter().map(|c| c.1.mem).sum::<f64>()
             } else {
                 chosen.iter().map(|c| c.1.mem).fold(l.mem, f64::max)
             };
-            if same && mem <= budget && enc.iter().all(|e| !e.1.is_empty()) {
+            if mem <= budget && enc.iter().all(|e| !e.1.is_empty()) {
                 let (est, plan) = mk(l, &chosen);
                 out.push(Combo { est, plan });
             }
@@ -392,14 +396,19 @@ pub fn search_beside(
     // simulation), nor do plain and interleaved LLM stages (the estimate takes
     // interleaving's shorter fill and drain, not the encoder lead it costs): each
     // group's best-estimated candidates are simulated on their own. Phased: one group.
-    let group_of = |c: &Combo| match overlapped {
-        true => {
-            2 * usize::from(c.plan.placement == Placement::Colocated)
-                + usize::from(c.plan.llm_virtual_stages > 1)
-        }
-        false => 0,
+    // Each of those in two: the encoders recomputing alike, or each its own way (as
+    // many again, near-equal estimates, that would crowd the first out of the rounds).
+    let group_of = |c: &Combo| {
+        let schedule = match overlapped {
+            true => {
+                2 * usize::from(c.plan.placement == Placement::Colocated)
+                    + usize::from(c.plan.llm_virtual_stages > 1)
+            }
+            false => 0,
+        };
+        2 * schedule + usize::from(c.plan.recompute_audio.is_some())
     };
-    let mut groups: Vec<Vec<Combo>> = (0..4).map(|_| Vec::new()).collect();
+    let mut groups: Vec<Vec<Combo>> = (0..8).map(|_| Vec::new()).collect();
     for c in pruned.drain(..) {
         groups[group_of(&c)].push(c);
     }

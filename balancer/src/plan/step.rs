@@ -70,12 +70,7 @@ pub struct StepSim {
 
 impl Problem {
     fn stage_cost<'a>(&'a self, m: Module, layout: Layout, plan: &Plan) -> Option<StageCost<'a>> {
-        let recompute = if m == Module::Llm {
-            plan.recompute
-        } else {
-            plan.recompute_encoders
-        };
-        let mut sc = self.cost(m, layout, recompute, plan.zero1)?;
+        let mut sc = self.cost(m, layout, plan.recomputes(m), plan.zero1)?;
         sc.first_gpu = plan.offset(m);
         if m == Module::Llm {
             sc.first_stage_layers = plan.llm_first_stage_layers;

@@ -173,6 +173,7 @@ mod tests {
                     microbatches: m,
                     recompute: false,
                     recompute_encoders: recompute,
+                    recompute_audio: None,
                     llm_first_stage_layers: None,
                     llm_virtual_stages: 1,
                     zero1: true,

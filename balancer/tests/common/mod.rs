@@ -64,6 +64,7 @@ pub fn plan(llm: Layout, m: usize) -> Plan {
         microbatches: m,
         recompute: false,
         recompute_encoders: false,
+        recompute_audio: None,
         llm_first_stage_layers: None,
         llm_virtual_stages: 1,
         zero1: true,

@@ -144,7 +144,7 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
         ..module_layout(Some(p.llm), p.recompute)
     };
     cfg.parallel.vision = module_layout(p.vision, p.recompute_encoders);
-    cfg.parallel.audio = module_layout(p.audio, p.recompute_encoders);
+    cfg.parallel.audio = module_layout(p.audio, p.recomputes(braid_balancer::Module::Audio));
     if p.placement == Placement::LlmCentric {
         // The encoders on the LLM's first stage at their own TP: a replica on every
         // `tp` of the stage's ranks, as the planner counts them.
@@ -182,8 +182,12 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
         0 | 1 => String::new(),
         v => format!(" x {v} chunks a stage"),
     };
+    let audio = match p.recompute_audio {
+        Some(a) if a != p.recompute_encoders => format!(" / audio {a}"),
+        _ => String::new(),
+    };
     notes.push(format!(
-        "parallel.plan {spec}: {} GPUs, {:?} {}, llm {}{chunks}, {} microbatches, recompute llm {} / encoders {} (predicted {:.3} s/step on {})",
+        "parallel.plan {spec}: {} GPUs, {:?} {}, llm {}{chunks}, {} microbatches, recompute llm {} / encoders {}{audio} (predicted {:.3} s/step on {})",
         file.gpus,
         p.placement,
         p.schedule.name(),

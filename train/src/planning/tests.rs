@@ -26,6 +26,7 @@ fn a_plan_file_sets_the_world_layouts_and_microbatches() {
             microbatches: 2,
             recompute: true,
             recompute_encoders: false,
+            recompute_audio: None,
             llm_first_stage_layers: None,
             llm_virtual_stages: 2,
             zero1: false,
@@ -90,6 +91,7 @@ fn a_hostile_plan_file_is_an_error_naming_what_is_wrong() {
         microbatches: 2,
         recompute: false,
         recompute_encoders: false,
+        recompute_audio: None,
         llm_first_stage_layers: None,
         llm_virtual_stages: 1,
         zero1: true,
@@ -226,9 +228,70 @@ fn an_llm_centric_plan_file_sets_the_centric_placement() {
         (p.vision.tp, p.vision.dp, p.vision.cp, p.vision.pp),
         (1, 4, 1, 1)
     );
-    assert!(p.vision.recompute);
+    // A file without `recompute_audio` (every file before it existed) recomputes both.
+    assert!(p.vision.recompute && p.audio.recompute);
     assert_eq!((p.audio.tp, p.audio.dp), (2, 2));
     assert_eq!(cfg.train.microbatches, 4);
+}
+
+/// Each encoder takes its own recomputation from a plan: `recompute_encoders` for the
+/// vision encoder, `recompute_audio` for the audio one where it differs, either way.
+#[test]
+fn a_plan_file_sets_each_encoder_s_recomputation() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("plan.toml");
+    for (encoders, audio) in [(true, Some(false)), (false, Some(true)), (true, None)] {
+        let file = PlanFile {
+            gpus: 4,
+            cluster: "h100".into(),
+            step_time_s: 1.0,
+            baseline_step_time_s: 2.0,
+            plan: Plan {
+                placement: Placement::Colocated,
+                schedule: Schedule::Phased,
+                microbatches: 2,
+                recompute: false,
+                recompute_encoders: encoders,
+                recompute_audio: audio,
+                llm_first_stage_layers: None,
+                llm_virtual_stages: 1,
+                zero1: true,
+                llm: braid_balancer::Layout {
+                    tp: 1,
+                    cp: 1,
+                    pp: 1,
+                    dp: 4,
+                },
+                vision: Some(braid_balancer::Layout {
+                    tp: 1,
+                    cp: 1,
+                    pp: 1,
+                    dp: 4,
+                }),
+                audio: Some(braid_balancer::Layout {
+                    tp: 1,
+                    cp: 1,
+                    pp: 1,
+                    dp: 4,
+                }),
+            },
+        };
+        file.write(&path).unwrap();
+        assert_eq!(PlanFile::read(&path).unwrap(), file);
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text.contains("recompute_audio"), audio.is_some(), "{text}");
+        let mut cfg = tiny(&[&format!("parallel.plan={}", path.display())]);
+        let applied = apply(&mut cfg).unwrap();
+        let p = &cfg.parallel;
+        let at = format!("encoders {encoders}, audio {audio:?}");
+        assert_eq!(p.vision.recompute, encoders, "{at}");
+        assert_eq!(p.audio.recompute, audio.unwrap_or(encoders), "{at}");
+        assert!(!p.llm.recompute, "{at}");
+        // The start-up line names the audio encoder's own choice where it differs.
+        let differs = audio.is_some_and(|a| a != encoders);
+        let said = applied.notes.iter().any(|n| n.contains(" / audio "));
+        assert_eq!(said, differs, "{at}: {:?}", applied.notes);
+    }
 }
 
 /// The LLM-centric baseline may tile fewer GPUs than asked (the 70B's grid: 80 of 83).
@@ -284,6 +347,7 @@ fn llm_alone_brute_force(p: &Planned, gpus: usize, rows: usize) -> (f64, Option<
                                 microbatches: mbs,
                                 recompute,
                                 recompute_encoders: false,
+                                recompute_audio: None,
                                 llm_first_stage_layers: None,
                                 llm_virtual_stages: v,
                                 zero1: true,
