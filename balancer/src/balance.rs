@@ -63,12 +63,7 @@ pub struct BatchCosts {
 impl Balanced {
     pub fn costs(&self, b: &BatchShape) -> BatchCosts {
         BatchCosts {
-            rows: b
-                .row_tokens
-                .iter()
-                .zip(&b.row_sq)
-                .map(|(&t, &sq)| self.llm.of(t as f64, sq as f64))
-                .collect(),
+            rows: self.row_costs(b),
             images: b
                 .image_tokens
                 .iter()
@@ -107,22 +102,45 @@ pub fn lpt(costs: &[f64], bins: usize) -> Vec<usize> {
     out
 }
 
+impl Balanced {
+    /// [`Balanced`]'s rows alone: each row's (LLM replica, microbatch), by the rows' LLM
+    /// costs (what an overlapped encoder's chunks follow, without placing their items).
+    pub fn assign_rows(&self, b: &BatchShape, r: &Replicas) -> Vec<(usize, usize)> {
+        rows_of(&self.row_costs(b), r)
+    }
+
+    /// Each row's LLM cost.
+    fn row_costs(&self, b: &BatchShape) -> Vec<f64> {
+        b.row_tokens
+            .iter()
+            .zip(&b.row_sq)
+            .map(|(&t, &sq)| self.llm.of(t as f64, sq as f64))
+            .collect()
+    }
+}
+
+/// Rows of LLM costs `costs` to replicas by LPT, then each replica's into its
+/// microbatches by LPT.
+fn rows_of(costs: &[f64], r: &Replicas) -> Vec<(usize, usize)> {
+    let replica = lpt(costs, r.llm_dp);
+    let mut rows = vec![(0, 0); costs.len()];
+    for dp in 0..r.llm_dp {
+        let mine: Vec<usize> = (0..costs.len()).filter(|&i| replica[i] == dp).collect();
+        // Microbatches of near-equal cost shrink the pipeline's bubbles.
+        let mbs = r.microbatches.clamp(1, mine.len().max(1));
+        let of_mine: Vec<f64> = mine.iter().map(|&i| costs[i]).collect();
+        for (k, mb) in lpt(&of_mine, mbs).into_iter().enumerate() {
+            rows[mine[k]] = (dp, mb);
+        }
+    }
+    rows
+}
+
 impl Assigner for Balanced {
     fn assign(&self, b: &BatchShape, r: &Replicas) -> Assignment {
         let c = self.costs(b);
-        let replica = lpt(&c.rows, r.llm_dp);
-        let mut rows = vec![(0, 0); c.rows.len()];
-        for dp in 0..r.llm_dp {
-            let mine: Vec<usize> = (0..c.rows.len()).filter(|&i| replica[i] == dp).collect();
-            // Microbatches of near-equal cost shrink the pipeline's bubbles.
-            let mbs = r.microbatches.clamp(1, mine.len().max(1));
-            let costs: Vec<f64> = mine.iter().map(|&i| c.rows[i]).collect();
-            for (k, mb) in lpt(&costs, mbs).into_iter().enumerate() {
-                rows[mine[k]] = (dp, mb);
-            }
-        }
         Assignment {
-            rows,
+            rows: rows_of(&c.rows, r),
             images: lpt(&c.images, r.vision_dp),
             clips: lpt(&c.clips, r.audio_dp),
         }

@@ -491,10 +491,9 @@ fn print_text(p: &Planned, alone: Option<&Found>, closest: Option<&Found>, g: &G
         b.plan.microbatches,
         b.plan.recompute,
         b.plan.recompute_encoders,
-        match b.plan.recompute_audio {
-            Some(a) if a != b.plan.recompute_encoders => format!(" (audio {a})"),
-            _ => String::new(),
-        }
+        b.plan
+            .own_audio_recompute()
+            .map_or(String::new(), |a| format!(" (audio {a})"))
     );
     println!(
         "  predicted step   {:>10}   (idle {:.0}%, peak {})",

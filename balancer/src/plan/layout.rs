@@ -154,6 +154,12 @@ impl Plan {
         }
     }
 
+    /// The audio encoder's recomputation where it differs from the vision one's.
+    pub fn own_audio_recompute(&self) -> Option<bool> {
+        self.recompute_audio
+            .filter(|&a| a != self.recompute_encoders)
+    }
+
     pub fn layout(&self, m: Module) -> Option<Layout> {
         match m {
             Module::Llm => Some(self.llm),

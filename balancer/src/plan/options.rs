@@ -388,7 +388,13 @@ impl Problem {
         let (t, rows) = (k.totals, k.rows);
         let mut out = Vec::new();
         for layout in layouts(self, m, g, rows) {
-            let held = |w: usize| media.map_or(0.0, |c| held_window(c, w, layout.dp));
+            // The windows a stage may hold (`pp - stage + lead` chunks at most), each
+            // worked out once for the layout's replicas, not per stage and choice.
+            let most = layout.pp.saturating_add(lead).min(chunks).max(1);
+            let windows: Vec<f64> = media.map_or(Vec::new(), |c| {
+                (1..=most).map(|w| held_window(c, w, layout.dp)).collect()
+            });
+            let held = |w: usize| windows.get(w.clamp(1, most) - 1).copied().unwrap_or(0.0);
             let window = media.is_some().then_some(&held as &dyn Fn(usize) -> f64);
             let per_rep = rows / layout.dp;
             let mbs: Vec<usize> = if m == Module::Llm {

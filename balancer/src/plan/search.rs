@@ -406,7 +406,7 @@ pub fn search_beside(
             }
             false => 0,
         };
-        2 * schedule + usize::from(c.plan.recompute_audio.is_some())
+        2 * schedule + usize::from(c.plan.own_audio_recompute().is_some())
     };
     let mut groups: Vec<Vec<Combo>> = (0..8).map(|_| Vec::new()).collect();
     for c in pruned.drain(..) {

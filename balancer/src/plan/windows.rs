@@ -2,7 +2,7 @@
 //! overlapped assignment deals the rows, and what one encoder replica holds of the
 //! fullest window of consecutive chunks (a 1F1B stage's activations in flight).
 
-use crate::assign::{Assigner, Replicas};
+use crate::assign::Replicas;
 use crate::dims::Module;
 use crate::plan::lanes::items;
 use crate::plan::step::Problem;
@@ -37,11 +37,11 @@ impl Problem {
         let mut out = [Vec::new(), Vec::new()];
         for rows in batches {
             let b = shape_of(rows);
-            let a = costs.assign(&b, &rep);
+            let rows = costs.assign_rows(&b, &rep);
             for (media, m) in out.iter_mut().zip([Module::Vision, Module::Audio]) {
                 let mut per = vec![(0.0, 0.0); chunks];
                 for (row, tokens, _) in items(&b, &self.model, m) {
-                    let c = &mut per[a.rows[row].1.min(chunks - 1)];
+                    let c = &mut per[rows[row].1.min(chunks - 1)];
                     *c = (c.0 + tokens, c.1 + 1.0);
                 }
                 media.push(per);

@@ -182,10 +182,9 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
         0 | 1 => String::new(),
         v => format!(" x {v} chunks a stage"),
     };
-    let audio = match p.recompute_audio {
-        Some(a) if a != p.recompute_encoders => format!(" / audio {a}"),
-        _ => String::new(),
-    };
+    let audio = p
+        .own_audio_recompute()
+        .map_or(String::new(), |a| format!(" / audio {a}"));
     notes.push(format!(
         "parallel.plan {spec}: {} GPUs, {:?} {}, llm {}{chunks}, {} microbatches, recompute llm {} / encoders {}{audio} (predicted {:.3} s/step on {})",
         file.gpus,
