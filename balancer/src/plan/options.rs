@@ -9,7 +9,7 @@ use crate::pipeline::{chunks_split_evenly, feeder_lead, warmup};
 use crate::plan::cost::StageCost;
 use crate::plan::layout::Layout;
 use crate::plan::step::Problem;
-use crate::plan::windows::{ChunkMedia, held_window};
+use crate::plan::windows::ChunkMedia;
 use crate::workload::{RowShape, shape_of};
 
 /// One module's option: a layout with its microbatch (chunk) count and estimates.
@@ -300,7 +300,7 @@ impl Problem {
     /// `peak`: the fullest microbatch against `load` (whole rows or items are dealt out),
     /// which sets the memory; `window`, where given, the tokens one replica holds of the
     /// fullest `w` consecutive microbatches (an overlapped encoder's, read off the
-    /// batches: [`held_window`]), where the chunks' media differ.
+    /// batches: [`crate::plan::windows::held_window`]), where the chunks' media differ.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn estimate(
         &self,
@@ -391,10 +391,13 @@ impl Problem {
             // The windows a stage may hold (`pp - stage + lead` chunks at most), each
             // worked out once for the layout's replicas, not per stage and choice.
             let most = layout.pp.saturating_add(lead).min(chunks).max(1);
-            let windows: Vec<f64> = media.map_or(Vec::new(), |c| {
-                (1..=most).map(|w| held_window(c, w, layout.dp)).collect()
-            });
-            let held = |w: usize| windows.get(w.clamp(1, most) - 1).copied().unwrap_or(0.0);
+            let windows = media.map(|c| c.held(layout.dp));
+            let held = |w: usize| {
+                let all = windows.as_deref().unwrap_or(&[]);
+                // Past the longest batch's chunks every window is the whole batch.
+                let w = w.clamp(1, most).min(all.len());
+                all.get(w.wrapping_sub(1)).copied().unwrap_or(0.0)
+            };
             let window = media.is_some().then_some(&held as &dyn Fn(usize) -> f64);
             let per_rep = rows / layout.dp;
             let mbs: Vec<usize> = if m == Module::Llm {

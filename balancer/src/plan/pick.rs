@@ -137,6 +137,23 @@ fn simulate_round(
     Ok(())
 }
 
+/// How many of the best-estimated combinations [`pick`] looks at for `k` a round: the
+/// search keeps no more than these (and `--check`'s) of each group.
+pub(crate) fn considered(k: usize) -> usize {
+    k.max(1) * PICK_ROUNDS * 8
+}
+
+/// Keeps the `keep` best-estimated of `group` once it holds more than twice that, in
+/// the order one stable sort of everything pushed would give them: a combination dropped
+/// here had `keep` at least as good before it, so it would never be among the `keep`
+/// first (ties keep the order found).
+pub(crate) fn keep_best(group: &mut Vec<Combo>, keep: usize) {
+    if group.len() > 2 * keep {
+        group.sort_by(|a, b| a.est.total_cmp(&b.est));
+        group.truncate(keep);
+    }
+}
+
 /// Simulates the best-estimated combinations, `k` at a time; the fastest that fits wins.
 /// The first round spreads over LLM options (at most `ceil(k / 4)` of one, each with
 /// its own encoder layouts; no twins); while none fits, the next round, up to [`PICK_ROUNDS`]; then one round
@@ -163,7 +180,7 @@ pub(crate) fn pick(
         let all: Vec<usize> = (0..combos.len()).collect();
         simulate_round(p, batches, combos, &all, gpus, budget, &mut tally)?;
     } else {
-        let mut pending: Vec<usize> = (0..combos.len().min(k * PICK_ROUNDS * 8)).collect();
+        let mut pending: Vec<usize> = (0..combos.len().min(considered(k))).collect();
         let mut taken: Vec<usize> = Vec::new();
         let cap = k.div_ceil(4);
         for _ in 0..PICK_ROUNDS {
@@ -369,6 +386,40 @@ mod tests {
         });
         assert_eq!(refine, vec![3, 4]);
         assert_eq!(pending, vec![1]);
+    }
+
+    #[test]
+    fn keeping_the_best_as_they_come_keeps_the_order_of_one_sort() {
+        // Estimates with many ties, pushed in batches of every size, trimmed after each.
+        let mut seed = 12345u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 33) as usize
+        };
+        for keep in [1, 3, 10] {
+            let (mut all, mut kept) = (Vec::new(), Vec::new());
+            for i in 0..400 {
+                // The dp tells combinations apart; the estimate repeats.
+                let est = (next() % 17) as f64 / 4.0;
+                all.push(combo(i, 1, est));
+                kept.push(combo(i, 1, est));
+                if next() % 5 == 0 {
+                    keep_best(&mut kept, keep);
+                }
+            }
+            all.sort_by(|a, b| a.est.total_cmp(&b.est));
+            kept.sort_by(|a, b| a.est.total_cmp(&b.est));
+            let dps = |v: &[Combo]| {
+                v.iter()
+                    .take(keep)
+                    .map(|c| c.plan.llm.dp)
+                    .collect::<Vec<_>>()
+            };
+            assert!(kept.len() >= keep, "keep {keep}: {} left", kept.len());
+            assert_eq!(dps(&kept), dps(&all), "keep {keep}");
+        }
     }
 
     #[test]

@@ -15,7 +15,7 @@ use crate::dims::Module;
 use crate::plan::baseline::baseline as llm_baseline;
 use crate::plan::layout::{Placement, Plan, Schedule};
 use crate::plan::options::{Knobs, Opt, Totals, pareto};
-use crate::plan::pick::{Combo, pick};
+use crate::plan::pick::{Combo, considered, keep_best, pick};
 use crate::plan::step::{Problem, StepSim};
 use crate::plan::windows::ChunkMedia;
 use crate::workload::Workload;
@@ -234,7 +234,38 @@ pub fn search_beside(
         .filter(|&m| problem.model.module(m).is_some())
         .collect();
     let overlapped = space.schedule == Schedule::Overlapped;
-    let mut pruned: Vec<Combo> = Vec::new();
+    // Overlapped, colocated and disjoint estimates do not rank against each other (the
+    // colocated one leaves what the encoders fill of the LLM's waits to the
+    // simulation), nor do plain and interleaved LLM stages (the estimate takes
+    // interleaving's shorter fill and drain, not the encoder lead it costs): each
+    // group's best-estimated candidates are simulated on their own. Phased: one group.
+    // Each of those in two: the encoders recomputing alike, or each its own way (as
+    // many again, near-equal estimates, that would crowd the first out of the rounds).
+    let group_of = |c: &Combo| {
+        let schedule = match overlapped {
+            true => {
+                2 * usize::from(c.plan.placement == Placement::Colocated)
+                    + usize::from(c.plan.llm_virtual_stages > 1)
+            }
+            false => 0,
+        };
+        2 * schedule + usize::from(c.plan.own_audio_recompute().is_some())
+    };
+    let mut groups: Vec<Vec<Combo>> = (0..8).map(|_| Vec::new()).collect();
+    // A group keeps only the best-estimated combinations `pick` and `--check` look at
+    // (the 70B at 1,024 GPUs enumerates 1.5 million).
+    let keep = considered(space.top_k).max(space.check);
+    let mut enumerated = 0usize;
+    let mut found: Vec<Combo> = Vec::new();
+    let mut file = |found: &mut Vec<Combo>, groups: &mut [Vec<Combo>]| {
+        enumerated += found.len();
+        for c in found.drain(..) {
+            groups[group_of(&c)].push(c);
+        }
+        for group in groups.iter_mut() {
+            keep_best(group, keep);
+        }
+    };
     let mut full: Vec<Combo> = Vec::new();
     let mut combinations = 0usize;
     let knobs = Knobs {
@@ -373,7 +404,8 @@ pub fn search_beside(
                 if searched && front.iter().any(|f| same(f, l)) {
                     let enc_front: Vec<(Module, Vec<Opt>)> =
                         enc.iter().map(|(m, v)| (*m, pareto(v.clone()))).collect();
-                    combine(one, &enc_front, budget, colocated, &mk, &mut pruned);
+                    combine(one, &enc_front, budget, colocated, &mk, &mut found);
+                    file(&mut found, &mut groups);
                 }
                 combinations += enc.iter().map(|e| e.1.len()).product::<usize>();
                 if combinations <= space.brute_limit {
@@ -385,33 +417,11 @@ pub fn search_beside(
     let debug = std::env::var("BRAID_PLAN_DEBUG").is_ok();
     if debug {
         eprintln!(
-            "enumerated {} pruned combos in {:.2} s",
-            pruned.len(),
+            "enumerated {enumerated} pruned combos in {:.2} s",
             t0.elapsed().as_secs_f64()
         );
     }
     let mut simulated = 0;
-    // Overlapped, colocated and disjoint estimates do not rank against each other (the
-    // colocated one leaves what the encoders fill of the LLM's waits to the
-    // simulation), nor do plain and interleaved LLM stages (the estimate takes
-    // interleaving's shorter fill and drain, not the encoder lead it costs): each
-    // group's best-estimated candidates are simulated on their own. Phased: one group.
-    // Each of those in two: the encoders recomputing alike, or each its own way (as
-    // many again, near-equal estimates, that would crowd the first out of the rounds).
-    let group_of = |c: &Combo| {
-        let schedule = match overlapped {
-            true => {
-                2 * usize::from(c.plan.placement == Placement::Colocated)
-                    + usize::from(c.plan.llm_virtual_stages > 1)
-            }
-            false => 0,
-        };
-        2 * schedule + usize::from(c.plan.own_audio_recompute().is_some())
-    };
-    let mut groups: Vec<Vec<Combo>> = (0..8).map(|_| Vec::new()).collect();
-    for c in pruned.drain(..) {
-        groups[group_of(&c)].push(c);
-    }
     let mut best: Result<Found, f64> = Err(f64::INFINITY);
     for group in groups.iter_mut().filter(|g| !g.is_empty()) {
         let found = pick(
@@ -429,7 +439,7 @@ pub fn search_beside(
             (Err(l1), Err(l2)) => Err(l1.min(l2)),
         };
     }
-    pruned = groups.into_iter().flatten().collect();
+    let mut pruned: Vec<Combo> = groups.into_iter().flatten().collect();
     pruned.sort_by(|x, y| x.est.total_cmp(&y.est));
     let best = best.map_err(|least| {
         let why = if least.is_finite() {

@@ -2,15 +2,48 @@
 //! overlapped assignment deals the rows, and what one encoder replica holds of the
 //! fullest window of consecutive chunks (a 1F1B stage's activations in flight).
 
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+
 use crate::assign::Replicas;
 use crate::dims::Module;
 use crate::plan::lanes::items;
 use crate::plan::step::Problem;
 use crate::workload::{RowShape, shape_of};
 
-/// One encoder's chunks: per batch, per chunk (the LLM's microbatch index), the
-/// (tokens after the stem, items) of the media of its rows.
-pub(crate) type ChunkMedia = Vec<Vec<(f64, f64)>>;
+/// One encoder's chunks, and what a replica holds of their fullest windows.
+#[derive(Debug, Default)]
+pub(crate) struct ChunkMedia {
+    /// Per batch, per chunk (the LLM's microbatch index): the (tokens after the stem,
+    /// items) of the media of its rows.
+    pub chunks: Vec<Vec<(f64, f64)>>,
+    /// Per replica count: [`held_window`] of every window size `w` (at `w - 1`), worked
+    /// out once per count (the search asks for the same counts under many LLM options;
+    /// this was a fifth of `braid plan`'s time).
+    held: RefCell<HashMap<usize, Rc<[f64]>>>,
+}
+
+impl ChunkMedia {
+    pub(crate) fn new(chunks: Vec<Vec<(f64, f64)>>) -> ChunkMedia {
+        ChunkMedia {
+            chunks,
+            held: RefCell::default(),
+        }
+    }
+
+    /// [`held_window`] for windows of 1, 2, ... chunks (index `w - 1`), up to the longest
+    /// batch's chunks, for `replicas` replicas.
+    pub(crate) fn held(&self, replicas: usize) -> Rc<[f64]> {
+        if let Some(h) = self.held.borrow().get(&replicas) {
+            return Rc::clone(h);
+        }
+        let most = self.chunks.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let h: Rc<[f64]> = (1..=most).map(|w| held_window(self, w, replicas)).collect();
+        self.held.borrow_mut().insert(replicas, Rc::clone(&h));
+        h
+    }
+}
 
 impl Problem {
     /// The [`ChunkMedia`] of the vision and the audio encoder (in that order) when an
@@ -34,7 +67,7 @@ impl Problem {
             audio_dp: 1,
         };
         let costs = self.model.balanced();
-        let mut out = [Vec::new(), Vec::new()];
+        let mut out: [Vec<Vec<(f64, f64)>>; 2] = [Vec::new(), Vec::new()];
         for rows in batches {
             let b = shape_of(rows);
             let rows = costs.assign_rows(&b, &rep);
@@ -47,7 +80,7 @@ impl Problem {
                 media.push(per);
             }
         }
-        out
+        out.map(ChunkMedia::new)
     }
 }
 
@@ -65,7 +98,7 @@ pub(crate) fn held_window(media: &ChunkMedia, w: usize, replicas: usize) -> f64 
         }
     };
     let mut best = 0.0f64;
-    for chunks in media {
+    for chunks in &media.chunks {
         let w = w.clamp(1, chunks.len().max(1));
         let mut sum = (0.0, 0.0);
         for (i, c) in chunks.iter().enumerate() {
