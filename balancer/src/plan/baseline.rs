@@ -10,6 +10,7 @@ use crate::plan::options::{Knobs, Totals, encoder_tps};
 use crate::plan::pick::{Combo, pick};
 use crate::plan::search::{Found, Space};
 use crate::plan::step::Problem;
+use crate::plan::windows::LlmRows;
 use crate::workload::{RowShape, Workload};
 
 /// The first-stage layer counts the baseline tries on `pp` stages of `layers` blocks: an
@@ -112,12 +113,16 @@ fn baseline_combos(
         .filter(|&m| p.model.module(m).is_some())
         .collect();
     let mut combos = Vec::new();
+    // The LLM's rows dealt as the search's are: the strongest baseline, not one whose
+    // estimate misses its fullest replica.
+    let llm_rows = LlmRows::new(p, batches);
     let knobs = Knobs {
         totals: t,
         recompute: &space.recompute,
         zero1: space.zero1,
         rows,
         overlapped: false,
+        llm_rows: Some(&llm_rows),
     };
     for o in p.options(Module::Llm, g, (1, 0), None, &knobs) {
         let Some(sc) = p.cost(Module::Llm, o.layout, o.recompute, space.zero1) else {

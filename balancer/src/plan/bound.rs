@@ -340,6 +340,7 @@ impl Problem {
                 zero1: true,
                 rows: batches.first().map_or(1, |b| b.len()).max(1),
                 overlapped: true,
+                llm_rows: None,
             },
             counts: module_counts(gpus.max(1), self.cluster.gpus_per_node),
             chunks: enc_chunks,

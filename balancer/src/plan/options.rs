@@ -9,7 +9,7 @@ use crate::pipeline::{chunks_split_evenly, feeder_lead, warmup};
 use crate::plan::cost::StageCost;
 use crate::plan::layout::Layout;
 use crate::plan::step::Problem;
-use crate::plan::windows::ChunkMedia;
+use crate::plan::windows::{ChunkMedia, LlmRows};
 use crate::workload::{RowShape, shape_of};
 
 /// One module's option: a layout with its microbatch (chunk) count and estimates.
@@ -210,6 +210,9 @@ pub(crate) struct Knobs<'a> {
     pub zero1: bool,
     pub rows: usize,
     pub overlapped: bool,
+    /// The LLM's rows dealt off the sampled batches (the search's); `None`: its mean
+    /// share, each replica's fullest by whole rows ([`Totals::dealt`]).
+    pub llm_rows: Option<&'a LlmRows<'a>>,
 }
 
 /// Powers of two up to `max` that divide `n`.
@@ -425,7 +428,10 @@ impl Problem {
                         (_, true) => (layout.dp * mb, layout.dp * mb),
                         (_, false) => (layout.dp, layout.dp),
                     };
-                    let (load, peak) = t.dealt(m, layout.dp * mb, slots, mem_slots);
+                    let (load, peak) = match (m, k.llm_rows) {
+                        (Module::Llm, Some(rows)) => rows.fullest(layout.dp, mb),
+                        _ => t.dealt(m, layout.dp * mb, slots, mem_slots),
+                    };
                     let lead = match (m, k.overlapped) {
                         (Module::Llm, _) => 0,
                         (_, true) => lead,

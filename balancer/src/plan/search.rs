@@ -17,7 +17,7 @@ use crate::plan::layout::{Placement, Plan, Schedule};
 use crate::plan::options::{Knobs, Opt, Totals, pareto};
 use crate::plan::pick::{Combo, considered, keep_best, pick};
 use crate::plan::step::{Problem, StepSim};
-use crate::plan::windows::ChunkMedia;
+use crate::plan::windows::{ChunkMedia, LlmRows};
 use crate::workload::Workload;
 
 /// What the search may choose from.
@@ -268,12 +268,14 @@ pub fn search_beside(
     };
     let mut full: Vec<Combo> = Vec::new();
     let mut combinations = 0usize;
+    let llm_rows = LlmRows::new(problem, &batches);
     let knobs = Knobs {
         totals: &t,
         recompute: &space.recompute,
         zero1: space.zero1,
         rows,
         overlapped,
+        llm_rows: Some(&llm_rows),
     };
     // An overlapped encoder's options depend on how far it runs ahead of the LLM
     // (its activations held); a phased one's do not (every chunk held).
