@@ -209,6 +209,37 @@ mod tests {
         }
     }
 
+    /// `model` on the h100 preset, and 2,000 rows of `seq_len` tokens drawn from `mix`
+    /// (LLaVA-like images of 576 patches and 144 LLM tokens, 8 audio frames an LLM
+    /// token), `batch_rows` a step.
+    fn setup(
+        model: ModelDims,
+        mix: &Mix,
+        seq_len: usize,
+        batch_rows: usize,
+        seed: u64,
+    ) -> (Problem, Workload) {
+        let media = MediaTokens {
+            image_encoder: 576,
+            image_llm: 144,
+            llm_per_frame: 0.125,
+        };
+        let w = Workload {
+            rows: generate(mix, media, 2000, seq_len, seed),
+            batch_rows,
+            seq_len,
+        };
+        let p = Problem {
+            model,
+            cluster: Cluster::preset("h100").expect("a preset"),
+            frozen: vec![],
+            input_s: 0.0,
+            overlap_sync: true,
+            sequence_parallel: true,
+        };
+        (p, w)
+    }
+
     /// The estimate's memory of an overlapped encoder (what its fullest stage holds: a
     /// window of consecutive chunks, and one chunk's working set) against the
     /// simulator's, on LLaVA-like rows with speech, where a chunk's media depend on which
@@ -236,24 +267,7 @@ mod tests {
             clips_max: 3,
             clip_s: [2.0, 30.0],
         };
-        let media = MediaTokens {
-            image_encoder: 576,
-            image_llm: 144,
-            llm_per_frame: 0.125,
-        };
-        let w = Workload {
-            rows: generate(&mix, media, 2000, 4096, 7),
-            batch_rows: 96,
-            seq_len: 4096,
-        };
-        let p = Problem {
-            model,
-            cluster: Cluster::preset("h100").expect("a preset"),
-            frozen: vec![],
-            input_s: 0.0,
-            overlap_sync: true,
-            sequence_parallel: true,
-        };
+        let (p, w) = setup(model, &mix, 4096, 96, 7);
         let batches = w.batches(3);
         let totals = Totals::of(&batches);
         let lay = |tp, cp, pp, dp| Layout { tp, cp, pp, dp };
@@ -360,24 +374,7 @@ mod tests {
             clips_max: 0,
             clip_s: [2.0, 30.0],
         };
-        let media = MediaTokens {
-            image_encoder: 576,
-            image_llm: 144,
-            llm_per_frame: 0.125,
-        };
-        let w = Workload {
-            rows: generate(&mix, media, 2000, 8192, 11),
-            batch_rows: 64,
-            seq_len: 8192,
-        };
-        let p = Problem {
-            model,
-            cluster: Cluster::preset("h100").expect("a preset"),
-            frozen: vec![],
-            input_s: 0.0,
-            overlap_sync: true,
-            sequence_parallel: true,
-        };
+        let (p, w) = setup(model, &mix, 8192, 64, 11);
         let batches = w.batches(3);
         let totals = Totals::of(&batches);
         let rows = LlmRows::new(&p, &batches);
