@@ -113,8 +113,8 @@ fn baseline_combos(
         .filter(|&m| p.model.module(m).is_some())
         .collect();
     let mut combos = Vec::new();
-    // The LLM's rows dealt as the search's are: the strongest baseline, not one whose
-    // estimate misses its fullest replica.
+    // The candidates are ranked by the LLM's rows dealt as the search's are (below): the
+    // strongest baseline, not one whose estimate misses its fullest replica.
     let llm_rows = LlmRows::new(p, batches);
     let knobs = Knobs {
         totals: t,
@@ -122,7 +122,7 @@ fn baseline_combos(
         zero1: space.zero1,
         rows,
         overlapped: false,
-        llm_rows: Some(&llm_rows),
+        llm_rows: None,
     };
     for o in p.options(Module::Llm, g, (1, 0), None, &knobs) {
         let Some(sc) = p.cost(Module::Llm, o.layout, o.recompute, space.zero1) else {
@@ -181,7 +181,7 @@ fn baseline_combos(
                 })
                 .collect();
             let (dp, mb) = (o.layout.dp, o.microbatches);
-            let (load, peak) = t.dealt(Module::Llm, dp * mb, dp, dp * mb);
+            let (load, peak) = llm_rows.fullest(dp, mb);
             // A shorter first stage, or interleaving (Megatron has both; Braid's
             // trainer splits its chunks evenly, so not the two at once).
             let firsts = if o.chunks > 1 {

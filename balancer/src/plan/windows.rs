@@ -427,9 +427,11 @@ mod tests {
             };
             let (with, mean) = (estimated(Some(&rows)), estimated(None));
             // Exact without pipeline stages; with two, the fullest replica's mean
-            // microbatch in every slot overshoots a little (3.0 %).
+            // microbatch in every slot overshoots a little (3.0 %: LPT may give that
+            // replica fewer rows than microbatches, one of them fuller).
+            let tolerance = if pp == 1 { 1e-6 } else { 0.04 };
             assert!(
-                (with / sim - 1.0).abs() < 0.04,
+                (with / sim - 1.0).abs() < tolerance,
                 "{at}: estimated {with:.4} s against {sim:.4} s simulated"
             );
             worst = (

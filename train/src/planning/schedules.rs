@@ -66,8 +66,10 @@ pub(super) fn search_schedules(
         // searches' picks, it is that schedule's best: `schedules` then names the step of
         // the plan written (the 7B at 1,024 GPUs: "phased 0.373 s" beside a 0.362 s plan).
         let taken = (o.best.plan.schedule, o.best.sim.step_s);
-        if let Some(step) = steps.iter_mut().find(|x| x.0 == taken.0) {
-            step.1 = step.1.min(taken.1);
+        match steps.iter_mut().find(|x| x.0 == taken.0) {
+            Some(step) => step.1 = step.1.min(taken.1),
+            // That schedule's search found nothing that fits.
+            None => steps.push(taken),
         }
     }
     o.combinations = combinations;
