@@ -43,7 +43,14 @@ fn block(layers: usize, vocab: usize, tied: bool) -> ModuleDims {
     }
 }
 
-fn pipeline(pp: usize, dp: usize, m: usize, recompute: bool, first: Option<usize>) -> Plan {
+/// The LLM alone on `pp` stages of `dp` replicas (TP and CP 1), `m` microbatches.
+pub(crate) fn pipeline(
+    pp: usize,
+    dp: usize,
+    m: usize,
+    recompute: bool,
+    first: Option<usize>,
+) -> Plan {
     Plan {
         placement: Placement::Disjoint,
         schedule: Schedule::Phased,

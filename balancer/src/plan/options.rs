@@ -398,8 +398,10 @@ impl Problem {
             let held = |w: usize| {
                 let all = windows.as_deref().unwrap_or(&[]);
                 // Past the longest batch's chunks every window is the whole batch.
-                let w = w.clamp(1, most).min(all.len());
-                all.get(w.wrapping_sub(1)).copied().unwrap_or(0.0)
+                all.get(w.clamp(1, most) - 1)
+                    .or(all.last())
+                    .copied()
+                    .unwrap_or(0.0)
             };
             let window = media.is_some().then_some(&held as &dyn Fn(usize) -> f64);
             let per_rep = rows / layout.dp;

@@ -14,11 +14,11 @@ use crate::plan::step::Problem;
 use crate::workload::{RowShape, shape_of};
 
 /// One encoder's chunks, and what a replica holds of their fullest windows.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct ChunkMedia {
     /// Per batch, per chunk (the LLM's microbatch index): the (tokens after the stem,
     /// items) of the media of its rows.
-    pub chunks: Vec<Vec<(f64, f64)>>,
+    chunks: Vec<Vec<(f64, f64)>>,
     /// Per replica count: [`held_window`] of every window size `w` (at `w - 1`), worked
     /// out once per count (the search asks for the same counts under many LLM options;
     /// this was a fifth of `braid plan`'s time).
@@ -194,7 +194,7 @@ mod tests {
     use crate::cluster::Cluster;
     use crate::dims::{ModelDims, ModuleDims};
     use crate::pipeline::feeder_lead;
-    use crate::plan::bound::tests::dims;
+    use crate::plan::bound::tests::{dims, pipeline};
     use crate::plan::layout::{Layout, Placement, Plan, Schedule};
     use crate::plan::options::{Knobs, Totals};
     use crate::plan::pick::mean_sim;
@@ -393,20 +393,7 @@ mod tests {
                 pp,
                 dp,
             };
-            let plan = Plan {
-                placement: Placement::Colocated,
-                schedule: Schedule::Phased,
-                microbatches: mbs,
-                recompute: false,
-                recompute_encoders: false,
-                recompute_audio: None,
-                llm_first_stage_layers: None,
-                llm_virtual_stages: 1,
-                zero1: true,
-                llm: layout,
-                vision: None,
-                audio: None,
-            };
+            let plan = pipeline(pp, dp, mbs, false, None);
             let at = format!("pp {pp} dp {dp}, {mbs} mb");
             let sim = mean_sim(&p, &plan, &batches).expect(&at).step_s;
             let estimated = |llm_rows: Option<&LlmRows>| {

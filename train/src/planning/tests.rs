@@ -2,13 +2,17 @@
 use super::*;
 use braid_balancer::{Placement, Plan};
 
+/// `configs/<name>` with `sets` applied.
+fn config(name: &str, sets: &[&str]) -> RunConfig {
+    let path = format!("{}/../configs/{name}", env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(&path).unwrap();
+    let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+    RunConfig::from_toml(&text, name, &sets).unwrap()
+}
+
 /// configs/tiny.toml's model and batch, with a synthetic mix to plan on.
 fn tiny(sets: &[&str]) -> RunConfig {
-    let text =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../configs/tiny.toml"))
-            .unwrap();
-    let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
-    RunConfig::from_toml(&text, "tiny.toml", &sets).unwrap()
+    config("tiny.toml", sets)
 }
 
 /// A plan file for `gpus` GPUs of the h100 preset: predicted 1 s a step, the baseline 2 s.
@@ -299,12 +303,7 @@ fn a_plan_file_sets_each_encoder_s_recomputation() {
 /// 80-GPU baseline written for a world of 83, which the trainer then refused).
 #[test]
 fn a_plan_for_a_launched_world_uses_all_of_it() {
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../configs/plan-70b.toml"
-    ))
-    .unwrap();
-    let cfg = RunConfig::from_toml(&text, "plan-70b.toml", &[]).unwrap();
+    let cfg = config("plan-70b.toml", &[]);
     let launched = plan(&cfg, 83, None, None, None, false).unwrap();
     assert_eq!(launched.outcome.best.plan.gpus(), 83);
     assert_eq!(launched.gpus, 83);
@@ -383,16 +382,7 @@ fn llm_alone_brute_force(p: &Planned, gpus: usize, rows: usize) -> (f64, Option<
 #[test]
 fn the_llm_alone_is_the_best_of_every_llm_layout() {
     let mix = "plan.mix={text_median=40.0,text_sigma=0.5,image_prob=0.8,audio_prob=0.3}";
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../configs/plan-7b.toml"
-    ))
-    .unwrap();
-    let sets = [
-        "train.batch_rows=32".to_string(),
-        "plan.batches=1".to_string(),
-    ];
-    let seven_b = RunConfig::from_toml(&text, "plan-7b.toml", &sets).unwrap();
+    let seven_b = config("plan-7b.toml", &["train.batch_rows=32", "plan.batches=1"]);
     let cases = [1, 2, 4, 6, 8]
         .map(|g| (tiny(&[mix]), g))
         .into_iter()
@@ -419,12 +409,7 @@ fn the_llm_alone_is_the_best_of_every_llm_layout() {
 /// (the 7B on 5 GPUs, where its weights leave the encoders no room beside it).
 #[test]
 fn each_schedule_s_best_step_counts_the_plan_written() {
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../configs/plan-7b.toml"
-    ))
-    .unwrap();
-    let cfg = RunConfig::from_toml(&text, "plan-7b.toml", &[]).unwrap();
+    let cfg = config("plan-7b.toml", &[]);
     let p = plan(&cfg, 5, None, None, None, true).unwrap();
     let best = &p.outcome.best;
     assert_eq!(
