@@ -123,6 +123,23 @@ fn clients_started_before_the_server_connect_once_it_is_up() {
 }
 
 #[test]
+fn a_port_in_use_is_named_with_what_to_do() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let e = StoreServer::bind(&format!("127.0.0.1:{port}")).unwrap_err();
+    let msg = e.to_string();
+    assert!(msg.contains(&format!("127.0.0.1:{port}")), "{msg}");
+    assert!(
+        msg.contains("in use") && msg.contains("--master-port"),
+        "{msg}"
+    );
+    // Port 0 asks the kernel for a free port, which it takes from the ephemeral range.
+    if std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").is_ok() {
+        assert!(msg.contains("ephemeral range"), "{msg}");
+    }
+}
+
+#[test]
 fn barrier_waits_for_every_rank_and_names_the_missing_ones() {
     let (_s, addr) = server();
     let world = 4;

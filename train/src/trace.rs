@@ -306,6 +306,14 @@ pub fn read(path: &Path) -> Result<TraceFile> {
     // start: 1e17 µs is ~3,000 years either way. No span lasts more than a year.
     const START_US: f64 = 1e17;
     const YEAR_US: f64 = 3.2e13;
+    // 1e308 printed in full is 309 digits: huge values in scientific notation.
+    let num = |x: f64| {
+        if x.abs() < 1e12 {
+            format!("{x}")
+        } else {
+            format!("{x:e}")
+        }
+    };
     for (i, e) in file.trace_events.iter().enumerate() {
         let dur = e.dur.unwrap_or(0.0);
         let start_ok = e.ts.is_finite() && e.ts.abs() <= START_US;
@@ -315,8 +323,8 @@ pub fn read(path: &Path) -> Result<TraceFile> {
                 path.display(),
                 e.name,
                 e.pid,
-                e.ts,
-                dur
+                num(e.ts),
+                num(dur)
             )));
         }
     }

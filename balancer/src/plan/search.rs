@@ -453,11 +453,12 @@ pub fn search_beside(
             "every layout's estimate exceeds it".to_string()
         };
         format!(
-            "no {} plan fits {g} GPUs in {:.0} GiB each ({:.0} GiB usable; {why})",
+            "no {} plan fits {g} GPU{} in {:.0} GiB each ({:.0} GiB usable; {why})",
             match space.schedule {
                 Schedule::Phased => "phased",
                 Schedule::Overlapped => "overlapped (1F1B across modules)",
             },
+            if g == 1 { "" } else { "s" },
             problem.cluster.memory_gib,
             budget / GIB,
         )

@@ -64,6 +64,32 @@ pub struct StoreServer {
     acceptor: Option<JoinHandle<()>>,
 }
 
+/// Why `addr`'s port may be taken and what to do: another job's store, or (in the
+/// kernel's ephemeral range, which it hands to outgoing connections) any connection
+/// on the machine, which no earlier check could have seen.
+fn port_in_use(addr: &str) -> String {
+    let port = addr.rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|t| {
+            let mut it = t.split_whitespace().map(|x| x.parse::<u16>().ok());
+            Some((it.next()??, it.next()??))
+        });
+    let mut what = "binding: the port is in use (another job's store on this machine? pick \
+                    another MASTER_PORT / --master-port)"
+        .to_string();
+    if let (Some(p), Some((lo, hi))) = (port, range)
+        && (lo..=hi).contains(&p)
+    {
+        what.push_str(&format!(
+            "; {p} is in this machine's ephemeral range {lo}-{hi} \
+             (net.ipv4.ip_local_port_range), which the kernel gives to outgoing \
+             connections: a port below {lo} cannot be taken that way"
+        ));
+    }
+    what
+}
+
 impl StoreServer {
     /// Client connections open now (the serving rank's own included).
     pub fn clients(&self) -> usize {
@@ -84,7 +110,13 @@ impl StoreServer {
             let (addr, what) = (addr.to_string(), what.to_string());
             move |source| StoreError::Io { addr, what, source }
         };
-        let listener = TcpListener::bind(addr).map_err(io("binding (is the port in use?)"))?;
+        let listener = TcpListener::bind(addr).map_err(|e| {
+            let what = match e.kind() {
+                std::io::ErrorKind::AddrInUse => port_in_use(addr),
+                _ => "binding".to_string(),
+            };
+            io(&what)(e)
+        })?;
         let local = listener
             .local_addr()
             .map_err(io("reading the bound address"))?;

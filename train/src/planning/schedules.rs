@@ -25,7 +25,8 @@ pub(super) fn search_schedules(
     // The searches' own fastest pick, whichever schedule's: what `--check` measures the
     // search by (the check may find the faster plan under another schedule).
     let mut searched: Option<Found> = None;
-    let mut first_err = None;
+    // Each schedule's reason where none fits (under `best`, both are named).
+    let mut errors: Vec<String> = Vec::new();
     let (mut combinations, mut simulated, mut search_s) = (0, 0, 0.0);
     for &s in schedules {
         let mut on = space.clone();
@@ -51,12 +52,16 @@ pub(super) fn search_schedules(
                     best = Some(o);
                 }
             }
-            Err(e) => {
-                first_err.get_or_insert(e);
-            }
+            Err(e) => errors.push(e),
         }
     }
-    let mut o = best.ok_or_else(|| first_err.unwrap_or_else(|| "no schedule to search".into()))?;
+    let mut o = best.ok_or_else(|| {
+        if errors.is_empty() {
+            "no schedule to search".to_string()
+        } else {
+            errors.join("; ")
+        }
+    })?;
     if let Some(f) = searched {
         o.searched = f;
     }

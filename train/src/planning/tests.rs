@@ -435,3 +435,21 @@ fn each_schedule_s_best_step_counts_the_plan_written() {
         );
     }
 }
+
+#[test]
+fn where_nothing_fits_each_schedule_searched_says_so() {
+    // A 7B model's weights, grads and AdamW state alone exceed one 80 GiB GPU.
+    let cfg = config("plan-7b.toml", &[]);
+    let e = plan(&cfg, 1, None, None, None, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no phased plan fits 1 GPU in 80 GiB"), "{e}");
+    assert!(
+        e.contains("no overlapped (1F1B across modules) plan fits 1 GPU"),
+        "{e}"
+    );
+    let e = plan(&cfg, 1, None, None, Some(PlanSchedule::Overlapped), false)
+        .unwrap_err()
+        .to_string();
+    assert!(!e.contains("phased"), "{e}");
+}
