@@ -1,7 +1,7 @@
 //! Whether a checkpoint may be resumed under the current config: everything that changes
 //! the math or the data order must be the same; logging, checkpointing, evaluation, loader
-//! threads, `train.steps` (to extend a run), the parallel layout and the device and
-//! precision may differ.
+//! threads, `train.steps` (to extend a run), the parallel layout, the microbatches and
+//! the device and precision may differ.
 
 use toml::{Table, Value};
 
@@ -10,7 +10,7 @@ use crate::error::Result;
 
 /// Keys free to change between a checkpoint and its resumption (a run folder may be moved
 /// or renamed).
-const FREE: [&str; 13] = [
+const FREE: [&str; 14] = [
     "run.name",
     "run.dir",
     "log",
@@ -22,6 +22,10 @@ const FREE: [&str; 13] = [
     "data.build",
     "data.demo",
     "train.steps",
+    // Microbatches split the same global batch, and the loss is the mean over the whole
+    // batch's targets, so the count changes only rounding, as a layout does; a plan file
+    // for another world (`parallel.plan`) sets its own.
+    "train.microbatches",
     // Checkpoints hold full tensors: any layout loads them (the math is the same).
     "parallel",
     // Checkpoints hold the f32 masters, so a bf16 run on a GPU resumes on the CPU in
@@ -61,7 +65,7 @@ pub fn check_resumable(saved_toml: &str, cfg: &RunConfig) -> Result<()> {
     if let Some(key) = first_difference(&json(saved)?, &json(now)?, "") {
         return Err(invalid(
             key,
-            "differs from the checkpoint's config; a resumed run must keep the model, data, batch, optimizer and seed (only run.name/dir, log, checkpoint, eval, fault, data.workers/prefetch/build/demo, train.steps, train.precision and parallel may change)",
+            "differs from the checkpoint's config; a resumed run must keep the model, data, batch, optimizer and seed (only run.name/dir, log, checkpoint, eval, fault, data.workers/prefetch/build/demo, train.steps, train.microbatches, train.precision and parallel may change)",
         )
         .into());
     }
@@ -182,12 +186,18 @@ mod tests {
         let saved = cfg(&[]).to_toml().unwrap();
         check_resumable(
             &saved,
-            &cfg(&["run.dir=moved", "train.steps=50", "log.interval=1"]),
+            &cfg(&[
+                "run.dir=moved",
+                "train.steps=50",
+                "log.interval=1",
+                "train.microbatches=2",
+            ]),
         )
         .unwrap();
         for (set, key) in [
             ("optim.lr=0.5", "optim.lr"),
             ("run.seed=9", "run.seed"),
+            ("train.batch_rows=2", "train.batch_rows"),
             ("model.llm.layers=3", "model.llm.layers"),
         ] {
             let e = check_resumable(&saved, &cfg(&[set]))
