@@ -233,6 +233,15 @@ pub fn search_beside(
         .into_iter()
         .filter(|&m| problem.model.module(m).is_some())
         .collect();
+    // Disjoint placement alone needs a GPU per module at least: say so, not that no
+    // layout fits in memory.
+    let modules = 1 + encoders.len();
+    if g < modules && space.placements.iter().all(|&p| p == Placement::Disjoint) {
+        return Err(format!(
+            "disjoint placement gives each of the {modules} modules GPUs of its own: {g} GPU{} cannot hold them (colocated placement shares them)",
+            if g == 1 { "" } else { "s" }
+        ));
+    }
     let overlapped = space.schedule == Schedule::Overlapped;
     // Overlapped, colocated and disjoint estimates do not rank against each other (the
     // colocated one leaves what the encoders fill of the LLM's waits to the

@@ -434,6 +434,14 @@ fn each_schedule_s_best_step_counts_the_plan_written() {
             "{s:?} {step} below the plan written"
         );
     }
+    // Asked for disjoint placement, the plan is disjoint, though the baseline (which
+    // shares the GPUs) is faster; with colocated placement the baseline may be written.
+    let disjoint = config("plan-7b.toml", &["plan.placement=\"disjoint\""]);
+    let p = plan(&disjoint, 5, None, None, None, true).unwrap();
+    assert_eq!(p.outcome.best.plan.placement, Placement::Disjoint);
+    let colocated = config("plan-7b.toml", &["plan.placement=\"colocated\""]);
+    let p = plan(&colocated, 5, None, None, None, true).unwrap();
+    assert_eq!(p.outcome.best.plan.placement, Placement::LlmCentric);
 }
 
 #[test]
@@ -452,4 +460,23 @@ fn where_nothing_fits_each_schedule_searched_says_so() {
         .unwrap_err()
         .to_string();
     assert!(!e.contains("phased"), "{e}");
+}
+
+#[test]
+fn disjoint_placement_on_fewer_gpus_than_modules_says_why() {
+    let cfg = config("plan-7b.toml", &["plan.placement=\"disjoint\""]);
+    for gpus in [1, 2] {
+        let e = plan(&cfg, gpus, None, None, None, false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("each of the 3 modules GPUs of its own"), "{e}");
+        assert!(!e.contains("GiB"), "{gpus}: not a memory error: {e}");
+        // Both schedules fail for that one reason: said once.
+        assert_eq!(e.matches("modules").count(), 1, "{e}");
+    }
+    // Three GPUs are enough to lay out (a 7B on 80 GiB each still does not fit).
+    let e = plan(&cfg, 3, None, None, None, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("GiB usable"), "{e}");
 }
