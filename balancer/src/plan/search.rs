@@ -211,6 +211,16 @@ fn fastest<'a>(opts: impl IntoIterator<Item = &'a Opt>, budget: f64) -> Option<O
 }
 
 /// Searches `space` for `problem` on `workload`.
+/// `bytes` in GiB with `decimals`, or in MiB below a GiB (a small cluster file's memory
+/// would read "0 GiB").
+fn size(bytes: f64, decimals: usize) -> String {
+    if bytes >= GIB {
+        format!("{:.*} GiB", decimals, bytes / GIB)
+    } else {
+        format!("{:.1} MiB", bytes / (GIB / 1024.0))
+    }
+}
+
 pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<Outcome, String> {
     search_beside(problem, workload, space, None)
 }
@@ -455,21 +465,21 @@ pub fn search_beside(
     let best = best.map_err(|least| {
         let why = if least.is_finite() {
             format!(
-                "the {simulated} candidates simulated needed at least {:.1} GiB",
-                least / GIB
+                "the {simulated} candidates simulated needed at least {}",
+                size(least, 1)
             )
         } else {
             "every layout's estimate exceeds it".to_string()
         };
         format!(
-            "no {} plan fits {g} GPU{} in {:.0} GiB each ({:.0} GiB usable; {why})",
+            "no {} plan fits {g} GPU{} in {} each ({} usable; {why})",
             match space.schedule {
                 Schedule::Phased => "phased",
                 Schedule::Overlapped => "overlapped (1F1B across modules)",
             },
             if g == 1 { "" } else { "s" },
-            problem.cluster.memory_gib,
-            budget / GIB,
+            size(problem.cluster.memory_gib * GIB, 0),
+            size(budget, 0),
         )
     })?;
     if debug {

@@ -456,6 +456,16 @@ fn where_nothing_fits_each_schedule_searched_says_so() {
         e.contains("no overlapped (1F1B across modules) plan fits 1 GPU"),
         "{e}"
     );
+    // A cluster of 6 MiB GPUs reads in MiB, not "0 GiB".
+    let dir = tempfile::tempdir().unwrap();
+    let small = dir.path().join("small.toml");
+    let mut c = braid_balancer::Cluster::preset("h100").unwrap();
+    c.memory_gib = 0.006;
+    std::fs::write(&small, toml::to_string(&c).unwrap()).unwrap();
+    let e = plan(&cfg, 1, small.to_str(), None, None, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("in 6.1 MiB each (5.5 MiB usable"), "{e}");
     let e = plan(&cfg, 1, None, None, Some(PlanSchedule::Overlapped), false)
         .unwrap_err()
         .to_string();
