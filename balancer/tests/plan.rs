@@ -308,7 +308,8 @@ fn an_impossible_world_is_an_error_naming_the_memory() {
     let (mut p, w) = small();
     p.cluster.memory_gib = 0.5;
     let e = search(&p, &w, &Space::new(16)).unwrap_err();
-    assert!(e.contains("GiB"), "{e}");
+    // Below a GiB, in MiB.
+    assert!(e.contains("in 512.0 MiB each (460.8 MiB usable"), "{e}");
 }
 
 /// With the sync overlapped, a data-parallel step waits only for what the last backward
