@@ -186,9 +186,9 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
         .own_audio_recompute()
         .map_or(String::new(), |a| format!(" / audio {a}"));
     notes.push(format!(
-        "parallel.plan {spec}: {} GPUs, {:?} {}, llm {}{chunks}, {} microbatches, recompute llm {} / encoders {}{audio} (predicted {:.3} s/step on {})",
+        "parallel.plan {spec}: {} GPUs, {} {}, llm {}{chunks}, {} microbatches, recompute llm {} / encoders {}{audio} (predicted {:.3} s/step on {})",
         file.gpus,
-        p.placement,
+        p.placement.name(),
         p.schedule.name(),
         p.llm,
         p.microbatches,
