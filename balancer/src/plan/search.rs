@@ -210,7 +210,6 @@ fn fastest<'a>(opts: impl IntoIterator<Item = &'a Opt>, budget: f64) -> Option<O
         .copied()
 }
 
-/// Searches `space` for `problem` on `workload`.
 /// `bytes` in GiB with `decimals`, or in MiB below a GiB (a small cluster file's memory
 /// would read "0 GiB").
 fn size(bytes: f64, decimals: usize) -> String {
@@ -221,6 +220,7 @@ fn size(bytes: f64, decimals: usize) -> String {
     }
 }
 
+/// Searches `space` for `problem` on `workload`.
 pub fn search(problem: &Problem, workload: &Workload, space: &Space) -> Result<Outcome, String> {
     search_beside(problem, workload, space, None)
 }
