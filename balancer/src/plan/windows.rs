@@ -387,12 +387,6 @@ mod tests {
             (2, 32, 2),
             (2, 8, 8),
         ] {
-            let layout = Layout {
-                tp: 1,
-                cp: 1,
-                pp,
-                dp,
-            };
             let plan = pipeline(pp, dp, mbs, false, None);
             let at = format!("pp {pp} dp {dp}, {mbs} mb");
             let sim = mean_sim(&p, &plan, &batches).expect(&at).step_s;
@@ -408,7 +402,7 @@ mod tests {
                 let opts = p.options(Module::Llm, pp * dp, (1, 0), None, &knobs);
                 let o = opts
                     .iter()
-                    .find(|o| o.layout == layout && o.microbatches == mbs && o.chunks == 1)
+                    .find(|o| o.layout == plan.llm && o.microbatches == mbs && o.chunks == 1)
                     .expect(&at);
                 o.time + o.sync
             };

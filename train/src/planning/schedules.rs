@@ -97,20 +97,16 @@ fn take_runnable_baseline(
     fewer_gpus: bool,
     o: &mut Outcome,
 ) {
+    // Both share the GPUs (the nearest plan is colocated, the baseline LLM-centric): no
+    // answer where `plan.placement` asked for disjoint GPUs, so not even simulated.
+    if !space.placements.contains(&Placement::Colocated) {
+        return;
+    }
     let batches = workload.batches(space.batches);
     let budget = problem.cluster.usable_bytes();
     let closest =
         braid_balancer::plan::closest_to_baseline(problem, &o.baseline.plan, &batches, budget);
-    // Only a placement the search was asked for (`plan.placement`): the baseline shares
-    // the GPUs as a colocated plan does, so it is no answer to "disjoint".
-    let allowed = |p: Placement| {
-        space.placements.contains(&p)
-            || (p == Placement::LlmCentric && space.placements.contains(&Placement::Colocated))
-    };
     for f in closest.into_iter().chain([o.baseline.clone()]) {
-        if !allowed(f.plan.placement) {
-            continue;
-        }
         // The baseline may sit on fewer GPUs than the world (the most its grid tiles):
         // taken only where the caller lets the plan leave GPUs idle (`braid plan`), not
         // for `parallel.plan = "auto"`, whose world is launched already.
