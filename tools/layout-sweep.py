@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Random layouts of configs/tiny.toml under both schedules against one rank.
 
-Draws disjoint layouts (TP, CP, PP, DP per module, microbatches, encoder recomputation),
-or with `--colocated` colocated ones (every grid spanning one world), trains each for 4
+Draws disjoint layouts (TP, CP, PP, DP per module, microbatches, encoder recomputation,
+an encoder's stages reversed), or with `--colocated` colocated ones (every grid spanning
+one world), trains each for 4
 steps under `parallel.schedule = "phased"` and `"overlapped"` with the given `braid`
 binary, and where the LLM has pipeline stages also with interleaved stages under both
 schedules (`parallel.llm.virtual_stages`, a count that splits a stage's layers), and prints
@@ -109,6 +110,10 @@ def main():
             sets += [f"parallel.{m}.{k}={v}" for k, v in x.items() if v != 1]
         if rng.random() < 0.3:
             sets.append("parallel.vision.recompute=true")
+        # An encoder of two stages or more, half the time with its stages reversed.
+        for m in ("vision", "audio"):
+            if mods[m]["pp"] >= 2 and rng.random() < 0.5:
+                sets.append(f"parallel.{m}.reverse_stages=true")
         tag = " ".join(s.replace("parallel.", "") for s in sets)
         phased, e1 = train(a.bin, out, "phased", sets)
         over, e2 = train(a.bin, out, "overlapped", sets + ['parallel.schedule="overlapped"'])

@@ -31,7 +31,8 @@ mods = [x for x in (lay("llm", v.get("llm_virtual_stages") or 1), lay("vision"),
 vis, aud = v["recompute_encoders"], v.get("recompute_audio", v["recompute_encoders"])
 rec = {(True, True): " (enc. recompute)", (True, False): " (vision recompute)",
        (False, True): " (audio recompute)"}.get((vis, aud), "") if v["vision"] or v["audio"] else ""
-chosen = f"{v['placement']}/{v['schedule']}: {mods[0]}, {v['microbatches']} mb; {', '.join(mods[1:])}{rec}"
+rev = " (encoder stages reversed)" if v.get("reverse_encoder_stages") else ""
+chosen = f"{v['placement']}/{v['schedule']}: {mods[0]}, {v['microbatches']} mb; {', '.join(mods[1:])}{rec}{rev}"
 b = v["baseline"]["llm"]
 bv = v["baseline"].get("llm_virtual_stages") or 1
 enc_tps = ", ".join(f"{m} tp{v['baseline'][m]['tp']}" for m in ("vision", "audio") if v["baseline"].get(m))

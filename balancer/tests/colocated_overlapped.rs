@@ -7,13 +7,18 @@ mod common;
 use common::{plan, small};
 
 /// The GPUs of a lane "<module> r<replica> s<stage>" of layout `l` (grid order TP, CP,
-/// DP, PP, every grid from GPU 0).
-fn gpus_of(l: Layout, label: &str) -> std::ops::Range<usize> {
+/// DP, PP, every grid from GPU 0; stage `s` on slice `pp - 1 - s` where `reversed`).
+fn gpus_of(l: Layout, reversed: bool, label: &str) -> std::ops::Range<usize> {
     let num = |p: &str| {
         let t = label.split(' ').find(|t| t.starts_with(p)).unwrap();
         t[1..].parse::<usize>().unwrap()
     };
-    let start = num("s") * l.tp * l.cp * l.dp + num("r") * l.tp * l.cp;
+    let slice = if reversed {
+        l.pp - 1 - num("s")
+    } else {
+        num("s")
+    };
+    let start = slice * l.tp * l.cp * l.dp + num("r") * l.tp * l.cp;
     start..start + l.tp * l.cp
 }
 
@@ -29,7 +34,11 @@ fn every_gpu_runs_one_pass_at_a_time_and_encoders_fill_the_llm_waits() {
         (lay(1, 2, 4, 2), lay(2, 1, 2, 4), lay(1, 1, 4, 4)),
         (lay(4, 1, 2, 2), lay(1, 2, 4, 2), lay(2, 1, 1, 8)),
     ] {
-        for (m, v) in [2, 4, 8].into_iter().flat_map(|m| [(m, 1), (m, 2)]) {
+        let runs = [2, 4, 8]
+            .into_iter()
+            .flat_map(|m| [(m, 1), (m, 2)])
+            .flat_map(|(m, v)| [(m, v, false), (m, v, true)]);
+        for (m, v, rev) in runs {
             if v > 1 && llm.pp < 2 {
                 continue;
             }
@@ -39,11 +48,14 @@ fn every_gpu_runs_one_pass_at_a_time_and_encoders_fill_the_llm_waits() {
                 vision: Some(vision),
                 audio: Some(audio),
                 llm_virtual_stages: v,
+                reverse_encoder_stages: rev,
                 ..plan(llm, m)
             };
             plan.check(&p.model, &p.cluster, 16, batch.len()).unwrap();
             let (sim, tl) = p.timeline(&plan, &batch).unwrap();
-            let at = format!("llm {llm:?} v{v} vision {vision:?} audio {audio:?} {m} mb");
+            let at = format!(
+                "llm {llm:?} v{v} vision {vision:?} audio {audio:?} {m} mb, reversed {rev}"
+            );
             // Every pass of every lane ran: the interleaved LLM's `v` chunks of each
             // microbatch forward and backward on every stage.
             let llm_passes = tl
@@ -54,9 +66,9 @@ fn every_gpu_runs_one_pass_at_a_time_and_encoders_fill_the_llm_waits() {
             assert_eq!(llm_passes, 2 * v * m * llm.pp * llm.dp, "{at}");
             virtual_stages += usize::from(v > 1);
             let layout_of = |label: &str| match label.split(' ').next() {
-                Some("llm") => Some(llm),
-                Some("vision") => Some(vision),
-                Some("audio") => Some(audio),
+                Some("llm") => Some((llm, false)),
+                Some("vision") => Some((vision, rev)),
+                Some("audio") => Some((audio, rev)),
                 _ => None,
             };
             let mut busiest = 0.0f64;
@@ -68,7 +80,8 @@ fn every_gpu_runs_one_pass_at_a_time_and_encoders_fill_the_llm_waits() {
                     .filter(|(lane, name, ..)| {
                         let label = &tl.lanes[*lane].0;
                         !name.contains("grad sync")
-                            && layout_of(label).is_some_and(|l| gpus_of(l, label).contains(&gpu))
+                            && layout_of(label)
+                                .is_some_and(|(l, r)| gpus_of(l, r, label).contains(&gpu))
                     })
                     .map(|(_, name, a, b)| (*a, *b, name.as_str()))
                     .collect();
@@ -98,8 +111,8 @@ fn every_gpu_runs_one_pass_at_a_time_and_encoders_fill_the_llm_waits() {
             checked += 1;
         }
     }
-    assert_eq!(checked, 24);
-    assert_eq!(virtual_stages, 12);
+    assert_eq!(checked, 48);
+    assert_eq!(virtual_stages, 24);
     assert!(interleaved > 100, "only {interleaved} GPUs interleave");
 }
 

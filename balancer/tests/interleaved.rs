@@ -32,6 +32,7 @@ fn pipeline(pp: usize) -> Layout {
 fn interleaved(pp: usize, v: usize, m: usize) -> Plan {
     Plan {
         llm_virtual_stages: v,
+        reverse_encoder_stages: false,
         ..plan(pipeline(pp), m)
     }
 }

@@ -286,6 +286,7 @@ fn found_json(f: &Found) -> Value {
         "recompute_audio": f.plan.recomputes(Module::Audio),
         "llm_first_stage_layers": f.plan.llm_first_stage_layers,
         "llm_virtual_stages": f.plan.llm_virtual_stages,
+        "reverse_encoder_stages": f.plan.reverse_encoder_stages,
         "bubble": f.sim.bubble,
         "idle": f.sim.idle,
         "peak_memory_gib": f.sim.peak_memory / GIB,
@@ -484,8 +485,13 @@ fn print_text(p: &Planned, alone: Option<&Found>, closest: Option<&Found>, g: &G
         v if v > 1 => format!(" (LLM interleaved: {v} chunks per stage)"),
         _ => String::new(),
     };
+    let reversed = if b.plan.reverse_encoder_stages {
+        "; encoder stages reversed (stage 0 beside the LLM's last stage)"
+    } else {
+        ""
+    };
     println!(
-        "\n  placement {}, schedule {}{interleaved}, {} microbatches, recompute llm {} / encoders {}{}",
+        "\n  placement {}, schedule {}{interleaved}, {} microbatches, recompute llm {} / encoders {}{}{reversed}",
         b.plan.placement.name(),
         b.plan.schedule.name(),
         b.plan.microbatches,

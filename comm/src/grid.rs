@@ -2,7 +2,10 @@
 //! CP, DP, PP: Megatron's order, so a TP group is consecutive ranks, i.e. one node) at
 //! a rank offset in the world.
 //!
-//! Local index `l = tp + TP * (cp + CP * (dp + DP * pp))`; world rank `offset + l`.
+//! Local index `l = tp + TP * (cp + CP * (dp + DP * pp))`; world rank `offset + l`. A
+//! grid with its stages reversed ([`Grid::with_stages_reversed`]) puts stage `pp` at
+//! the slice `PP - 1 - pp` instead: where modules share GPUs, which of another module's
+//! stages a stage sits beside.
 //! A module's groups are the sets of its ranks that differ along some axes only:
 //! [`Grid::group`] with `[Axis::Tp]` is a TP group, `[Axis::Cp, Axis::Dp]` the ranks
 //! that hold the same parameter shard (the gradient all-reduce group), and so on.
@@ -92,6 +95,9 @@ impl Coord {
 pub struct Grid {
     pub dims: GridDims,
     pub offset: usize,
+    /// Stage `pp` holds the ranks of PP slice `PP - 1 - pp` (the last slice of ranks runs
+    /// the first stage).
+    pub stages_reversed: bool,
 }
 
 impl Grid {
@@ -105,7 +111,28 @@ impl Grid {
                 msg: format!("every axis must be at least 1, got {dims}"),
             });
         }
-        Ok(Grid { dims, offset })
+        Ok(Grid {
+            dims,
+            offset,
+            stages_reversed: false,
+        })
+    }
+
+    /// This grid with its pipeline stages on its PP slices of ranks in reverse order.
+    pub fn with_stages_reversed(self, reversed: bool) -> Grid {
+        Grid {
+            stages_reversed: reversed,
+            ..self
+        }
+    }
+
+    /// Stage `pp`'s PP slice of ranks (its own inverse).
+    fn slice(&self, pp: usize) -> usize {
+        if self.stages_reversed {
+            self.dims.pp - 1 - pp
+        } else {
+            pp
+        }
     }
 
     pub fn size(&self) -> usize {
@@ -141,14 +168,14 @@ impl Grid {
             tp: l % tp,
             cp: (l / tp) % cp,
             dp: (l / (tp * cp)) % dp,
-            pp: l / (tp * cp * dp),
+            pp: self.slice(l / (tp * cp * dp)),
         })
     }
 
     /// The world rank at `c` (each coordinate must be below its axis' size).
     pub fn rank(&self, c: Coord) -> usize {
         let GridDims { tp, cp, dp, .. } = self.dims;
-        self.offset + c.tp + tp * (c.cp + cp * (c.dp + dp * c.pp))
+        self.offset + c.tp + tp * (c.cp + cp * (c.dp + dp * self.slice(c.pp)))
     }
 
     /// The world ranks that share `world_rank`'s coordinates except along `axes`, in
@@ -249,6 +276,39 @@ mod tests {
         assert_eq!(g.pp_neighbor(7, -1), Some(5));
         assert_eq!(g.pp_neighbor(5, -1), None);
         assert_eq!(g.pp_neighbor(9, 1), None);
+    }
+
+    #[test]
+    fn reversed_stages_put_stage_zero_on_the_last_slice() {
+        for (tp, cp, dp, pp, offset) in [(2, 1, 2, 3, 4), (1, 2, 1, 4, 0), (1, 1, 1, 1, 3)] {
+            let plain = grid(tp, cp, dp, pp, offset);
+            let g = plain.with_stages_reversed(true);
+            let slice = tp * cp * dp;
+            assert_eq!(g.ranks(), plain.ranks());
+            for r in g.ranks() {
+                let c = g.coord(r).unwrap();
+                assert_eq!(g.rank(c), r);
+                assert_eq!(c.pp, pp - 1 - (r - offset) / slice);
+                // Everything but the stage is where it was.
+                let p = plain.coord(r).unwrap();
+                assert_eq!((c.tp, c.cp, c.dp), (p.tp, p.cp, p.dp));
+                // Groups within a stage are the plain grid's; the stage's neighbours
+                // are one slice the other way.
+                assert_eq!(
+                    g.group(r, &[Axis::Cp, Axis::Dp]),
+                    plain.group(r, &[Axis::Cp, Axis::Dp])
+                );
+                if c.pp + 1 < pp {
+                    assert_eq!(g.pp_neighbor(r, 1), Some(r - slice));
+                } else {
+                    assert_eq!(g.pp_neighbor(r, 1), None);
+                }
+            }
+        }
+        assert_eq!(
+            grid(1, 1, 1, 3, 0).with_stages_reversed(false),
+            grid(1, 1, 1, 3, 0)
+        );
     }
 
     #[test]

@@ -28,7 +28,7 @@ use braid_train::data::{rows_to_batch, split_even};
 use braid_train::metrics::read_metrics;
 use braid_train::parallel::ckpt::join_slices;
 use braid_train::parallel::engine::Engine;
-use braid_train::parallel::layout::Layouts;
+use braid_train::parallel::layout::{Layouts, ModuleKind};
 use braid_train::parallel::model::ShardSource;
 use braid_train::trainer::train;
 use braid_train::{Quiet, Trainer};
@@ -311,6 +311,34 @@ fn layouts_that_do_not_fit_the_model_or_world_name_the_key() {
         e.contains("parallel.vision") && e.contains("whole world of 4"),
         "{e}"
     );
+    // Reversed stages: the encoder's stage 0 on its last slice of ranks, the same
+    // replicas in each slice.
+    let cfg = config(
+        &dir,
+        &[
+            "parallel.world_size=4",
+            "parallel.placement=\"colocated\"",
+            "parallel.llm.pp=4",
+            "parallel.vision.pp=2",
+            "parallel.vision.dp=2",
+            "parallel.vision.reverse_stages=true",
+            "parallel.audio.pp=2",
+            "parallel.audio.dp=2",
+        ],
+    );
+    let layouts = Layouts::new(
+        &cfg.parallel,
+        &braid_train::assemble::model_config(&cfg).unwrap(),
+    )
+    .unwrap();
+    let (vision, audio) = (
+        layouts.grid(ModuleKind::Vision).unwrap(),
+        layouts.grid(ModuleKind::Audio).unwrap(),
+    );
+    let stages =
+        |g: &braid_comm::grid::Grid| (0..4).map(|r| g.coord(r).unwrap().pp).collect::<Vec<_>>();
+    assert_eq!(stages(vision), [1, 1, 0, 0]);
+    assert_eq!(stages(audio), [0, 0, 1, 1]);
     let e = full(&["parallel.world_size=5", "parallel.vision.pp=3"]);
     assert!(e.contains("parallel.vision.pp"), "{e}");
     let e = full(&["parallel.world_size=4", "parallel.audio.tp=4"]);

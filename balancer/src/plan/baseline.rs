@@ -207,6 +207,7 @@ fn baseline_combos(
                             recompute_audio: None,
                             llm_first_stage_layers: first,
                             llm_virtual_stages: o.chunks,
+                            reverse_encoder_stages: false,
                             zero1: space.zero1,
                             llm: o.layout,
                             vision: p

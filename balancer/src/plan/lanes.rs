@@ -67,16 +67,30 @@ pub(crate) struct LaneTasks {
     pub b: Vec<usize>,
 }
 
-/// The `(replica, stage)` lanes of two grids placed from the same first GPU that share
-/// a GPU, each pair once. A lane holds one replica's stage: `tp x cp` consecutive GPUs
-/// (the grid order is TP, CP, DP, PP), at `stage x tp cp dp + replica x tp cp`.
-pub(crate) fn sharing_lanes(a: Layout, b: Layout) -> Vec<((usize, usize), (usize, usize))> {
-    let lane = |l: Layout, gpu: usize| {
-        let stage = l.tp * l.cp * l.dp;
-        (gpu % stage / l.block(), gpu / stage)
+/// The `(replica, stage)` lane of a grid placed from GPU 0 that GPU `gpu` holds: a lane
+/// holds one replica's stage, `tp x cp` consecutive GPUs (the grid order is TP, CP, DP,
+/// PP), replica `gpu % (tp cp dp) / (tp cp)` of stage `gpu / (tp cp dp)` (of `pp - 1 -`
+/// that with its stages `reversed`, as `braid_comm::Grid::with_stages_reversed` places them). The
+/// stage is `pp` or more past the grid's GPUs.
+pub(crate) fn lane_of(l: Layout, reversed: bool, gpu: usize) -> (usize, usize) {
+    let per_stage = l.tp * l.cp * l.dp;
+    let slice = gpu / per_stage;
+    let stage = if reversed && slice < l.pp {
+        l.pp - 1 - slice
+    } else {
+        slice
     };
-    let mut out: Vec<_> = (0..a.gpus().min(b.gpus()))
-        .map(|gpu| (lane(a, gpu), lane(b, gpu)))
+    (gpu % per_stage / l.block(), stage)
+}
+
+/// The `(replica, stage)` lanes of two grids placed from the same first GPU that share
+/// a GPU, each pair once; each grid with its stages reversed or not ([`lane_of`]).
+pub(crate) fn sharing_lanes(
+    a: (Layout, bool),
+    b: (Layout, bool),
+) -> Vec<((usize, usize), (usize, usize))> {
+    let mut out: Vec<_> = (0..a.0.gpus().min(b.0.gpus()))
+        .map(|gpu| (lane_of(a.0, a.1, gpu), lane_of(b.0, b.1, gpu)))
         .collect();
     out.dedup();
     out.sort_unstable();
@@ -85,20 +99,18 @@ pub(crate) fn sharing_lanes(a: Layout, b: Layout) -> Vec<((usize, usize), (usize
 }
 
 /// The lanes each GPU holds, one list per distinct set, for grids placed from the same
-/// first GPU (colocated): `modules` gives each module's layout and lanes
-/// `[replica][stage]`; GPU `x` is in the lane of replica `x % (tp cp dp) / (tp cp)`,
-/// stage `x / (tp cp dp)` of each (the grid order is TP, CP, DP, PP).
+/// first GPU (colocated): `modules` gives each module's layout, whether its stages are
+/// reversed, and its lanes `[replica][stage]`; GPU `x` is in the lane [`lane_of`] names.
 pub(crate) fn device_groups(
-    modules: &[(Layout, &[Vec<LaneTasks>])],
+    modules: &[(Layout, bool, &[Vec<LaneTasks>])],
     gpus: usize,
 ) -> Vec<Vec<usize>> {
     let mut groups: Vec<Vec<usize>> = (0..gpus)
         .map(|x| {
             modules
                 .iter()
-                .filter_map(|(l, lanes)| {
-                    let per_stage = l.tp * l.cp * l.dp;
-                    let (r, s) = (x % per_stage / l.block(), x / per_stage);
+                .filter_map(|&(l, reversed, lanes)| {
+                    let (r, s) = lane_of(l, reversed, x);
                     lanes.get(r).and_then(|st| st.get(s)).map(|t| t.lane)
                 })
                 .collect()
@@ -293,7 +305,7 @@ mod tests {
     fn lanes_share_gpus_where_their_blocks_overlap() {
         let l = |tp, cp, pp, dp| Layout { tp, cp, pp, dp };
         // Same grid: each lane meets only itself.
-        let same = sharing_lanes(l(2, 1, 2, 2), l(2, 1, 2, 2));
+        let same = sharing_lanes((l(2, 1, 2, 2), false), (l(2, 1, 2, 2), false));
         assert_eq!(
             same,
             vec![
@@ -304,11 +316,23 @@ mod tests {
             ]
         );
         // 8 GPUs: dp8 against pp2 dp4 (stage 1 on GPUs 4-7) and against tp4 dp2.
-        let pp = sharing_lanes(l(1, 1, 1, 8), l(1, 1, 2, 4));
+        let pp = sharing_lanes((l(1, 1, 1, 8), false), (l(1, 1, 2, 4), false));
         assert_eq!(pp.len(), 8);
         assert!(pp.contains(&((5, 0), (1, 1))), "{pp:?}");
-        let tp = sharing_lanes(l(1, 1, 1, 8), l(4, 1, 1, 2));
+        let tp = sharing_lanes((l(1, 1, 1, 8), false), (l(4, 1, 1, 2), false));
         assert_eq!(tp.len(), 8);
         assert!(tp.iter().all(|&((r, _), (q, _))| q == r / 4), "{tp:?}");
+        // Reversed, the pp2 grid's stage 1 is on GPUs 0-3 and its stage 0 on 4-7; the
+        // replicas stay where they were.
+        let rev = sharing_lanes((l(1, 1, 1, 8), false), (l(1, 1, 2, 4), true));
+        assert_eq!(rev.len(), 8);
+        assert!(rev.contains(&((5, 0), (1, 0))), "{rev:?}");
+        assert!(rev.contains(&((1, 0), (1, 1))), "{rev:?}");
+        for gpu in 0..8 {
+            let (r, s) = lane_of(l(1, 1, 2, 4), true, gpu);
+            assert_eq!((r, 1 - s), lane_of(l(1, 1, 2, 4), false, gpu));
+        }
+        // Past the grid's GPUs the stage is past its stages either way.
+        assert_eq!(lane_of(l(1, 1, 2, 4), true, 9).1, 2);
     }
 }

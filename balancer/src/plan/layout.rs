@@ -127,6 +127,11 @@ pub struct Plan {
     /// ([`crate::pipeline`]; `parallel.llm.virtual_stages`); 1 (absent): plain 1F1B.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub llm_virtual_stages: usize,
+    /// Each encoder with two pipeline stages or more has them on its PP slices of GPUs
+    /// in reverse order (`parallel.<encoder>.reverse_stages`): colocated, its first stage
+    /// beside the LLM's last stages, idle while 1F1B fills and drains.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub reverse_encoder_stages: bool,
     /// AdamW state sharded over each module's data-parallel ranks.
     pub zero1: bool,
     pub llm: Layout,

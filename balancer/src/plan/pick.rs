@@ -86,7 +86,25 @@ struct Tally {
     simulated: usize,
 }
 
-/// Simulates `round` (in parallel) into `tally`. `gpus`: check each plan against the
+/// `plan` with its encoders' stages reversed, where that can change its step: colocated
+/// and overlapped (each GPU runs its modules' passes in one order, so which encoder stage
+/// shares a GPU with which LLM stage matters), with an encoder of two stages or more.
+fn reversed(plan: &Plan) -> Option<Plan> {
+    let staged = [plan.vision, plan.audio]
+        .iter()
+        .any(|l| l.is_some_and(|l| l.pp >= 2));
+    (plan.placement == Placement::Colocated
+        && plan.schedule == Schedule::Overlapped
+        && staged
+        && !plan.reverse_encoder_stages)
+        .then(|| Plan {
+            reverse_encoder_stages: true,
+            ..plan.clone()
+        })
+}
+
+/// Simulates `round` (in parallel) into `tally`; a colocated overlapped candidate with
+/// its encoders' stages in either order ([`reversed`]), the faster kept. `gpus`: check each plan against the
 /// world first (the LLM-centric baseline is not a plan `braid train` runs: no check).
 fn simulate_round(
     p: &Problem,
@@ -97,7 +115,7 @@ fn simulate_round(
     budget: f64,
     tally: &mut Tally,
 ) -> Result<(), String> {
-    let sims: Vec<Result<StepSim, String>> = round
+    let sims: Vec<Result<(StepSim, Option<Plan>), String>> = round
         .par_iter()
         .map(|&i| {
             let c = &combos[i];
@@ -106,20 +124,32 @@ fn simulate_round(
                     .check(&p.model, &p.cluster, g, batches[0].len())
                     .map_err(|e| format!("internal: a candidate fails its own checks: {e}"))?;
             }
-            mean_sim(p, &c.plan, batches)
+            let sim = mean_sim(p, &c.plan, batches)?;
+            match reversed(&c.plan) {
+                Some(rev) => {
+                    let other = mean_sim(p, &rev, batches)?;
+                    Ok(if other.step_s < sim.step_s {
+                        (other, Some(rev))
+                    } else {
+                        (sim, None)
+                    })
+                }
+                None => Ok((sim, None)),
+            }
         })
         .collect();
     tally.simulated += sims.len();
     let debug = std::env::var("BRAID_PLAN_DEBUG").is_ok();
     for (&i, sim) in round.iter().zip(sims) {
-        let (c, sim) = (&combos[i], sim?);
+        let (c, (sim, rev)) = (&combos[i], sim?);
+        let plan = rev.as_ref().unwrap_or(&c.plan);
         if debug {
             eprintln!(
                 "cand est {:.3} sim {:.3} mem {:.1} GiB {:?}",
                 c.est,
                 sim.step_s,
                 sim.peak_memory / GIB,
-                c.plan
+                plan
             );
         }
         tally.least = tally.least.min(sim.peak_memory);
@@ -129,7 +159,7 @@ fn simulate_round(
             .is_none_or(|b| sim.step_s < b.sim.step_s);
         if sim.peak_memory <= budget && faster {
             tally.best = Some(Found {
-                plan: c.plan.clone(),
+                plan: plan.clone(),
                 sim,
             });
         }
@@ -308,6 +338,7 @@ pub fn closest_to_baseline(
                 recompute_audio: None,
                 llm_first_stage_layers: None,
                 llm_virtual_stages: 1,
+                reverse_encoder_stages: false,
                 vision: beside(baseline.vision),
                 audio: beside(baseline.audio),
                 ..baseline.clone()
@@ -354,11 +385,50 @@ mod tests {
                 recompute_audio: None,
                 llm_first_stage_layers: None,
                 llm_virtual_stages: 1,
+                reverse_encoder_stages: false,
                 zero1: true,
                 llm: l(dp),
                 vision: Some(l(v)),
                 audio: None,
             },
+        }
+    }
+
+    #[test]
+    fn only_colocated_overlapped_plans_with_a_staged_encoder_are_tried_reversed() {
+        let staged = |pp| Layout {
+            tp: 1,
+            cp: 1,
+            pp,
+            dp: 2,
+        };
+        let base = combo(4, 4, 0.0).plan;
+        let of = |placement, schedule, pp| Plan {
+            placement,
+            schedule,
+            vision: Some(staged(pp)),
+            ..base.clone()
+        };
+        let rev = reversed(&of(Placement::Colocated, Schedule::Overlapped, 2)).unwrap();
+        assert!(rev.reverse_encoder_stages);
+        assert_eq!(
+            Plan {
+                reverse_encoder_stages: false,
+                ..rev.clone()
+            },
+            of(Placement::Colocated, Schedule::Overlapped, 2)
+        );
+        assert_eq!(reversed(&rev), None);
+        for (placement, schedule, pp) in [
+            (Placement::Colocated, Schedule::Overlapped, 1),
+            (Placement::Colocated, Schedule::Phased, 2),
+            (Placement::Disjoint, Schedule::Overlapped, 2),
+        ] {
+            assert_eq!(
+                reversed(&of(placement, schedule, pp)),
+                None,
+                "{placement:?} {schedule:?} pp{pp}"
+            );
         }
     }
 

@@ -103,6 +103,7 @@ fn plan_of(
         recompute_audio: audio,
         llm_first_stage_layers: None,
         llm_virtual_stages: llm.chunks,
+        reverse_encoder_stages: false,
         zero1,
         llm: llm.layout,
         vision: get(Module::Vision),

@@ -381,7 +381,8 @@ impl Problem {
                 encoders.first().and_then(|&e| plan.layout(e)),
                 encoders.get(1).and_then(|&e| plan.layout(e)),
             ) {
-                for (a, b) in sharing_lanes(l1, l2) {
+                let rev = plan.reverse_encoder_stages;
+                for (a, b) in sharing_lanes((l1, rev), (l2, rev)) {
                     let (one, two) = (&first[a.0][a.1], &second[b.0][b.1]);
                     set(&mut g, two.f[0], one.f[m - 1]);
                     set(&mut g, one.b[0], two.b[m - 1]);
@@ -393,13 +394,14 @@ impl Problem {
                 let mut first: Vec<usize> = (0..llm.pp)
                     .flat_map(|s| llm_lanes.iter().map(move |r| r[s].lane))
                     .collect();
-                let mut modules: Vec<(Layout, &[Vec<LaneTasks>])> = vec![(llm, &llm_lanes)];
+                let mut modules: Vec<(Layout, bool, &[Vec<LaneTasks>])> =
+                    vec![(llm, false, &llm_lanes)];
                 for (k, &e) in encoders.iter().enumerate() {
                     let (Some(l), Some(reps)) = (plan.layout(e), enc_lanes.get(k)) else {
                         continue;
                     };
                     first.extend((0..l.pp).flat_map(|s| reps.iter().map(move |r| r[s].lane)));
-                    modules.push((l, reps));
+                    modules.push((l, plan.reverse_encoder_stages, reps));
                 }
                 g.share_devices(&first, &device_groups(&modules, plan.gpus()))?;
             }

@@ -296,6 +296,7 @@ mod tests {
                     recompute_audio: None,
                     llm_first_stage_layers: None,
                     llm_virtual_stages: 1,
+                    reverse_encoder_stages: false,
                     zero1: true,
                     llm,
                     vision: Some(vision),

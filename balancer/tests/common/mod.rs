@@ -67,6 +67,7 @@ pub fn plan(llm: Layout, m: usize) -> Plan {
         recompute_audio: None,
         llm_first_stage_layers: None,
         llm_virtual_stages: 1,
+        reverse_encoder_stages: false,
         zero1: true,
         llm,
         vision: None,

@@ -65,6 +65,14 @@ pub struct ModuleLayout {
     /// stages). None: every stage `layers / pp`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub first_stage_layers: Option<usize>,
+    /// An encoder's stages on its PP slices of ranks in reverse order: stage 0 on the
+    /// last slice (encoders only, with `pp >= 2`). Under colocated placement this sets
+    /// which LLM stage's GPUs each encoder stage shares: reversed, the encoder's first
+    /// stage (whose forwards start the step and whose backwards end it) sits on the
+    /// LLM's last stages, idle at both ends of 1F1B, and its last stage on the LLM's
+    /// first. The math is the same either way.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub reverse_stages: bool,
 }
 
 impl Default for ModuleLayout {
@@ -77,6 +85,7 @@ impl Default for ModuleLayout {
             recompute: false,
             virtual_stages: 1,
             first_stage_layers: None,
+            reverse_stages: false,
         }
     }
 }
@@ -269,6 +278,21 @@ impl ParallelConfig {
                 return Err(invalid(
                     format!("parallel.{name}.virtual_stages"),
                     "interleaved pipeline stages are for the LLM only: remove the key",
+                ));
+            }
+            if l.reverse_stages && name == "llm" {
+                return Err(invalid(
+                    "parallel.llm.reverse_stages",
+                    "reversed stages are for the encoders only (they set which LLM stage each encoder stage shares GPUs with): remove the key",
+                ));
+            }
+            if l.reverse_stages && l.pp < 2 {
+                return Err(invalid(
+                    format!("parallel.{name}.reverse_stages"),
+                    format!(
+                        "the {name} encoder has one pipeline stage (parallel.{name}.pp = {}): nothing to reverse; remove the key or set pp >= 2",
+                        l.pp
+                    ),
                 ));
             }
         }

@@ -103,6 +103,14 @@ fn typos_and_bad_values_name_the_key() {
             &["parallel.vision.virtual_stages=2"][..],
             "parallel.vision.virtual_stages",
         ),
+        (
+            &["parallel.llm.reverse_stages=true"][..],
+            "parallel.llm.reverse_stages",
+        ),
+        (
+            &["parallel.audio.reverse_stages=true"][..],
+            "parallel.audio.pp = 1): nothing to reverse",
+        ),
         (&["checkpoint.keep=0"][..], "checkpoint.keep"),
         (
             &["train.batch_tokens=100"][..],

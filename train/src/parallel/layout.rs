@@ -276,7 +276,7 @@ impl Layouts {
             };
             offset = offset.saturating_add(l.ranks());
             Grid::new(l.grid_dims(), at)
-                .map(Some)
+                .map(|g| Some(g.with_stages_reversed(l.reverse_stages)))
                 .map_err(|e| invalid("parallel", e.to_string()))
         };
         let vision = grid(has_vision, &p.vision)?;

@@ -49,7 +49,13 @@ impl PlanFile {
     }
 }
 
-fn module_layout(l: Option<braid_balancer::Layout>, recompute: bool) -> ModuleLayout {
+/// A module's layout from a plan's; `reverse` reverses its stages where it has two or
+/// more (the plan's `reverse_encoder_stages`, for the encoders).
+fn module_layout(
+    l: Option<braid_balancer::Layout>,
+    recompute: bool,
+    reverse: bool,
+) -> ModuleLayout {
     let l = l.unwrap_or(braid_balancer::Layout::ONE);
     ModuleLayout {
         tp: l.tp,
@@ -59,6 +65,7 @@ fn module_layout(l: Option<braid_balancer::Layout>, recompute: bool) -> ModuleLa
         recompute,
         virtual_stages: 1,
         first_stage_layers: None,
+        reverse_stages: reverse && l.pp >= 2,
     }
 }
 
@@ -141,10 +148,15 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
     cfg.parallel.llm = ModuleLayout {
         virtual_stages: p.llm_virtual_stages,
         first_stage_layers: p.llm_first_stage_layers,
-        ..module_layout(Some(p.llm), p.recompute)
+        ..module_layout(Some(p.llm), p.recompute, false)
     };
-    cfg.parallel.vision = module_layout(p.vision, p.recompute_encoders);
-    cfg.parallel.audio = module_layout(p.audio, p.recomputes(braid_balancer::Module::Audio));
+    let reverse = p.reverse_encoder_stages;
+    cfg.parallel.vision = module_layout(p.vision, p.recompute_encoders, reverse);
+    cfg.parallel.audio = module_layout(
+        p.audio,
+        p.recomputes(braid_balancer::Module::Audio),
+        reverse,
+    );
     if p.placement == Placement::LlmCentric {
         // The encoders on the LLM's first stage at their own TP: a replica on every
         // `tp` of the stage's ranks, as the planner counts them.
@@ -185,8 +197,13 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
     let audio = p
         .own_audio_recompute()
         .map_or(String::new(), |a| format!(" / audio {a}"));
+    let reversed = if p.reverse_encoder_stages {
+        ", encoder stages reversed"
+    } else {
+        ""
+    };
     notes.push(format!(
-        "parallel.plan {spec}: {} GPUs, {} {}, llm {}{chunks}, {} microbatches, recompute llm {} / encoders {}{audio} (predicted {:.3} s/step on {})",
+        "parallel.plan {spec}: {} GPUs, {} {}, llm {}{chunks}, {} microbatches, recompute llm {} / encoders {}{audio}{reversed} (predicted {:.3} s/step on {})",
         file.gpus,
         p.placement.name(),
         p.schedule.name(),

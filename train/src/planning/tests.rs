@@ -41,6 +41,7 @@ fn a_plan_file_sets_the_world_layouts_and_microbatches() {
             recompute_audio: None,
             llm_first_stage_layers: None,
             llm_virtual_stages: 2,
+            reverse_encoder_stages: false,
             zero1: false,
             llm: braid_balancer::Layout {
                 tp: 2,
@@ -106,6 +107,7 @@ fn a_hostile_plan_file_is_an_error_naming_what_is_wrong() {
         recompute_audio: None,
         llm_first_stage_layers: None,
         llm_virtual_stages: 1,
+        reverse_encoder_stages: false,
         zero1: true,
         llm: layout(1),
         vision: Some(layout(1)),
@@ -126,6 +128,7 @@ fn a_hostile_plan_file_is_an_error_naming_what_is_wrong() {
     // No model chunk on a stage: rejected, not read as 1.
     let e = run(Plan {
         llm_virtual_stages: 0,
+        reverse_encoder_stages: false,
         ..plan.clone()
     })
     .unwrap_err()
@@ -258,6 +261,7 @@ fn a_plan_file_sets_each_encoder_s_recomputation() {
                 recompute_audio: audio,
                 llm_first_stage_layers: None,
                 llm_virtual_stages: 1,
+                reverse_encoder_stages: false,
                 zero1: true,
                 llm: braid_balancer::Layout {
                     tp: 1,
@@ -294,6 +298,56 @@ fn a_plan_file_sets_each_encoder_s_recomputation() {
         let differs = audio.is_some_and(|a| a != encoders);
         let said = applied.notes.iter().any(|n| n.contains(" / audio "));
         assert_eq!(said, differs, "{at}: {:?}", applied.notes);
+    }
+}
+
+/// `reverse_encoder_stages` reverses the stages of each encoder that has two or more
+/// (the trainer refuses the key on a one-stage encoder), and says so at start-up; a file
+/// without it keeps the stages in order.
+#[test]
+fn a_plan_file_reverses_the_encoder_stages_it_can() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("plan.toml");
+    let lay = |pp, dp| braid_balancer::Layout {
+        tp: 1,
+        cp: 1,
+        pp,
+        dp,
+    };
+    for reverse in [false, true] {
+        let file = file_of(
+            4,
+            Plan {
+                placement: Placement::Colocated,
+                schedule: Schedule::Overlapped,
+                microbatches: 2,
+                recompute: false,
+                recompute_encoders: false,
+                recompute_audio: None,
+                llm_first_stage_layers: None,
+                llm_virtual_stages: 1,
+                reverse_encoder_stages: reverse,
+                zero1: true,
+                llm: lay(2, 2),
+                vision: Some(lay(2, 2)),
+                audio: Some(lay(1, 4)),
+            },
+        );
+        file.write(&path).unwrap();
+        assert_eq!(PlanFile::read(&path).unwrap(), file);
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text.contains("reverse_encoder_stages"), reverse, "{text}");
+        let mut cfg = tiny(&[&format!("parallel.plan={}", path.display())]);
+        let applied = apply(&mut cfg).unwrap();
+        let p = &cfg.parallel;
+        assert_eq!(p.vision.reverse_stages, reverse);
+        assert!(!p.audio.reverse_stages && !p.llm.reverse_stages);
+        let said = applied
+            .notes
+            .iter()
+            .any(|n| n.contains("encoder stages reversed"));
+        assert_eq!(said, reverse, "{:?}", applied.notes);
+        cfg.validate().unwrap();
     }
 }
 
@@ -348,6 +402,7 @@ fn llm_alone_brute_force(p: &Planned, gpus: usize, rows: usize) -> (f64, Option<
                                 recompute_audio: None,
                                 llm_first_stage_layers: None,
                                 llm_virtual_stages: v,
+                                reverse_encoder_stages: false,
                                 zero1: true,
                                 llm: braid_balancer::Layout { tp, cp, pp, dp },
                                 vision: None,
