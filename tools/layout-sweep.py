@@ -2,7 +2,7 @@
 """Random layouts of configs/tiny.toml under both schedules against one rank.
 
 Draws disjoint layouts (TP, CP, PP, DP per module, microbatches, encoder recomputation,
-an encoder's stages reversed), or with `--colocated` colocated ones (every grid spanning
+an encoder's stages reversed, the LLM's backward split), or with `--colocated` colocated ones (every grid spanning
 one world), trains each for 4
 steps under `parallel.schedule = "phased"` and `"overlapped"` with the given `braid`
 binary, and where the LLM has pipeline stages also with interleaved stages under both
@@ -114,6 +114,11 @@ def main():
         for m in ("vision", "audio"):
             if mods[m]["pp"] >= 2 and rng.random() < 0.5:
                 sets.append(f"parallel.{m}.reverse_stages=true")
+        # A pipelined LLM, half the time with its backward split (zero-bubble); the
+        # interleaved runs below then go without it.
+        zero_bubble = mods["llm"]["pp"] >= 2 and rng.random() < 0.5
+        if zero_bubble:
+            sets.append("parallel.llm.zero_bubble=true")
         tag = " ".join(s.replace("parallel.", "") for s in sets)
         phased, e1 = train(a.bin, out, "phased", sets)
         over, e2 = train(a.bin, out, "overlapped", sets + ['parallel.schedule="overlapped"'])
@@ -126,10 +131,11 @@ def main():
         if tried_inter:
             v = rng.choice(vs)
             tag += f" | virtual_stages={v}"
-            inter, e3 = train(a.bin, out, "interleaved", sets + [f"parallel.llm.virtual_stages={v}"])
+            plain = [x for x in sets if x != "parallel.llm.zero_bubble=true"]
+            inter, e3 = train(a.bin, out, "interleaved", plain + [f"parallel.llm.virtual_stages={v}"])
             inter_over, e4 = train(a.bin, out, "interleaved-overlapped",
-                                   sets + [f"parallel.llm.virtual_stages={v}",
-                                           'parallel.schedule="overlapped"'])
+                                   plain + [f"parallel.llm.virtual_stages={v}",
+                                            'parallel.schedule="overlapped"'])
         if phased is None or over is None:
             if e1 and e2 and e1[0] == 2 and e2[0] == 2:
                 print("REJECT", tag, e1[1], flush=True)

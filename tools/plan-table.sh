@@ -32,6 +32,7 @@ vis, aud = v["recompute_encoders"], v.get("recompute_audio", v["recompute_encode
 rec = {(True, True): " (enc. recompute)", (True, False): " (vision recompute)",
        (False, True): " (audio recompute)"}.get((vis, aud), "") if v["vision"] or v["audio"] else ""
 rev = " (encoder stages reversed)" if v.get("reverse_encoder_stages") else ""
+rev += " (zero-bubble)" if v.get("llm_zero_bubble") else ""
 chosen = f"{v['placement']}/{v['schedule']}: {mods[0]}, {v['microbatches']} mb; {', '.join(mods[1:])}{rec}{rev}"
 b = v["baseline"]["llm"]
 bv = v["baseline"].get("llm_virtual_stages") or 1

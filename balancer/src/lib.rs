@@ -10,6 +10,7 @@ pub mod pipeline;
 pub mod plan;
 pub mod synthetic;
 pub mod workload;
+pub mod zero_bubble;
 
 pub use assign::{AssignError, Assigner, Assignment, BatchShape, Replicas, RoundRobin};
 pub use balance::{Balanced, Centric, Imbalance, PerMicrobatch, TokenCost};

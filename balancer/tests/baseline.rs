@@ -27,6 +27,7 @@ fn the_nearest_runnable_plan_to_the_baseline_tiles_its_grid_with_colocated_encod
         llm_first_stage_layers: None,
         llm_virtual_stages: 1,
         reverse_encoder_stages: false,
+        llm_zero_bubble: false,
         zero1: true,
         llm: layout(2, 2, 1, 4),
         vision: Some(layout(2, 1, 1, 8)),
@@ -126,6 +127,7 @@ fn the_baseline_runs_an_encoder_replica_on_every_encoder_tp_of_the_first_stage()
         llm_first_stage_layers: None,
         llm_virtual_stages: 1,
         reverse_encoder_stages: false,
+        llm_zero_bubble: false,
         zero1: true,
         llm: layout(4 / cp, cp, 1, 1),
         // The plan's DP is what the planner writes; the simulator derives its own.

@@ -49,6 +49,7 @@ fn every_gpu_runs_one_pass_at_a_time_and_encoders_fill_the_llm_waits() {
                 audio: Some(audio),
                 llm_virtual_stages: v,
                 reverse_encoder_stages: rev,
+                llm_zero_bubble: false,
                 ..plan(llm, m)
             };
             plan.check(&p.model, &p.cluster, 16, batch.len()).unwrap();

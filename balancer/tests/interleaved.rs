@@ -33,6 +33,7 @@ fn interleaved(pp: usize, v: usize, m: usize) -> Plan {
     Plan {
         llm_virtual_stages: v,
         reverse_encoder_stages: false,
+        llm_zero_bubble: false,
         ..plan(pipeline(pp), m)
     }
 }

@@ -393,19 +393,27 @@ fn the_bound_holds_for_every_layout_of_two_nodes() {
                         if dp == 0 || tp * cp * pp * dp != 16 {
                             continue;
                         }
-                        for m in [1, 2, 4, 8, 16] {
+                        for (m, split) in [1, 2, 4, 8, 16]
+                            .into_iter()
+                            .flat_map(|m| [(m, false), (m, pp >= 2)])
+                        {
                             let l = Layout { tp, cp, pp, dp };
-                            let Ok(sim) = p.simulate(&plan(l, m), &rows) else {
+                            // Zero-bubble pipelining too, where the LLM has stages.
+                            let with = |m| braid_balancer::Plan {
+                                llm_zero_bubble: split,
+                                ..plan(l, m)
+                            };
+                            let Ok(sim) = p.simulate(&with(m), &rows) else {
                                 continue;
                             };
                             checked += 1;
                             assert!(
                                 sim.step_s >= b.step_s * (1.0 - 1e-9),
-                                "{name}, overlap {overlap}, {l:?}, {m} mb: step {} < bound {b:?}",
+                                "{name}, overlap {overlap}, {l:?}, {m} mb, zero-bubble {split}: step {} < bound {b:?}",
                                 sim.step_s
                             );
                             // The gap's parts add up to the step and none is negative.
-                            let g = p.gap(&plan(l, m), std::slice::from_ref(&rows), &sim);
+                            let g = p.gap(&with(m), std::slice::from_ref(&rows), &sim);
                             assert!((g.step_s() - sim.step_s).abs() <= 1e-9 * sim.step_s);
                             let parts = [
                                 g.memory_forced_s,

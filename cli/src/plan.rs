@@ -287,6 +287,7 @@ fn found_json(f: &Found) -> Value {
         "llm_first_stage_layers": f.plan.llm_first_stage_layers,
         "llm_virtual_stages": f.plan.llm_virtual_stages,
         "reverse_encoder_stages": f.plan.reverse_encoder_stages,
+        "llm_zero_bubble": f.plan.llm_zero_bubble,
         "bubble": f.sim.bubble,
         "idle": f.sim.idle,
         "peak_memory_gib": f.sim.peak_memory / GIB,
@@ -483,6 +484,9 @@ fn print_text(p: &Planned, alone: Option<&Found>, closest: Option<&Found>, g: &G
     }
     let interleaved = match b.plan.llm_virtual_stages {
         v if v > 1 => format!(" (LLM interleaved: {v} chunks per stage)"),
+        _ if b.plan.llm_zero_bubble => {
+            " (LLM zero-bubble: weight gradients in passes of their own)".into()
+        }
         _ => String::new(),
     };
     let reversed = if b.plan.reverse_encoder_stages {

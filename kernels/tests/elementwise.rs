@@ -460,6 +460,17 @@ fn linear_errors(dev: Device) -> Result<()> {
         ops::linear_bwd(&dy, &x, &w, None, Some(&mut db_u)),
         Err(Error::DType { .. })
     ));
+    // The weight gradient alone: dw (N, K) for dy (.., N) and x (.., K) of equal rows.
+    let mut dw = z(&[5, 4])?;
+    assert!(ops::linear_wgrad(&dy, &x, &mut dw).is_ok());
+    assert!(matches!(
+        ops::linear_wgrad(&dy, &x, &mut dw_bad),
+        Err(Error::Shape { .. })
+    ));
+    assert!(matches!(
+        ops::linear_wgrad(&z(&[2, 2, 5])?, &x, &mut dw),
+        Err(Error::Shape { .. })
+    ));
     Ok(())
 }
 

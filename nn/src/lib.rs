@@ -28,6 +28,7 @@ pub mod param;
 pub mod regions;
 pub mod rope;
 pub mod vocab;
+pub mod wgrad;
 
 pub use attention::{Attention, AttentionCache, AttentionConfig, AttentionDims};
 pub use block::{BlockCache, BlockConfig, BlockSaved, TransformerBlock};

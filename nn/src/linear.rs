@@ -119,10 +119,11 @@ impl Linear {
 
     /// Backward given the forward's input `x` (layers that share one input between
     /// several projections keep a single copy of it).
+    /// The weight gradient waits for a W pass while the weight defers
+    /// ([`crate::wgrad`]).
     pub fn backward_with_input(&mut self, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
-        let (w, dw) = self.weight.compute_and_grad();
         let db = self.bias.as_mut().and_then(|b| b.grad.as_mut());
-        ops::linear_bwd(dy, x, w, dw, db).ctx(&self.name, "backward")
+        crate::wgrad::linear_backward(&mut self.weight, db, x, dy, &self.name)
     }
 }
 

@@ -236,11 +236,11 @@ impl RowParallelLinear {
     /// Backward to this rank's input slice given that slice (N, in/tp).
     pub fn backward_parallel(&mut self, x_local: &Tensor, dy: &Tensor) -> Result<Tensor> {
         let dy = reduce_from_tp_bwd(self.group.as_ref(), dy);
-        let (w, dw) = self.linear.weight.compute_and_grad();
         // The bias grad is the row sum of the (replicated) output grad: every rank
         // computes the same full db.
         let db = self.bias.as_mut().and_then(|b| b.grad.as_mut());
-        ops::linear_bwd(dy, x_local, w, dw, db).ctx(self.name(), "backward")
+        let name = self.linear.name.clone();
+        crate::wgrad::linear_backward(&mut self.linear.weight, db, x_local, dy, &name)
     }
 }
 

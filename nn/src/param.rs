@@ -27,6 +27,11 @@ pub struct Param {
     pub shard: Shard,
     /// The compute copy (bf16) under mixed precision; `None` computes on `value`.
     compute: Option<Tensor>,
+    /// While set, a linear layer's backward keeps its weight gradient's inputs in
+    /// `deferred` instead of computing it (zero-bubble pipelining, [`crate::wgrad`]).
+    pub(crate) defer_wgrad: bool,
+    /// `(dy, x)` of each weight gradient deferred, in backward order.
+    pub(crate) deferred: Vec<(Tensor, Tensor)>,
 }
 
 impl Param {
@@ -41,6 +46,8 @@ impl Param {
             grad: Some(grad),
             shard: Shard::Full,
             compute: None,
+            defer_wgrad: false,
+            deferred: Vec::new(),
         })
     }
 
@@ -52,6 +59,8 @@ impl Param {
             grad: None,
             shard: Shard::Full,
             compute: None,
+            defer_wgrad: false,
+            deferred: Vec::new(),
         }
     }
 

@@ -17,40 +17,11 @@ use braid_kernels::testing::assert_close;
 use braid_kernels::{Device, Tensor};
 use braid_nn::{
     AttentionConfig, AttentionDims, BlockConfig, CpPlan, DynamicNtk, MlpConfig, MlpKind, NormKind,
-    Rope, RopeConfig, SeqInfo, TransformerBlock,
+    Rope, SeqInfo, TransformerBlock,
 };
 use common::*;
 
 const TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Causal, RoPE (dynamic NTK, so the batch length matters), GQA 4 query / 2 kv heads.
-fn causal_rope_gqa() -> BlockConfig {
-    BlockConfig {
-        attn: AttentionConfig {
-            dims: AttentionDims {
-                c: 8,
-                nh: 4,
-                nkv: 2,
-                hs: 4,
-            },
-            causal: true,
-            qkv_bias: true,
-            o_bias: false,
-            rope: Some(RopeConfig {
-                theta: 100.0,
-                rot_dim: 4,
-            }),
-        },
-        mlp: MlpConfig {
-            c: 8,
-            ff: 12,
-            kind: MlpKind::SwiGlu,
-            bias: false,
-        },
-        norm: NormKind::RmsNorm,
-        norm_eps: 1e-6,
-    }
-}
 
 /// Bidirectional encoder block, no RoPE, MQA.
 fn bidirectional_no_rope() -> BlockConfig {

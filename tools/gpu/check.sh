@@ -76,6 +76,7 @@ say "bundle built from $(head -n 1 "$B/built-from.txt" 2>/dev/null || echo '?'),
 LAYOUTS=(
     "tp2|parallel.world_size=4 parallel.llm.tp=2 model.llm.kv_heads=2 model.llm.vocab=262"
     "pp2|parallel.world_size=4 parallel.llm.pp=2 model.llm.layers=2"
+    "pp2zb|parallel.world_size=4 parallel.llm.pp=2 model.llm.layers=2 parallel.llm.zero_bubble=true"
     "colocated4|parallel.world_size=4 parallel.placement=\"colocated\" parallel.llm.dp=4 parallel.vision.dp=4 parallel.audio.tp=2 parallel.audio.dp=2"
     "colocated2|parallel.world_size=2 parallel.placement=\"colocated\" parallel.llm.tp=2 model.llm.kv_heads=2 model.llm.vocab=262 parallel.vision.dp=2 parallel.audio.dp=2"
 )

@@ -218,6 +218,7 @@ fn plan_of(cfg: &RunConfig, dims: &braid_balancer::ModelDims) -> Plan {
         llm_first_stage_layers: p.llm.first_stage_layers,
         llm_virtual_stages: p.llm.virtual_stages,
         reverse_encoder_stages: p.vision.reverse_stages || p.audio.reverse_stages,
+        llm_zero_bubble: p.llm.zero_bubble,
         zero1: p.zero1,
         llm: l(&p.llm),
         vision: dims.vision.as_ref().map(|_| l(&p.vision)),

@@ -339,6 +339,17 @@ fn layouts_that_do_not_fit_the_model_or_world_name_the_key() {
         |g: &braid_comm::grid::Grid| (0..4).map(|r| g.coord(r).unwrap().pp).collect::<Vec<_>>();
     assert_eq!(stages(vision), [1, 1, 0, 0]);
     assert_eq!(stages(audio), [0, 0, 1, 1]);
+    // The start-up lines say which grids are reversed.
+    let lines = layouts.describe();
+    let reversed = |key: &str| {
+        lines
+            .iter()
+            .any(|l| l.starts_with(key) && l.contains("stages reversed"))
+    };
+    assert!(
+        reversed("vision") && !reversed("audio") && !reversed("llm"),
+        "{lines:?}"
+    );
     let e = full(&["parallel.world_size=5", "parallel.vision.pp=3"]);
     assert!(e.contains("parallel.vision.pp"), "{e}");
     let e = full(&["parallel.world_size=4", "parallel.audio.tp=4"]);

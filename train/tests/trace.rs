@@ -137,6 +137,48 @@ fn an_overlapped_run_shows_encoders_working_beside_the_llm() {
     }
 }
 
+/// Zero-bubble pipelining, phased and overlapped: every LLM stage runs a weight pass
+/// ("llm wgt s1 mb2") per microbatch, after that microbatch's backward.
+#[test]
+fn a_zero_bubble_run_shows_each_weight_pass_after_its_backward() {
+    for schedule in ["phased", "overlapped"] {
+        let dir = run_dir(&format!("trace-zero-bubble-{schedule}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        let sets = [
+            &format!("parallel.schedule=\"{schedule}\""),
+            "parallel.world_size=5",
+            "parallel.llm.pp=3",
+            "parallel.llm.zero_bubble=true",
+            "train.microbatches=4",
+            "log.trace=true",
+            "log.trace_steps=1",
+            "train.steps=1",
+            "optim.warmup_steps=1",
+            "model.llm.layers=3",
+        ];
+        train(config(&dir, &sets), false, &mut Quiet).unwrap();
+        let merged = read(&dir.join("trace").join("trace.json")).unwrap();
+        check_file(&merged, 5);
+        let end_of = |name: &str| {
+            let e = merged
+                .trace_events
+                .iter()
+                .find(|e| e.ph == "X" && e.name == name)
+                .unwrap_or_else(|| panic!("{schedule}: no span `{name}`"));
+            (e.ts, e.ts + e.dur.unwrap())
+        };
+        for s in 0..3 {
+            for mb in 0..4 {
+                let (b, w) = (
+                    end_of(&format!("llm bwd s{s} mb{mb}")),
+                    end_of(&format!("llm wgt s{s} mb{mb}")),
+                );
+                assert!(w.0 >= b.1 - 1.0, "{schedule}: s{s} mb{mb} W before its B");
+            }
+        }
+    }
+}
+
 #[test]
 fn a_multi_rank_run_writes_every_rank_timeline() {
     let dir = run_dir("trace");

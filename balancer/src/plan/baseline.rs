@@ -208,6 +208,7 @@ fn baseline_combos(
                             llm_first_stage_layers: first,
                             llm_virtual_stages: o.chunks,
                             reverse_encoder_stages: false,
+                            llm_zero_bubble: false,
                             zero1: space.zero1,
                             llm: o.layout,
                             vision: p

@@ -61,6 +61,7 @@ pub(crate) fn pipeline(
         llm_first_stage_layers: first,
         llm_virtual_stages: 1,
         reverse_encoder_stages: false,
+        llm_zero_bubble: false,
         zero1: true,
         llm: Layout {
             tp: 1,
@@ -130,6 +131,7 @@ fn the_bound_allows_an_interleaved_fill_and_drain() {
     let plan = |v: usize| Plan {
         llm_virtual_stages: v,
         reverse_encoder_stages: false,
+        llm_zero_bubble: false,
         ..pipeline(4, 1, 8, false, None)
     };
     // Memory for the interleaved plan and no more: two stages of four blocks do not fit.

@@ -36,6 +36,10 @@ struct Pass {
     /// The part of `matmul` recomputation does not rerun: the LLM's head and loss, an
     /// encoder's projector (they sit after the recomputed blocks or stage).
     head: f64,
+    /// The part of `matmul` that is the blocks' (and stem's) linear layers: their weight
+    /// gradients cost as much again in the backward (what zero-bubble pipelining moves
+    /// to a W pass).
+    weight_grad: f64,
     attention: f64,
     fixed: f64,
     fixed_backward: f64,
@@ -143,6 +147,42 @@ impl StageCost<'_> {
         self.backward_of(&self.pass_of(stage, Some(chunk), tokens, sq))
     }
 
+    /// Whether this module may run with its backward split for zero-bubble pipelining:
+    /// the LLM (the only module with a vocabulary), trained, over two stages or more of
+    /// one model chunk each. Its bound must hold for that schedule too.
+    pub fn may_split_backward(&self) -> bool {
+        self.dims.vocab > 0 && !self.frozen && self.layout.pp >= 2 && self.chunks <= 1
+    }
+
+    /// Zero-bubble pipelining's split of [`StageCost::backward_chunk`] into `(B, W)`: W
+    /// the linear layers' weight-gradient GEMMs (their forward's FLOPs again, at its
+    /// rate), B the rest, with the backward's collectives.
+    pub fn split_backward_chunk(
+        &self,
+        stage: usize,
+        chunk: usize,
+        tokens: f64,
+        sq: f64,
+    ) -> (Cost, Cost) {
+        let p = self.pass_of(stage, Some(chunk), tokens, sq);
+        let whole = self.backward_of(&p);
+        let w = if self.frozen {
+            0.0
+        } else {
+            p.weight_grad.min(whole.compute)
+        };
+        (
+            Cost {
+                compute: whole.compute - w,
+                comm: whole.comm,
+            },
+            Cost {
+                compute: w,
+                comm: 0.0,
+            },
+        )
+    }
+
     /// The forward's parts, which the backward scales differently.
     fn pass(&self, stage: usize, tokens: f64, sq: f64) -> Pass {
         self.pass_of(stage, None, tokens, sq)
@@ -211,6 +251,7 @@ impl StageCost<'_> {
         Pass {
             matmul,
             head,
+            weight_grad: linear / rate,
             attention,
             fixed: layers * c.layer_overhead_us * 1e-6,
             fixed_backward: layers * c.backward_overhead_us() * 1e-6,

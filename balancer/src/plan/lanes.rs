@@ -8,6 +8,7 @@ use crate::pipeline::interleaved_1f1b;
 use crate::plan::cost::{Cost, StageCost};
 use crate::plan::dag::Dag;
 use crate::plan::layout::Layout;
+use crate::zero_bubble::{SplitPass, zero_bubble};
 
 /// A simulated step's timeline: its lanes (label, GPUs each stands for) and every task
 /// that took time, `(lane, name, start s, end s)`.
@@ -224,6 +225,7 @@ pub(crate) fn link_stages(g: &mut Dag, stages: &[LaneTasks], m: usize) {
 /// (`centric`: encoder index and its cost, `enc_load[encoder][encoder replica]
 /// [microbatch]`, `B_tp / tp x B_cp` encoder replicas to an LLM replica) run inside
 /// stage 0's chunk 0.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn llm_pipeline_lanes(
     g: &mut Dag,
     sc: &StageCost,
@@ -231,6 +233,7 @@ pub(crate) fn llm_pipeline_lanes(
     loads: &[Vec<Load>],
     centric: &[(usize, StageCost)],
     enc_load: &[Vec<Vec<Load>>],
+    split: bool,
 ) -> Vec<Vec<LaneTasks>> {
     let v = sc.chunks.max(1);
     let mut lanes = Vec::new();
@@ -238,6 +241,10 @@ pub(crate) fn llm_pipeline_lanes(
         let m = loads.len();
         let mut stages = Vec::new();
         for s in 0..llm.pp {
+            if split && v == 1 && centric.is_empty() {
+                stages.push(split_stage_lane(g, sc, llm, s, d, loads));
+                continue;
+            }
             let order: Vec<(bool, usize)> = interleaved_1f1b(s, llm.pp, v, m, true)
                 .into_iter()
                 .map(|p| (p.forward, p.chunk * m + p.mb))
@@ -295,6 +302,52 @@ pub(crate) fn llm_pipeline_lanes(
         lanes.push(stages);
     }
     lanes
+}
+
+/// Stage `s` of LLM replica `d` under zero-bubble pipelining ([`zero_bubble`]): each
+/// microbatch's forward, its backward less the weight gradients (B), and those (W),
+/// named as the trainer's timeline names them ("llm wgt s1 mb3").
+fn split_stage_lane(
+    g: &mut Dag,
+    sc: &StageCost,
+    llm: Layout,
+    s: usize,
+    d: usize,
+    loads: &[Load],
+) -> LaneTasks {
+    let m = loads.len();
+    let lane = g.lane(llm.block(), format!("llm r{d} s{s}"));
+    let (mut f, mut b) = (vec![usize::MAX; m], vec![usize::MAX; m]);
+    let (first, last) = (s == 0, s + 1 == llm.pp);
+    for pass in zero_bubble(s, llm.pp, m) {
+        let (what, j) = match pass {
+            SplitPass::Forward(j) => ("fwd", j),
+            SplitPass::Backward(j) => ("bwd", j),
+            SplitPass::Weight(j) => ("wgt", j),
+        };
+        let x = loads[j];
+        let (bwd, wgt) = sc.split_backward_chunk(s, 0, x.tokens, x.sq);
+        let cost = match pass {
+            SplitPass::Forward(_) => {
+                let mut t = sc.forward_chunk(s, 0, x.tokens, x.sq);
+                t.comm += sc.send(x.tokens) * f64::from(u8::from(!first));
+                t
+            }
+            SplitPass::Backward(_) => Cost {
+                comm: bwd.comm + sc.send(x.tokens) * f64::from(u8::from(!last)),
+                ..bwd
+            },
+            SplitPass::Weight(_) => wgt,
+        };
+        let id = g.push(lane, cost, &[]);
+        g.name(id, || format!("llm {what} s{s} mb{j}"));
+        match pass {
+            SplitPass::Forward(_) => f[j] = id,
+            SplitPass::Backward(_) => b[j] = id,
+            SplitPass::Weight(_) => {}
+        }
+    }
+    LaneTasks { lane, f, b }
 }
 
 #[cfg(test)]

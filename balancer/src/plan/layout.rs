@@ -132,6 +132,10 @@ pub struct Plan {
     /// beside the LLM's last stages, idle while 1F1B fills and drains.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub reverse_encoder_stages: bool,
+    /// The LLM's backward split for zero-bubble pipelining ([`crate::zero_bubble`];
+    /// `parallel.llm.zero_bubble`): two stages or more, one model chunk a stage.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub llm_zero_bubble: bool,
     /// AdamW state sharded over each module's data-parallel ranks.
     pub zero1: bool,
     pub llm: Layout,
@@ -263,6 +267,15 @@ impl Plan {
                         .into(),
                 );
             }
+        }
+        if self.llm_zero_bubble
+            && (self.llm.pp < 2 || v > 1 || self.placement == Placement::LlmCentric)
+        {
+            return Err(format!(
+                "llm_zero_bubble splits the backward of an LLM pipeline of two stages or more, one model chunk a stage, beside its encoders (llm pp {}, {v} chunks a stage, {} placement)",
+                self.llm.pp,
+                self.placement.name()
+            ));
         }
         let rows = batch_rows / self.llm.dp;
         if rows == 0 || self.microbatches == 0 || self.microbatches > rows {

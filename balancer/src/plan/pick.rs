@@ -86,25 +86,40 @@ struct Tally {
     simulated: usize,
 }
 
-/// `plan` with its encoders' stages reversed, where that can change its step: colocated
-/// and overlapped (each GPU runs its modules' passes in one order, so which encoder stage
-/// shares a GPU with which LLM stage matters), with an encoder of two stages or more.
-fn reversed(plan: &Plan) -> Option<Plan> {
+/// The variants of `plan` the search simulates beside it, each and both where they
+/// apply: its encoders' stages reversed (colocated and overlapped, each GPU running its
+/// modules' passes in one order, so which encoder stage shares a GPU with which LLM
+/// stage matters; an encoder of two stages or more), and its LLM's backward split for
+/// zero-bubble pipelining (two stages or more, one model chunk a stage, beside its
+/// encoders).
+fn variants(plan: &Plan) -> Vec<Plan> {
     let staged = [plan.vision, plan.audio]
         .iter()
         .any(|l| l.is_some_and(|l| l.pp >= 2));
-    (plan.placement == Placement::Colocated
+    let reverse = plan.placement == Placement::Colocated
         && plan.schedule == Schedule::Overlapped
         && staged
-        && !plan.reverse_encoder_stages)
-        .then(|| Plan {
-            reverse_encoder_stages: true,
+        && !plan.reverse_encoder_stages;
+    let split = plan.llm.pp >= 2
+        && plan.llm_virtual_stages <= 1
+        && plan.placement != Placement::LlmCentric
+        && !plan.llm_zero_bubble;
+    let mut out = Vec::new();
+    for (r, z) in [(true, false), (false, true), (true, true)] {
+        if (r && !reverse) || (z && !split) {
+            continue;
+        }
+        out.push(Plan {
+            reverse_encoder_stages: plan.reverse_encoder_stages || r,
+            llm_zero_bubble: plan.llm_zero_bubble || z,
             ..plan.clone()
-        })
+        });
+    }
+    out
 }
 
-/// Simulates `round` (in parallel) into `tally`; a colocated overlapped candidate with
-/// its encoders' stages in either order ([`reversed`]), the faster kept. `gpus`: check each plan against the
+/// Simulates `round` (in parallel) into `tally`; each candidate with its [`variants`],
+/// the fastest kept. `gpus`: check each plan against the
 /// world first (the LLM-centric baseline is not a plan `braid train` runs: no check).
 fn simulate_round(
     p: &Problem,
@@ -124,18 +139,14 @@ fn simulate_round(
                     .check(&p.model, &p.cluster, g, batches[0].len())
                     .map_err(|e| format!("internal: a candidate fails its own checks: {e}"))?;
             }
-            let sim = mean_sim(p, &c.plan, batches)?;
-            match reversed(&c.plan) {
-                Some(rev) => {
-                    let other = mean_sim(p, &rev, batches)?;
-                    Ok(if other.step_s < sim.step_s {
-                        (other, Some(rev))
-                    } else {
-                        (sim, None)
-                    })
+            let mut best = (mean_sim(p, &c.plan, batches)?, None);
+            for v in variants(&c.plan) {
+                let sim = mean_sim(p, &v, batches)?;
+                if sim.step_s < best.0.step_s {
+                    best = (sim, Some(v));
                 }
-                None => Ok((sim, None)),
             }
+            Ok(best)
         })
         .collect();
     tally.simulated += sims.len();
@@ -339,6 +350,7 @@ pub fn closest_to_baseline(
                 llm_first_stage_layers: None,
                 llm_virtual_stages: 1,
                 reverse_encoder_stages: false,
+                llm_zero_bubble: false,
                 vision: beside(baseline.vision),
                 audio: beside(baseline.audio),
                 ..baseline.clone()
@@ -386,6 +398,7 @@ mod tests {
                 llm_first_stage_layers: None,
                 llm_virtual_stages: 1,
                 reverse_encoder_stages: false,
+                llm_zero_bubble: false,
                 zero1: true,
                 llm: l(dp),
                 vision: Some(l(v)),
@@ -395,41 +408,54 @@ mod tests {
     }
 
     #[test]
-    fn only_colocated_overlapped_plans_with_a_staged_encoder_are_tried_reversed() {
-        let staged = |pp| Layout {
+    fn variants_reverse_staged_colocated_encoders_and_split_pipelined_llms() {
+        let lay = |pp| Layout {
             tp: 1,
             cp: 1,
             pp,
             dp: 2,
         };
         let base = combo(4, 4, 0.0).plan;
-        let of = |placement, schedule, pp| Plan {
+        let of = |placement, schedule, enc_pp, llm_pp, v| Plan {
             placement,
             schedule,
-            vision: Some(staged(pp)),
+            vision: Some(lay(enc_pp)),
+            llm: lay(llm_pp),
+            llm_virtual_stages: v,
             ..base.clone()
         };
-        let rev = reversed(&of(Placement::Colocated, Schedule::Overlapped, 2)).unwrap();
-        assert!(rev.reverse_encoder_stages);
+        let flags = |p: &Plan| {
+            variants(p)
+                .iter()
+                .map(|v| (v.reverse_encoder_stages, v.llm_zero_bubble))
+                .collect::<Vec<_>>()
+        };
+        let (col, ov, ph) = (Placement::Colocated, Schedule::Overlapped, Schedule::Phased);
+        assert_eq!(
+            flags(&of(col, ov, 2, 2, 1)),
+            [(true, false), (false, true), (true, true)]
+        );
+        // Nothing else changes.
+        let v = variants(&of(col, ov, 2, 2, 1)).remove(2);
         assert_eq!(
             Plan {
                 reverse_encoder_stages: false,
-                ..rev.clone()
+                llm_zero_bubble: false,
+                ..v
             },
-            of(Placement::Colocated, Schedule::Overlapped, 2)
+            of(col, ov, 2, 2, 1)
         );
-        assert_eq!(reversed(&rev), None);
-        for (placement, schedule, pp) in [
-            (Placement::Colocated, Schedule::Overlapped, 1),
-            (Placement::Colocated, Schedule::Phased, 2),
-            (Placement::Disjoint, Schedule::Overlapped, 2),
-        ] {
-            assert_eq!(
-                reversed(&of(placement, schedule, pp)),
-                None,
-                "{placement:?} {schedule:?} pp{pp}"
-            );
-        }
+        assert_eq!(flags(&of(col, ov, 2, 1, 1)), [(true, false)]);
+        assert_eq!(flags(&of(col, ov, 1, 2, 1)), [(false, true)]);
+        assert_eq!(flags(&of(col, ov, 2, 2, 2)), [(true, false)]);
+        assert_eq!(flags(&of(col, ph, 2, 2, 1)), [(false, true)]);
+        assert_eq!(
+            flags(&of(Placement::Disjoint, ov, 2, 2, 1)),
+            [(false, true)]
+        );
+        assert_eq!(flags(&of(Placement::LlmCentric, ph, 1, 2, 1)), []);
+        assert_eq!(flags(&of(col, ov, 1, 1, 1)), []);
+        assert!(variants(&v).is_empty());
     }
 
     #[test]

@@ -104,6 +104,7 @@ fn plan_of(
         llm_first_stage_layers: None,
         llm_virtual_stages: llm.chunks,
         reverse_encoder_stages: false,
+        llm_zero_bubble: false,
         zero1,
         llm: llm.layout,
         vision: get(Module::Vision),

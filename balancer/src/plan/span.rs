@@ -116,14 +116,15 @@ impl Problem {
         // Each stage's forward and backward of a chunk of at least `(t, q)`: its matmuls
         // at the fill curve, its attention (which a larger GEMM runs faster at the same
         // squared length) at the peak.
-        let passes = |(t, q): (f64, f64)| -> [Vec<f64>; 2] {
-            let per: Vec<[f64; 2]> = (0..l.pp)
+        let passes = |(t, q): (f64, f64)| -> [Vec<f64>; 3] {
+            let per: Vec<[f64; 3]> = (0..l.pp)
                 .map(|st| {
                     let (lin, att) = (fill.linear_in_sq(st, t), peak.linear_in_sq(st, t));
-                    [0, 1].map(|k| lin[k].0 + att[k].1 * q)
+                    let [f, b] = [0, 1].map(|k| lin[k].0 + att[k].1 * q);
+                    [f, b, fill.split_backward_chunk(st, 0, t, q).1.compute]
                 })
                 .collect();
-            [0, 1].map(|k| per.iter().map(|p| p[k]).collect())
+            [0, 1, 2].map(|k| per.iter().map(|p| p[k]).collect())
         };
         // Fill and drain around each stage: the first chunk's forward through the stages
         // before, and the last one's backward back through them (a frozen module's
@@ -131,41 +132,87 @@ impl Problem {
         // With `chunks` model chunks a stage (interleaved 1F1B) only the first chunk's
         // slice of each stage lies before or after it: at least `1 / chunks` of the stage
         // (the first chunk also holds the stem).
+        // Split for zero-bubble pipelining, the drain is the last chunk's B back through
+        // the stages before and the first stage's W after it, less what the stage's own
+        // weight passes after its last B may cover: at most `pp - stage` of them (its
+        // in-flight bound), each no longer than a chunk's of up to `c` tokens (`cover`).
+        // Per stage `(fill, drain, split drain before that cover)`.
         let v = sc.chunks.max(1) as f64;
-        let edge = |first: &[Vec<f64>; 2], last: &[Vec<f64>; 2]| -> Vec<f64> {
-            let (mut fill, mut drain) = (0.0, 0.0);
-            let mut out = vec![0.0; l.pp];
+        let split = sc.may_split_backward();
+        let edge = |first: &[Vec<f64>; 3], last: &[Vec<f64>; 3]| -> Vec<[f64; 3]> {
+            let (mut fill, mut drain, mut b_only) = (0.0, 0.0, 0.0);
+            let mut out = vec![[0.0; 3]; l.pp];
             for st in 0..l.pp {
-                out[st] = fill + if sc.frozen { 0.0 } else { drain };
+                let drain_now = if sc.frozen { 0.0 } else { drain };
+                out[st] = [fill, drain_now, b_only + last[2][0]];
                 fill += first[0][st] / v;
                 drain += last[1][st] / v;
+                b_only += last[1][st] - last[2][st];
             }
             if sc.frozen {
                 let mut after = 0.0;
                 for st in (0..l.pp).rev() {
-                    out[st] += after;
+                    out[st][1] += after;
                     after += last[0][st] / v;
                 }
             }
             out
         };
+        // The weight passes a stage may run beside the drain, at rung `c`: each at most
+        // the longest W of a chunk of up to `c` tokens at the cluster's own rates. A W
+        // is a power of its tokens between two points of the (log-log) rate curve, so
+        // the longest is at `c` or at a point's size below it.
+        let d = sc.dims;
+        let per_token = 2.0 * d.hidden as f64 * (d.ffn / l.tp.max(1)).max(1) as f64 / l.cp as f64;
+        let sizes: Vec<f64> = sc
+            .cluster
+            .matmul
+            .iter()
+            .map(|p| p.flops / per_token)
+            .collect();
+        let cover = |st: usize, c: f64| {
+            let w = |t: f64| sc.split_backward_chunk(st, 0, t, 0.0).1.compute;
+            let longest = sizes
+                .iter()
+                .filter(|&&t| t < c)
+                .map(|&t| w(t))
+                .fold(w(c), f64::max);
+            (l.pp - st) as f64 * longest
+        };
+        // Each stage's edges at rung `c` (past the ladder's top: no cover bound, so no
+        // split drain), the least over `pairs` of first and last chunks.
+        let edges_at = |pairs: &[Vec<[f64; 3]>], c: Option<f64>| -> Vec<f64> {
+            (0..l.pp)
+                .map(|st| {
+                    pairs
+                        .iter()
+                        .map(|e| {
+                            let [fill, drain, base] = e[st];
+                            let drain = match (split, c) {
+                                (false, _) => drain,
+                                (true, Some(c)) => (base - cover(st, c)).max(0.0),
+                                (true, None) => 0.0,
+                            };
+                            fill + drain
+                        })
+                        .fold(f64::INFINITY, f64::min)
+                })
+                .collect()
+        };
         let s1 = passes(small);
-        let one = edge(&s1, &s1);
+        let one_pairs = vec![edge(&s1, &s1)];
         let dp = l.dp as f64;
         let mean = (total.0 / dp, total.1 / dp);
         // A replica above the mean holds two items or more when the mean exceeds the
         // largest item: its first and last chunks are two items apart (or one chunk of
         // both), so one of them holds at least the second-least tokens, one the
         // second-least squared length.
-        let two = if mean.0 > big.0 {
+        let two_pairs = if mean.0 > big.0 {
             let (t1, q1, t2, q2) = (small.0, small.1, second.0, second.1);
             let (s2, a, b) = (passes((t2, q2)), passes((t1, q2)), passes((t2, q1)));
-            let pairs = [edge(&s1, &s2), edge(&s2, &s1), edge(&a, &b), edge(&b, &a)];
-            (0..l.pp)
-                .map(|st| pairs.iter().map(|p| p[st]).fold(f64::INFINITY, f64::min))
-                .collect()
+            vec![edge(&s1, &s2), edge(&s2, &s1), edge(&a, &b), edge(&b, &a)]
         } else {
-            one.clone()
+            one_pairs.clone()
         };
         // Each stage's forward plus backward of a chunk of `c` tokens at the envelope
         // rate, as `a + b * sq`.
@@ -192,6 +239,7 @@ impl Problem {
             (mean.0, mean.0 * density)
         };
         let stages = |at: &[(f64, f64)], c: f64| {
+            let (one, two) = (edges_at(&one_pairs, Some(c)), edges_at(&two_pairs, Some(c)));
             (0..l.pp)
                 .map(|st| {
                     let at = at[st];
@@ -208,7 +256,7 @@ impl Problem {
         // chain, which only grows (the ladder's top; a bounded climb in any case).
         let mut c = big.0.max(1.0);
         let mut rungs = Vec::new();
-        let edges = two.iter().copied().fold(0.0, f64::max);
+        let edges = edges_at(&two_pairs, None).into_iter().fold(0.0, f64::max);
         let mut crossed = false;
         for _ in 0..256 {
             let next = c * rung;
@@ -235,15 +283,23 @@ impl Problem {
     /// any item) through every stage of `sc` and back, with the sends between its
     /// stages, on the fill curve: its time never falls with `c` (at the envelope a larger
     /// GEMM can finish sooner), so a chunk of at least `c` tokens takes at least this.
+    /// Where the backward may be split (zero-bubble pipelining), only the first stage's
+    /// weight gradients lie on the way back: the others' may run beside it.
     pub(crate) fn chain(&self, sc: &StageCost, rates: &Rates, c: f64, density: f64) -> f64 {
         let env = StageCost {
             cluster: &rates.fill,
             ..*sc
         };
+        let split = sc.may_split_backward();
         let passes: f64 = (0..sc.layout.pp)
             .map(|st| {
                 let [f, b] = env.linear_in_sq(st, c);
-                f.0 + b.0 + (f.1 + b.1) * c * density
+                let beside = if split && st > 0 {
+                    env.split_backward_chunk(st, 0, c, 0.0).1.compute
+                } else {
+                    0.0
+                };
+                f.0 + b.0 + (f.1 + b.1) * c * density - beside
             })
             .sum();
         // Its sends between chunks, each way (forward only when frozen): `pp - 1`

@@ -307,7 +307,15 @@ impl Problem {
         };
         // The LLM's pipelines, their stages linked along and round the ring.
         let v = sc.chunks.max(1);
-        let llm_lanes = llm_pipeline_lanes(&mut g, &sc, llm, &llm_load, &centric, &enc_load);
+        let llm_lanes = llm_pipeline_lanes(
+            &mut g,
+            &sc,
+            llm,
+            &llm_load,
+            &centric,
+            &enc_load,
+            plan.llm_zero_bubble,
+        );
         // Dependencies along each pipeline.
         let set = |g: &mut Dag, t: usize, dep: usize| {
             if t != usize::MAX && dep != usize::MAX {

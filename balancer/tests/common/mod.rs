@@ -68,6 +68,7 @@ pub fn plan(llm: Layout, m: usize) -> Plan {
         llm_first_stage_layers: None,
         llm_virtual_stages: 1,
         reverse_encoder_stages: false,
+        llm_zero_bubble: false,
         zero1: true,
         llm,
         vision: None,

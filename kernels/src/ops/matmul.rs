@@ -234,23 +234,8 @@ pub fn linear_bwd(
     };
     backend.gemm(dy, w, &mut dx, &dx_spec)?;
     if let Some(dw) = dw {
-        same_device(OP, &[("dy", dy), ("dw", dw)])?;
-        accumulator_dtype(OP, ("dw", dw), dtype)?;
         expect_shape(OP, "dw", dw, w.shape())?;
-        // dw (N, K) += dyᵀ (N, rows) @ x (rows, K)
-        let dw_spec = GemmSpec {
-            batch: 1,
-            m: n,
-            n: k,
-            k: rows,
-            trans_a: true,
-            trans_b: false,
-            stride_a: 0,
-            stride_b: 0,
-            alpha: 1.0,
-            beta: 1.0,
-        };
-        backend.gemm(dy, x, dw, &dw_spec)?;
+        linear_wgrad(dy, x, dw)?;
     }
     if let Some(db) = db {
         same_device(OP, &[("dy", dy), ("db", db)])?;
@@ -259,6 +244,39 @@ pub fn linear_bwd(
         backend.bias_grad(dy, db)?;
     }
     dx.reshape(x.dims().to_vec())
+}
+
+/// The weight gradient of [`linear_fwd`] alone: adds `dyᵀ @ x` into `dw` (N, K), for
+/// dy (..., N) and x (..., K). [`linear_bwd`] runs it after the input gradient unless it
+/// is given no `dw`; zero-bubble pipelining runs it later, as a pass of its own.
+pub fn linear_wgrad(dy: &Tensor, x: &Tensor, dw: &mut Tensor) -> Result<()> {
+    const OP: &str = "linear_wgrad";
+    let dev = same_device(OP, &[("dy", dy), ("x", x), ("dw", dw)])?;
+    let dtype = same_float_dtype(OP, &[("dy", dy), ("x", x)])?;
+    accumulator_dtype(OP, ("dw", dw), dtype)?;
+    let (rows, k) = rows_and_features(OP, "x", x)?;
+    let (dy_rows, n) = rows_and_features(OP, "dy", dy)?;
+    if dy_rows != rows {
+        return Err(Error::shape(
+            OP,
+            format!("dy {} and x {} have different rows", dy.shape(), x.shape()),
+        ));
+    }
+    expect_shape(OP, "dw", dw, &Shape::new([n, k]))?;
+    // dw (N, K) += dyᵀ (N, rows) @ x (rows, K)
+    let spec = GemmSpec {
+        batch: 1,
+        m: n,
+        n: k,
+        k: rows,
+        trans_a: true,
+        trans_b: false,
+        stride_a: 0,
+        stride_b: 0,
+        alpha: 1.0,
+        beta: 1.0,
+    };
+    dev.backend()?.gemm(dy, x, dw, &spec)
 }
 
 /// `y[n, :] += b` for every row of y (..., C), b (C): a bias added apart from a

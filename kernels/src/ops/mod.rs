@@ -25,7 +25,7 @@ pub use elementwise::{add, add_assign, cast, global_norm, into_dtype, scale_assi
 pub use embedding::{embedding_bwd, embedding_fwd};
 pub use layout::{copy_range, gather_rows, narrow_last, scatter_rows, transpose01};
 pub use loss::{cross_entropy_fwd_bwd, vocab_loss_finish, vocab_loss_partials};
-pub use matmul::{GemmSpec, add_bias, linear_bwd, linear_fwd, matmul, matmul_into};
+pub use matmul::{GemmSpec, add_bias, linear_bwd, linear_fwd, linear_wgrad, matmul, matmul_into};
 pub use norm::{layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd};
 pub use optim::{AdamWSpec, adamw_step, adamw_step_with_copy};
 pub use rope::{rope_bwd, rope_fwd};

@@ -8,7 +8,10 @@ use braid_comm::{Comm, CommError, SingleRank};
 use braid_kernels::rng::Rng;
 use braid_kernels::testing::{FdTolerance, check_grad, dot};
 use braid_kernels::{Device, Shape, Tensor};
-use braid_nn::{Init, Module};
+use braid_nn::{
+    AttentionConfig, AttentionDims, BlockConfig, Init, MlpConfig, MlpKind, Module, NormKind,
+    RopeConfig,
+};
 
 pub type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
@@ -198,3 +201,32 @@ fn unsupported(op: &'static str) -> CommError {
 }
 
 pub use braid_comm::testing::run_on_ranks;
+
+/// A pre-norm block: causal, RoPE, GQA 4 query / 2 kv heads, RMSNorm, SwiGLU (C = 8).
+pub fn causal_rope_gqa() -> BlockConfig {
+    BlockConfig {
+        attn: AttentionConfig {
+            dims: AttentionDims {
+                c: 8,
+                nh: 4,
+                nkv: 2,
+                hs: 4,
+            },
+            causal: true,
+            qkv_bias: true,
+            o_bias: false,
+            rope: Some(RopeConfig {
+                theta: 100.0,
+                rot_dim: 4,
+            }),
+        },
+        mlp: MlpConfig {
+            c: 8,
+            ff: 12,
+            kind: MlpKind::SwiGlu,
+            bias: false,
+        },
+        norm: NormKind::RmsNorm,
+        norm_eps: 1e-6,
+    }
+}

@@ -73,6 +73,13 @@ pub struct ModuleLayout {
     /// first. The math is the same either way.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub reverse_stages: bool,
+    /// Zero-bubble pipelining (the LLM only, `pp >= 2`, one model chunk a stage): each
+    /// stage's backward split into the input gradient (B) and the linear layers' weight
+    /// gradients (W), run later where 1F1B would wait, in the order of
+    /// `braid_balancer::zero_bubble` (1F1B's memory, two thirds of its idle time where
+    /// the passes take as long). The math is the same.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub zero_bubble: bool,
 }
 
 impl Default for ModuleLayout {
@@ -86,6 +93,7 @@ impl Default for ModuleLayout {
             virtual_stages: 1,
             first_stage_layers: None,
             reverse_stages: false,
+            zero_bubble: false,
         }
     }
 }
@@ -280,6 +288,12 @@ impl ParallelConfig {
                     "interleaved pipeline stages are for the LLM only: remove the key",
                 ));
             }
+            if l.zero_bubble && name != "llm" {
+                return Err(invalid(
+                    format!("parallel.{name}.zero_bubble"),
+                    "zero-bubble pipelining is for the LLM only: remove the key",
+                ));
+            }
             if l.reverse_stages && name == "llm" {
                 return Err(invalid(
                     "parallel.llm.reverse_stages",
@@ -303,6 +317,22 @@ impl ParallelConfig {
                     "{} chunks per stage need at least two pipeline stages (parallel.llm.pp = {}): set virtual_stages = 1 or pp >= 2",
                     self.llm.virtual_stages, self.llm.pp
                 ),
+            ));
+        }
+        let llm = &self.llm;
+        if llm.zero_bubble && (llm.pp < 2 || llm.virtual_stages > 1) {
+            return Err(invalid(
+                "parallel.llm.zero_bubble",
+                format!(
+                    "splits the backward of a pipeline of one model chunk a stage; parallel.llm.pp = {} and virtual_stages = {}: set pp >= 2 and virtual_stages = 1, or remove the key",
+                    llm.pp, llm.virtual_stages
+                ),
+            ));
+        }
+        if llm.zero_bubble && self.placement == Placement::Centric {
+            return Err(invalid(
+                "parallel.llm.zero_bubble",
+                "is not run with \"centric\" placement (the encoders inside the LLM's first stage): set parallel.placement = \"disjoint\" or \"colocated\", or remove the key",
             ));
         }
         // Bounded both ways: a wait is a `Duration`, and a timeout below a millisecond

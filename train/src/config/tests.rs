@@ -111,6 +111,30 @@ fn typos_and_bad_values_name_the_key() {
             &["parallel.audio.reverse_stages=true"][..],
             "parallel.audio.pp = 1): nothing to reverse",
         ),
+        (
+            &["parallel.vision.zero_bubble=true"][..],
+            "parallel.vision.zero_bubble",
+        ),
+        (
+            &["parallel.llm.zero_bubble=true"][..],
+            "parallel.llm.pp = 1 and virtual_stages = 1",
+        ),
+        (
+            &[
+                "parallel.llm.zero_bubble=true",
+                "parallel.llm.pp=2",
+                "parallel.llm.virtual_stages=2",
+            ][..],
+            "virtual_stages = 2",
+        ),
+        (
+            &[
+                "parallel.llm.zero_bubble=true",
+                "parallel.llm.pp=2",
+                "parallel.placement=\"centric\"",
+            ][..],
+            "\"centric\" placement",
+        ),
         (&["checkpoint.keep=0"][..], "checkpoint.keep"),
         (
             &["train.batch_tokens=100"][..],

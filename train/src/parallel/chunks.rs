@@ -20,6 +20,13 @@ pub(super) trait Chunks {
     fn hidden_shape(&self, j: usize) -> Result<Shape>;
     fn forward(&mut self, p: usize, mail: &mut Mail, trace: &mut Tracer) -> Result<()>;
     fn backward(&mut self, p: usize, mail: &mut Mail, trace: &mut Tracer) -> Result<()>;
+    /// Pass `p`'s weight gradients, left by its backward (zero-bubble pipelining: the
+    /// LLM's stages only).
+    fn weight(&mut self, p: usize, _trace: &mut Tracer) -> Result<()> {
+        Err(TrainError::Other(format!(
+            "pass {p}: a weight-gradient pass on a module whose backward is not split"
+        )))
+    }
     /// The loss sum this rank contributes (the LLM's last stage).
     fn loss(&self) -> f64 {
         0.0
@@ -174,6 +181,11 @@ pub(super) struct LlmChunks<'a> {
 impl Chunks for LlmChunks<'_> {
     fn hidden_shape(&self, j: usize) -> Result<Shape> {
         self.run.hidden_shape(j)
+    }
+
+    fn weight(&mut self, p: usize, trace: &mut Tracer) -> Result<()> {
+        let (_, j) = self.role.unpass(p);
+        self.run.weight(j, trace)
     }
 
     fn forward(&mut self, p: usize, mail: &mut Mail, trace: &mut Tracer) -> Result<()> {

@@ -41,6 +41,7 @@ use braid_bridge::Routes;
 use braid_comm::grid::Grid;
 
 use braid_balancer::pipeline::{feeder_lead, interleaved_1f1b};
+use braid_balancer::zero_bubble::{SplitPass, zero_bubble};
 
 use super::schedule::Op;
 
@@ -112,6 +113,9 @@ pub struct Role {
     pub model_chunks: usize,
     /// Whether this stage runs backwards (a frozen encoder's stages do not).
     pub backward: bool,
+    /// The LLM's backward split for zero-bubble pipelining (`parallel.llm.zero_bubble`):
+    /// its weight gradients in passes of their own ([`Op::Weight`]).
+    pub split_backward: bool,
     /// Per pass `p = c * chunks.len() + j` (model chunk `c`, chunk `chunks[j]`): what its
     /// forward receives and sends, what its backward receives and sends.
     pub fwd_in: Vec<Vec<Xfer>>,
@@ -127,12 +131,19 @@ impl Role {
     /// only).
     pub fn ops(&self) -> Vec<Op> {
         match self.node {
+            Node::Llm if self.backward => llm_pass_order(
+                &self.chunks,
+                self.of,
+                (self.stage, self.stage + self.depth),
+                self.model_chunks,
+                self.split_backward,
+            ),
             Node::Llm => pass_order(
                 &self.chunks,
                 self.of,
                 (self.stage, self.stage + self.depth),
                 self.model_chunks,
-                self.backward,
+                false,
             ),
             Node::Encoder(_) => {
                 pass_order(&self.chunks, self.of, (0, self.depth), 1, self.backward)
@@ -166,9 +177,12 @@ pub fn assemble<'a>(passes: impl IntoIterator<Item = (&'a Role, Op)>) -> Vec<Ste
     let mut steps = Vec::new();
     let mut pending: Vec<Xfer> = Vec::new();
     for (role, op) in passes {
+        const NONE: &Vec<Xfer> = &Vec::new();
         let (recv, out) = match op {
             Op::Forward(j) => (&role.fwd_in[j], &role.fwd_out[j]),
             Op::Backward(j) => (&role.bwd_in[j], &role.bwd_out[j]),
+            // A weight pass neither receives nor sends.
+            Op::Weight(_) => (NONE, NONE),
         };
         if !pending.is_empty() || !recv.is_empty() {
             steps.push(Step::Exchange {
@@ -215,6 +229,32 @@ pub fn pass_order(
         .collect()
 }
 
+/// The LLM stage's passes as [`pass_order`] gives them, or with `split` in the
+/// zero-bubble order ([`zero_bubble`], one model chunk a stage) over all `of` chunk ids,
+/// keeping the chunks it runs.
+pub fn llm_pass_order(
+    chunks: &[usize],
+    of: usize,
+    (stage, stages): (usize, usize),
+    v: usize,
+    split: bool,
+) -> Vec<Op> {
+    if !split {
+        return pass_order(chunks, of, (stage, stages), v, true);
+    }
+    zero_bubble(stage, stages, of)
+        .into_iter()
+        .filter_map(|p| {
+            let (k, op): (usize, fn(usize) -> Op) = match p {
+                SplitPass::Forward(k) => (k, Op::Forward),
+                SplitPass::Backward(k) => (k, Op::Backward),
+                SplitPass::Weight(k) => (k, Op::Weight),
+            };
+            chunks.binary_search(&k).ok().map(op)
+        })
+        .collect()
+}
+
 /// An encoder of the graph.
 #[derive(Clone, Debug)]
 pub struct EncoderNode {
@@ -244,6 +284,8 @@ pub struct Graph {
     pub llm: Grid,
     /// Model chunks per LLM stage (`parallel.llm.virtual_stages`; 1: plain 1F1B).
     pub llm_model_chunks: usize,
+    /// The LLM's backward split for zero-bubble pipelining (`parallel.llm.zero_bubble`).
+    pub llm_split_backward: bool,
     pub encoders: Vec<EncoderNode>,
     /// Per LLM replica, its chunks ascending.
     pub llm_chunks: Vec<Vec<usize>>,
@@ -323,6 +365,7 @@ impl Graph {
             depth: 0,
             model_chunks: 1,
             backward: true,
+            split_backward: false,
             fwd_in: Vec::new(),
             fwd_out: Vec::new(),
             bwd_in: Vec::new(),
@@ -348,6 +391,7 @@ impl Graph {
         role.chunks = self.llm_chunks.get(c.dp).cloned().unwrap_or_default();
         role.depth = stages - c.pp;
         role.model_chunks = v;
+        role.split_backward = self.llm_split_backward;
         for m in 0..v {
             let (model_first, model_last) = (first && m == 0, last && m + 1 == v);
             // The model chunk a message to the next (previous) stage feeds there.

@@ -79,6 +79,9 @@ pub(crate) fn random_graph(
     let mut g = graph_of(rng, llm, &encoders, m, colocated, items);
     if g.llm.dims.pp >= 2 && rng.random_bool(0.5) {
         g.llm_model_chunks = rng.random_range(2..=3);
+    } else if g.llm.dims.pp >= 2 && rng.random_bool(0.5) {
+        // Zero-bubble pipelining: the LLM's weight gradients in passes of their own.
+        g.llm_split_backward = true;
     }
     g
 }
@@ -197,6 +200,7 @@ pub(crate) fn graph_of(
     Graph {
         llm,
         llm_model_chunks: 1,
+        llm_split_backward: false,
         encoders,
         llm_chunks,
         encoder_chunks,
@@ -326,16 +330,24 @@ fn programs_are_complete_bounded_and_deadlock_free_without_buffering() {
                     let (n, v) = (role.chunks.len(), role.model_chunks);
                     // Every pass (model chunk, chunk) forward once, backward once (when it
                     // trains), in order.
+                    // Split (zero-bubble), each backward's weight pass after it.
+                    let split = role.backward && role.split_backward;
                     for p in 0..n * v {
                         let f = ops.iter().position(|&o| o == Op::Forward(p));
                         let b = ops.iter().position(|&o| o == Op::Backward(p));
+                        let w = ops.iter().position(|&o| o == Op::Weight(p));
                         assert!(f.is_some(), "rank {r}: no forward of pass {p}");
                         assert_eq!(b.is_some(), role.backward, "rank {r} pass {p}");
+                        assert_eq!(w.is_some(), split, "rank {r} pass {p}");
                         if let (Some(f), Some(b)) = (f, b) {
                             assert!(f < b, "rank {r} pass {p}: backward before forward");
                         }
+                        if let (Some(b), Some(w)) = (b, w) {
+                            assert!(b < w, "rank {r} pass {p}: weight pass before backward");
+                        }
                     }
-                    assert_eq!(ops.len(), n * v * (1 + usize::from(role.backward)));
+                    let passes = 1 + usize::from(role.backward) + usize::from(split);
+                    assert_eq!(ops.len(), n * v * passes);
                     // At most 1F1B's depth of chunks in flight, or interleaved, its
                     // warm-up and one (what the planner counts).
                     let cap = match v {
@@ -431,6 +443,7 @@ fn ungrouped_sends_deadlock_under_rendezvous() {
     let g = Graph {
         llm,
         llm_model_chunks: 1,
+        llm_split_backward: false,
         encoders: Vec::new(),
         llm_chunks: vec![vec![0, 1, 2]],
         encoder_chunks: Vec::new(),
@@ -480,6 +493,7 @@ fn encoder_warm_up_spans_the_llm_pipeline() {
     let g = Graph {
         llm: grid(3, 2),
         llm_model_chunks: 1,
+        llm_split_backward: false,
         encoders: vec![EncoderNode {
             grid: grid(2, 0),
             trains: true,

@@ -44,6 +44,8 @@ pub struct Layouts {
     /// Layers of the LLM's first stage where it is shorter than the others
     /// (`parallel.llm.first_stage_layers`).
     pub llm_first_stage_layers: Option<usize>,
+    /// The LLM's backward split for zero-bubble pipelining (`parallel.llm.zero_bubble`).
+    pub llm_zero_bubble: bool,
 }
 
 /// `what` = `n` split `tp` ways, or an error naming `key` that says what to change.
@@ -344,6 +346,7 @@ impl Layouts {
             llm,
             llm_chunks: l.virtual_stages,
             llm_first_stage_layers: l.first_stage_layers,
+            llm_zero_bubble: l.zero_bubble,
         })
     }
 
@@ -361,8 +364,13 @@ impl Layouts {
             .iter()
             .filter_map(|&k| {
                 self.grid(k).map(|g| {
+                    let reversed = if g.stages_reversed {
+                        "  (stages reversed: stage 0 on the last slice)"
+                    } else {
+                        ""
+                    };
                     format!(
-                        "{:<6} {}  ranks {}..{}",
+                        "{:<6} {}  ranks {}..{}{reversed}",
                         k.key(),
                         g.dims,
                         g.ranks().start,

@@ -6,12 +6,14 @@
 //! take outputs out.
 
 use braid_balancer::pipeline::interleaved_1f1b;
+use braid_balancer::zero_bubble::{SplitPass, zero_bubble};
 use braid_bridge::Routes;
 use braid_comm::Comm;
 use braid_dataloader::loader::Row;
 use braid_kernels::{Device, Shape, Tensor, ops};
 use braid_llm::{ModalityEmbeds, StageCache, StageInput, vocab_parallel_loss};
 use braid_nn::SeqInfo;
+use braid_nn::wgrad::{DeferredGrads, apply_deferred, defer_weight_grads, take_deferred};
 
 use super::centric::CentricEncoders;
 use super::model::{LlmPart, device_of};
@@ -134,6 +136,9 @@ pub(crate) struct LlmStageRun<'a> {
     batches: Vec<Option<LocalBatch>>,
     /// Loss sum this rank contributes (last stage, TP rank 0; 0 elsewhere).
     pub loss: f64,
+    /// Zero-bubble pipelining: each microbatch's weight gradients from its backward (B),
+    /// held for its W pass ([`LlmStageRun::weight`]).
+    deferred: Vec<Option<DeferredGrads>>,
 }
 
 impl<'a> LlmStageRun<'a> {
@@ -151,6 +156,7 @@ impl<'a> LlmStageRun<'a> {
             caches: (0..v * n).map(|_| None).collect(),
             batches: (0..n).map(|_| None).collect(),
             loss: 0.0,
+            deferred: (0..n).map(|_| None).collect(),
         }
     }
 
@@ -294,7 +300,14 @@ impl<'a> LlmStageRun<'a> {
             .chunks
             .get_mut(k)
             .ok_or_else(|| TrainError::Other(format!("llm chunk {k} of {chunks}")))?;
-        let dx = chunk.backward(cache, &dout)?;
+        let split = self.part.split_backward;
+        defer_weight_grads(chunk, split);
+        let dx = chunk.backward(cache, &dout);
+        if split {
+            defer_weight_grads(chunk, false);
+            self.deferred[j] = Some(take_deferred(chunk));
+        }
+        let dx = dx?;
         trace.end(t0, name, "llm")?;
         if k == 0 {
             // Chunk 0's backward is the microbatch's last pass on this stage.
@@ -302,6 +315,75 @@ impl<'a> LlmStageRun<'a> {
         }
         Ok(dx)
     }
+
+    /// Microbatch `j`'s W pass under zero-bubble pipelining: the weight gradients its
+    /// backward left (one model chunk a stage).
+    pub fn weight(&mut self, j: usize, trace: &mut Tracer) -> Result<()> {
+        let stage = self.stage().0;
+        let held = self
+            .deferred
+            .get_mut(j)
+            .and_then(Option::take)
+            .ok_or_else(|| {
+                TrainError::Other(format!(
+                    "llm stage {stage} microbatch {j}: a weight-gradient pass before its backward"
+                ))
+            })?;
+        let name = self.pass_name("wgt", 0, j);
+        let t0 = trace.start();
+        let chunk = self
+            .part
+            .chunks
+            .first_mut()
+            .ok_or_else(|| TrainError::Other("llm stage without a model chunk".into()))?;
+        apply_deferred(chunk, held)?;
+        trace.end(t0, name, "llm")
+    }
+}
+
+/// What a stage pass does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PassKind {
+    Forward,
+    Backward,
+    Weight,
+}
+
+/// A pass of a stage: its kind, model chunk and microbatch.
+struct StagePass {
+    kind: PassKind,
+    chunk: usize,
+    mb: usize,
+}
+
+/// Stage `stage` of `stages`' passes over `n` microbatches: the (interleaved) 1F1B over
+/// `v` model chunks, or with `split` the zero-bubble order (one chunk).
+fn stage_order(stage: usize, stages: usize, v: usize, n: usize, split: bool) -> Vec<StagePass> {
+    if split {
+        return zero_bubble(stage, stages, n)
+            .into_iter()
+            .map(|p| {
+                let (kind, mb) = match p {
+                    SplitPass::Forward(j) => (PassKind::Forward, j),
+                    SplitPass::Backward(j) => (PassKind::Backward, j),
+                    SplitPass::Weight(j) => (PassKind::Weight, j),
+                };
+                StagePass { kind, chunk: 0, mb }
+            })
+            .collect();
+    }
+    interleaved_1f1b(stage, stages, v, n, true)
+        .into_iter()
+        .map(|p| StagePass {
+            kind: if p.forward {
+                PassKind::Forward
+            } else {
+                PassKind::Backward
+            },
+            chunk: p.chunk,
+            mb: p.mb,
+        })
+        .collect()
 }
 
 /// Where the first stage's modality rows come from.
@@ -340,6 +422,7 @@ pub(crate) fn run_pipeline(
             .pp_neighbor(rank, to - stage as isize)
             .ok_or_else(|| TrainError::Other(format!("no pipeline stage {to}")))
     };
+    let split = part.split_backward;
     let mut run = LlmStageRun::new(part, rows, plan, norm);
     let dev = run.dev;
     // Stage 0: which received rows fill which local placeholder of each microbatch.
@@ -353,15 +436,19 @@ pub(crate) fn run_pipeline(
     let mut took = vec![false; run.mbs.len()];
     let index = |v: &[u32]| Tensor::from_vec_u32(v.to_vec(), [v.len()], dev);
     let v = run.chunks();
-    for pass in interleaved_1f1b(stage, stages, v, run.mbs.len(), true) {
+    for pass in stage_order(stage, stages, v, run.mbs.len(), split) {
         let (k, j) = (pass.chunk, pass.mb);
         let mb = run.mbs[j].mb;
+        if pass.kind == PassKind::Weight {
+            run.weight(j, trace)?;
+            continue;
+        }
         // Message spans name the chunk where a stage has several, as the passes do.
         let of = |what: &str| match v {
             1 => format!("recv {what} mb{mb}"),
             _ => format!("recv {what} c{k} mb{mb}"),
         };
-        if pass.forward {
+        if pass.kind == PassKind::Forward {
             let input = if first && k == 0 {
                 let (idx, pos) = &fill[j];
                 LlmIn::Tokens(match &mut modality {

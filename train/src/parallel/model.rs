@@ -114,6 +114,8 @@ pub struct AudioPart {
 pub struct LlmPart {
     pub chunks: Vec<LlmStage>,
     pub groups: ModuleGroups,
+    /// Zero-bubble pipelining: each backward leaves the weight gradients to a W pass.
+    pub split_backward: bool,
 }
 
 impl LlmPart {
@@ -325,7 +327,11 @@ impl RankModel {
                 }
                 chunks.push(c);
             }
-            model.llm = Some(LlmPart { chunks, groups });
+            model.llm = Some(LlmPart {
+                chunks,
+                groups,
+                split_backward: layouts.llm_zero_bubble,
+            });
         }
         Ok(model)
     }

@@ -30,7 +30,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
-use super::graph::{Graph, Msg, Node, Role, Step, Xfer, assemble, pass_order};
+use super::graph::{Graph, Msg, Node, Role, Step, Xfer, assemble, llm_pass_order, pass_order};
 use super::schedule::Op;
 
 /// One rank's part of the global order.
@@ -49,9 +49,18 @@ pub struct RankProgram {
 /// A gang: (module, pipeline stage, replica).
 type GangKey = (Node, usize, usize);
 
+/// What a pass computes: a forward, a backward, or (zero-bubble pipelining) the weight
+/// gradients a backward left.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Dir {
+    Fwd,
+    Bwd,
+    Wgt,
+}
+
 /// One pass: its gang, chunk id, model chunk (the LLM's virtual stage; 0 elsewhere) and
-/// direction (forward?).
-type Pass = (GangKey, usize, usize, bool);
+/// what it computes.
+type Pass = (GangKey, usize, usize, Dir);
 
 /// A gang's chunks (ascending ids) and its 1F1B order over them ([`Role::pass`]
 /// numbers).
@@ -69,7 +78,7 @@ fn gangs(graph: &Graph) -> Vec<Gang> {
     let mut out = Vec::new();
     for s in 0..llm_pp {
         for (d, chunks) in graph.llm_chunks.iter().enumerate() {
-            let ops = pass_order(chunks, of, (s, llm_pp), v, true);
+            let ops = llm_pass_order(chunks, of, (s, llm_pp), v, graph.llm_split_backward);
             out.push(Gang {
                 key: (Node::Llm, s, d),
                 chunks: chunks.clone(),
@@ -140,49 +149,49 @@ fn bridge_links(graph: &Graph) -> Result<(Links, Links), String> {
     Ok((fwd, bwd))
 }
 
-/// The pass before `(key, k, c, fwd)` in its module, round the LLM's ring of model
+/// The pass before `(key, k, c, dir)` in its module, round the LLM's ring of model
 /// chunks: the stage before (forward) or after (backward), the last stage's chunk
 /// `c - 1` before the first stage's `c` (forward; backward the other way); `None` at
-/// the module's ends.
-fn module_neighbor(graph: &Graph, (key, k, c, fwd): Pass) -> Option<Pass> {
+/// the module's ends and for a weight pass (its backward is its own gang's).
+fn module_neighbor(graph: &Graph, (key, k, c, dir): Pass) -> Option<Pass> {
     let (node, s, r) = key;
     let (stages, v) = match node {
         Node::Llm => (graph.llm.dims.pp, graph.llm_model_chunks.max(1)),
         Node::Encoder(e) => (graph.encoders.get(e).map_or(1, |x| x.grid.dims.pp), 1),
     };
-    let (s, c) = match fwd {
-        true if s > 0 => (s - 1, c),
-        true if c > 0 => (stages - 1, c - 1),
-        false if s + 1 < stages => (s + 1, c),
-        false if c + 1 < v => (0, c + 1),
+    let (s, c) = match dir {
+        Dir::Fwd if s > 0 => (s - 1, c),
+        Dir::Fwd if c > 0 => (stages - 1, c - 1),
+        Dir::Bwd if s + 1 < stages => (s + 1, c),
+        Dir::Bwd if c + 1 < v => (0, c + 1),
         _ => return None,
     };
-    Some(((node, s, r), k, c, fwd))
+    Some(((node, s, r), k, c, dir))
 }
 
-/// The passes pass `(key, k, c, fwd)` waits for: the same chunk on the stage before
+/// The passes pass `(key, k, c, dir)` waits for: the same chunk on the stage before
 /// (forward) or after (backward), round the ring of model chunks
 /// ([`module_neighbor`]), and across the bridge (the LLM's first stage's chunk 0).
 fn inputs(graph: &Graph, links: &(Links, Links), pass: Pass) -> Vec<Pass> {
-    let ((node, s, r), k, c, fwd) = pass;
+    let ((node, s, r), k, c, dir) = pass;
     let stages = match node {
         Node::Llm => graph.llm.dims.pp,
         Node::Encoder(e) => graph.encoders.get(e).map_or(1, |x| x.grid.dims.pp),
     };
     let mut out: Vec<Pass> = module_neighbor(graph, pass).into_iter().collect();
-    match (node, fwd) {
-        (Node::Llm, true) if s == 0 && c == 0 => {
+    match (node, dir) {
+        (Node::Llm, Dir::Fwd) if s == 0 && c == 0 => {
             let from = links.0.get(k).into_iter().flatten();
             out.extend(from.filter(|l| l.0 == r).map(|&(_, e, er)| {
                 let last = graph.encoders[e].grid.dims.pp - 1;
-                ((Node::Encoder(e), last, er), k, 0, true)
+                ((Node::Encoder(e), last, er), k, 0, Dir::Fwd)
             }));
         }
-        (Node::Encoder(e), false) if s + 1 == stages => {
+        (Node::Encoder(e), Dir::Bwd) if s + 1 == stages => {
             let from = links.1.get(k).into_iter().flatten();
             out.extend(
                 from.filter(|l| l.0 == e && l.1 == r)
-                    .map(|&(_, _, d)| ((Node::Llm, 0, d), k, 0, false)),
+                    .map(|&(_, _, d)| ((Node::Llm, 0, d), k, 0, Dir::Bwd)),
             );
         }
         _ => {}
@@ -196,12 +205,13 @@ fn sequence(graph: &Graph) -> Result<Vec<Pass>, String> {
     let gangs = gangs(graph);
     let links = bridge_links(graph)?;
     let pass_of = |g: &Gang, op: Op| {
-        let (p, fwd) = match op {
-            Op::Forward(p) => (p, true),
-            Op::Backward(p) => (p, false),
+        let (p, dir) = match op {
+            Op::Forward(p) => (p, Dir::Fwd),
+            Op::Backward(p) => (p, Dir::Bwd),
+            Op::Weight(p) => (p, Dir::Wgt),
         };
         let n = g.chunks.len().max(1);
-        (g.key, g.chunks[p % n], p / n, fwd)
+        (g.key, g.chunks[p % n], p / n, dir)
     };
     let total: usize = gangs.iter().map(|g| g.ops.len()).sum();
     let mut done: HashSet<Pass> = HashSet::with_capacity(total);
@@ -244,21 +254,21 @@ fn producer(graph: &Graph, role: &Role, x: &Xfer) -> Result<Pass, String> {
             .map(|c| (c.pp, c.dp))
             .ok_or_else(|| format!("{x:?}: rank {} is outside its module", x.peer))
     };
-    let along = |k: usize, c: usize, fwd: bool| {
-        let this = ((x.node, role.stage, role.replica), k, c, fwd);
+    let along = |k: usize, c: usize, dir: Dir| {
+        let this = ((x.node, role.stage, role.replica), k, c, dir);
         module_neighbor(graph, this).ok_or_else(|| format!("{x:?}: no stage sends it"))
     };
     Ok(match (x.msg, x.node) {
-        (Msg::Act(k, c), _) => along(k, c, true)?,
-        (Msg::Grad(k, c), _) => along(k, c, false)?,
+        (Msg::Act(k, c), _) => along(k, c, Dir::Fwd)?,
+        (Msg::Grad(k, c), _) => along(k, c, Dir::Bwd)?,
         (Msg::Embed(k), Node::Encoder(e)) => {
             let grid = &graph.encoders.get(e).ok_or("no such encoder")?.grid;
             let (pp, dp) = replica_in(grid)?;
-            ((Node::Encoder(e), pp, dp), k, 0, true)
+            ((Node::Encoder(e), pp, dp), k, 0, Dir::Fwd)
         }
         (Msg::EmbedGrad(k), Node::Encoder(_)) => {
             let (pp, dp) = replica_in(&graph.llm)?;
-            ((Node::Llm, pp, dp), k, 0, false)
+            ((Node::Llm, pp, dp), k, 0, Dir::Bwd)
         }
         (_, Node::Llm) => return Err(format!("{x:?}: a bridge message without its encoder")),
     })
@@ -276,7 +286,7 @@ fn colocated_program(graph: &Graph, rank: usize) -> Result<RankProgram, String> 
         .map(|(i, r)| ((r.node, r.stage, r.replica), i))
         .collect();
     let mut passes = Vec::new();
-    for &(key, k, c, fwd) in &seq {
+    for &(key, k, c, dir) in &seq {
         let Some(&i) = mine.get(&key) else {
             continue;
         };
@@ -286,7 +296,12 @@ fn colocated_program(graph: &Graph, rank: usize) -> Result<RankProgram, String> 
             .binary_search(&k)
             .map_err(|_| format!("rank {rank}: {key:?} chunk {k} is not in its role"))?;
         let p = role.pass(c, j);
-        passes.push((role, if fwd { Op::Forward(p) } else { Op::Backward(p) }));
+        let op = match dir {
+            Dir::Fwd => Op::Forward(p),
+            Dir::Bwd => Op::Backward(p),
+            Dir::Wgt => Op::Weight(p),
+        };
+        passes.push((role, op));
     }
     let steps = assemble(passes);
     // Each peer sends in the order its producing passes come in the sequence (one pass's

@@ -81,6 +81,7 @@ fn rank_sequence(graph: &Graph, world: usize) -> Result<RankSequence, String> {
         Ok(match op {
             Op::Forward(j) => (&role.fwd_in[j], &role.fwd_out[j]),
             Op::Backward(j) => (&role.bwd_in[j], &role.bwd_out[j]),
+            Op::Weight(_) => (&[], &[]),
         })
     };
     let mut sent: HashSet<Sent> = HashSet::new();
@@ -296,7 +297,7 @@ pub(crate) fn run_buffered(programs: &[RankProgram]) -> Result<(), String> {
 #[test]
 fn colocated_programs_finish_in_order_with_bounded_memory() {
     let mut rng = ChaCha8Rng::seed_from_u64(0xc010);
-    let (mut cases, mut interleaved, mut virtual_stages) = (0, 0, 0);
+    let (mut cases, mut interleaved, mut virtual_stages, mut splits) = (0, 0, 0, 0);
     for max_pp in 1..=5 {
         for m in 1..=8 {
             for _ in 0..12 {
@@ -326,7 +327,9 @@ fn colocated_programs_finish_in_order_with_bounded_memory() {
                             .collect();
                         assert_eq!(ops, role.ops(), "rank {r} {:?}", role.node);
                         let (n, v) = (role.chunks.len(), role.model_chunks);
-                        assert_eq!(ops.len(), n * v * (1 + usize::from(role.backward)));
+                        let split = usize::from(role.backward && role.split_backward);
+                        assert_eq!(ops.len(), n * v * (1 + usize::from(role.backward) + split));
+                        splits += split;
                         let cap = match v {
                             1 => role.depth,
                             _ => warmup(role.stage, role.stage + role.depth, v) + 1,
@@ -364,6 +367,10 @@ fn colocated_programs_finish_in_order_with_bounded_memory() {
     assert!(
         virtual_stages > 50,
         "only {virtual_stages} of {cases} graphs have LLM stages of several model chunks"
+    );
+    assert!(
+        splits > 50,
+        "only {splits} LLM roles of {cases} graphs split their backward"
     );
 }
 
@@ -406,6 +413,7 @@ fn crossed_receives_are_caught() {
         depth: 1,
         model_chunks: 1,
         backward: false,
+        split_backward: false,
         fwd_in: Vec::new(),
         fwd_out: Vec::new(),
         bwd_in: Vec::new(),

@@ -107,6 +107,7 @@ pub(crate) fn step_graph(
     let graph = Graph {
         llm,
         llm_model_chunks: layouts.llm_chunks.max(1),
+        llm_split_backward: layouts.llm_zero_bubble,
         encoders,
         llm_chunks,
         encoder_chunks,
@@ -340,6 +341,9 @@ pub(crate) fn run_overlapped(
                 module_of(&mut modules, *node)?
                     .1
                     .backward(*j, &mut mail, trace)?;
+            }
+            Step::Run(node, Op::Weight(j)) => {
+                module_of(&mut modules, *node)?.1.weight(*j, trace)?;
             }
         }
     }

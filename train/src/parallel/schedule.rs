@@ -11,6 +11,8 @@
 pub enum Op {
     Forward(usize),
     Backward(usize),
+    /// Zero-bubble pipelining's weight-gradient pass of a backward already run.
+    Weight(usize),
 }
 
 /// The order of forwards and backwards of `n` microbatches on stage `stage` of `stages`
@@ -36,6 +38,7 @@ pub fn max_in_flight(ops: &[Op]) -> usize {
         match op {
             Op::Forward(_) => now += 1,
             Op::Backward(_) => now = now.saturating_sub(1),
+            Op::Weight(_) => {}
         }
         max = max.max(now);
     }
@@ -100,11 +103,13 @@ mod tests {
                         let ready = match op {
                             F(i) => s == 0 || fwd_sent[s - 1] > i,
                             B(i) => s == stages - 1 || bwd_sent[s + 1] > i,
+                            Op::Weight(_) => true,
                         };
                         if ready {
                             match op {
                                 F(_) => fwd_sent[s] += 1,
                                 B(_) => bwd_sent[s] += 1,
+                                Op::Weight(_) => {}
                             }
                             pc[s] += 1;
                             progressed = true;

@@ -66,6 +66,7 @@ fn module_layout(
         virtual_stages: 1,
         first_stage_layers: None,
         reverse_stages: reverse && l.pp >= 2,
+        zero_bubble: false,
     }
 }
 
@@ -148,6 +149,7 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
     cfg.parallel.llm = ModuleLayout {
         virtual_stages: p.llm_virtual_stages,
         first_stage_layers: p.llm_first_stage_layers,
+        zero_bubble: p.llm_zero_bubble,
         ..module_layout(Some(p.llm), p.recompute, false)
     };
     let reverse = p.reverse_encoder_stages;
@@ -202,8 +204,13 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
     } else {
         ""
     };
+    let split = if p.llm_zero_bubble {
+        ", zero-bubble"
+    } else {
+        ""
+    };
     notes.push(format!(
-        "parallel.plan {spec}: {} GPUs, {} {}, llm {}{chunks}, {} microbatches, recompute llm {} / encoders {}{audio}{reversed} (predicted {:.3} s/step on {})",
+        "parallel.plan {spec}: {} GPUs, {} {}, llm {}{chunks}, {} microbatches, recompute llm {} / encoders {}{audio}{reversed}{split} (predicted {:.3} s/step on {})",
         file.gpus,
         p.placement.name(),
         p.schedule.name(),

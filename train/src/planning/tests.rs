@@ -42,6 +42,7 @@ fn a_plan_file_sets_the_world_layouts_and_microbatches() {
             llm_first_stage_layers: None,
             llm_virtual_stages: 2,
             reverse_encoder_stages: false,
+            llm_zero_bubble: false,
             zero1: false,
             llm: braid_balancer::Layout {
                 tp: 2,
@@ -108,6 +109,7 @@ fn a_hostile_plan_file_is_an_error_naming_what_is_wrong() {
         llm_first_stage_layers: None,
         llm_virtual_stages: 1,
         reverse_encoder_stages: false,
+        llm_zero_bubble: false,
         zero1: true,
         llm: layout(1),
         vision: Some(layout(1)),
@@ -129,6 +131,7 @@ fn a_hostile_plan_file_is_an_error_naming_what_is_wrong() {
     let e = run(Plan {
         llm_virtual_stages: 0,
         reverse_encoder_stages: false,
+        llm_zero_bubble: false,
         ..plan.clone()
     })
     .unwrap_err()
@@ -262,6 +265,7 @@ fn a_plan_file_sets_each_encoder_s_recomputation() {
                 llm_first_stage_layers: None,
                 llm_virtual_stages: 1,
                 reverse_encoder_stages: false,
+                llm_zero_bubble: false,
                 zero1: true,
                 llm: braid_balancer::Layout {
                     tp: 1,
@@ -327,6 +331,7 @@ fn a_plan_file_reverses_the_encoder_stages_it_can() {
                 llm_first_stage_layers: None,
                 llm_virtual_stages: 1,
                 reverse_encoder_stages: reverse,
+                llm_zero_bubble: false,
                 zero1: true,
                 llm: lay(2, 2),
                 vision: Some(lay(2, 2)),
@@ -403,6 +408,7 @@ fn llm_alone_brute_force(p: &Planned, gpus: usize, rows: usize) -> (f64, Option<
                                 llm_first_stage_layers: None,
                                 llm_virtual_stages: v,
                                 reverse_encoder_stages: false,
+                                llm_zero_bubble: false,
                                 zero1: true,
                                 llm: braid_balancer::Layout { tp, cp, pp, dp },
                                 vision: None,
