@@ -350,6 +350,27 @@ fn layouts_that_do_not_fit_the_model_or_world_name_the_key() {
         reversed("vision") && !reversed("audio") && !reversed("llm"),
         "{lines:?}"
     );
+    // And which LLM splits its backward.
+    let cfg = config(
+        &dir,
+        &[
+            "parallel.world_size=4",
+            "parallel.llm.pp=2",
+            "parallel.llm.zero_bubble=true",
+        ],
+    );
+    let layouts = Layouts::new(
+        &cfg.parallel,
+        &braid_train::assemble::model_config(&cfg).unwrap(),
+    )
+    .unwrap();
+    let lines = layouts.describe();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("llm") && l.contains("zero-bubble")),
+        "{lines:?}"
+    );
     let e = full(&["parallel.world_size=5", "parallel.vision.pp=3"]);
     assert!(e.contains("parallel.vision.pp"), "{e}");
     let e = full(&["parallel.world_size=4", "parallel.audio.tp=4"]);

@@ -366,6 +366,8 @@ impl Layouts {
                 self.grid(k).map(|g| {
                     let reversed = if g.stages_reversed {
                         "  (stages reversed: stage 0 on the last slice)"
+                    } else if k == ModuleKind::Llm && self.llm_zero_bubble {
+                        "  (zero-bubble: weight gradients in passes of their own)"
                     } else {
                         ""
                     };
