@@ -306,8 +306,8 @@ fn a_plan_file_sets_each_encoder_s_recomputation() {
 }
 
 /// `reverse_encoder_stages` reverses the stages of each encoder that has two or more
-/// (the trainer refuses the key on a one-stage encoder), and says so at start-up; a file
-/// without it keeps the stages in order.
+/// (the trainer refuses the key on a one-stage encoder), and `llm_zero_bubble` splits
+/// the LLM's backward; the start-up line says so. A file without them does neither.
 #[test]
 fn a_plan_file_reverses_the_encoder_stages_it_can() {
     let dir = tempfile::tempdir().unwrap();
@@ -331,7 +331,7 @@ fn a_plan_file_reverses_the_encoder_stages_it_can() {
                 llm_first_stage_layers: None,
                 llm_virtual_stages: 1,
                 reverse_encoder_stages: reverse,
-                llm_zero_bubble: false,
+                llm_zero_bubble: reverse,
                 zero1: true,
                 llm: lay(2, 2),
                 vision: Some(lay(2, 2)),
@@ -342,11 +342,15 @@ fn a_plan_file_reverses_the_encoder_stages_it_can() {
         assert_eq!(PlanFile::read(&path).unwrap(), file);
         let text = std::fs::read_to_string(&path).unwrap();
         assert_eq!(text.contains("reverse_encoder_stages"), reverse, "{text}");
+        assert_eq!(text.contains("llm_zero_bubble"), reverse, "{text}");
         let mut cfg = tiny(&[&format!("parallel.plan={}", path.display())]);
         let applied = apply(&mut cfg).unwrap();
         let p = &cfg.parallel;
         assert_eq!(p.vision.reverse_stages, reverse);
         assert!(!p.audio.reverse_stages && !p.llm.reverse_stages);
+        assert_eq!(p.llm.zero_bubble, reverse);
+        let split = applied.notes.iter().any(|n| n.contains("zero-bubble"));
+        assert_eq!(split, reverse, "{:?}", applied.notes);
         let said = applied
             .notes
             .iter()
