@@ -158,8 +158,32 @@ mod tests {
         assert_eq!(zero_bubble(3, 2, 2), vec![]);
     }
 
+    /// An encoder feeding the first stage runs 1F1B's lead ahead of it
+    /// ([`crate::pipeline::feeder_lead`]): the split order never needs more, or the
+    /// encoder would wait for a gradient the LLM sends only after an input it lacks.
     #[test]
-    fn no_deadlock_under_any_pass_times_and_a_third_of_the_bubble() {
+    fn the_first_stage_needs_no_more_lead_than_1f1b() {
+        for p in 1..=6 {
+            for n in 1..=12 {
+                let (mut seen, mut lead, mut backwards) = (0usize, 1usize, 0usize);
+                for pass in zero_bubble(0, p, n) {
+                    match pass {
+                        F(j) => seen = seen.max(j + 1),
+                        B(_) => {
+                            lead = lead.max(seen - backwards);
+                            backwards += 1;
+                        }
+                        W(_) => {}
+                    }
+                }
+                let plain = crate::pipeline::feeder_lead(p, 1, n);
+                assert!(lead <= plain, "p{p} n{n}: {lead} > {plain}");
+            }
+        }
+    }
+
+    #[test]
+    fn no_deadlock_under_any_pass_times_and_two_thirds_of_the_idle_time() {
         // Unit passes: 3n + 2 (P - 1) ticks, where 1F1B with a backward of 2 takes
         // 3n + 3 (P - 1): the idle time two thirds of 1F1B's.
         for p in 1..=5 {
