@@ -75,6 +75,7 @@ fn predict(b: &Block, cluster: &Cluster) -> (f64, f64) {
         first_stage_layers: None,
         chunks: 1,
         first_gpu: 0,
+        split_backward: false,
     };
     let tokens = (b.seqs * b.len) as f64;
     let sq = (b.seqs * b.len * b.len) as f64;

@@ -9,7 +9,7 @@ mod common;
 use common::{free_links, llm_only, plan, problem};
 
 /// Every stage runs each microbatch's W after its B and the step gets shorter, in the
-/// same memory, never below the bound; on one stage there is nothing to split.
+/// same memory (recomputed or not), never below the bound.
 #[test]
 fn split_backwards_fill_the_pipeline_in_1f1b_memory() {
     let p = problem(llm_only(8), free_links());
@@ -43,6 +43,22 @@ fn split_backwards_fill_the_pipeline_in_1f1b_memory() {
             whole.step_s
         );
         assert_eq!(zb.peak_memory, whole.peak_memory, "{at}");
+        // Recomputing saves memory unsplit; split, a microbatch waiting for its W holds
+        // its linears' inputs and output gradients, the whole activations' size.
+        let rec = Plan {
+            recompute: true,
+            ..plan(l, m)
+        };
+        let rec_split = Plan {
+            llm_zero_bubble: true,
+            ..rec.clone()
+        };
+        let (rec, rec_split) = (
+            p.simulate(&rec, &rows).unwrap(),
+            p.simulate(&rec_split, &rows).unwrap(),
+        );
+        assert!(rec.peak_memory < whole.peak_memory, "{at}");
+        assert_eq!(rec_split.peak_memory, whole.peak_memory, "{at}");
         // The same work, moved: busy time equal to rounding.
         let busy = |s: &braid_balancer::StepSim| s.busy.iter().map(|b| b.1).sum::<f64>();
         assert!(

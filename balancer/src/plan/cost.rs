@@ -103,6 +103,10 @@ pub struct StageCost<'a> {
     /// The first GPU of the module's grid (disjoint placement puts the LLM after the
     /// encoders): where a collective's group meets node boundaries.
     pub first_gpu: usize,
+    /// The backward runs split for zero-bubble pipelining (`plan.llm_zero_bubble`): a
+    /// microbatch waiting for its W pass holds each linear layer's input and output
+    /// gradient, as much as its whole activations, so recomputation saves no memory.
+    pub split_backward: bool,
 }
 
 impl StageCost<'_> {
@@ -394,13 +398,16 @@ impl StageCost<'_> {
             // Inference only: one block's working set.
             per_cp(largest) * d.act_bytes_per_token(l.tp, false)
         } else {
-            let kept = if self.recompute && self.checkpoint_stages {
+            // Split, a microbatch between its B and its W holds every linear's input and
+            // output gradient: the whole activations' size, recomputed or not.
+            let saves = self.recompute && !self.split_backward;
+            let kept = if saves && self.checkpoint_stages {
                 1.0
             } else {
                 self.layers(stage)
             };
-            let mut a = per_cp(inflight) * kept * d.act_bytes_per_token(l.tp, self.recompute);
-            if self.recompute {
+            let mut a = per_cp(inflight) * kept * d.act_bytes_per_token(l.tp, saves);
+            if saves {
                 // The recomputed working set: one block, or the whole stage of one chunk.
                 let span = if self.checkpoint_stages {
                     self.layers(stage)

@@ -21,6 +21,7 @@ fn stage<'a>(d: &'a ModuleDims, c: &'a Cluster, layout: Layout) -> StageCost<'a>
         first_stage_layers: None,
         chunks: 1,
         first_gpu: 0,
+        split_backward: false,
         sequence_parallel: true,
     }
 }

@@ -277,6 +277,12 @@ impl Plan {
                 self.placement.name()
             ));
         }
+        if self.reverse_encoder_stages && self.placement == Placement::LlmCentric {
+            return Err(
+                "reverse_encoder_stages with the LLM-centric placement, whose encoders have one stage inside the LLM's first"
+                    .into(),
+            );
+        }
         let rows = batch_rows / self.llm.dp;
         if rows == 0 || self.microbatches == 0 || self.microbatches > rows {
             return Err(format!(

@@ -291,6 +291,7 @@ impl Problem {
             first_stage_layers: None,
             chunks: 1,
             first_gpu: 0,
+            split_backward: false,
         })
     }
 

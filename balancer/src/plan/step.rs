@@ -75,6 +75,7 @@ impl Problem {
         if m == Module::Llm {
             sc.first_stage_layers = plan.llm_first_stage_layers;
             sc.chunks = plan.llm_virtual_stages.max(1);
+            sc.split_backward = plan.llm_zero_bubble;
         }
         Some(sc)
     }

@@ -27,6 +27,11 @@ pub(super) trait Chunks {
             "pass {p}: a weight-gradient pass on a module whose backward is not split"
         )))
     }
+    /// After the step's last pass: an error if work was left undone (a backward's
+    /// weight gradients without their W pass).
+    fn finish(&self) -> Result<()> {
+        Ok(())
+    }
     /// The loss sum this rank contributes (the LLM's last stage).
     fn loss(&self) -> f64 {
         0.0
@@ -186,6 +191,10 @@ impl Chunks for LlmChunks<'_> {
     fn weight(&mut self, p: usize, trace: &mut Tracer) -> Result<()> {
         let (_, j) = self.role.unpass(p);
         self.run.weight(j, trace)
+    }
+
+    fn finish(&self) -> Result<()> {
+        self.run.check_weights_done()
     }
 
     fn forward(&mut self, p: usize, mail: &mut Mail, trace: &mut Tracer) -> Result<()> {

@@ -316,6 +316,18 @@ impl<'a> LlmStageRun<'a> {
         Ok(dx)
     }
 
+    /// After the stage's last pass: an error if a backward's weight gradients were left
+    /// without their W pass (they would be lost to the gradient sync).
+    pub fn check_weights_done(&self) -> Result<()> {
+        match self.deferred.iter().position(Option::is_some) {
+            Some(j) => Err(TrainError::Other(format!(
+                "llm stage {} microbatch {j}: its weight gradients had no W pass",
+                self.stage().0
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// Microbatch `j`'s W pass under zero-bubble pipelining: the weight gradients its
     /// backward left (one model chunk a stage).
     pub fn weight(&mut self, j: usize, trace: &mut Tracer) -> Result<()> {
@@ -504,5 +516,6 @@ pub(crate) fn run_pipeline(
     if let Modality::Centric(enc) = &modality {
         enc.finish()?;
     }
+    run.check_weights_done()?;
     Ok(run.loss)
 }

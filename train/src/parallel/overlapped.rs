@@ -347,6 +347,9 @@ pub(crate) fn run_overlapped(
             }
         }
     }
+    for m in &modules {
+        m.1.finish()?;
+    }
     let unread = incoming.iter().flat_map(|i| i.values().flatten()).next();
     if let Some(x) = mail
         .outbox

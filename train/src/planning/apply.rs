@@ -180,6 +180,7 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
                 cp: 1,
                 pp: 1,
                 dp: llm.centric_encoder_dp(e.tp),
+                reverse_stages: false,
                 ..*e
             };
         }
