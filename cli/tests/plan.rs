@@ -282,8 +282,9 @@ fn the_baseline_file_keeps_a_shorter_first_stage_that_braid_train_runs() {
 
 /// No layout of the 120B tiles 100 GPUs (its stages need 16 each and more): the
 /// baseline runs on 96 of them, as a Megatron job would, and so does the phased plan,
-/// its file saying to launch 96 ranks; by default both schedules are searched, and the
-/// overlapped one tiles all 100 and is faster still.
+/// its file saying to launch 96 ranks; by default both schedules are searched, the
+/// faster written, colocated on the 96 and faster than the disjoint plans that tile all
+/// 100.
 #[test]
 fn where_no_layout_tiles_the_gpus_the_plan_says_how_many_to_launch() {
     let dir = tempfile::tempdir().unwrap();
@@ -321,17 +322,23 @@ fn where_no_layout_tiles_the_gpus_the_plan_says_how_many_to_launch() {
         Some(overlapped.min(phased_here)),
         "{best}"
     );
-    assert!(overlapped < phased, "{best}");
-    assert_eq!(best["schedule"].as_str(), Some("overlapped"), "{best}");
-    // Colocated and overlapped on the 96 GPUs, each GPU's encoder passes in the LLM
-    // pipeline's waits, beats the disjoint overlapped plans that tile all 100.
+    // The phased search alone finds the same phased plan.
+    assert!((phased_here - phased).abs() <= 1e-9 * phased, "{best}");
+    let faster = if overlapped < phased_here {
+        "overlapped"
+    } else {
+        "phased"
+    };
+    assert_eq!(best["schedule"].as_str(), Some(faster), "{best}");
+    // Colocated on the 96 GPUs beats the disjoint plans that tile all 100.
     assert_eq!(best["placement"].as_str(), Some("colocated"), "{best}");
     assert_eq!(best["gpus"].as_u64(), Some(96), "{best}");
     let mut disjoint = [&base[..], &["--set", "plan.placement=\"disjoint\""]].concat();
     let d = plan_json_with(&mut disjoint, &out);
     assert_eq!(d["gpus"].as_u64(), Some(100), "{d}");
     assert_eq!(d["placement"].as_str(), Some("disjoint"), "{d}");
-    assert!(d["step_time_s"].as_f64().unwrap() > overlapped, "{d}");
+    let best_step = best["step_time_s"].as_f64().unwrap();
+    assert!(d["step_time_s"].as_f64().unwrap() > best_step, "{d}");
 }
 
 /// The overlapped schedule (1F1B across modules) on disjoint GPUs plans the 70B
