@@ -30,11 +30,15 @@ pub enum SplitPass {
 
 /// Stage `stage` of `stages`' passes over `n` microbatches (one model chunk a stage).
 pub fn zero_bubble(stage: usize, stages: usize, n: usize) -> Vec<SplitPass> {
-    orders(stages, n).into_iter().nth(stage).unwrap_or_default()
+    zero_bubble_orders(stages, n)
+        .into_iter()
+        .nth(stage)
+        .unwrap_or_default()
 }
 
-/// Every stage's order, from the greedy run in unit time (see the module docs).
-fn orders(stages: usize, n: usize) -> Vec<Vec<SplitPass>> {
+/// Every stage's order at once, from the greedy run in unit time (see the module docs):
+/// what [`zero_bubble`] gives stage by stage, each call running the whole pipeline.
+pub fn zero_bubble_orders(stages: usize, n: usize) -> Vec<Vec<SplitPass>> {
     let p = stages.max(1);
     const NOT_YET: usize = usize::MAX;
     let mut out: Vec<Vec<SplitPass>> = vec![Vec::with_capacity(3 * n); p];

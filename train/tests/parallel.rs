@@ -280,11 +280,12 @@ fn copy_dir(from: &Path, to: &Path) {
 #[test]
 fn layouts_that_do_not_fit_the_model_or_world_name_the_key() {
     let dir = run_dir("bad");
-    let full = |sets: &[&str]| {
+    let layouts_of = |sets: &[&str]| {
         let cfg = config(&dir, sets);
         let t = braid_train::assemble::model_config(&cfg).unwrap();
-        Layouts::new(&cfg.parallel, &t).unwrap_err().to_string()
+        Layouts::new(&cfg.parallel, &t)
     };
+    let full = |sets: &[&str]| layouts_of(sets).unwrap_err().to_string();
     let e = full(&["parallel.world_size=8", "parallel.llm.tp=3"]);
     assert!(
         e.contains("parallel.llm.tp") && e.contains("heads = 4"),
@@ -313,23 +314,16 @@ fn layouts_that_do_not_fit_the_model_or_world_name_the_key() {
     );
     // Reversed stages: the encoder's stage 0 on its last slice of ranks, the same
     // replicas in each slice.
-    let cfg = config(
-        &dir,
-        &[
-            "parallel.world_size=4",
-            "parallel.placement=\"colocated\"",
-            "parallel.llm.pp=4",
-            "parallel.vision.pp=2",
-            "parallel.vision.dp=2",
-            "parallel.vision.reverse_stages=true",
-            "parallel.audio.pp=2",
-            "parallel.audio.dp=2",
-        ],
-    );
-    let layouts = Layouts::new(
-        &cfg.parallel,
-        &braid_train::assemble::model_config(&cfg).unwrap(),
-    )
+    let layouts = layouts_of(&[
+        "parallel.world_size=4",
+        "parallel.placement=\"colocated\"",
+        "parallel.llm.pp=4",
+        "parallel.vision.pp=2",
+        "parallel.vision.dp=2",
+        "parallel.vision.reverse_stages=true",
+        "parallel.audio.pp=2",
+        "parallel.audio.dp=2",
+    ])
     .unwrap();
     let (vision, audio) = (
         layouts.grid(ModuleKind::Vision).unwrap(),
@@ -351,20 +345,13 @@ fn layouts_that_do_not_fit_the_model_or_world_name_the_key() {
         "{lines:?}"
     );
     // And which LLM splits its backward.
-    let cfg = config(
-        &dir,
-        &[
-            "parallel.world_size=4",
-            "parallel.llm.pp=2",
-            "parallel.llm.zero_bubble=true",
-        ],
-    );
-    let layouts = Layouts::new(
-        &cfg.parallel,
-        &braid_train::assemble::model_config(&cfg).unwrap(),
-    )
-    .unwrap();
-    let lines = layouts.describe();
+    let lines = layouts_of(&[
+        "parallel.world_size=4",
+        "parallel.llm.pp=2",
+        "parallel.llm.zero_bubble=true",
+    ])
+    .unwrap()
+    .describe();
     assert!(
         lines
             .iter()

@@ -8,7 +8,7 @@ use crate::pipeline::interleaved_1f1b;
 use crate::plan::cost::{Cost, StageCost};
 use crate::plan::dag::Dag;
 use crate::plan::layout::Layout;
-use crate::zero_bubble::{SplitPass, zero_bubble};
+use crate::zero_bubble::{SplitPass, zero_bubble_orders};
 
 /// A simulated step's timeline: its lanes (label, GPUs each stands for) and every task
 /// that took time, `(lane, name, start s, end s)`.
@@ -240,9 +240,12 @@ pub(crate) fn llm_pipeline_lanes(
     for (d, loads) in loads.iter().enumerate() {
         let m = loads.len();
         let mut stages = Vec::new();
+        // Split: every stage's order from one run of the pipeline.
+        let split_orders =
+            (split && v == 1 && centric.is_empty()).then(|| zero_bubble_orders(llm.pp, m));
         for s in 0..llm.pp {
-            if split && v == 1 && centric.is_empty() {
-                stages.push(split_stage_lane(g, sc, llm, s, d, loads));
+            if let Some(order) = split_orders.as_ref().and_then(|o| o.get(s)) {
+                stages.push(split_stage_lane(g, sc, llm, (s, d), order, loads));
                 continue;
             }
             let order: Vec<(bool, usize)> = interleaved_1f1b(s, llm.pp, v, m, true)
@@ -304,22 +307,23 @@ pub(crate) fn llm_pipeline_lanes(
     lanes
 }
 
-/// Stage `s` of LLM replica `d` under zero-bubble pipelining ([`zero_bubble`]): each
-/// microbatch's forward, its backward less the weight gradients (B), and those (W),
-/// named as the trainer's timeline names them ("llm wgt s1 mb3").
+/// Stage `s` of LLM replica `d` under zero-bubble pipelining, its passes in `order`
+/// ([`zero_bubble_orders`]): each microbatch's forward, its backward less the weight
+/// gradients (B), and those (W), named as the trainer's timeline names them ("llm wgt
+/// s1 mb3").
 fn split_stage_lane(
     g: &mut Dag,
     sc: &StageCost,
     llm: Layout,
-    s: usize,
-    d: usize,
+    (s, d): (usize, usize),
+    order: &[SplitPass],
     loads: &[Load],
 ) -> LaneTasks {
     let m = loads.len();
     let lane = g.lane(llm.block(), format!("llm r{d} s{s}"));
     let (mut f, mut b) = (vec![usize::MAX; m], vec![usize::MAX; m]);
     let (first, last) = (s == 0, s + 1 == llm.pp);
-    for pass in zero_bubble(s, llm.pp, m) {
+    for &pass in order {
         let (what, j) = match pass {
             SplitPass::Forward(j) => ("fwd", j),
             SplitPass::Backward(j) => ("bwd", j),

@@ -242,9 +242,15 @@ pub fn llm_pass_order(
     if !split {
         return pass_order(chunks, of, (stage, stages), v, true);
     }
-    zero_bubble(stage, stages, of)
-        .into_iter()
-        .filter_map(|p| {
+    split_ops(chunks, &zero_bubble(stage, stages, of))
+}
+
+/// A stage's zero-bubble `order` over all the step's chunk ids
+/// ([`braid_balancer::zero_bubble`]), keeping the `chunks` it runs, as passes.
+pub fn split_ops(chunks: &[usize], order: &[SplitPass]) -> Vec<Op> {
+    order
+        .iter()
+        .filter_map(|&p| {
             let (k, op): (usize, fn(usize) -> Op) = match p {
                 SplitPass::Forward(k) => (k, Op::Forward),
                 SplitPass::Backward(k) => (k, Op::Backward),

@@ -5,8 +5,6 @@
 //! phased loop ([`run_pipeline`]) and the overlapped executor each pass inputs in and
 //! take outputs out.
 
-use braid_balancer::pipeline::interleaved_1f1b;
-use braid_balancer::zero_bubble::{SplitPass, zero_bubble};
 use braid_bridge::Routes;
 use braid_comm::Comm;
 use braid_dataloader::loader::Row;
@@ -16,8 +14,10 @@ use braid_nn::SeqInfo;
 use braid_nn::wgrad::{DeferredGrads, apply_deferred, defer_weight_grads, take_deferred};
 
 use super::centric::CentricEncoders;
+use super::graph::llm_pass_order;
 use super::model::{LlmPart, device_of};
 use super::plan::{Microbatch, StepPlan};
+use super::schedule::Op;
 use crate::data::rows_to_text;
 use crate::error::{Result, TrainError};
 use crate::trace::Tracer;
@@ -353,51 +353,6 @@ impl<'a> LlmStageRun<'a> {
     }
 }
 
-/// What a stage pass does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum PassKind {
-    Forward,
-    Backward,
-    Weight,
-}
-
-/// A pass of a stage: its kind, model chunk and microbatch.
-struct StagePass {
-    kind: PassKind,
-    chunk: usize,
-    mb: usize,
-}
-
-/// Stage `stage` of `stages`' passes over `n` microbatches: the (interleaved) 1F1B over
-/// `v` model chunks, or with `split` the zero-bubble order (one chunk).
-fn stage_order(stage: usize, stages: usize, v: usize, n: usize, split: bool) -> Vec<StagePass> {
-    if split {
-        return zero_bubble(stage, stages, n)
-            .into_iter()
-            .map(|p| {
-                let (kind, mb) = match p {
-                    SplitPass::Forward(j) => (PassKind::Forward, j),
-                    SplitPass::Backward(j) => (PassKind::Backward, j),
-                    SplitPass::Weight(j) => (PassKind::Weight, j),
-                };
-                StagePass { kind, chunk: 0, mb }
-            })
-            .collect();
-    }
-    interleaved_1f1b(stage, stages, v, n, true)
-        .into_iter()
-        .map(|p| StagePass {
-            kind: if p.forward {
-                PassKind::Forward
-            } else {
-                PassKind::Backward
-            },
-            chunk: p.chunk,
-            mb: p.mb,
-        })
-        .collect()
-}
-
 /// Where the first stage's modality rows come from.
 pub(crate) enum Modality<'r, 'e> {
     /// The whole step's, from one bridge exchange before the LLM (`(M_r, C)`), their
@@ -408,7 +363,8 @@ pub(crate) enum Modality<'r, 'e> {
 }
 
 /// The phased step: this rank's stage over its replica's microbatches in 1F1B order
-/// (interleaved over its chunks where it has several: [`interleaved_1f1b`]), every
+/// (interleaved over its chunks where it has several, split for zero-bubble pipelining
+/// where asked: [`llm_pass_order`]), every
 /// microbatch's modality rows taken from `modality`. Returns the loss sum this rank
 /// contributes.
 #[allow(clippy::too_many_arguments)]
@@ -448,19 +404,27 @@ pub(crate) fn run_pipeline(
     let mut took = vec![false; run.mbs.len()];
     let index = |v: &[u32]| Tensor::from_vec_u32(v.to_vec(), [v.len()], dev);
     let v = run.chunks();
-    for pass in stage_order(stage, stages, v, run.mbs.len(), split) {
-        let (k, j) = (pass.chunk, pass.mb);
+    // The stage's order over its own microbatches (pass `k * n + j`: chunk k of
+    // microbatch j), as the overlapped executor's LLM roles take it.
+    let n = run.mbs.len();
+    let own: Vec<usize> = (0..n).collect();
+    for op in llm_pass_order(&own, n, (stage, stages), v, split) {
+        let (p, forward) = match op {
+            Op::Forward(p) => (p, true),
+            Op::Backward(p) => (p, false),
+            Op::Weight(p) => {
+                run.weight(p % n.max(1), trace)?;
+                continue;
+            }
+        };
+        let (k, j) = (p / n.max(1), p % n.max(1));
         let mb = run.mbs[j].mb;
-        if pass.kind == PassKind::Weight {
-            run.weight(j, trace)?;
-            continue;
-        }
         // Message spans name the chunk where a stage has several, as the passes do.
         let of = |what: &str| match v {
             1 => format!("recv {what} mb{mb}"),
             _ => format!("recv {what} c{k} mb{mb}"),
         };
-        if pass.kind == PassKind::Forward {
+        if forward {
             let input = if first && k == 0 {
                 let (idx, pos) = &fill[j];
                 LlmIn::Tokens(match &mut modality {

@@ -30,8 +30,9 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
-use super::graph::{Graph, Msg, Node, Role, Step, Xfer, assemble, llm_pass_order, pass_order};
+use super::graph::{Graph, Msg, Node, Role, Step, Xfer, assemble, pass_order, split_ops};
 use super::schedule::Op;
+use braid_balancer::zero_bubble::zero_bubble_orders;
 
 /// One rank's part of the global order.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -76,9 +77,16 @@ fn gangs(graph: &Graph) -> Vec<Gang> {
     let (llm_pp, v) = (graph.llm.dims.pp, graph.llm_model_chunks.max(1));
     let lead = graph.encoder_lead();
     let mut out = Vec::new();
+    // Split, every stage's order from one run of the pipeline.
+    let split = graph
+        .llm_split_backward
+        .then(|| zero_bubble_orders(llm_pp, of));
     for s in 0..llm_pp {
         for (d, chunks) in graph.llm_chunks.iter().enumerate() {
-            let ops = llm_pass_order(chunks, of, (s, llm_pp), v, graph.llm_split_backward);
+            let ops = match split.as_ref().and_then(|o| o.get(s)) {
+                Some(order) => split_ops(chunks, order),
+                None => pass_order(chunks, of, (s, llm_pp), v, true),
+            };
             out.push(Gang {
                 key: (Node::Llm, s, d),
                 chunks: chunks.clone(),
