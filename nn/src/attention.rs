@@ -21,6 +21,7 @@ use crate::parallel::{ColumnParallelLinear, RowParallelCache, RowParallelLinear}
 use crate::param::{Init, Module, Param};
 use crate::regions::{copy_to_tp_bwd, copy_to_tp_fwd};
 use crate::rope::{Rope, RopeConfig, SeqInfo};
+use crate::wgrad::Held;
 
 /// Head layout: model width `c`, `nh` query heads, `nkv` key/value heads (GQA: nh a
 /// multiple of nkv; MQA: nkv = 1), head size `hs` (nh * hs need not equal c).
@@ -364,7 +365,7 @@ impl Attention {
         let t = q.dims()[0];
         let name = self.name.clone();
         let RowParallelCache { x_local: out } = o;
-        let dout = self.o_proj.backward_parallel(&out, dy)?; // (T, NH * HS)
+        let dout = self.o_proj.backward_parallel(Held::Borrowed(&out), dy)?; // (T, NH * HS)
         let out = out.reshape([t, nh, hs]).ctx(&name, "attention output")?;
         let dout = dout
             .reshape([t, nh, hs])
@@ -410,10 +411,13 @@ impl Attention {
         let dq = dq.reshape([t, nh * hs]).ctx(&name, "dq")?;
         let dk = dk.reshape([t, nkv * hs]).ctx(&name, "dk")?;
         let dv = dv.reshape([t, nkv * hs]).ctx(&name, "dv")?;
-        let mut dx = self.q_proj.backward_local(&x, &dq)?;
-        let dxk = self.k_proj.backward_local(&x, &dk)?;
+        // q, k and v read one input: a deferred W keeps it once for the three.
+        let x = Arc::new(x); // (T, C)
+        let shared = || Held::Shared(Arc::clone(&x));
+        let mut dx = self.q_proj.backward_local(shared(), Held::Owned(dq))?;
+        let dxk = self.k_proj.backward_local(shared(), Held::Owned(dk))?;
         ops::add_assign(&mut dx, &dxk).ctx(&name, "summing input grads")?;
-        let dxv = self.v_proj.backward_local(&x, &dv)?;
+        let dxv = self.v_proj.backward_local(shared(), Held::Owned(dv))?;
         ops::add_assign(&mut dx, &dxv).ctx(&name, "summing input grads")?;
         // One all-reduce for the input grad of q, k and v together.
         copy_to_tp_bwd(self.group.as_ref(), dx).ctx(&name, "backward")

@@ -5,6 +5,7 @@ use braid_kernels::ops;
 
 use crate::error::{Context, Error, Result};
 use crate::param::{Init, InitKind, Module, Param, Shard};
+use crate::wgrad::Held;
 
 /// A dense layer `y (..., out) = x (..., in) @ Wᵀ + b`, W stored (out, in) as in
 /// `nn.Linear`, so Hugging Face weights load unchanged.
@@ -114,7 +115,7 @@ impl Linear {
 
     /// Backward: returns dx, adds into the weight/bias grads (skipped when frozen).
     pub fn backward(&mut self, cache: LinearCache, dy: &Tensor) -> Result<Tensor> {
-        self.backward_with_input(&cache.x, dy)
+        self.backward_held(Held::Owned(cache.x), Held::Borrowed(dy))
     }
 
     /// Backward given the forward's input `x` (layers that share one input between
@@ -122,6 +123,12 @@ impl Linear {
     /// The weight gradient waits for a W pass while the weight defers
     /// ([`crate::wgrad`]).
     pub fn backward_with_input(&mut self, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+        self.backward_held(Held::Borrowed(x), Held::Borrowed(dy))
+    }
+
+    /// [`Self::backward_with_input`] with `x` and `dy` handed over as a deferred weight
+    /// gradient would keep them (moved, shared, or copied where borrowed).
+    pub fn backward_held(&mut self, x: Held<'_>, dy: Held<'_>) -> Result<Tensor> {
         let db = self.bias.as_mut().and_then(|b| b.grad.as_mut());
         crate::wgrad::linear_backward(&mut self.weight, db, x, dy, &self.name)
     }

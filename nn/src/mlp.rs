@@ -11,6 +11,7 @@ use crate::error::{Context, Error, Result};
 use crate::parallel::{ColumnParallelLinear, RowParallelCache, RowParallelLinear};
 use crate::param::{Init, Module, Param};
 use crate::regions::{copy_to_tp_bwd, copy_to_tp_fwd};
+use crate::wgrad::Held;
 
 /// The two MLP families.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -148,12 +149,14 @@ impl Mlp {
             (MlpKind::Gelu(act), Hidden::Gelu { h }, _) => {
                 let dh =
                     ops::activation_bwd(&da, &h, act).ctx(&self.name, "activation backward")?;
-                self.up.backward_local(&x, &dh)?
+                self.up.backward_local(Held::Owned(x), Held::Owned(dh))?
             }
             (MlpKind::SwiGlu, Hidden::SwiGlu { gate: g, up: u }, Some(gate)) => {
                 let (dg, du) = ops::swiglu_bwd(&da, &g, &u).ctx(&self.name, "swiglu backward")?;
-                let mut dx = gate.backward_local(&x, &dg)?;
-                let dx_up = self.up.backward_local(&x, &du)?;
+                // Gate and up read one input: a deferred W keeps it once for both.
+                let x = Arc::new(x); // (T, C)
+                let mut dx = gate.backward_local(Held::Shared(Arc::clone(&x)), Held::Owned(dg))?;
+                let dx_up = self.up.backward_local(Held::Shared(x), Held::Owned(du))?;
                 ops::add_assign(&mut dx, &dx_up).ctx(&self.name, "summing input grads")?;
                 dx
             }

@@ -16,6 +16,7 @@ use crate::regions::{
     copy_to_tp_bwd, copy_to_tp_fwd, gather_from_tp_bwd, gather_from_tp_fwd, reduce_from_tp_bwd,
     reduce_from_tp_fwd, scatter_to_tp_bwd, scatter_to_tp_fwd,
 };
+use crate::wgrad::Held;
 
 /// `size`-way split of `n` (`what` names it in the error).
 pub(crate) fn split_evenly(what: &'static str, name: &str, n: usize, size: usize) -> Result<usize> {
@@ -87,8 +88,8 @@ impl ColumnParallelLinear {
 
     /// Backward of [`Self::forward_local`]: this rank's partial dx (not yet summed
     /// over the group); adds into the local weight/bias grads.
-    pub fn backward_local(&mut self, x: &Tensor, dy_local: &Tensor) -> Result<Tensor> {
-        self.linear.backward_with_input(x, dy_local)
+    pub fn backward_local(&mut self, x: Held<'_>, dy_local: Held<'_>) -> Result<Tensor> {
+        self.linear.backward_held(x, dy_local)
     }
 
     /// Forward; the cache holds a copy of `x`.
@@ -119,7 +120,7 @@ impl ColumnParallelLinear {
         } else {
             crate::regions::MaybeOwned::Borrowed(dy)
         };
-        let dx = self.backward_local(&cache.x, &dy_local)?;
+        let dx = self.backward_local(Held::Owned(cache.x), dy_local.into())?;
         copy_to_tp_bwd(group.as_ref(), dx).ctx(self.name(), "backward")
     }
 }
@@ -225,7 +226,7 @@ impl RowParallelLinear {
 
     /// Backward: returns dx (full when the input was not parallel, else this rank's slice).
     pub fn backward(&mut self, cache: RowParallelCache, dy: &Tensor) -> Result<Tensor> {
-        let dx_local = self.backward_parallel(&cache.x_local, dy)?;
+        let dx_local = self.backward_parallel(Held::Owned(cache.x_local), dy)?;
         if self.input_is_parallel {
             Ok(dx_local)
         } else {
@@ -234,13 +235,19 @@ impl RowParallelLinear {
     }
 
     /// Backward to this rank's input slice given that slice (N, in/tp).
-    pub fn backward_parallel(&mut self, x_local: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    pub fn backward_parallel(&mut self, x_local: Held<'_>, dy: &Tensor) -> Result<Tensor> {
         let dy = reduce_from_tp_bwd(self.group.as_ref(), dy);
         // The bias grad is the row sum of the (replicated) output grad: every rank
         // computes the same full db.
         let db = self.bias.as_mut().and_then(|b| b.grad.as_mut());
         let name = self.linear.name.clone();
-        crate::wgrad::linear_backward(&mut self.linear.weight, db, x_local, dy, &name)
+        crate::wgrad::linear_backward(
+            &mut self.linear.weight,
+            db,
+            x_local,
+            Held::Borrowed(dy),
+            &name,
+        )
     }
 }
 

@@ -31,7 +31,8 @@ pub struct Param {
     /// `deferred` instead of computing it (zero-bubble pipelining, [`crate::wgrad`]).
     pub(crate) defer_wgrad: bool,
     /// `(dy, x)` of each weight gradient deferred, in backward order.
-    pub(crate) deferred: Vec<(Tensor, Tensor)>,
+    /// Shared where several weights read one input (q, k and v; gate and up).
+    pub(crate) deferred: Vec<(std::sync::Arc<Tensor>, std::sync::Arc<Tensor>)>,
 }
 
 impl Param {

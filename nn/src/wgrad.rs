@@ -8,11 +8,60 @@
 //! weight's grad in its W. Per weight the products accumulate in the same order as
 //! without deferring (a stage's B and W passes both run in microbatch order), so the
 //! gradient is the same.
+//!
+//! What a microbatch holds between its B and its W is what the planner charges it
+//! (`braid_balancer`'s activations per token): each tensor once. A layer that owns its
+//! cache moves `x` and `dy` in ([`Held::Owned`]); q, k and v, and gate and up, share one
+//! input ([`Held::Shared`]) instead of a copy each.
+
+use std::collections::HashSet;
+use std::ops::Deref;
+use std::sync::Arc;
 
 use braid_kernels::{Tensor, ops};
 
 use crate::error::{Context, Result};
 use crate::param::{Module, Param};
+
+/// A tensor a linear backward reads and, while its weight defers, keeps for the W pass:
+/// borrowed (copied if kept), owned (moved), or shared with other layers (kept once).
+#[derive(Debug)]
+pub enum Held<'a> {
+    Borrowed(&'a Tensor),
+    Owned(Tensor),
+    Shared(Arc<Tensor>),
+}
+
+impl Deref for Held<'_> {
+    type Target = Tensor;
+    fn deref(&self) -> &Tensor {
+        match self {
+            Held::Borrowed(t) => t,
+            Held::Owned(t) => t,
+            Held::Shared(t) => t,
+        }
+    }
+}
+
+impl<'a> From<crate::regions::MaybeOwned<'a>> for Held<'a> {
+    fn from(t: crate::regions::MaybeOwned<'a>) -> Self {
+        match t {
+            crate::regions::MaybeOwned::Borrowed(t) => Held::Borrowed(t),
+            crate::regions::MaybeOwned::Owned(t) => Held::Owned(t),
+        }
+    }
+}
+
+impl Held<'_> {
+    /// The tensor for a deferred W: a copy only of a borrowed one.
+    fn keep(self, name: &str, what: &str) -> Result<Arc<Tensor>> {
+        Ok(match self {
+            Held::Borrowed(t) => Arc::new(t.try_clone().ctx(name, what)?),
+            Held::Owned(t) => Arc::new(t),
+            Held::Shared(t) => t,
+        })
+    }
+}
 
 /// Backward of `y = x @ wᵀ + b` for `weight` w: returns `dx`, adds the row sum of `dy`
 /// into `bias_grad`, and adds `dyᵀ x` into the weight's grad now, or keeps `(dy, x)`
@@ -20,20 +69,18 @@ use crate::param::{Module, Param};
 pub(crate) fn linear_backward(
     weight: &mut Param,
     bias_grad: Option<&mut Tensor>,
-    x: &Tensor,
-    dy: &Tensor,
+    x: Held<'_>,
+    dy: Held<'_>,
     name: &str,
 ) -> Result<Tensor> {
     let defer = weight.defer_wgrad && weight.grad.is_some();
     let (w, dw) = weight.compute_and_grad();
     let dw = if defer { None } else { dw };
-    let dx = ops::linear_bwd(dy, x, w, dw, bias_grad).ctx(name, "backward")?;
+    let dx = ops::linear_bwd(&dy, &x, w, dw, bias_grad).ctx(name, "backward")?;
     if defer {
         let kept = (
-            dy.try_clone()
-                .ctx(name, "keeping dy for the weight gradient")?,
-            x.try_clone()
-                .ctx(name, "keeping x for the weight gradient")?,
+            dy.keep(name, "keeping dy for the weight gradient")?,
+            x.keep(name, "keeping x for the weight gradient")?,
         );
         weight.deferred.push(kept);
     }
@@ -50,7 +97,7 @@ pub fn defer_weight_grads<M: Module + ?Sized>(m: &mut M, on: bool) {
 /// visiting order, dy, x)`, in backward order per parameter.
 #[derive(Debug, Default)]
 pub struct DeferredGrads {
-    entries: Vec<(usize, Tensor, Tensor)>,
+    entries: Vec<(usize, Arc<Tensor>, Arc<Tensor>)>,
 }
 
 impl DeferredGrads {
@@ -61,6 +108,18 @@ impl DeferredGrads {
 
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
+    }
+
+    /// The bytes these weight gradients hold, each tensor counted once however many
+    /// weights share it (what a microbatch waiting for its W keeps in memory).
+    pub fn held_bytes(&self) -> usize {
+        let mut seen = HashSet::new();
+        self.entries
+            .iter()
+            .flat_map(|(_, dy, x)| [dy, x])
+            .filter(|t| seen.insert(Arc::as_ptr(t)))
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum()
     }
 }
 

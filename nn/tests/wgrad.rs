@@ -1,7 +1,7 @@
 //! Zero-bubble pipelining's split backward: a transformer block whose weight gradients
 //! are deferred from each microbatch's backward and added in W passes later gives the
 //! same input grads and the same weight grads, bit for bit, as the whole backward, on
-//! one rank and over a TP group of two.
+//! one rank and over a TP group of two, holding each tensor it keeps for a W once.
 // Test code: a failed expectation is a panic by design.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -20,6 +20,7 @@ use common::*;
 type Split = (Vec<Vec<f32>>, NamedGrads);
 
 fn run(g: Arc<dyn Comm>, split: bool, dev: Device) -> TestResult<Split> {
+    let tp = g.size();
     let mut b = TransformerBlock::new(&test_init(3, dev), "blocks.0", causal_rope_gqa(), g)?;
     let seqs = [vec![3, 2], vec![4], vec![1, 2, 2]];
     let mut caches = Vec::new();
@@ -43,6 +44,15 @@ fn run(g: Arc<dyn Comm>, split: bool, dev: Device) -> TestResult<Split> {
         let d = take_deferred(&mut b);
         // q, k, v, o, gate, up, down: seven weights deferred, none without deferring.
         assert_eq!(d.len(), if split { 7 } else { 0 });
+        if split {
+            // Held until its W: each linear's output grad and input, every tensor once
+            // (q, k and v share theirs, gate and up theirs): per token 4 C + 2 q + 2 kv
+            // + 3 ff values, what the planner charges (`ModuleDims::act_bytes_per_token`,
+            // its sequence-parallel TP dividing the C terms too, which this TP does not).
+            let (c, q, kv, ff) = (8, 16, 8, 12);
+            let per_token = 4 * c + (2 * q + 2 * kv + 3 * ff) / tp;
+            assert_eq!(d.held_bytes(), t * per_token * 4, "tp {tp}");
+        }
         pending.push(d);
         if pending.len() == 2 {
             apply_deferred(&mut b, pending.remove(0))?;
