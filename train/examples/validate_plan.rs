@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! cargo run --release -p braid -- profile --out /tmp/cpu.toml
-//! cargo run --release -p braid-train --example validate_plan -- --cluster /tmp/cpu.toml [--steps 12] [--rounds 3] [--only NAME,NAME] [--save FILE | --measured FILE]
+//! cargo run --release -p braid-train --example validate_plan -- --cluster /tmp/cpu.toml [--steps 12] [--rounds 3] [--only 'NAME;NAME'] [--save FILE | --measured FILE]
 //! ```
 //! Run from the repository root (the config's data paths are relative to it).
 
@@ -153,6 +153,52 @@ const LAYOUTS: &[(&str, &[&str])] = &[
             "parallel.schedule=\"overlapped\"",
         ],
     ),
+    // Zero-bubble pipelining (the LLM's backward split into B and W) and encoder
+    // stages reversed on colocated GPUs.
+    (
+        "llm pp2 m4, zero-bubble",
+        &[
+            "parallel.world_size=4",
+            "parallel.llm.pp=2",
+            "parallel.llm.zero_bubble=true",
+        ],
+    ),
+    (
+        "llm pp2 m4, overlapped, zero-bubble",
+        &[
+            "parallel.world_size=4",
+            "parallel.llm.pp=2",
+            "parallel.llm.zero_bubble=true",
+            "parallel.schedule=\"overlapped\"",
+        ],
+    ),
+    (
+        "colocated 4, llm pp2 dp2, overlapped, zero-bubble",
+        &[
+            "parallel.world_size=4",
+            "parallel.placement=\"colocated\"",
+            "parallel.llm.pp=2",
+            "parallel.llm.dp=2",
+            "parallel.llm.zero_bubble=true",
+            "parallel.vision.dp=4",
+            "parallel.audio.dp=4",
+            "parallel.schedule=\"overlapped\"",
+        ],
+    ),
+    (
+        "colocated 4, llm pp2 dp2, vision pp2 reversed, overlapped",
+        &[
+            "parallel.world_size=4",
+            "parallel.placement=\"colocated\"",
+            "parallel.llm.pp=2",
+            "parallel.llm.dp=2",
+            "parallel.vision.pp=2",
+            "parallel.vision.dp=2",
+            "parallel.vision.reverse_stages=true",
+            "parallel.audio.dp=4",
+            "parallel.schedule=\"overlapped\"",
+        ],
+    ),
     // The LLM-centric placement (the planner's baseline): encoders inside the LLM's
     // first stage, microbatch by microbatch.
     (
@@ -263,11 +309,27 @@ fn args() -> Res<Args> {
             "--steps" => a.steps = v()?.parse().map_err(|e| format!("--steps: {e}"))?,
             "--batches" => a.batches = v()?.parse().map_err(|e| format!("--batches: {e}"))?,
             "--rounds" => a.rounds = v()?.parse().map_err(|e| format!("--rounds: {e}"))?,
-            "--only" => a.only = Some(v()?.split(',').map(str::to_string).collect()),
+            // Names hold commas: `;` between them, or `--only` again.
+            "--only" => a
+                .only
+                .get_or_insert_with(Vec::new)
+                .extend(v()?.split(';').map(|x| x.trim().to_string())),
             "--save" => a.save = Some(PathBuf::from(v()?)),
             "--measured" => a.measured = Some(PathBuf::from(v()?)),
             _ => return Err(format!("unknown argument {k}")),
         }
+    }
+    if let Some(unknown) = a
+        .only
+        .iter()
+        .flatten()
+        .find(|x| !LAYOUTS.iter().any(|(name, _)| name == x))
+    {
+        let names: Vec<&str> = LAYOUTS.iter().map(|(name, _)| *name).collect();
+        return Err(format!(
+            "--only: no layout {unknown:?}; the layouts: {}",
+            names.join("; ")
+        ));
     }
     if a.cluster.is_empty() {
         return Err("--cluster PATH (from `braid profile`) is required".into());
