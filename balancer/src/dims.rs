@@ -104,19 +104,22 @@ impl ModuleDims {
     }
 
     /// Bytes of activations one block keeps per token for its backward, bf16, over `tp`
-    /// ranks with sequence parallelism: the norm inputs, q/k/v, the attention output and
-    /// its LSE, the MLP input and its `mlp_mats - 1` intermediates plus the activation.
-    /// Recomputation keeps only the block's input (and recomputes the rest one block at
-    /// a time).
-    pub fn act_bytes_per_token(&self, tp: usize, recompute: bool) -> f64 {
+    /// ranks: the norm inputs, q/k/v, the attention output and its LSE, the MLP input and
+    /// its `mlp_mats - 1` intermediates plus the activation. The four hidden-size ones
+    /// (the norms' inputs and outputs) are split by TP only with sequence parallelism;
+    /// without it (`braid train`'s TP) every TP rank holds them whole. Recomputation
+    /// keeps only the block's input (and recomputes the rest one block at a time).
+    pub fn act_bytes_per_token(&self, tp: usize, recompute: bool, sequence_parallel: bool) -> f64 {
         let h = self.hidden as f64;
+        let tp = tp.max(1) as f64;
+        let h_share = if sequence_parallel { h / tp } else { h };
         if recompute {
-            return 2.0 * h / tp as f64;
+            return 2.0 * h_share;
         }
         let q = (self.heads * self.head_dim) as f64;
         let kv = (self.kv_heads * self.head_dim) as f64;
         let f = self.ffn as f64;
-        2.0 * (4.0 * h + 2.0 * q + 2.0 * kv + self.mlp_mats as f64 * f) / tp as f64
+        2.0 * (4.0 * h_share + (2.0 * q + 2.0 * kv + self.mlp_mats as f64 * f) / tp)
     }
 
     /// The divisibility a layout needs: TP must divide heads, KV heads and the MLP (and
@@ -230,6 +233,31 @@ pub(crate) mod tests {
         assert!(d.fits(3, 1).is_err());
         assert!(d.fits(1, 3).is_err());
         // Recomputation keeps far less.
-        assert!(d.act_bytes_per_token(1, true) * 10.0 < d.act_bytes_per_token(1, false));
+        assert!(
+            d.act_bytes_per_token(1, true, true) * 10.0 < d.act_bytes_per_token(1, false, true)
+        );
+    }
+
+    /// Without sequence parallelism every TP rank holds the four hidden-size activations
+    /// (and recomputation's block input) whole: what `braid train`'s TP keeps.
+    #[test]
+    fn tp_without_sequence_parallelism_keeps_the_hidden_size_activations_whole() {
+        let d = llama_7b();
+        let h = d.hidden as f64;
+        for recompute in [false, true] {
+            let at = |tp, sp| d.act_bytes_per_token(tp, recompute, sp);
+            assert_eq!(at(1, true), at(1, false));
+            for tp in [2, 4, 8] {
+                let per_h = if recompute { 2.0 } else { 8.0 };
+                let extra = per_h * h * (1.0 - 1.0 / tp as f64);
+                assert!(
+                    (at(tp, false) - at(tp, true) - extra).abs() < 1e-6,
+                    "tp {tp}"
+                );
+            }
+        }
+        // 7B at TP 4: 4 h whole, 2 q + 2 kv + 3 ff over 4 (q = kv = h = 4096).
+        let full = 2.0 * (4.0 * h + (4.0 * h + 3.0 * 11008.0) / 4.0);
+        assert_eq!(d.act_bytes_per_token(4, false, false), full);
     }
 }

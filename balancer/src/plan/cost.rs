@@ -89,8 +89,9 @@ pub struct StageCost<'a> {
     /// step's first forward. False: after the backward, as CPU ranks run it.
     pub overlap_sync: bool,
     /// TP splits the norms and residuals by sequence (Megatron's sequence parallelism):
-    /// their elementwise work is divided by TP too. False: every TP rank repeats them
-    /// (`braid train`'s TP; see [`Cluster::replicated_elementwise`]).
+    /// their elementwise work and activations are divided by TP too. False: every TP rank
+    /// repeats them and holds them whole (`braid train`'s TP; see
+    /// [`Cluster::replicated_elementwise`] and [`crate::dims::ModuleDims::act_bytes_per_token`]).
     pub sequence_parallel: bool,
     /// Blocks of the first stage when it holds fewer than the others, the rest split
     /// evenly (Megatron's first-stage layer count: room for the encoders an LLM-centric
@@ -394,9 +395,10 @@ impl StageCost<'_> {
             (4.0 * p, 12.0 * p / owners)
         };
         let per_cp = |t: f64| t / l.cp as f64;
+        let sp = self.sequence_parallel;
         let mut activations = if self.frozen {
             // Inference only: one block's working set.
-            per_cp(largest) * d.act_bytes_per_token(l.tp, false)
+            per_cp(largest) * d.act_bytes_per_token(l.tp, false, sp)
         } else {
             // Split, a microbatch between its B and its W holds every linear's input and
             // output gradient: the whole activations' size, recomputed or not.
@@ -406,7 +408,7 @@ impl StageCost<'_> {
             } else {
                 self.layers(stage)
             };
-            let mut a = per_cp(inflight) * kept * d.act_bytes_per_token(l.tp, saves);
+            let mut a = per_cp(inflight) * kept * d.act_bytes_per_token(l.tp, saves, sp);
             if saves {
                 // The recomputed working set: one block, or the whole stage of one chunk.
                 let span = if self.checkpoint_stages {
@@ -414,7 +416,7 @@ impl StageCost<'_> {
                 } else {
                     1.0
                 };
-                a += per_cp(largest) * span * d.act_bytes_per_token(l.tp, false);
+                a += per_cp(largest) * span * d.act_bytes_per_token(l.tp, false, sp);
             }
             a
         };

@@ -20,8 +20,8 @@ use crate::mllm::MllmConfig;
 mod apply;
 mod schedules;
 pub use apply::{AUTO_PLAN_FILE, Applied, PlanFile, Predicted, apply};
-pub use schedules::llm_alone;
 use schedules::search_schedules;
+pub use schedules::{as_trained, llm_alone};
 
 /// `[plan]`: what `braid plan` plans for when the command line does not say.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

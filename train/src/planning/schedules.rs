@@ -5,7 +5,7 @@
 use braid_balancer::plan::baseline::llm_centric;
 use braid_balancer::plan::search::{Found, Outcome, Space, search, search_beside};
 use braid_balancer::workload::Workload;
-use braid_balancer::{ModelDims, Placement, Problem, Schedule};
+use braid_balancer::{ModelDims, Placement, Problem, Schedule, StepSim};
 
 use super::{Planned, err};
 use crate::error::Result;
@@ -178,4 +178,28 @@ pub fn llm_alone(p: &Planned) -> Result<Option<Found>> {
     Ok(Some(others.into_iter().flatten().fold(searched, |a, b| {
         if b.sim.step_s < a.sim.step_s { b } else { a }
     })))
+}
+
+/// The pick as `braid train` runs it where the plan assumed sequence-parallel TP
+/// (`plan.sequence_parallel`, on by default for GPU clusters as Megatron runs TP):
+/// `braid train`'s TP does not split the norms and residuals by sequence, so every TP
+/// rank repeats them and holds their activations whole. `None` where nothing differs
+/// (no sequence parallelism assumed, or no module with TP).
+pub fn as_trained(p: &Planned) -> Result<Option<StepSim>> {
+    let best = &p.outcome.best.plan;
+    let tp = [Some(best.llm), best.vision, best.audio]
+        .into_iter()
+        .flatten()
+        .any(|l| l.tp > 1);
+    if !p.problem.sequence_parallel || !tp {
+        return Ok(None);
+    }
+    let problem = Problem {
+        sequence_parallel: false,
+        ..p.problem.clone()
+    };
+    let batches = p.workload.batches(p.batches);
+    braid_balancer::plan::mean_sim(&problem, best, &batches)
+        .map(Some)
+        .map_err(err)
 }
