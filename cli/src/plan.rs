@@ -210,6 +210,7 @@ fn plan_cmd(a: &PlanArgs) -> Result<(), String> {
         cluster: p.cluster.clone(),
         step_time_s: o.best.sim.step_s,
         baseline_step_time_s: o.baseline.sim.step_s,
+        sequence_parallel: p.problem.sequence_parallel,
         plan: o.best.plan.clone(),
     };
     // `braid train` runs the baseline as planned, its shorter first stage included
@@ -224,6 +225,7 @@ fn plan_cmd(a: &PlanArgs) -> Result<(), String> {
                     cluster: p.cluster.clone(),
                     step_time_s: o.baseline.sim.step_s,
                     baseline_step_time_s: o.baseline.sim.step_s,
+                    sequence_parallel: p.problem.sequence_parallel,
                     plan: b.clone(),
                 },
             ))

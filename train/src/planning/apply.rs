@@ -19,6 +19,11 @@ pub struct PlanFile {
     pub cluster: String,
     pub step_time_s: f64,
     pub baseline_step_time_s: f64,
+    /// Planned with Megatron's sequence-parallel TP (`plan.sequence_parallel`, GPU
+    /// clusters' default), which `braid train`'s TP does not run yet: with TP its ranks
+    /// hold the norms' activations whole, more than the plan counted.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub sequence_parallel: bool,
     pub plan: Plan,
 }
 
@@ -124,6 +129,7 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
             cluster: p.cluster,
             step_time_s: p.outcome.best.sim.step_s,
             baseline_step_time_s: p.outcome.baseline.sim.step_s,
+            sequence_parallel: p.problem.sequence_parallel,
             plan: p.outcome.best.plan,
         };
         searched = Some(f.clone());
@@ -187,6 +193,15 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
     }
     cfg.parallel.zero1 = p.zero1;
     cfg.train.microbatches = p.microbatches;
+    let tp = [Some(p.llm), p.vision, p.audio]
+        .into_iter()
+        .flatten()
+        .any(|l| l.tp > 1);
+    if file.sequence_parallel && tp {
+        notes.push(format!(
+            "parallel.plan = {spec:?} was planned with sequence-parallel TP, which braid train's TP does not run yet: each TP rank holds the norms' activations whole, more memory than planned (`braid plan` prints the pick as trained; plan.sequence_parallel = false plans for it)"
+        ));
+    }
     if reuse {
         notes.push(format!(
             "parallel.plan auto: reusing {} (planned when this run started)",

@@ -22,6 +22,7 @@ fn file_of(gpus: usize, plan: Plan) -> PlanFile {
         cluster: "h100".into(),
         step_time_s: 1.0,
         baseline_step_time_s: 2.0,
+        sequence_parallel: false,
         plan,
     }
 }
@@ -83,6 +84,28 @@ fn a_plan_file_sets_the_world_layouts_and_microbatches() {
     assert!(!cfg.parallel.vision.recompute && !cfg.parallel.audio.recompute);
     assert_eq!(cfg.train.microbatches, 2);
     assert!(!cfg.parallel.zero1);
+    assert!(
+        !notes.iter().any(|n| n.contains("sequence-parallel")),
+        "{notes:?}"
+    );
+    // Planned with sequence-parallel TP (a GPU plan), which braid train's TP does not
+    // run: the run says so, since its TP ranks hold more than the plan counted.
+    let sp = PlanFile {
+        sequence_parallel: true,
+        ..file.clone()
+    };
+    sp.write(&path).unwrap();
+    assert!(
+        std::fs::read_to_string(&path)
+            .unwrap()
+            .contains("sequence_parallel = true")
+    );
+    let mut cfg = tiny(&[&format!("parallel.plan={}", path.display())]);
+    let notes = apply(&mut cfg).unwrap().notes;
+    assert!(
+        notes.iter().any(|n| n.contains("sequence-parallel TP")),
+        "{notes:?}"
+    );
     // A missing file names the key.
     let mut bad = tiny(&["parallel.plan=/nonexistent/plan.toml"]);
     let e = apply(&mut bad).unwrap_err().to_string();
