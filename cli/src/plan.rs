@@ -192,7 +192,11 @@ fn plan_cmd(a: &PlanArgs) -> Result<(), String> {
     )
     .map_err(|e| e.to_string())?;
     let alone = llm_alone(&p).map_err(|e| e.to_string())?;
-    let trained = as_trained(&p).map_err(|e| e.to_string())?;
+    // A report beside the pick: if it cannot be simulated, the plan stands without it.
+    let trained = as_trained(&p).unwrap_or_else(|e| {
+        eprintln!("braid plan: the pick as braid train runs it could not be simulated: {e}");
+        None
+    });
     // Where the LLM-centric layout wins, what `braid train` can run nearest to it.
     let closest = (p.outcome.baseline.sim.step_s < p.outcome.best.sim.step_s)
         .then(|| {
@@ -421,13 +425,18 @@ fn print_text(
     if let Some(t) = trained {
         let usable = p.problem.cluster.usable_bytes();
         println!(
-            "  as trained       {:>10}   (peak {}{}: `braid train`'s TP does not run sequence parallelism yet, which this plan assumes; --set plan.sequence_parallel=false plans what it runs)",
+            "  as trained       {:>10}   (peak {}{}{}: `braid train`'s TP does not run sequence parallelism yet, which this plan assumes; --set plan.sequence_parallel=false plans what it runs)",
             secs(t.step_s),
             bytes(t.peak_memory),
             if t.peak_memory <= usable {
                 String::new()
             } else {
                 format!(", over the {} usable", bytes(usable))
+            },
+            if p.problem.cluster.replicated_elementwise > 0.0 {
+                ""
+            } else {
+                "; the time as planned: this cluster does not model the repeated norms"
             }
         );
     }

@@ -310,10 +310,12 @@ fn args() -> Res<Args> {
             "--batches" => a.batches = v()?.parse().map_err(|e| format!("--batches: {e}"))?,
             "--rounds" => a.rounds = v()?.parse().map_err(|e| format!("--rounds: {e}"))?,
             // Names hold commas: `;` between them, or `--only` again.
-            "--only" => a
-                .only
-                .get_or_insert_with(Vec::new)
-                .extend(v()?.split(';').map(|x| x.trim().to_string())),
+            "--only" => a.only.get_or_insert_with(Vec::new).extend(
+                v()?.split(';')
+                    .map(str::trim)
+                    .filter(|x| !x.is_empty())
+                    .map(str::to_string),
+            ),
             "--save" => a.save = Some(PathBuf::from(v()?)),
             "--measured" => a.measured = Some(PathBuf::from(v()?)),
             _ => return Err(format!("unknown argument {k}")),

@@ -110,6 +110,9 @@ pub(super) fn to_json(
                 "step_time_s": t.step_s,
                 "peak_memory_gib": t.peak_memory / GIB,
                 "fits": t.peak_memory <= p.problem.cluster.usable_bytes(),
+                // The repeated norms' time is modelled only where the cluster measured
+                // their share (`replicated_elementwise`; 0 on the GPU presets).
+                "time_modelled": p.problem.cluster.replicated_elementwise > 0.0,
             })
         });
         m.insert("as_trained".into(), trained.unwrap_or(Value::Null));

@@ -123,7 +123,12 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
         // The run's own packed rows when they exist, else the [plan.mix].
         let own = cfg.data.path.join(braid_dataloader::dataset::DATASET_JSON);
         let data = own.exists().then_some(cfg.data.path.as_path());
-        let p = plan(cfg, gpus, None, data, None, false)?;
+        // The run plans for what it runs: its TP does not split the norms by sequence, so
+        // unless `plan.sequence_parallel` says otherwise, neither does the plan.
+        let mut own = cfg.clone();
+        let section = own.plan.get_or_insert_with(super::PlanSection::default);
+        section.sequence_parallel.get_or_insert(false);
+        let p = plan(&own, gpus, None, data, None, false)?;
         let f = PlanFile {
             gpus,
             cluster: p.cluster,

@@ -106,6 +106,21 @@ fn a_plan_file_sets_the_world_layouts_and_microbatches() {
         notes.iter().any(|n| n.contains("sequence-parallel TP")),
         "{notes:?}"
     );
+    // Without TP nothing differs: no note.
+    let mut no_tp = sp.clone();
+    no_tp.plan.llm = braid_balancer::Layout {
+        tp: 1,
+        cp: 1,
+        pp: 2,
+        dp: 2,
+    };
+    no_tp.write(&path).unwrap();
+    let mut cfg = tiny(&[&format!("parallel.plan={}", path.display())]);
+    let notes = apply(&mut cfg).unwrap().notes;
+    assert!(
+        !notes.iter().any(|n| n.contains("sequence-parallel")),
+        "{notes:?}"
+    );
     // A missing file names the key.
     let mut bad = tiny(&["parallel.plan=/nonexistent/plan.toml"]);
     let e = apply(&mut bad).unwrap_err().to_string();
@@ -183,7 +198,18 @@ fn auto_plans_the_tiny_model_for_its_world() {
         mix,
         "plan.seq_len=256",
     ]);
-    apply(&mut cfg).unwrap();
+    let applied = apply(&mut cfg).unwrap();
+    // The run plans for what it runs: TP without sequence parallelism, on the h100
+    // preset too, unless the config says otherwise.
+    assert!(!applied.searched.unwrap().sequence_parallel);
+    let mut sp = tiny(&[
+        "parallel.plan=auto",
+        "parallel.world_size=4",
+        mix,
+        "plan.seq_len=256",
+        "plan.sequence_parallel=true",
+    ]);
+    assert!(apply(&mut sp).unwrap().searched.unwrap().sequence_parallel);
     assert_eq!(cfg.parallel.world_size, 4);
     let l = &cfg.parallel.llm;
     let ranks = l.tp * l.cp * l.pp * l.dp;
