@@ -420,6 +420,9 @@ impl StageCost<'_> {
             }
             a
         };
+        // The activation counts are of bf16 values; ranks that compute in f32 (Braid's
+        // CPU ranks, `compute_bytes` 4) hold twice as many bytes.
+        activations *= self.cluster.compute_bytes / 2.0;
         if self.last(stage) && d.vocab > 0 {
             // f32 logits of the vocab shard and their grad.
             activations += per_cp(largest) * (d.vocab / l.tp) as f64 * 8.0;

@@ -174,3 +174,24 @@ fn tp_without_sequence_parallelism_repeats_the_norms() {
     c.replicated_elementwise = 0.0;
     assert!((at(2, false, &c) - sp).abs() < 1e-12);
 }
+
+/// Activations are counted in the cluster's compute width: an f32 rank (Braid's CPU
+/// ranks) holds twice a bf16 rank's, the logits (f32 on both) aside.
+#[test]
+fn f32_ranks_hold_twice_the_activation_bytes() {
+    let bf16 = Cluster::preset("h100").unwrap();
+    let f32_ranks = Cluster {
+        compute_bytes: 4.0,
+        ..bf16.clone()
+    };
+    let no_head = ModuleDims {
+        vocab: 0,
+        ..llama7b()
+    };
+    for tp in [1, 2, 4] {
+        let at = |c| stage(&no_head, c, layout(tp, 1, 2, 1)).memory(0, 8192.0, 4096.0);
+        let (a, b) = (at(&bf16), at(&f32_ranks));
+        assert!((b.activations - 2.0 * a.activations).abs() < 1e-6 * b.activations);
+        assert!(a.activations > 0.0);
+    }
+}
