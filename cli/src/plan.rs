@@ -250,28 +250,20 @@ fn plan_cmd(a: &PlanArgs) -> Result<(), String> {
             println!("predicted timeline: {}", path.display());
         }
     }
+    let report = Report {
+        p: &p,
+        alone: alone.as_ref(),
+        closest: closest.as_ref(),
+        trained: trained.as_ref(),
+        gap: gap(&p),
+    };
     if a.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&to_json(
-                &p,
-                alone.as_ref(),
-                closest.as_ref(),
-                trained.as_ref(),
-                &gap(&p),
-                a
-            ))
-            .map_err(|e| e.to_string())?
+            serde_json::to_string_pretty(&to_json(&report, a)).map_err(|e| e.to_string())?
         );
     } else {
-        print_text(
-            &p,
-            alone.as_ref(),
-            closest.as_ref(),
-            trained.as_ref(),
-            &gap(&p),
-            a,
-        );
+        print_text(&report, a);
     }
     Ok(())
 }
@@ -281,6 +273,18 @@ fn of_module(v: &[(Module, f64)], m: Module) -> Option<f64> {
     v.iter().find(|x| x.0 == m).map(|x| x.1)
 }
 
+/// What the report (text or JSON) says beside the pick.
+struct Report<'a> {
+    p: &'a Planned,
+    /// The LLM alone, its encoders' work free (the ceiling).
+    alone: Option<&'a Found>,
+    /// Where the LLM-centric layout wins, the nearest plan `braid train` runs.
+    closest: Option<&'a Found>,
+    /// The pick as `braid train` runs it, where that differs ([`as_trained`]).
+    trained: Option<&'a StepSim>,
+    gap: Gap,
+}
+
 /// The pick's distance from the work-conserving bound, split into its parts.
 fn gap(p: &Planned) -> Gap {
     let b = &p.outcome.best;
@@ -288,14 +292,8 @@ fn gap(p: &Planned) -> Gap {
         .gap(&b.plan, &p.workload.batches(p.batches), &b.sim)
 }
 
-fn print_text(
-    p: &Planned,
-    alone: Option<&Found>,
-    closest: Option<&Found>,
-    trained: Option<&StepSim>,
-    g: &Gap,
-    a: &PlanArgs,
-) {
+fn print_text(r: &Report, a: &PlanArgs) {
+    let (p, alone, closest, trained, g) = (r.p, r.alone, r.closest, r.trained, &r.gap);
     let o = &p.outcome;
     let c = &p.problem.cluster;
     let (tokens, images, clips) = p.workload.summary();

@@ -3,12 +3,11 @@
 use braid_balancer::cluster::GIB;
 use braid_balancer::plan::bound::Gap;
 use braid_balancer::plan::search::Found;
-use braid_balancer::{Module, StepSim};
-use braid_train::planning::Planned;
+use braid_balancer::Module;
 use serde_json::{Value, json};
 
 use super::explain::explain;
-use super::{PlanArgs, of_module};
+use super::{PlanArgs, Report, of_module};
 
 fn module_json(f: &Found, m: Module) -> Value {
     let Some(l) = f.plan.layout(m) else {
@@ -44,14 +43,8 @@ fn found_json(f: &Found) -> Value {
     })
 }
 
-pub(super) fn to_json(
-    p: &Planned,
-    alone: Option<&Found>,
-    closest: Option<&Found>,
-    trained: Option<&StepSim>,
-    g: &Gap,
-    a: &PlanArgs,
-) -> Value {
+pub(super) fn to_json(r: &Report, a: &PlanArgs) -> Value {
+    let (p, alone, closest, trained, g) = (r.p, r.alone, r.closest, r.trained, &r.gap);
     let o = &p.outcome;
     let mut v = found_json(&o.best);
     let extra = json!({
