@@ -4,30 +4,10 @@
 #![allow(clippy::unwrap_used)]
 
 use braid_balancer::plan::search::{Space, search};
-use braid_balancer::workload::RowShape;
-use braid_balancer::{Layout, Plan, Schedule};
+use braid_balancer::{Plan, Schedule};
 
 mod common;
-use common::{free_links, llm_only, plan, problem};
-
-fn rows(n: usize) -> Vec<RowShape> {
-    (0..n)
-        .map(|_| RowShape {
-            samples: vec![1024],
-            images: vec![],
-            clips: vec![],
-        })
-        .collect()
-}
-
-fn pipeline(pp: usize) -> Layout {
-    Layout {
-        tp: 1,
-        cp: 1,
-        pp,
-        dp: 1,
-    }
-}
+use common::{equal_rows as rows, free_links, llm_only, pipeline, plan, problem};
 
 fn interleaved(pp: usize, v: usize, m: usize) -> Plan {
     Plan {

@@ -2,31 +2,19 @@
 //! passes, in `braid_balancer::zero_bubble`'s order, on equal rows over free links.
 #![allow(clippy::unwrap_used)]
 
-use braid_balancer::workload::RowShape;
-use braid_balancer::{Layout, Plan};
+use braid_balancer::Plan;
 
 mod common;
-use common::{free_links, llm_only, plan, problem};
+use common::{equal_rows, free_links, llm_only, pipeline, plan, problem};
 
 /// Every stage runs each microbatch's W after its B and the step gets shorter, in the
 /// same memory (recomputed or not), never below the bound.
 #[test]
 fn split_backwards_fill_the_pipeline_in_1f1b_memory() {
     let p = problem(llm_only(8), free_links());
-    let rows: Vec<RowShape> = (0..8)
-        .map(|_| RowShape {
-            samples: vec![1024],
-            images: vec![],
-            clips: vec![],
-        })
-        .collect();
+    let rows = equal_rows(8);
     for (pp, m) in [(2, 8), (4, 8), (4, 4), (8, 8), (2, 2)] {
-        let l = Layout {
-            tp: 1,
-            cp: 1,
-            pp,
-            dp: 1,
-        };
+        let l = pipeline(pp);
         let split = Plan {
             llm_zero_bubble: true,
             ..plan(l, m)

@@ -18,22 +18,9 @@ use braid_nn::{
 };
 use common::*;
 
+/// Causal, RoPE, GQA 4 query / 2 kv heads (the shared block's attention).
 fn gqa_rope_causal() -> AttentionConfig {
-    AttentionConfig {
-        dims: AttentionDims {
-            c: 8,
-            nh: 4,
-            nkv: 2,
-            hs: 4,
-        },
-        causal: true,
-        qkv_bias: true,
-        o_bias: false,
-        rope: Some(RopeConfig {
-            theta: 100.0,
-            rot_dim: 4,
-        }),
-    }
+    causal_rope_gqa().attn
 }
 
 fn bidirectional_partial_rope() -> AttentionConfig {
@@ -224,22 +211,8 @@ fn ln_gelu() -> BlockConfig {
     }
 }
 
-fn rms_swiglu() -> BlockConfig {
-    BlockConfig {
-        attn: gqa_rope_causal(),
-        mlp: MlpConfig {
-            c: 8,
-            ff: 12,
-            kind: MlpKind::SwiGlu,
-            bias: false,
-        },
-        norm: NormKind::RmsNorm,
-        norm_eps: 1e-6,
-    }
-}
-
 fn block_grads(dev: Device) -> TestResult {
-    for (config, lens) in [(ln_gelu(), vec![3, 2]), (rms_swiglu(), vec![2, 4, 1])] {
+    for (config, lens) in [(ln_gelu(), vec![3, 2]), (causal_rope_gqa(), vec![2, 4, 1])] {
         let mut b = TransformerBlock::new(&test_init(5, dev), "blocks.0", config, single())?;
         let seq = SeqInfo::packed(&lens);
         let c = config.attn.dims.c;
@@ -264,7 +237,7 @@ fn block_grads(dev: Device) -> TestResult {
 /// A block on packed samples equals the block run on each sample alone: outputs and
 /// input grads per sample, param grads summed over the samples.
 fn packed_block_equals_separate_samples(dev: Device) -> TestResult {
-    let config = rms_swiglu();
+    let config = causal_rope_gqa();
     let c = config.attn.dims.c;
     let lens = [3usize, 5, 2];
     let seq = SeqInfo::packed(&lens);
@@ -306,7 +279,7 @@ fn block_is_deterministic(dev: Device) -> TestResult {
         let mut b = TransformerBlock::new(
             &braid_nn::Init::new(11, dev),
             "blocks.0",
-            rms_swiglu(),
+            causal_rope_gqa(),
             single(),
         )?;
         let mut params = Vec::new();
@@ -330,7 +303,8 @@ fn recomputed_block_equals_kept_activations(dev: Device) -> TestResult {
     let x = randn(12, 7 * 8);
     let dy = randn(13, 7 * 8);
     let run = |recompute: bool| -> TestResult<Outcome> {
-        let mut b = TransformerBlock::new(&test_init(14, dev), "blocks.0", rms_swiglu(), single())?;
+        let mut b =
+            TransformerBlock::new(&test_init(14, dev), "blocks.0", causal_rope_gqa(), single())?;
         let (y, saved) = b.forward_saving(tensor(&x, &[7, 8], dev)?, &seq, recompute)?;
         assert_eq!(matches!(saved, BlockSaved::Input(_)), recompute);
         let dx = b.backward_saved(saved, Some(&seq), &tensor(&dy, &[7, 8], dev)?)?;
@@ -338,7 +312,8 @@ fn recomputed_block_equals_kept_activations(dev: Device) -> TestResult {
     };
     let (kept, again) = (run(false)?, run(true)?);
     assert!(kept == again, "recomputing changed the output or a grad");
-    let mut b = TransformerBlock::new(&test_init(14, dev), "blocks.0", rms_swiglu(), single())?;
+    let mut b =
+        TransformerBlock::new(&test_init(14, dev), "blocks.0", causal_rope_gqa(), single())?;
     let (_, saved) = b.forward_saving(tensor(&x, &[7, 8], dev)?, &seq, true)?;
     let e = b
         .backward_saved(saved, None, &tensor(&dy, &[7, 8], dev)?)
@@ -349,7 +324,7 @@ fn recomputed_block_equals_kept_activations(dev: Device) -> TestResult {
 }
 
 fn block_param_names_and_shapes(dev: Device) -> TestResult {
-    let b = TransformerBlock::new(&test_init(1, dev), "blocks.3", rms_swiglu(), single())?;
+    let b = TransformerBlock::new(&test_init(1, dev), "blocks.3", causal_rope_gqa(), single())?;
     let want: Vec<(String, Vec<usize>)> = [
         ("blocks.3.input_layernorm.weight", vec![8]),
         ("blocks.3.self_attn.q_proj.weight", vec![16, 8]),
@@ -378,7 +353,7 @@ fn block_param_names_and_shapes(dev: Device) -> TestResult {
     let tp = TransformerBlock::new(
         &test_init(1, dev),
         "blocks.3",
-        rms_swiglu(),
+        causal_rope_gqa(),
         Arc::new(EchoRank { rank: 1, size: 2 }),
     )?;
     let shapes = tp.param_shapes();
@@ -455,7 +430,7 @@ fn config_errors_say_what_is_wrong(dev: Device) -> TestResult {
     cfg.dims.c = 0;
     assert!(msg(cfg, single()).contains("must all be > 0"));
 
-    let mut bc = rms_swiglu();
+    let mut bc = causal_rope_gqa();
     bc.mlp.c = 6;
     let err = TransformerBlock::new(&init, "b", bc, single())
         .map(|_| ())
@@ -503,7 +478,7 @@ fn block_tp2_matches_single_rank(dev: Device) -> TestResult {
     let x = randn(12, 7 * 8);
     let dy = randn(13, 7 * 8);
     let run = |g: Arc<dyn Comm>| -> TestResult<Outcome> {
-        let mut b = TransformerBlock::new(&test_init(14, dev), "blocks.0", rms_swiglu(), g)?;
+        let mut b = TransformerBlock::new(&test_init(14, dev), "blocks.0", causal_rope_gqa(), g)?;
         let (y, cache) = b.forward(&tensor(&x, &[7, 8], dev)?, &seq)?;
         let dx = b.backward(cache, &tensor(&dy, &[7, 8], dev)?)?;
         Ok((y.to_vec_f32()?, dx.to_vec_f32()?, grads(&b)?))

@@ -177,6 +177,15 @@ impl Plan {
         }
     }
 
+    /// Whether any module splits its layers by TP (where sequence parallelism, or its
+    /// absence, changes what a GPU holds).
+    pub fn has_tp(&self) -> bool {
+        [Some(self.llm), self.vision, self.audio]
+            .into_iter()
+            .flatten()
+            .any(|l| l.tp > 1)
+    }
+
     /// GPUs the plan occupies.
     pub fn gpus(&self) -> usize {
         let enc = [self.vision, self.audio].into_iter().flatten();

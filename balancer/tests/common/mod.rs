@@ -2,7 +2,7 @@
 #![allow(dead_code, clippy::unwrap_used)]
 
 use braid_balancer::cluster::{Cluster, Link};
-use braid_balancer::workload::{MediaTokens, Mix, Workload, generate};
+use braid_balancer::workload::{MediaTokens, Mix, RowShape, Workload, generate};
 use braid_balancer::{Layout, ModelDims, ModuleDims, Placement, Plan, Problem, Schedule};
 
 pub fn block(layers: usize, hidden: usize, heads: usize, causal: bool, vocab: usize) -> ModuleDims {
@@ -54,6 +54,27 @@ pub fn problem(model: ModelDims, cluster: Cluster) -> Problem {
         input_s: 0.0,
         overlap_sync: false,
         sequence_parallel: true,
+    }
+}
+
+/// `n` rows of one 1,024-token text sample each: equal microbatches.
+pub fn equal_rows(n: usize) -> Vec<RowShape> {
+    (0..n)
+        .map(|_| RowShape {
+            samples: vec![1024],
+            images: vec![],
+            clips: vec![],
+        })
+        .collect()
+}
+
+/// An LLM layout of `pp` stages and nothing else.
+pub fn pipeline(pp: usize) -> Layout {
+    Layout {
+        tp: 1,
+        cp: 1,
+        pp,
+        dp: 1,
     }
 }
 

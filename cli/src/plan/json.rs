@@ -1,9 +1,9 @@
 //! `braid plan --json`: the pick, the baseline and the bound as one JSON object.
 
+use braid_balancer::Module;
 use braid_balancer::cluster::GIB;
 use braid_balancer::plan::bound::Gap;
 use braid_balancer::plan::search::Found;
-use braid_balancer::Module;
 use serde_json::{Value, json};
 
 use super::explain::explain;

@@ -198,11 +198,7 @@ pub fn apply(cfg: &mut RunConfig) -> Result<Applied> {
     }
     cfg.parallel.zero1 = p.zero1;
     cfg.train.microbatches = p.microbatches;
-    let tp = [Some(p.llm), p.vision, p.audio]
-        .into_iter()
-        .flatten()
-        .any(|l| l.tp > 1);
-    if file.sequence_parallel && tp {
+    if file.sequence_parallel && p.has_tp() {
         notes.push(format!(
             "parallel.plan = {spec:?} was planned with sequence-parallel TP, which braid train's TP does not run yet: each TP rank holds the norms' activations whole, more memory than planned (`braid plan` prints the pick as trained; plan.sequence_parallel = false plans for it)"
         ));

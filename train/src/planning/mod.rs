@@ -539,3 +539,7 @@ pub fn loader_seconds(cfg: &RunConfig, data: &Path, batches: usize) -> Result<f6
 #[cfg(test)]
 #[path = "tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "search_tests.rs"]
+mod search_tests;

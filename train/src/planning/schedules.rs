@@ -187,11 +187,7 @@ pub fn llm_alone(p: &Planned) -> Result<Option<Found>> {
 /// (no sequence parallelism assumed, or no module with TP).
 pub fn as_trained(p: &Planned) -> Result<Option<StepSim>> {
     let best = &p.outcome.best.plan;
-    let tp = [Some(best.llm), best.vision, best.audio]
-        .into_iter()
-        .flatten()
-        .any(|l| l.tp > 1);
-    if !p.problem.sequence_parallel || !tp {
+    if !p.problem.sequence_parallel || !best.has_tp() {
         return Ok(None);
     }
     let problem = Problem {
